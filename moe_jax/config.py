@@ -1,0 +1,381 @@
+"""Typed configuration tree: dataclass schema <- YAML file <- dotted command-line overrides.
+
+OmegaConf does the merging and type coercion against the dataclass schema; this module adds
+the cross-field validation (shapes that must divide, enums, ranges) and turns every failure
+into one `ConfigError` whose message names the problem and the fix. The result is a tree of
+frozen (hence hashable) dataclasses, so a config can be a static argument to `jax.jit`.
+
+    cfg = load_config("configs/tiny.yaml", ["model.n_layers=4", "moe.capacity_factor=1.25"])
+"""
+
+from __future__ import annotations
+
+import difflib
+import math
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass, field, fields, is_dataclass
+from pathlib import Path
+
+from omegaconf import OmegaConf
+from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
+
+DTYPES = ("float32", "bfloat16")
+
+
+class ConfigError(ValueError):
+    """An impossible or malformed configuration; the message says what to change."""
+
+
+@dataclass(frozen=True)
+class RopeScalingConfig:
+    # none | linear (positions divided by factor) | llama3 (Llama-3/4 frequency-band scaling)
+    type: str = "none"
+    factor: float = 8.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position: int = 8192
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    vocab_size: int = 256
+    d_model: int = 128
+    n_layers: int = 4
+    ffn_hidden: int = 512  # hidden width of the dense SwiGLU layers
+    norm_eps: float = 1e-5
+    tie_embeddings: bool = False
+    max_seq_len: int = 2048  # longest context the model (and its KV cache) is used with
+    dtype: str = "float32"  # compute dtype; params are always float32
+    scan_layers: bool = False  # lax.scan over repeating blocks of layers
+    init_std: float = 0.02
+
+
+@dataclass(frozen=True)
+class AttentionConfig:
+    n_heads: int = 4
+    n_kv_heads: int = 2
+    head_dim: int | None = None  # None: d_model // n_heads
+    rope_theta: float = 10000.0
+    # half: rotate split halves (Llama/Mixtral/Qwen); interleaved: rotate pairs (Llama 4)
+    rope_style: str = "half"
+    rope_scaling: RopeScalingConfig = field(default_factory=RopeScalingConfig)
+    qk_norm: str = "none"  # none | rms (learned, before RoPE) | l2 (weightless, after RoPE)
+    nope_interval: int = 0  # every nope_interval-th layer has no RoPE; 0 = none
+    temperature_tuning: bool = False  # Llama 4 attention temperature on NoPE layers
+    floor_scale: float = 8192.0
+    attn_scale: float = 0.1
+    chunk_size: int = 0  # chunked local attention on RoPE layers; 0 = off
+    sliding_window: int = 0  # attend to the last `sliding_window` positions; 0 = off
+    qkv_bias: bool = False
+    o_bias: bool = False
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    n_experts: int = 4
+    top_k: int = 2
+    expert_hidden: int = 256
+    interleave_step: int = 1  # MoE on every interleave_step-th layer, dense SwiGLU elsewhere
+    score: str = "softmax"  # softmax | sigmoid
+    renormalize: bool = True  # renormalise the top-k weights to sum to 1
+    route_scale: str = "output"  # output (Mixtral/Qwen) | input (Llama 4: scales expert input)
+    shared_expert_hidden: int = 0  # 0 = no shared expert
+    router_bias: bool = False
+    expert_bias: bool = False
+    capacity_factor: float = 1.25  # <= 0: no token is ever dropped
+    lb_loss_weight: float = 0.01
+    z_loss_weight: float = 1e-3
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    path: str | None = None  # text file(s) or glob(s), comma separated; None: embedded corpus
+    tokenizer: str = "byte"  # byte | char
+    val_fraction: float = 0.1
+    num_workers: int = 0
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    steps: int = 600
+    batch_size: int = 16
+    seq_len: int = 128
+    grad_accum: int = 1  # micro-batches per step; batch_size must divide by it
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 50
+    weight_decay: float = 0.1
+    decay_embeddings: bool = False
+    b1: float = 0.9
+    b2: float = 0.95
+    eps: float = 1e-8
+    clip_norm: float = 1.0
+    logit_z_loss: float = 0.0
+    eval_every: int = 100
+    eval_batches: int = 8
+    log_every: int = 10
+    peak_flops: float = 0.0  # FLOP/s for MFU; 0 = measure a matmul at start-up
+
+
+@dataclass(frozen=True)
+class MeshConfig:
+    data: int = 1
+    fsdp: int = 1
+    expert: int = 1
+    tensor: int = 1
+    # multi-host (jax.distributed); empty / 0 = single process or taken from the environment
+    coordinator_address: str = ""
+    num_processes: int = 0
+    process_id: int = -1
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    every: int = 200
+    keep: int = 3
+    async_save: bool = True
+
+
+@dataclass(frozen=True)
+class SampleConfig:
+    prompt: str = "\n"
+    max_new_tokens: int = 200
+    temperature: float = 0.8
+    top_k: int = 0  # 0 = off
+    top_p: float = 1.0  # 1.0 = off
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    attention: AttentionConfig = field(default_factory=AttentionConfig)
+    moe: MoEConfig = field(default_factory=MoEConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    mesh: MeshConfig = field(default_factory=MeshConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    sample: SampleConfig = field(default_factory=SampleConfig)
+    run_dir: str = "runs/tiny"
+    seed: int = 0
+
+    # Derived architecture facts, used by the model, the summary and the tests.
+    @property
+    def head_dim(self) -> int:
+        return self.attention.head_dim or self.model.d_model // self.attention.n_heads
+
+    def uses_rope(self, layer: int) -> bool:
+        n = self.attention.nope_interval
+        return not (n > 0 and (layer + 1) % n == 0)
+
+    def is_moe(self, layer: int) -> bool:
+        return self.moe.n_experts > 0 and (layer + 1) % self.moe.interleave_step == 0
+
+    @property
+    def layer_period(self) -> int:
+        """Smallest block of layers whose (RoPE, MoE) pattern repeats."""
+        return math.lcm(max(self.attention.nope_interval, 1), self.moe.interleave_step)
+
+
+# ----------------------------------------------------------------------------- loading
+
+
+def _suggest(key: str, parent: object) -> str:
+    names = [f.name for f in fields(parent)] if is_dataclass(parent) else []
+    close = difflib.get_close_matches(key, names, n=1)
+    return f"; did you mean '{close[0]}'?" if close else f"; valid keys: {', '.join(names)}"
+
+
+def _node_at(path: str) -> object:
+    node: object = Config
+    for part in path.split(".") if path else []:
+        sub = {f.name: f for f in fields(node)}.get(part) if is_dataclass(node) else None
+        if sub is None:
+            return None
+        node = sub.default_factory() if callable(sub.default_factory) else sub.default
+    return node() if isinstance(node, type) else node
+
+
+def _explain(err: OmegaConfBaseException, source: str) -> ConfigError:
+    full_key = getattr(err, "full_key", None) or ""
+    if isinstance(err, ConfigKeyError) and full_key:
+        parent, _, key = full_key.rpartition(".")
+        hint = _suggest(key, _node_at(parent))
+        return ConfigError(f"unknown config key '{full_key}' in {source}{hint}")
+    first_line = str(err).splitlines()[0]
+    where = f" for '{full_key}'" if full_key else ""
+    return ConfigError(f"bad config value{where} in {source}: {first_line}")
+
+
+def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -> Config:
+    """Schema defaults <- YAML file at `path` <- `key.sub=value` overrides, then validated."""
+    cfg = OmegaConf.structured(Config)
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file '{path}' does not exist; pass a YAML file from configs/")
+        try:
+            file_cfg = OmegaConf.load(path)
+        except Exception as e:  # yaml.YAMLError and friends
+            raise ConfigError(f"config file '{path}' is not valid YAML: {e}") from None
+        if not isinstance(file_cfg, type(OmegaConf.create({}))):
+            raise ConfigError(f"config file '{path}' must hold a mapping of sections")
+        try:
+            cfg = OmegaConf.merge(cfg, file_cfg)
+        except OmegaConfBaseException as e:
+            raise _explain(e, str(path)) from None
+    for item in overrides:
+        key, sep, _ = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"override '{item}' is not of the form section.key=value")
+        try:
+            cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist([item]))
+        except OmegaConfBaseException as e:
+            raise _explain(e, f"override '{item}'") from None
+    try:
+        result = OmegaConf.to_object(cfg)
+    except OmegaConfBaseException as e:
+        raise _explain(e, "config") from None
+    validate(result)
+    return result
+
+
+def config_to_yaml(cfg: Config) -> str:
+    return OmegaConf.to_yaml(OmegaConf.structured(cfg))
+
+
+def config_from_yaml(text: str) -> Config:
+    """Inverse of `config_to_yaml` (used for configs saved inside run directories)."""
+    merged = OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.create(text))
+    result = OmegaConf.to_object(merged)
+    validate(result)
+    return result
+
+
+def cli_config(argv: Sequence[str], default_path: str | Path | None) -> Config:
+    """For the CLIs: `[CONFIG.yaml] [key=value ...]`; a bad config prints one line and exits 2."""
+    args = list(argv)
+    path = default_path
+    if args and "=" not in args[0]:
+        path = args.pop(0)
+    try:
+        return load_config(path, args)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+# ----------------------------------------------------------------------------- validation
+
+
+def _require(ok: bool, msg: str) -> None:
+    if not ok:
+        raise ConfigError(msg)
+
+
+def _one_of(value: str, allowed: Sequence[str], key: str) -> None:
+    _require(value in allowed, f"{key}='{value}' is not supported; use one of {', '.join(allowed)}")
+
+
+def _positive(obj: object, section: str, names: Sequence[str]) -> None:
+    for n in names:
+        v = getattr(obj, n)
+        _require(v > 0, f"{section}.{n} must be positive, got {v}")
+
+
+def validate(cfg: Config) -> None:
+    m, a, e, t, mesh = cfg.model, cfg.attention, cfg.moe, cfg.train, cfg.mesh
+    _positive(m, "model", ["vocab_size", "d_model", "n_layers", "max_seq_len", "norm_eps"])
+    _positive(a, "attention", ["n_heads", "n_kv_heads", "rope_theta"])
+    _one_of(m.dtype, DTYPES, "model.dtype")
+    _one_of(a.rope_style, ("half", "interleaved"), "attention.rope_style")
+    _one_of(a.qk_norm, ("none", "rms", "l2"), "attention.qk_norm")
+    _one_of(a.rope_scaling.type, ("none", "linear", "llama3"), "attention.rope_scaling.type")
+    _one_of(e.score, ("softmax", "sigmoid"), "moe.score")
+    _one_of(e.route_scale, ("output", "input"), "moe.route_scale")
+    _one_of(cfg.data.tokenizer, ("byte", "char"), "data.tokenizer")
+
+    _require(
+        a.n_heads % a.n_kv_heads == 0,
+        f"attention.n_heads ({a.n_heads}) must be divisible by attention.n_kv_heads "
+        f"({a.n_kv_heads}) for grouped-query attention",
+    )
+    if a.head_dim is None:
+        _require(
+            m.d_model % a.n_heads == 0,
+            f"model.d_model ({m.d_model}) must be divisible by attention.n_heads ({a.n_heads}), "
+            "or set attention.head_dim explicitly",
+        )
+    _require(cfg.head_dim > 0, f"attention.head_dim must be positive, got {cfg.head_dim}")
+    if any(cfg.uses_rope(i) for i in range(m.n_layers)):
+        _require(
+            cfg.head_dim % 2 == 0,
+            f"head_dim ({cfg.head_dim}) must be even for RoPE; change attention.head_dim",
+        )
+    _require(a.nope_interval >= 0, f"attention.nope_interval must be >= 0, got {a.nope_interval}")
+    _require(a.chunk_size >= 0, f"attention.chunk_size must be >= 0 (0 = off), got {a.chunk_size}")
+    _require(
+        a.sliding_window >= 0,
+        f"attention.sliding_window must be >= 0 (0 = off), got {a.sliding_window}",
+    )
+    if a.temperature_tuning:
+        _positive(a, "attention", ["floor_scale"])
+    if a.rope_scaling.type != "none":
+        _positive(a.rope_scaling, "attention.rope_scaling", ["factor"])
+    if a.rope_scaling.type == "llama3":
+        _require(
+            a.rope_scaling.high_freq_factor > a.rope_scaling.low_freq_factor,
+            "attention.rope_scaling.high_freq_factor must exceed low_freq_factor",
+        )
+
+    _require(e.n_experts >= 0, f"moe.n_experts must be >= 0 (0 = dense model), got {e.n_experts}")
+    _require(e.interleave_step >= 1, f"moe.interleave_step must be >= 1, got {e.interleave_step}")
+    if e.n_experts > 0:
+        _require(
+            1 <= e.top_k <= e.n_experts,
+            f"moe.top_k ({e.top_k}) must be between 1 and moe.n_experts ({e.n_experts})",
+        )
+        _positive(e, "moe", ["expert_hidden"])
+        _require(
+            e.shared_expert_hidden >= 0,
+            f"moe.shared_expert_hidden must be >= 0, got {e.shared_expert_hidden}",
+        )
+    if any(not cfg.is_moe(i) for i in range(m.n_layers)):
+        _positive(m, "model", ["ffn_hidden"])
+
+    for axis in ("data", "fsdp", "expert", "tensor"):
+        v = getattr(mesh, axis)
+        _require(v >= 1 or v == -1, f"mesh.{axis} must be >= 1 or -1 (the rest), got {v}")
+    _require(
+        sum(getattr(mesh, ax) == -1 for ax in ("data", "fsdp", "expert", "tensor")) <= 1,
+        "at most one mesh axis may be -1",
+    )
+    if e.n_experts > 0 and mesh.expert > 0:
+        _require(
+            e.n_experts % mesh.expert == 0,
+            f"moe.n_experts ({e.n_experts}) must be divisible by mesh.expert ({mesh.expert})",
+        )
+
+    _positive(t, "train", ["steps", "batch_size", "seq_len", "grad_accum", "lr", "log_every"])
+    _positive(t, "train", ["eval_every", "eval_batches"])
+    _require(
+        t.batch_size % t.grad_accum == 0,
+        f"train.batch_size ({t.batch_size}) must be divisible by train.grad_accum ({t.grad_accum})",
+    )
+    _require(
+        t.seq_len <= m.max_seq_len,
+        f"train.seq_len ({t.seq_len}) exceeds model.max_seq_len ({m.max_seq_len})",
+    )
+    _require(0 <= t.warmup_steps <= t.steps, "train.warmup_steps must be within [0, train.steps]")
+    _require(0.0 <= t.min_lr_ratio <= 1.0, "train.min_lr_ratio must be within [0, 1]")
+    _require(
+        0.0 < cfg.data.val_fraction < 1.0,
+        f"data.val_fraction must be within (0, 1), got {cfg.data.val_fraction}",
+    )
+    _positive(cfg.checkpoint, "checkpoint", ["every", "keep"])
+    s = cfg.sample
+    _require(s.temperature >= 0, f"sample.temperature must be >= 0, got {s.temperature}")
+    _require(s.top_k >= 0, f"sample.top_k must be >= 0 (0 = off), got {s.top_k}")
+    _require(0.0 < s.top_p <= 1.0, f"sample.top_p must be within (0, 1], got {s.top_p}")
+    _require(s.max_new_tokens > 0, f"sample.max_new_tokens must be positive, got {s.max_new_tokens}")
