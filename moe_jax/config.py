@@ -163,7 +163,8 @@ class Config:
     # Derived architecture facts, used by the model, the summary and the tests.
     @property
     def head_dim(self) -> int:
-        return self.attention.head_dim or self.model.d_model // self.attention.n_heads
+        a = self.attention
+        return a.head_dim if a.head_dim is not None else self.model.d_model // a.n_heads
 
     def uses_rope(self, layer: int) -> bool:
         n = self.attention.nope_interval
@@ -213,12 +214,17 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -
     cfg = OmegaConf.structured(Config)
     if path is not None:
         path = Path(path)
+        if not path.exists():
+            raise ConfigError(
+                f"config file '{path}' does not exist; pass a YAML file from configs/"
+            )
         if not path.is_file():
-            raise ConfigError(f"config file '{path}' does not exist; pass a YAML file from configs/")
+            raise ConfigError(f"config path '{path}' is not a file; pass a YAML file from configs/")
         try:
             file_cfg = OmegaConf.load(path)
         except Exception as e:  # yaml.YAMLError and friends
-            raise ConfigError(f"config file '{path}' is not valid YAML: {e}") from None
+            detail = " ".join(str(e).split())
+            raise ConfigError(f"config file '{path}' is not valid YAML: {detail}") from None
         if not isinstance(file_cfg, type(OmegaConf.create({}))):
             raise ConfigError(f"config file '{path}' must hold a mapping of sections")
         try:
@@ -247,8 +253,11 @@ def config_to_yaml(cfg: Config) -> str:
 
 def config_from_yaml(text: str) -> Config:
     """Inverse of `config_to_yaml` (used for configs saved inside run directories)."""
-    merged = OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.create(text))
-    result = OmegaConf.to_object(merged)
+    try:
+        merged = OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.create(text))
+        result = OmegaConf.to_object(merged)
+    except OmegaConfBaseException as e:
+        raise _explain(e, "saved config") from None
     validate(result)
     return result
 
@@ -325,8 +334,8 @@ def validate(cfg: Config) -> None:
         _positive(a.rope_scaling, "attention.rope_scaling", ["factor"])
     if a.rope_scaling.type == "llama3":
         _require(
-            a.rope_scaling.high_freq_factor > a.rope_scaling.low_freq_factor,
-            "attention.rope_scaling.high_freq_factor must exceed low_freq_factor",
+            a.rope_scaling.high_freq_factor >= a.rope_scaling.low_freq_factor,
+            "attention.rope_scaling.high_freq_factor must be >= low_freq_factor",
         )
 
     _require(e.n_experts >= 0, f"moe.n_experts must be >= 0 (0 = dense model), got {e.n_experts}")
@@ -373,9 +382,21 @@ def validate(cfg: Config) -> None:
         0.0 < cfg.data.val_fraction < 1.0,
         f"data.val_fraction must be within (0, 1), got {cfg.data.val_fraction}",
     )
+    for section, obj, names in (
+        ("moe", e, ["lb_loss_weight", "z_loss_weight"]),
+        ("train", t, ["weight_decay", "clip_norm", "logit_z_loss"]),
+    ):
+        for n in names:
+            _require(getattr(obj, n) >= 0, f"{section}.{n} must be >= 0, got {getattr(obj, n)}")
+    for n in ("b1", "b2"):
+        _require(0.0 <= getattr(t, n) < 1.0, f"train.{n} must be within [0, 1)")
+    _positive(t, "train", ["eps"])
+    _positive(m, "model", ["init_std"])
     _positive(cfg.checkpoint, "checkpoint", ["every", "keep"])
     s = cfg.sample
     _require(s.temperature >= 0, f"sample.temperature must be >= 0, got {s.temperature}")
     _require(s.top_k >= 0, f"sample.top_k must be >= 0 (0 = off), got {s.top_k}")
     _require(0.0 < s.top_p <= 1.0, f"sample.top_p must be within (0, 1], got {s.top_p}")
-    _require(s.max_new_tokens > 0, f"sample.max_new_tokens must be positive, got {s.max_new_tokens}")
+    _require(
+        s.max_new_tokens > 0, f"sample.max_new_tokens must be positive, got {s.max_new_tokens}"
+    )

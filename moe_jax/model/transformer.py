@@ -1,0 +1,193 @@
+"""The decoder: embedding -> pre-norm blocks (attention + dense/MoE FFN) -> norm -> head.
+
+Layers are stored as `n_layers // P` stacked copies of a *block* of P consecutive layers, where
+P = cfg.layer_period is the period of the (RoPE/NoPE, MoE/dense) pattern, plus a tail of the
+remaining `n_layers % P` layers. One parameter layout serves both execution modes:
+`model.scan_layers=true` runs the stacked blocks with `lax.scan` (compile time independent of
+depth), `false` unrolls them, and the two give the same numbers from the same checkpoint.
+
+    logits_BTV, aux = model(tokens_BT)
+    logits_BTV, aux, cache = model(tokens_BT, positions=positions_BT, cache=cache)
+
+`aux`: "aux_loss" (weighted lb + z losses, add it to the LM loss), "lb_loss" and "z_loss"
+(unweighted means over MoE layers), "expert_load" [n_moe_layers, E] (fraction of top-k
+assignments per expert), "dropped_frac" [n_moe_layers] (fraction dropped by capacity).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from moe_jax.config import Config
+from moe_jax.model.attention import Attention, KVCache
+from moe_jax.model.moe import MoE, SwiGLU
+from moe_jax.model.norm import RMSNorm
+from moe_jax.sharding import param
+
+
+class DecoderLayer(nnx.Module):
+    def __init__(self, cfg: Config, layer: int, *, rngs: nnx.Rngs):
+        D, eps = cfg.model.d_model, cfg.model.norm_eps
+        self.attn_norm = RMSNorm(D, eps, rngs=rngs)
+        self.attn = Attention(cfg, layer, rngs=rngs)
+        self.ffn_norm = RMSNorm(D, eps, rngs=rngs)
+        self.is_moe = cfg.is_moe(layer)
+        if self.is_moe:
+            self.ffn = MoE(cfg, rngs=rngs)
+        else:
+            self.ffn = SwiGLU(D, cfg.model.ffn_hidden, cfg, rngs=rngs)
+
+    def __call__(self, x_BTD, positions_BT, cache: KVCache | None, n_groups: int):
+        h, cache = self.attn(self.attn_norm(x_BTD), positions_BT, cache)
+        x_BTD = x_BTD + h
+        if self.is_moe:
+            h, stats = self.ffn(self.ffn_norm(x_BTD), n_groups)
+        else:
+            h, stats = self.ffn(self.ffn_norm(x_BTD)), None
+        return x_BTD + h, cache, stats
+
+
+class Block(nnx.Module):
+    """P consecutive layers whose pattern repeats through the stack."""
+
+    def __init__(self, cfg: Config, *, rngs: nnx.Rngs):
+        self.layers = nnx.List([DecoderLayer(cfg, j, rngs=rngs) for j in range(cfg.layer_period)])
+
+    def __call__(self, x_BTD, positions_BT, caches, n_groups: int):
+        new_caches, all_stats = [], []
+        for j, layer in enumerate(self.layers):
+            x_BTD, c, stats = layer(x_BTD, positions_BT, caches[j] if caches else None, n_groups)
+            new_caches.append(c)
+            all_stats.append(stats)
+        return x_BTD, new_caches, all_stats
+
+
+class Transformer(nnx.Module):
+    def __init__(self, cfg: Config, *, rngs: nnx.Rngs):
+        m = cfg.model
+        self.cfg = cfg
+        self.dtype = jnp.dtype(m.dtype)
+        init = nnx.initializers.normal(m.init_std)
+        P = cfg.layer_period
+        self.n_blocks, n_tail = divmod(m.n_layers, P)
+        self.embed = nnx.Module()
+        self.embed.embedding = param(rngs, init, (m.vocab_size, m.d_model), ("vocab", "embed"))
+
+        if self.n_blocks:
+
+            @nnx.split_rngs(splits=self.n_blocks)
+            @nnx.vmap(in_axes=0, out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
+            def make_blocks(rngs):
+                return Block(cfg, rngs=rngs)
+
+            self.blocks = make_blocks(rngs)
+        # Tail layers continue the pattern: layer n_blocks * P + j is like block layer j.
+        self.tail = nnx.List([DecoderLayer(cfg, j, rngs=rngs) for j in range(n_tail)])
+        self.final_norm = RMSNorm(m.d_model, m.norm_eps, rngs=rngs)
+        if not m.tie_embeddings:
+            self.head = param(rngs, init, (m.d_model, m.vocab_size), ("embed", "vocab"))
+
+    # ------------------------------------------------------------------ KV cache
+
+    def init_cache(self, batch_size: int, max_len: int, dtype=None) -> dict:
+        """Zeroed KV cache for `max_len` positions: {"blocks": [P x stacked], "tail": [...]}."""
+        a = self.cfg.attention
+        shape = (batch_size, max_len, a.n_kv_heads, self.cfg.head_dim)
+        dtype = dtype or self.dtype
+        zeros = lambda lead=(): {
+            "k": jnp.zeros(lead + shape, dtype),
+            "v": jnp.zeros(lead + shape, dtype),
+        }
+        P = self.cfg.layer_period
+        blocks = [zeros((self.n_blocks,)) for _ in range(P)] if self.n_blocks else []
+        return {"blocks": blocks, "tail": [zeros() for _ in self.tail]}
+
+    # ------------------------------------------------------------------ forward
+
+    def __call__(
+        self,
+        tokens_BT: jax.Array,
+        *,
+        positions: jax.Array | None = None,
+        cache: dict | None = None,
+        n_groups: int = 1,
+    ):
+        B, T = tokens_BT.shape
+        if positions is None:
+            positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+        embedding = self.embed.embedding[...]
+        x_BTD = embedding[tokens_BT].astype(self.dtype)
+
+        block_stats, new_block_caches = [], []
+        if self.n_blocks:
+            x_BTD, new_block_caches, block_stats = self._run_blocks(
+                x_BTD, positions, cache["blocks"] if cache else None, n_groups
+            )
+        tail_stats, new_tail_caches = [], []
+        for i, layer in enumerate(self.tail):
+            x_BTD, c, stats = layer(x_BTD, positions, cache["tail"][i] if cache else None, n_groups)
+            new_tail_caches.append(c)
+            tail_stats.append(stats)
+
+        x_BTD = self.final_norm(x_BTD)
+        head = embedding.T if self.cfg.model.tie_embeddings else self.head[...]
+        logits_BTV = (x_BTD @ head.astype(self.dtype)).astype(jnp.float32)
+        aux = self._aux(block_stats, tail_stats)
+        if cache is None:
+            return logits_BTV, aux
+        return logits_BTV, aux, {"blocks": new_block_caches, "tail": new_tail_caches}
+
+    def _run_blocks(self, x_BTD, positions_BT, caches, n_groups):
+        """Apply the stacked blocks; stats come back stacked [n_blocks, ...] per block layer."""
+        graphdef, state = nnx.split(self.blocks)
+
+        def body(x, xs):
+            block_state, block_caches = xs
+            block = nnx.merge(graphdef, block_state)
+            x, new_caches, stats = block(x, positions_BT, block_caches, n_groups)
+            return x, (new_caches, stats)
+
+        if self.cfg.model.scan_layers:
+            x_BTD, (new_caches, stats) = jax.lax.scan(body, x_BTD, (state, caches))
+            return x_BTD, new_caches, stats
+        per_block = []
+        for b in range(self.n_blocks):
+            xs = jax.tree.map(lambda a, b=b: a[b], (state, caches))
+            x_BTD, ys = body(x_BTD, xs)
+            per_block.append(ys)
+        new_caches, stats = jax.tree.map(lambda *a: jnp.stack(a), *per_block)
+        return x_BTD, new_caches, stats
+
+    def _aux(self, block_stats: list, tail_stats: list) -> dict:
+        """Per-MoE-layer stats in layer order, and the mean aux losses."""
+        moe = self.cfg.moe
+        per_layer = []  # list of (layer index, stats dict with scalar/[E] leaves)
+        P = self.cfg.layer_period
+        for j, stats in enumerate(block_stats):
+            if stats is not None:
+                for b in range(self.n_blocks):
+                    per_layer.append((b * P + j, jax.tree.map(lambda a, b=b: a[b], stats)))
+        for j, stats in enumerate(tail_stats):
+            if stats is not None:
+                per_layer.append((self.n_blocks * P + j, stats))
+        per_layer = [s for _, s in sorted(per_layer, key=lambda p: p[0])]
+        if not per_layer:
+            zero = jnp.zeros((), jnp.float32)
+            return {
+                "aux_loss": zero,
+                "lb_loss": zero,
+                "z_loss": zero,
+                "expert_load": jnp.zeros((0, moe.n_experts), jnp.float32),
+                "dropped_frac": jnp.zeros((0,), jnp.float32),
+            }
+        stacked = jax.tree.map(lambda *a: jnp.stack(a), *per_layer)
+        lb, z = jnp.mean(stacked["lb_loss"]), jnp.mean(stacked["z_loss"])
+        return {
+            "aux_loss": moe.lb_loss_weight * lb + moe.z_loss_weight * z,
+            "lb_loss": lb,
+            "z_loss": z,
+            "expert_load": stacked["expert_load"],
+            "dropped_frac": stacked["dropped_frac"],
+        }

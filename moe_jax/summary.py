@@ -1,0 +1,172 @@
+"""Parameter and FLOP accounting read off the real model, plus a small CLI.
+
+    python -m moe_jax.summary configs/mixtral_8x7b.yaml [key=value ...]
+
+Counts come from the abstract parameters of `Transformer(cfg)` built under `nnx.eval_shape`
+(shapes only, no weights allocated: a 100B-parameter config takes ~0.2 s whatever
+`model.scan_layers` says, since both modes share one stacked layout), never from a hand
+formula, so they stay true to whatever the model actually creates. Each parameter is put in one
+component by its path (see `_component`); an unknown path is an error rather than a silent miscount.
+
+Active parameters per token: everything a token touches, i.e. every parameter except that a
+routed expert tensor counts only `top_k / n_experts` of its size (the embedding table, the
+output head and the always-on shared expert count in full).
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from flax import nnx
+
+from moe_jax.config import Config, cli_config
+
+COMPONENTS = (
+    "embedding",
+    "attention",
+    "dense_mlp",
+    "routed_experts",
+    "shared_experts",
+    "router",
+    "norms",
+    "head",
+)
+
+
+@dataclass(frozen=True)
+class ParamBreakdown:
+    total: dict[str, int]  # component -> parameter count
+    active: dict[str, int]  # component -> parameters one token touches
+    active_matmul: int  # active weights a token multiplies with (see train_flops_per_token)
+
+
+def _component(names: Sequence[str]) -> str:
+    """Component of the parameter at `names` (its path in the model)."""
+    if names[-1] == "scale":  # RMSNorm weights, QK-norm included
+        return "norms"
+    if tuple(names) == ("embed", "embedding"):
+        return "embedding"
+    if tuple(names) == ("head",):
+        return "head"
+    if "experts" in names:
+        return "routed_experts"
+    if "shared" in names:
+        return "shared_experts"
+    if names[-1].startswith("router"):
+        return "router"
+    if "attn" in names:
+        return "attention"
+    if "ffn" in names:
+        return "dense_mlp"
+    raise ValueError(f"summary does not know which component parameter '{'.'.join(names)}' is")
+
+
+def param_breakdown(cfg: Config) -> ParamBreakdown:
+    # Imported here, not at the top, so that the model package may itself import this module
+    # (e.g. for `count_params`) without an import cycle.
+    from moe_jax.model import Transformer
+
+    abstract = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
+    total = dict.fromkeys(COMPONENTS, 0)
+    active = dict.fromkeys(COMPONENTS, 0)
+    active_matmul = 0
+    E, K = cfg.moe.n_experts, cfg.moe.top_k
+    for path, var in nnx.to_flat_state(nnx.state(abstract, nnx.Param)):
+        names = [str(p) for p in path]
+        shape = var.shape
+        size = math.prod(shape)
+        comp = _component(names)
+        used = size
+        if comp == "routed_experts":
+            # Expert axis leads, after the stacked-blocks axis when the layer sits in a block.
+            expert_axis = 1 if names[0] == "blocks" else 0
+            if shape[expert_axis] != E:
+                raise ValueError(f"expert parameter '{'.'.join(names)}' {shape} has no {E}-axis")
+            used = size // E * K
+        total[comp] += size
+        active[comp] += used
+        if comp not in ("embedding", "norms") and not names[-1].endswith("bias"):
+            active_matmul += used
+    if cfg.model.tie_embeddings:  # the tied table is still multiplied with as the output head
+        active_matmul += cfg.model.vocab_size * cfg.model.d_model
+    return ParamBreakdown(total, active, active_matmul)
+
+
+def param_counts(cfg: Config) -> tuple[int, int]:
+    """(total parameters, active parameters per token) of `Transformer(cfg)`."""
+    b = param_breakdown(cfg)
+    return sum(b.total.values()), sum(b.active.values())
+
+
+def attention_flops_per_token(cfg: Config, seq_len: int) -> int:
+    """QK^T and AV matmuls, forward + backward, over all `seq_len` keys (PEERS.md convention)."""
+    return 12 * cfg.model.n_layers * cfg.attention.n_heads * cfg.head_dim * seq_len
+
+
+def train_flops_per_token(cfg: Config, seq_len: int | None = None) -> int:
+    """Training FLOPs per token: `6 * N + 12 * n_layers * n_heads * head_dim * seq_len`.
+
+    N = active matmul parameters: the active parameters per token minus the embedding lookup
+    table, norm scales and biases, plus the output head (counted even when tied to the
+    embedding). 6 = 2 FLOPs per multiply-add x (forward + 2 backward matmuls). The second term
+    is attention's QK^T and AV matmuls over `seq_len` keys (no causal or chunk discount), the
+    convention of the peer numbers in PEERS.md. `seq_len` defaults to `cfg.train.seq_len`.
+    """
+    seq_len = cfg.train.seq_len if seq_len is None else seq_len
+    return 6 * param_breakdown(cfg).active_matmul + attention_flops_per_token(cfg, seq_len)
+
+
+# ----------------------------------------------------------------------------- CLI
+
+
+def _human(n: float) -> str:
+    for unit, scale in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if abs(n) >= scale:
+            return f"{n / scale:.2f}{unit}"
+    return f"{n:.0f}"
+
+
+def format_summary(cfg: Config, seq_len: int | None = None) -> str:
+    seq_len = cfg.train.seq_len if seq_len is None else seq_len
+    b = param_breakdown(cfg)
+    m, a, e = cfg.model, cfg.attention, cfg.moe
+    moe = f"{e.n_experts} experts top-{e.top_k}" if e.n_experts else "dense"
+    lines = [
+        f"{m.n_layers} layers, d_model {m.d_model}, {a.n_heads} heads / {a.n_kv_heads} kv x "
+        f"{cfg.head_dim}, {moe}, vocab {m.vocab_size}",
+        f"{'component':<16}{'total':>12}{'active/token':>14}",
+    ]
+    for c in COMPONENTS:
+        lines.append(f"{c.replace('_', ' '):<16}{_human(b.total[c]):>12}{_human(b.active[c]):>14}")
+    total, active = sum(b.total.values()), sum(b.active.values())
+    lines.append(f"{'total':<16}{_human(total):>12}{_human(active):>14}")
+    lines.append(f"exact: {total:,} total, {active:,} active per token")
+    attn = attention_flops_per_token(cfg, seq_len)
+    flops = 6 * b.active_matmul + attn
+    lines.append(
+        f"training FLOPs/token at seq_len {seq_len}: {_human(flops)} "
+        f"(6 x {_human(b.active_matmul)} matmul params + {_human(attn)} attention)"
+    )
+    return "\n".join(lines)
+
+
+USAGE = "usage: python -m moe_jax.summary CONFIG.yaml [section.key=value ...]"
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if args and args[0] in ("-h", "--help"):
+        print(USAGE)
+        return
+    if not args or "=" in args[0]:
+        print(f"error: no config file given; {USAGE}", file=sys.stderr)
+        raise SystemExit(2)
+    cfg = cli_config(args, default_path=None)
+    print(format_summary(cfg))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,30 @@
+"""Small shared builders for the tests."""
+
+from __future__ import annotations
+
+from flax import nnx
+
+from moe_jax.config import Config, load_config
+
+
+def tiny_config(*overrides: str) -> Config:
+    """A very small model on top of configs/tiny.yaml, then the given overrides."""
+    base = [
+        "model.d_model=32",
+        "model.ffn_hidden=48",
+        "attention.n_heads=4",
+        "attention.n_kv_heads=2",
+        "moe.expert_hidden=40",
+    ]
+    return load_config("configs/tiny.yaml", [*base, *overrides])
+
+
+@nnx.jit
+def forward(model, tokens_BT):
+    """Jitted `model(tokens)`: one compile per shape instead of thousands of eager op launches."""
+    return model(tokens_BT)
+
+
+@nnx.jit
+def forward_cached(model, tokens_BT, positions_BT, cache):
+    return model(tokens_BT, positions=positions_BT, cache=cache)
