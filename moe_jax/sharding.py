@@ -7,13 +7,18 @@ fixed in DESIGN.md. Each logical name appears once (NNX rules are last-write-win
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+
+from moe_jax.config import Config, ConfigError
 
 MESH_AXES = ("data", "fsdp", "expert", "tensor")
+BATCH_AXES = ("data", "fsdp", "expert")  # the batch is split over all of these
 
 LOGICAL_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     ("batch", ("data", "fsdp", "expert")),
@@ -29,11 +34,6 @@ LOGICAL_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
 )
 
 
-def mesh_is_set() -> bool:
-    """True inside `jax.set_mesh(mesh)`: then parameters are created already sharded."""
-    return not jax.sharding.get_abstract_mesh().empty
-
-
 def param(
     rngs: nnx.Rngs,
     init: Callable,
@@ -43,8 +43,108 @@ def param(
     """A float32 parameter initialised by `init` and annotated with logical `axes`."""
     assert len(axes) == len(shape), (shape, axes)
     return nnx.Param(
-        init(rngs.params(), shape, jnp.float32),
-        out_sharding=axes,
-        sharding_rules=LOGICAL_RULES,
-        eager_sharding=mesh_is_set(),
+        init(rngs.params(), shape, jnp.float32), out_sharding=axes, eager_sharding=False
     )
+
+
+# ----------------------------------------------------------------------------- the mesh
+
+
+def mesh_shape(cfg: Config, n_devices: int) -> dict[str, int]:
+    """Resolve `-1` and check the mesh against the devices and the model's shapes."""
+    sizes = {ax: getattr(cfg.mesh, ax) for ax in MESH_AXES}
+    known = math.prod(v for v in sizes.values() if v != -1)
+    for ax, v in sizes.items():
+        if v == -1:
+            if n_devices % known:
+                raise ConfigError(
+                    f"mesh.{ax}=-1: {n_devices} devices do not divide by the other axes ({known})"
+                )
+            sizes[ax] = n_devices // known
+    total = math.prod(sizes.values())
+    if total != n_devices:
+        shape = " x ".join(f"{ax}={v}" for ax, v in sizes.items())
+        raise ConfigError(
+            f"mesh {shape} has {total} devices but {n_devices} are available; "
+            "make the product of mesh.data/fsdp/expert/tensor equal the device count (or use -1)"
+        )
+    _check_divisible(cfg, sizes)
+    return sizes
+
+
+def _check_divisible(cfg: Config, sizes: dict[str, int]) -> None:
+    m, a, e, t = cfg.model, cfg.attention, cfg.moe, cfg.train
+    checks = [
+        ("moe.n_experts", e.n_experts, "expert"),
+        ("attention.n_heads", a.n_heads, "tensor"),
+        ("attention.n_kv_heads", a.n_kv_heads, "tensor"),
+        ("model.vocab_size", m.vocab_size, "tensor"),
+        ("model.d_model", m.d_model, "fsdp"),
+    ]
+    if any(not cfg.is_moe(i) for i in range(m.n_layers)):
+        checks.append(("model.ffn_hidden", m.ffn_hidden, "tensor"))
+    if e.n_experts > 0:
+        checks.append(("moe.expert_hidden", e.expert_hidden, "tensor"))
+        if e.shared_expert_hidden:
+            checks.append(("moe.shared_expert_hidden", e.shared_expert_hidden, "tensor"))
+    for key, value, ax in checks:
+        if value % sizes[ax]:
+            raise ConfigError(f"{key} ({value}) must be divisible by mesh.{ax} ({sizes[ax]})")
+    n_batch = math.prod(sizes[ax] for ax in BATCH_AXES)
+    micro = t.batch_size // t.grad_accum
+    if micro % n_batch:
+        raise ConfigError(
+            f"micro-batch train.batch_size/train.grad_accum ({micro}) must be divisible by "
+            f"mesh.data*fsdp*expert ({n_batch}), the axes the batch is split over"
+        )
+
+
+def make_mesh(cfg: Config, devices: list | None = None) -> Mesh:
+    devices = list(devices if devices is not None else jax.devices())
+    sizes = mesh_shape(cfg, len(devices))
+    return jax.make_mesh(
+        tuple(sizes[ax] for ax in MESH_AXES),
+        MESH_AXES,
+        axis_types=(AxisType.Auto,) * len(MESH_AXES),
+        devices=devices,
+    )
+
+
+def n_batch_shards(mesh: Mesh | None = None) -> int:
+    """How many routing groups the batch forms: one per batch shard of the active mesh."""
+    mesh = mesh if mesh is not None else jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return 1
+    return math.prod(mesh.shape[ax] for ax in BATCH_AXES)
+
+
+def batch_sharding(mesh: Mesh) -> NamedSharding:
+    """[B, ...] arrays: batch over (data, fsdp, expert), everything else replicated."""
+    return NamedSharding(mesh, PartitionSpec(BATCH_AXES))
+
+
+def logical_to_spec(axes: tuple[str | None, ...]) -> PartitionSpec:
+    rules = dict(LOGICAL_RULES)
+    return PartitionSpec(*(rules.get(a) if a is not None else None for a in axes))
+
+
+def state_shardings(state: nnx.State, mesh: Mesh) -> nnx.State:
+    """NamedShardings mirroring `state`, from each Variable's logical `out_sharding` axes."""
+
+    def one(v):
+        axes = v.get_metadata().get("out_sharding")
+        spec = logical_to_spec(tuple(axes)) if axes else PartitionSpec()
+        return v.replace(NamedSharding(mesh, spec))
+
+    return jax.tree.map(one, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+def create_sharded(make: Callable[[], nnx.Module], mesh: Mesh | None) -> nnx.Module:
+    """Build `make()` with every parameter born sharded over `mesh`: initialisation runs under
+    jit with the target out_shardings, so no device ever holds a full unsharded copy."""
+    if mesh is None:
+        return make()
+    graphdef, abstract = nnx.split(nnx.eval_shape(make))
+    shardings = state_shardings(abstract, mesh)
+    state = jax.jit(lambda: nnx.state(make()), out_shardings=shardings)()
+    return nnx.merge(graphdef, state)

@@ -15,6 +15,11 @@ Semantics (DESIGN.md):
   tokens (causal-safe). A dropped assignment contributes 0; the residual carries the token.
 - Dispatch: one sort of the assignments by (expert, priority) gives each assignment its slot
   in fixed `[E, C, D]` buffers; tokens are gathered into the buffers and results gathered back.
+- Expert parallelism: under a mesh, each batch shard routes its own tokens (one group per
+  shard) inside `jax.shard_map`; an `all_to_all` over the `expert` axis sends each expert's
+  buffer slots to the shard that owns the expert, the local experts run (hidden dim split over
+  `tensor`, partial sums psum-ed), and a second `all_to_all` brings the results home. Expert
+  weights never move. Aux statistics are psum-ed over the batch axes, so they are global.
 - Aux losses over all tokens of the call: Switch load balance `E * sum_e f_e * P_e` with f_e the
   fraction of top-k assignments to e and P_e the mean router probability (softmax; for sigmoid
   the per-token normalised sigmoid), and router z-loss `mean(logsumexp(logits)^2)`.
@@ -27,9 +32,12 @@ import math
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 from moe_jax.config import Config, MoEConfig
-from moe_jax.sharding import param
+from moe_jax.sharding import BATCH_AXES, n_batch_shards, param
+
+EXPERT_PARAMS = ("w_gate", "w_up", "w_down", "gate_bias", "up_bias", "down_bias")
 
 
 def capacity(tokens_per_group: int, cfg: MoEConfig) -> int:
@@ -127,15 +135,20 @@ class Experts(nnx.Module):
             self.up_bias = param(rngs, zeros, (E, F), ("expert", "expert_mlp"))
             self.down_bias = param(rngs, zeros, (E, D), ("expert", "embed"))
 
-    def _bias(self, name: str) -> jax.Array | float:
-        return getattr(self, name)[...].astype(self.dtype)[:, None, :] if hasattr(self, name) else 0
+    def weights(self) -> dict[str, jax.Array]:
+        return {n: getattr(self, n)[...] for n in EXPERT_PARAMS if hasattr(self, n)}
 
-    def __call__(self, x_ECD: jax.Array) -> jax.Array:
-        w = lambda p: p[...].astype(self.dtype)
-        gate = jnp.einsum("ecd,edf->ecf", x_ECD, w(self.w_gate)) + self._bias("gate_bias")
-        up = jnp.einsum("ecd,edf->ecf", x_ECD, w(self.w_up)) + self._bias("up_bias")
-        h_ECF = jax.nn.silu(gate) * up
-        return jnp.einsum("ecf,efd->ecd", h_ECF, w(self.w_down)) + self._bias("down_bias")
+
+def expert_swiglu(x_ECD, w: dict, dtype, reduce_axis: str | None = None) -> jax.Array:
+    """Each expert's SwiGLU on its buffer. With `reduce_axis`, `w` holds a shard of the hidden
+    dim (tensor parallelism) and the partial down-projections are summed over that axis."""
+    bias = lambda n: w[n].astype(dtype)[:, None, :] if n in w else 0
+    gate = jnp.einsum("ecd,edf->ecf", x_ECD, w["w_gate"].astype(dtype)) + bias("gate_bias")
+    up = jnp.einsum("ecd,edf->ecf", x_ECD, w["w_up"].astype(dtype)) + bias("up_bias")
+    y = jnp.einsum("ecf,efd->ecd", jax.nn.silu(gate) * up, w["w_down"].astype(dtype))
+    if reduce_axis is not None:
+        y = jax.lax.psum(y, reduce_axis)
+    return y + bias("down_bias")
 
 
 class MoE(nnx.Module):
@@ -160,57 +173,128 @@ class MoE(nnx.Module):
         return logits
 
     def __call__(self, x_BTD: jax.Array, n_groups: int = 1) -> tuple[jax.Array, dict]:
+        """x_BTD -> (y_BTD, stats). Without a mesh the batch is routed in `n_groups` groups."""
+        mesh = jax.sharding.get_abstract_mesh()
+        if not mesh.empty and x_BTD.shape[0] % n_batch_shards(mesh) == 0:
+            y_BTD, stats = self._expert_parallel(x_BTD, mesh)
+        else:
+            y_BTD, stats = self._local(x_BTD, n_groups)
+        if hasattr(self, "shared"):
+            y_BTD = y_BTD + self.shared(x_BTD)
+        return y_BTD.astype(x_BTD.dtype), stats
+
+    def _route_group(self, x_bTD, router, router_bias):
+        """Route one group: (w_bTK, slot_bTK, keep_bTK, capacity, stat sums over the group)."""
         m = self.cfg
+        b, T, _ = x_bTD.shape
+        logits_bTE = x_bTD.astype(jnp.float32) @ router + router_bias
+        weights_bTK, experts_bTK, probs_bTE = route(logits_bTE, m)
+        cap = capacity(b * T, m)
+        slot_bTK, keep_bTK = assign_slots(experts_bTK, m.n_experts, cap)
+        sums = {
+            "load": jnp.sum(jax.nn.one_hot(experts_bTK, m.n_experts, dtype=jnp.float32), (0, 1, 2)),
+            "prob": jnp.sum(probs_bTE, axis=(0, 1)),
+            "z": jnp.sum(jax.nn.logsumexp(logits_bTE, axis=-1) ** 2),
+            "kept": jnp.sum(keep_bTK.astype(jnp.float32)),
+        }
+        return weights_bTK.astype(self.dtype), experts_bTK, slot_bTK, keep_bTK, cap, sums
+
+    def _stats(self, sums: dict, n_tokens: int) -> dict:
+        """Global aux losses and metrics from summed per-group statistics."""
+        E, K = self.cfg.n_experts, self.cfg.top_k
+        load_E = sums["load"] / (n_tokens * K)
+        return {
+            "lb_loss": E * jnp.sum(load_E * sums["prob"] / n_tokens),
+            "z_loss": sums["z"] / n_tokens,
+            "expert_load": load_E,
+            "dropped_frac": 1.0 - sums["kept"] / (n_tokens * K),
+        }
+
+    def _router_params(self):
+        bias = self.router_bias[...] if hasattr(self, "router_bias") else jnp.zeros(())
+        return self.router[...], bias
+
+    def _local(self, x_BTD: jax.Array, n_groups: int) -> tuple[jax.Array, dict]:
         B, T, D = x_BTD.shape
-        E, K, G = m.n_experts, m.top_k, n_groups
+        G, K, E = n_groups, self.cfg.top_k, self.cfg.n_experts
         assert B % G == 0, f"batch {B} does not split into {G} routing groups"
-        cap = capacity(B // G * T, m)
-
-        logits_BTE = self.router_logits(x_BTD)
-        weights_BTK, experts_BTK, probs_BTE = route(logits_BTE, m)
-        w_BTK = weights_BTK.astype(self.dtype)
-
         split = lambda a: a.reshape(G, B // G, *a.shape[1:])
-        slot_GbTK, keep_GbTK = jax.vmap(assign_slots, in_axes=(0, None, None))(
-            split(experts_BTK), E, cap
-        )
+        router, bias = self._router_params()
+        w, experts, slot, keep, cap, sums = jax.vmap(
+            self._route_group, in_axes=(0, None, None), out_axes=(0, 0, 0, 0, None, 0)
+        )(split(x_BTD), router, bias)
+        sums = jax.tree.map(lambda a: jnp.sum(a, axis=0), sums)
+        merge = lambda a: a.reshape(B, *a.shape[2:])
         if B * T * K < E:
             # Few tokens in flight (decoding): read only the picked experts' weights instead
             # of running all E experts on mostly empty buffers. Same drops as the buffers.
-            keep_BTK = keep_GbTK.reshape(B, T, K)
-            y_BTD = self._gathered(x_BTD, experts_BTK, w_BTK, keep_BTK)
+            y_BTD = self._gathered(x_BTD, merge(experts), merge(w), merge(keep))
         else:
-            y_GbTD = jax.vmap(self._buffered, in_axes=(0, 0, 0, None))(
-                split(x_BTD), slot_GbTK, split(w_BTK), cap
-            )
-            y_BTD = y_GbTD.reshape(B, T, D)
-        if hasattr(self, "shared"):
-            y_BTD = y_BTD + self.shared(x_BTD)
+            y_GbTD = jax.vmap(self._buffered, in_axes=(0, 0, 0, None))(split(x_BTD), slot, w, cap)
+            y_BTD = merge(y_GbTD)
+        return y_BTD, self._stats(sums, B * T)
 
-        # Aux losses and metrics over every token of the call (all groups).
-        load_E = jnp.mean(jax.nn.one_hot(experts_BTK, E, dtype=jnp.float32), axis=(0, 1, 2))
-        mean_prob_E = jnp.mean(probs_BTE, axis=(0, 1))
-        stats = {
-            "lb_loss": E * jnp.sum(load_E * mean_prob_E),
-            "z_loss": jnp.mean(jax.nn.logsumexp(logits_BTE, axis=-1) ** 2),
-            "expert_load": load_E,
-            "dropped_frac": 1.0 - jnp.mean(keep_GbTK.astype(jnp.float32)),
+    def _expert_parallel(self, x_BTD: jax.Array, mesh) -> tuple[jax.Array, dict]:
+        E, D = self.cfg.n_experts, x_BTD.shape[-1]
+        ep = mesh.shape["expert"]
+        E_loc = E // ep
+        # Hidden dim split over `tensor` (only named when > 1, so replication stays inferable).
+        tp = "tensor" if mesh.shape["tensor"] > 1 else None
+        expert_specs = {
+            "w_gate": P("expert", None, tp),
+            "w_up": P("expert", None, tp),
+            "w_down": P("expert", tp, None),
+            "gate_bias": P("expert", tp),
+            "up_bias": P("expert", tp),
+            "down_bias": P("expert", None),
         }
-        return y_BTD.astype(x_BTD.dtype), stats
+        weights = self.experts.weights()
+        router, bias = self._router_params()
 
-    def _buffered(self, x_bTD, slot_bTK, w_bTK, cap: int) -> jax.Array:
-        """One routing group through the fixed [E, C, D] buffers."""
+        def local(x_bTD, router, bias, w):
+            b, T, _ = x_bTD.shape
+            wts, _, slot, _, cap, sums = self._route_group(x_bTD, router, bias)
+            buf = self._dispatch(x_bTD, slot, wts, cap)  # [E * C, D], all experts
+            # Send expert e's slots to the shard that owns e: [ep, E_loc, C, D] -> by source.
+            buf = jax.lax.all_to_all(buf.reshape(ep, E_loc, cap, D), "expert", 0, 0)
+            x_eSD = buf.transpose(1, 0, 2, 3).reshape(E_loc, ep * cap, D)
+            y_eSD = expert_swiglu(x_eSD, w, self.dtype, reduce_axis=tp)
+            y = y_eSD.reshape(E_loc, ep, cap, D).transpose(1, 0, 2, 3)
+            y = jax.lax.all_to_all(y, "expert", 0, 0).reshape(E * cap, D)  # back home
+            y_bTD = self._combine(y, slot, wts)
+            sums = jax.lax.psum(sums, BATCH_AXES)
+            return y_bTD, sums
+
+        x_spec = P(BATCH_AXES, None, None)
+        y_BTD, sums = jax.shard_map(
+            local,
+            mesh=mesh,
+            in_specs=(x_spec, P(), P(), {n: expert_specs[n] for n in weights}),
+            out_specs=(x_spec, P()),
+        )(x_BTD, router, bias, weights)
+        B, T, _ = x_BTD.shape
+        return y_BTD, self._stats(sums, B * T)
+
+    def _dispatch(self, x_bTD, slot_bTK, w_bTK, cap: int) -> jax.Array:
+        """Tokens into the flat [E * C, D] buffers (input-scaled for route_scale="input")."""
         E, D = self.cfg.n_experts, x_bTD.shape[-1]
-        if self.cfg.route_scale == "input":  # scale each assignment's input: expert_e(w * x)
+        if self.cfg.route_scale == "input":  # each assignment's own input: w * x
             x_nD = (x_bTD[:, :, None, :] * w_bTK[..., None]).reshape(-1, 1, D)
-            buf = dispatch(x_nD, slot_bTK.reshape(-1, 1, 1), E * cap)
-        else:
-            buf = dispatch(x_bTD, slot_bTK, E * cap)
-        y_ECD = self.experts(buf.reshape(E, cap, D))
-        y_bTKD = combine(y_ECD.reshape(E * cap, D), slot_bTK)
+            return dispatch(x_nD, slot_bTK.reshape(-1, 1, 1), E * cap)
+        return dispatch(x_bTD, slot_bTK, E * cap)
+
+    def _combine(self, y_SD, slot_bTK, w_bTK) -> jax.Array:
+        y_bTKD = combine(y_SD, slot_bTK)
         if self.cfg.route_scale == "output":
             y_bTKD = y_bTKD * w_bTK[..., None]
         return jnp.sum(y_bTKD, axis=2)
+
+    def _buffered(self, x_bTD, slot_bTK, w_bTK, cap: int) -> jax.Array:
+        """One routing group through the fixed [E, C, D] buffers on this device."""
+        E, D = self.cfg.n_experts, x_bTD.shape[-1]
+        buf = self._dispatch(x_bTD, slot_bTK, w_bTK, cap)
+        y_ECD = expert_swiglu(buf.reshape(E, cap, D), self.experts.weights(), self.dtype)
+        return self._combine(y_ECD.reshape(E * cap, D), slot_bTK, w_bTK)
 
     def _gathered(self, x_BTD, experts_BTK, w_BTK, keep_BTK) -> jax.Array:
         """Every assignment through its own expert's gathered weights: [B, T, K, D, F] reads."""
