@@ -15,6 +15,7 @@ from moe_jax.model.moe import MoE, assign_slots, capacity, route
 from tests.helpers import tiny_config
 
 
+@nnx.jit
 def dense_reference(moe: MoE, x_BTD: jax.Array) -> jax.Array:
     """Every expert on every token, weighted by the router (zero weight for unpicked experts)."""
     m = moe.cfg
@@ -39,6 +40,11 @@ def dense_reference(moe: MoE, x_BTD: jax.Array) -> jax.Array:
     if hasattr(moe, "shared"):
         out = out + moe.shared(x_BTD)
     return out
+
+
+@nnx.jit(static_argnums=2)
+def apply(moe: MoE, x_BTD: jax.Array, n_groups: int = 1):
+    return moe(x_BTD, n_groups=n_groups)
 
 
 def randomize(module: nnx.Module, seed: int) -> None:
@@ -78,7 +84,7 @@ def test_no_drop_equals_dense_reference(name, n_groups):
     moe = MoE(cfg, rngs=nnx.Rngs(0))
     randomize(moe, 1)
     x = jax.random.normal(jax.random.key(2), (4, 8, cfg.model.d_model))
-    y, stats = moe(x, n_groups=n_groups)
+    y, stats = apply(moe, x, n_groups)
     ref = dense_reference(moe, x)
     np.testing.assert_allclose(y, ref, rtol=1e-5, atol=1e-5)
     assert float(stats["dropped_frac"]) == 0.0
@@ -89,7 +95,7 @@ def test_large_capacity_factor_drops_nothing_and_matches():
     cfg = tiny_config("moe.capacity_factor=2.0", "moe.n_experts=4", "moe.top_k=2")
     moe = MoE(cfg, rngs=nnx.Rngs(0))
     x = jax.random.normal(jax.random.key(3), (2, 8, cfg.model.d_model))
-    y, stats = moe(x)
+    y, stats = apply(moe, x)
     np.testing.assert_allclose(y, dense_reference(moe, x), rtol=1e-5, atol=1e-5)
     assert float(stats["dropped_frac"]) == 0.0
 
@@ -132,7 +138,7 @@ def test_dropped_assignment_contributes_exactly_zero():
     # Force every token to expert 0: router weight only favours expert 0.
     moe.router[...] = jnp.zeros_like(moe.router[...]).at[:, 0].set(1.0)
     x = jnp.abs(jax.random.normal(jax.random.key(0), (1, 8, cfg.model.d_model)))
-    y, stats = moe(x)
+    y, stats = apply(moe, x)
     C = capacity(8, cfg.moe)  # ceil(0.5 * 8 * 1 / 2) = 2
     assert C == 2
     ref = dense_reference(moe, x)
@@ -148,8 +154,8 @@ def test_top1_drops_are_causal():
     moe = MoE(cfg, rngs=nnx.Rngs(0))
     x = jax.random.normal(jax.random.key(1), (2, 10, cfg.model.d_model))
     x2 = x.at[:, -1].set(jax.random.normal(jax.random.key(9), (2, cfg.model.d_model)))
-    y1, s1 = moe(x)
-    y2, _ = moe(x2)
+    y1, s1 = apply(moe, x)
+    y2, _ = apply(moe, x2)
     assert float(s1["dropped_frac"]) > 0
     np.testing.assert_array_equal(y1[:, :-1], y2[:, :-1])
 
@@ -172,7 +178,7 @@ def test_aux_losses_by_hand():
     D = cfg.model.d_model
     moe.router[...] = jnp.zeros((D, 2)).at[0, 0].set(1.0).at[1, 1].set(1.0)
     x = jnp.zeros((1, 3, D)).at[..., :2].set(logits)
-    _, stats = moe(x)
+    _, stats = apply(moe, x)
     np.testing.assert_allclose(stats["lb_loss"], lb_expected, rtol=1e-6)
     np.testing.assert_allclose(stats["z_loss"], z_expected, rtol=1e-6)
     np.testing.assert_allclose(stats["expert_load"], [2 / 3, 1 / 3], rtol=1e-6)
@@ -214,7 +220,7 @@ def test_decode_path_gathers_picked_experts_and_matches_reference(name):
     m, D = cfg.moe, cfg.model.d_model
     assert f"[8,{capacity(2, m)},{D}]" not in jaxpr  # no expert buffers
     assert f"[2,1,{m.top_k},{D},{m.expert_hidden}]" in jaxpr  # gathered picked-expert weights
-    y, _ = moe(x)
+    y, _ = apply(moe, x)
     np.testing.assert_allclose(y, dense_reference(moe, x), rtol=1e-5, atol=1e-5)
 
 
@@ -225,7 +231,7 @@ def test_decode_path_drops_exactly_like_the_buffers():
     moe = MoE(cfg, rngs=nnx.Rngs(0))
     moe.router[...] = jnp.zeros_like(moe.router[...]).at[:, 3].set(1.0)  # everyone -> expert 3
     x = jnp.abs(jax.random.normal(jax.random.key(0), (3, 1, cfg.model.d_model)))
-    y, stats = moe(x)  # 3 * 1 * 1 < 8: gathered path
+    y, stats = apply(moe, x)  # 3 * 1 * 1 < 8: gathered path
     w, e, _ = route(moe.router_logits(x), cfg.moe)
     cap = capacity(3, cfg.moe)
     slot, _ = assign_slots(e, 8, cap)

@@ -207,7 +207,7 @@ class MoE(nnx.Module):
             "lb_loss": E * jnp.sum(load_E * sums["prob"] / n_tokens),
             "z_loss": sums["z"] / n_tokens,
             "expert_load": load_E,
-            "dropped_frac": 1.0 - sums["kept"] / (n_tokens * K),
+            "dropped_frac": (n_tokens * K - sums["kept"]) / (n_tokens * K),  # exact 0 if none
         }
 
     def _router_params(self):
