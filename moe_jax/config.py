@@ -93,7 +93,8 @@ class DataConfig:
     path: str | None = None  # text file(s) or glob(s), comma separated; None: embedded corpus
     tokenizer: str = "byte"  # byte | char
     val_fraction: float = 0.1
-    num_workers: int = 0
+    num_workers: int = 0  # Grain prefetch threads; 0 = batches are cut in the main thread
+    embedded_max_bytes: int = 4_000_000  # cap on the embedded (stdlib sources) corpus
 
 
 @dataclass(frozen=True)
@@ -116,6 +117,7 @@ class TrainConfig:
     eval_batches: int = 8
     log_every: int = 10
     peak_flops: float = 0.0  # FLOP/s for MFU; 0 = measure a matmul at start-up
+    tensorboard: bool = True  # TensorBoard event files in RUN_DIR/tb (JSONL is always written)
 
 
 @dataclass(frozen=True)
@@ -392,6 +394,10 @@ def validate(cfg: Config) -> None:
         _require(0.0 <= getattr(t, n) < 1.0, f"train.{n} must be within [0, 1)")
     _positive(t, "train", ["eps"])
     _positive(m, "model", ["init_std"])
+    _require(
+        cfg.data.num_workers >= 0, f"data.num_workers must be >= 0, got {cfg.data.num_workers}"
+    )
+    _positive(cfg.data, "data", ["embedded_max_bytes"])
     _positive(cfg.checkpoint, "checkpoint", ["every", "keep"])
     s = cfg.sample
     _require(s.temperature >= 0, f"sample.temperature must be >= 0, got {s.temperature}")

@@ -1,0 +1,322 @@
+"""Tokenizers, corpora and the Grain input pipeline.
+
+    data = load_data(cfg)                      # corpus -> tokenizer -> train / validation tokens
+    it = train_iterator(data.train, cfg.train.seq_len, cfg.train.batch_size, cfg.seed)
+    batch_BT1 = next(it)                       # int32 [local batch, seq_len + 1]
+    state = it.get_state(); it.set_state(state)  # exact position, saved in every checkpoint
+
+Corpus: the text files named by `data.path` (files or globs, comma separated, read in the order
+given, each glob's matches sorted), or, when `data.path` is null, the *embedded* corpus: the
+Python standard library's own top-level `.py` sources, whole files in sorted order up to
+`data.embedded_max_bytes`. Every Python install has them, so the default run needs no download,
+and the same install always yields the same bytes (the SHA-256 fingerprint is logged and saved).
+
+Tokenizers: `byte` (UTF-8 bytes, vocabulary 256, any input) or `char` (the sorted set of
+characters of the corpus). The tokenizer is saved in every checkpoint so sampling decodes
+exactly as training encoded.
+
+Split: the last `val_fraction` of the token stream is the validation split.
+
+Training windows: every start offset of a `seq_len + 1` window in the train split is one
+example; Grain shuffles the offsets with the run's seed (a fresh permutation each epoch) and
+batches them into global batches of `batch_size`. Process p of P keeps rows
+[p * B/P, (p+1) * B/P) of each global batch, so the global batch (rows included, in order) is
+the same whatever the number of processes. The iterator's state is the index of the next
+batch, restored exactly by `set_state`.
+
+Validation: a fixed, seed-independent set of evenly spaced windows, so runs with different
+seeds are evaluated on the same tokens.
+"""
+
+from __future__ import annotations
+
+import glob
+import hashlib
+import json
+import math
+import sysconfig
+from dataclasses import dataclass
+from pathlib import Path
+
+import grain
+import numpy as np
+
+from moe_jax.config import Config
+
+
+class DataError(ValueError):
+    """Unusable input data; the message names the problem and the fix."""
+
+
+# ----------------------------------------------------------------------------- tokenizers
+
+
+class ByteTokenizer:
+    """UTF-8 bytes as tokens: vocabulary 256, encodes any text."""
+
+    kind = "byte"
+    vocab_size = 256
+
+    def encode_bytes(self, raw: bytes, source: str = "text") -> np.ndarray:
+        return np.frombuffer(raw, dtype=np.uint8).astype(np.int32)
+
+    def encode(self, text: str) -> np.ndarray:
+        return self.encode_bytes(text.encode("utf-8"))
+
+    def decode(self, ids) -> str:
+        # A window may cut a multi-byte character; show it as U+FFFD rather than fail.
+        return bytes(int(i) for i in ids).decode("utf-8", errors="replace")
+
+    def to_dict(self) -> dict:
+        return {"kind": self.kind}
+
+
+class CharTokenizer:
+    """One token per character of a fixed alphabet (the sorted characters of a corpus)."""
+
+    kind = "char"
+
+    def __init__(self, chars: str):
+        self.chars = chars
+        self.vocab_size = len(chars)
+        self._index = {c: i for i, c in enumerate(chars)}
+
+    @classmethod
+    def from_text(cls, text: str) -> CharTokenizer:
+        return cls("".join(sorted(set(text))))
+
+    def encode_bytes(self, raw: bytes, source: str = "text") -> np.ndarray:
+        return self.encode(_decode_utf8(raw, source))
+
+    def encode(self, text: str) -> np.ndarray:
+        try:
+            return np.fromiter((self._index[c] for c in text), np.int32, len(text))
+        except KeyError:
+            unknown = sorted(set(text) - set(self._index))
+            shown = ", ".join(repr(c) for c in unknown[:10])
+            raise DataError(
+                f"{len(unknown)} character(s) not in the char tokenizer's vocabulary: {shown}; "
+                "use only characters of the training corpus, or train with data.tokenizer=byte"
+            ) from None
+
+    def decode(self, ids) -> str:
+        return "".join(self.chars[int(i)] for i in ids)
+
+    def to_dict(self) -> dict:
+        return {"kind": self.kind, "chars": self.chars}
+
+
+Tokenizer = ByteTokenizer | CharTokenizer
+
+
+def tokenizer_from_dict(d: dict) -> Tokenizer:
+    """Inverse of `tokenizer.to_dict()` (the form saved in checkpoints)."""
+    if d.get("kind") == "byte":
+        return ByteTokenizer()
+    if d.get("kind") == "char":
+        return CharTokenizer(d["chars"])
+    raise DataError(f"unknown tokenizer {json.dumps(d)[:80]}; expected kind 'byte' or 'char'")
+
+
+def _decode_utf8(raw: bytes, source: str) -> str:
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise DataError(
+            f"{source} is not valid UTF-8 (byte 0x{raw[e.start]:02x} at offset {e.start}); the "
+            "char tokenizer needs UTF-8 text: fix the file or use data.tokenizer=byte"
+        ) from None
+
+
+# ----------------------------------------------------------------------------- corpora
+
+
+@dataclass(frozen=True)
+class Source:
+    name: str  # file path, or "embedded:stdlib" for the embedded corpus
+    raw: bytes
+
+
+def embedded_sources(max_bytes: int) -> list[Source]:
+    """The standard library's top-level `.py` files, sorted by name, whole, up to `max_bytes`."""
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    sources, total = [], 0
+    for path in sorted(stdlib.glob("*.py")):
+        raw = path.read_bytes()
+        if total + len(raw) > max_bytes:
+            break
+        sources.append(Source(f"embedded:stdlib/{path.name}", raw))
+        total += len(raw)
+    if not sources:
+        raise DataError(
+            f"no Python standard-library source under {stdlib} fits in "
+            f"data.embedded_max_bytes={max_bytes}; raise it, or pass text with data.path=..."
+        )
+    return sources
+
+
+def file_sources(path_spec: str) -> list[Source]:
+    """Files named by a comma-separated list of paths or globs, in order."""
+    sources = []
+    for spec in (s.strip() for s in path_spec.split(",")):
+        if not spec:
+            continue
+        matches = sorted(glob.glob(spec)) if glob.has_magic(spec) else [spec]
+        if not matches:
+            raise DataError(f"data.path glob '{spec}' matches no file; check the pattern")
+        for name in matches:
+            p = Path(name)
+            if not p.is_file():
+                what = "is a directory" if p.is_dir() else "does not exist"
+                raise DataError(
+                    f"data file '{name}' {what}; pass text files or globs in data.path, "
+                    "or set data.path=null for the embedded corpus"
+                )
+            try:
+                raw = p.read_bytes()
+            except OSError as e:
+                raise DataError(f"cannot read data file '{name}': {e.strerror}") from None
+            if not raw:
+                raise DataError(f"data file '{name}' is empty; give it some text or drop it")
+            sources.append(Source(name, raw))
+    if not sources:
+        raise DataError(f"data.path '{path_spec}' names no file")
+    return sources
+
+
+# ----------------------------------------------------------------------------- loading
+
+
+@dataclass(frozen=True)
+class Data:
+    tokenizer: Tokenizer
+    train: np.ndarray  # int32 tokens of the train split
+    val: np.ndarray  # int32 tokens of the validation split
+    description: str  # where the text came from, for the log
+    fingerprint: str  # SHA-256 prefix of the raw corpus bytes
+
+    @property
+    def val_unigram_entropy(self) -> float:
+        """Entropy (nats/token) of the validation split's own unigram distribution.
+
+        No model that ignores context can reach a lower validation loss, so a model that
+        learned anything must end clearly below it.
+        """
+        counts = np.bincount(self.val, minlength=self.tokenizer.vocab_size)
+        p = counts[counts > 0] / len(self.val)
+        return float(-(p * np.log(p)).sum())
+
+
+def load_data(cfg: Config, tokenizer: Tokenizer | None = None) -> Data:
+    """Read the corpus, tokenize it (with `tokenizer`, e.g. a run's saved one, else a new one
+    of kind `data.tokenizer`) and split it. Raises DataError with the fix on bad input."""
+    d, seq_len = cfg.data, cfg.train.seq_len
+    if d.path is None:
+        sources = embedded_sources(d.embedded_max_bytes)
+        description = (
+            f"embedded corpus: {len(sources)} Python standard-library files "
+            f"({sources[0].name.split('/')[-1]} .. {sources[-1].name.split('/')[-1]})"
+        )
+    else:
+        sources = file_sources(d.path)
+        description = ", ".join(s.name for s in sources[:3]) + (" ..." if len(sources) > 3 else "")
+    if tokenizer is None:
+        if d.tokenizer == "byte":
+            tokenizer = ByteTokenizer()
+        else:
+            tokenizer = CharTokenizer.from_text(
+                "".join(_decode_utf8(s.raw, f"data file '{s.name}'") for s in sources)
+            )
+    if tokenizer.vocab_size > cfg.model.vocab_size:
+        raise DataError(
+            f"the {tokenizer.kind} tokenizer has {tokenizer.vocab_size} tokens but "
+            f"model.vocab_size is {cfg.model.vocab_size}; set model.vocab_size="
+            f"{tokenizer.vocab_size} (or larger)"
+        )
+    tokens = np.concatenate(
+        [tokenizer.encode_bytes(s.raw, f"data file '{s.name}'") for s in sources]
+    )
+    digest = hashlib.sha256()
+    for s in sources:
+        digest.update(s.raw)
+
+    n_val = math.ceil(len(tokens) * d.val_fraction)
+    train, val = tokens[: len(tokens) - n_val], tokens[len(tokens) - n_val :]
+    window = seq_len + 1
+    if min(len(train), len(val)) < window:
+        need = math.ceil(window / min(d.val_fraction, 1 - d.val_fraction))
+        raise DataError(
+            f"corpus ({description}) has {len(tokens)} tokens: too short for one window of "
+            f"train.seq_len+1 = {window} tokens in both the train and the validation split "
+            f"(data.val_fraction={d.val_fraction}); use at least {need} tokens of text or lower "
+            "train.seq_len"
+        )
+    return Data(
+        tokenizer, train, val, f"{description}, {len(tokens):,} tokens", digest.hexdigest()[:16]
+    )
+
+
+# ----------------------------------------------------------------------------- pipelines
+
+
+def _local_rows(global_batch: int, process_index: int, process_count: int) -> slice:
+    if global_batch % process_count:
+        raise DataError(
+            f"train.batch_size ({global_batch}) must be divisible by the number of processes "
+            f"({process_count})"
+        )
+    b = global_batch // process_count
+    return slice(process_index * b, (process_index + 1) * b)
+
+
+def train_dataset(
+    tokens: np.ndarray,
+    seq_len: int,
+    global_batch: int,
+    seed: int,
+    process_index: int = 0,
+    process_count: int = 1,
+) -> grain.MapDataset:
+    """Infinite Grain dataset of this process's rows of each global batch: int32 [b, seq_len+1]."""
+    rows = _local_rows(global_batch, process_index, process_count)
+    offsets = np.arange(seq_len + 1)
+
+    def windows(starts_B: np.ndarray) -> np.ndarray:
+        return tokens[starts_B[rows, None] + offsets]  # [b, seq_len + 1]
+
+    n_starts = len(tokens) - seq_len  # window start offsets 0 .. len - (seq_len + 1)
+    starts = grain.MapDataset.range(n_starts).shuffle(seed=seed % 2**32).repeat()
+    # Batch the start offsets (cheap ints) globally, then cut out this process's rows.
+    return starts.batch(global_batch).map(windows)
+
+
+def train_iterator(
+    tokens: np.ndarray,
+    seq_len: int,
+    global_batch: int,
+    seed: int,
+    process_index: int = 0,
+    process_count: int = 1,
+    num_threads: int = 0,
+) -> grain.DatasetIterator:
+    """Iterator over `train_dataset`; `num_threads` > 0 prefetches batches in that many threads."""
+    ds = train_dataset(tokens, seq_len, global_batch, seed, process_index, process_count)
+    options = grain.ReadOptions(num_threads=num_threads, prefetch_buffer_size=4 * num_threads)
+    return iter(ds.to_iter_dataset(options))
+
+
+def eval_batches(
+    tokens: np.ndarray,
+    seq_len: int,
+    global_batch: int,
+    n_batches: int,
+    process_index: int = 0,
+    process_count: int = 1,
+) -> list[np.ndarray]:
+    """Fixed validation batches: n_batches * global_batch evenly spaced windows, this
+    process's rows of each. Windows overlap only if the split is too short to avoid it."""
+    rows = _local_rows(global_batch, process_index, process_count)
+    n_starts = len(tokens) - seq_len
+    starts = np.linspace(0, n_starts - 1, n_batches * global_batch).round().astype(np.int64)
+    windows = tokens[starts[:, None] + np.arange(seq_len + 1)]
+    return [w[rows] for w in windows.reshape(n_batches, global_batch, seq_len + 1)]

@@ -1,0 +1,101 @@
+"""FLOPs / MFU accounting and the metric writers (JSONL always, TensorBoard alongside).
+
+Records are flat dicts with a "kind" ("info", "train" or "eval") and a "step". The JSONL file
+`RUN_DIR/metrics.jsonl` is the source of truth (read by `moe_jax.plot`); a resumed run appends
+to it, and readers keep the *last* record of each (kind, step), so steps repeated after a crash
+between two checkpoints are superseded by the rerun. TensorBoard event files go to `RUN_DIR/tb`.
+
+MFU = achieved model FLOP/s / peak FLOP/s, where model FLOPs per token come from
+`moe_jax.summary.train_flops_per_token` (active experts only) and the peak is either
+`train.peak_flops` or, when that is 0, measured once at start-up with a large jitted matmul
+(the most a dense fp32 kernel reaches on this machine).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+METRICS_FILE = "metrics.jsonl"
+
+
+def measure_peak_flops(n: int = 2048, repeats: int = 5) -> float:
+    """FLOP/s of the fastest of `repeats` jitted fp32 [n, n] @ [n, n] matmuls."""
+    a = jnp.ones((n, n), jnp.float32)
+    matmul = jax.jit(jnp.dot)
+    matmul(a, a).block_until_ready()  # compile and warm up
+    best = math.inf
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        matmul(a, a).block_until_ready()
+        best = min(best, time.perf_counter() - t0)
+    return 2 * n**3 / best
+
+
+def _jsonable(v):
+    if isinstance(v, np.ndarray | jax.Array):
+        return np.asarray(v).tolist()
+    if isinstance(v, np.generic):
+        return v.item()
+    return v
+
+
+class MetricsWriter:
+    """Appends records to RUN_DIR/metrics.jsonl and scalars to TensorBoard (RUN_DIR/tb)."""
+
+    def __init__(self, run_dir: str | Path, tensorboard: bool = True):
+        run_dir = Path(run_dir)
+        self._jsonl = open(run_dir / METRICS_FILE, "a", encoding="utf-8")  # noqa: SIM115
+        self._tb = None
+        if tensorboard:
+            from tensorboardX import SummaryWriter
+
+            self._tb = SummaryWriter(str(run_dir / "tb"), flush_secs=30)
+
+    def write(self, record: dict) -> None:
+        record = {k: _jsonable(v) for k, v in record.items()}
+        self._jsonl.write(json.dumps(record) + "\n")
+        self._jsonl.flush()
+        if self._tb is None or record["kind"] == "info":
+            return
+        step, prefix = record["step"], record["kind"]
+        for key, value in record.items():
+            if key in ("kind", "step") or value is None:
+                continue
+            if isinstance(value, int | float):
+                self._tb.add_scalar(f"{prefix}/{key}", value, step)
+            elif key == "dropped_frac":
+                for layer, v in enumerate(value):
+                    self._tb.add_scalar(f"moe_dropped/layer{layer}", v, step)
+            elif key == "expert_load":
+                # Load of the busiest expert relative to a perfectly even split (1 = balanced).
+                for layer, loads in enumerate(value):
+                    self._tb.add_scalar(f"moe_max_load/layer{layer}", max(loads) * len(loads), step)
+
+    def close(self) -> None:
+        self._jsonl.close()
+        if self._tb is not None:
+            self._tb.close()
+
+    def __enter__(self) -> MetricsWriter:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def read_metrics(run_dir: str | Path) -> list[dict]:
+    """Records of RUN_DIR/metrics.jsonl in step order, the last one winning per (kind, step)."""
+    latest: dict[tuple[str, int], dict] = {}
+    path = Path(run_dir) / METRICS_FILE
+    for line in path.read_text(encoding="utf-8").splitlines():
+        if line.strip():
+            r = json.loads(line)
+            latest[(r["kind"], r["step"])] = r
+    return sorted(latest.values(), key=lambda r: (r["step"], r["kind"]))

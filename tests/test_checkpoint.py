@@ -1,0 +1,228 @@
+"""Orbax checkpoints and run directories: exact round trip (params, optimizer, data position,
+config, tokenizer), keep-last-K, a crash mid-save keeping the previous checkpoint, load_run and
+its errors, and refusing run directories that cannot be continued, with nothing touched.
+No train step is compiled here; budget: ~15 s (two short subprocesses)."""
+
+from __future__ import annotations
+
+import runpy
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from moe_jax.checkpoint import (
+    Checkpointer,
+    RunError,
+    incompatible_keys,
+    inspect_run,
+    load_run,
+    on_device,
+)
+from moe_jax.data import ByteTokenizer, train_iterator
+from moe_jax.model import Transformer
+from moe_jax.trainer import init_state, make_optimizer
+from tests.test_train import TINY, _cfg, subprocess_env, xla_cache  # noqa: F401 (fixture)
+
+ROOT = Path(__file__).resolve().parents[1]
+TRAIN_MAIN = runpy.run_path(str(ROOT / "train.py"))["main"]
+TOKENS = np.arange(5000, dtype=np.int32) % 256
+
+
+pytestmark = pytest.mark.usefixtures("xla_cache")
+
+
+def _write_checkpoints(cfg, steps=(3,)):
+    """Save the freshly initialised state at `steps`, the data iterator advanced to each."""
+    tx = make_optimizer(cfg.train)
+    _, state = init_state(cfg, tx)
+    it = train_iterator(TOKENS, cfg.train.seq_len, cfg.train.batch_size, cfg.seed)
+    ckpt = Checkpointer(cfg)
+    done = 0
+    for step in steps:
+        for _ in range(step - done):
+            next(it)
+        done = step
+        meta = {"config": cfg, "tokenizer": ByteTokenizer(), "fingerprint": "f00d"}
+        ckpt.save(step, state["params"], state["opt_state"], it, meta)
+    ckpt.close()
+    return state, it
+
+
+def _snapshot(directory: Path) -> dict:
+    return {p: (p.read_bytes(), p.stat().st_mtime_ns) for p in directory.rglob("*") if p.is_file()}
+
+
+def _assert_trees_equal(a, b):
+    la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
+    assert jax.tree.structure(a) == jax.tree.structure(b) and len(la) == len(lb)
+    for x, y in zip(la, lb, strict=True):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def test_save_restore_round_trip_is_exact(tmp_path):
+    cfg = _cfg(tmp_path / "run")
+    state, it = _write_checkpoints(cfg, steps=(3,))
+    expected_next = next(it)
+
+    resume = inspect_run(cfg)
+    assert resume.step == 3 and resume.config == cfg and resume.fingerprint == "f00d"
+    assert resume.tokenizer.kind == "byte"
+    assert (tmp_path / "run/config.yaml").is_file()  # marks the directory as a run
+
+    tx = make_optimizer(cfg.train)
+    _, abstract = init_state(cfg, tx, abstract=True)
+    fresh_it = train_iterator(TOKENS, cfg.train.seq_len, cfg.train.batch_size, cfg.seed)
+    ckpt = Checkpointer(cfg)
+    dev = jax.devices()[0]
+    params, opt_state = ckpt.restore(
+        3, on_device(abstract["params"], dev), on_device(abstract["opt_state"], dev), fresh_it
+    )
+    ckpt.close()
+    _assert_trees_equal(params, state["params"])
+    _assert_trees_equal(opt_state, state["opt_state"])
+    np.testing.assert_array_equal(next(fresh_it), expected_next)  # data position restored
+
+
+def test_keeps_only_the_last_k_checkpoints(tmp_path):
+    cfg = _cfg(tmp_path / "run", "checkpoint.keep=2")
+    _write_checkpoints(cfg, steps=(1, 2, 3, 4))
+    assert sorted(
+        int(p.name) for p in (tmp_path / "run/checkpoints").iterdir() if p.name.isdigit()
+    ) == [3, 4]
+
+
+def test_load_run_restores_params_config_and_tokenizer(tmp_path):
+    cfg = _cfg(tmp_path / "run")
+    state, _ = _write_checkpoints(cfg, steps=(2, 5))
+    loaded_cfg, model, tok = load_run(tmp_path / "run")
+    assert loaded_cfg == cfg and tok.kind == "byte" and isinstance(model, Transformer)
+    _assert_trees_equal(nnx.state(model, nnx.Param), state["params"])
+    _, model2, _ = load_run(tmp_path / "run", step=2)
+    _assert_trees_equal(nnx.state(model2, nnx.Param), state["params"])
+
+
+def test_load_run_errors(tmp_path):
+    with pytest.raises(RunError, match=r"run directory '.*nowhere' does not exist"):
+        load_run(tmp_path / "nowhere")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(RunError, match=r"no checkpoint in '.*empty'"):
+        load_run(tmp_path / "empty")
+    _write_checkpoints(_cfg(tmp_path / "run"), steps=(2,))
+    with pytest.raises(RunError, match=r"no checkpoint for step 7 .* saved steps: \[2\]"):
+        load_run(tmp_path / "run", step=7)
+
+
+def test_architecture_changes_are_incompatible_training_changes_are_not(tmp_path):
+    base = _cfg(tmp_path)
+    assert (
+        incompatible_keys(
+            base,
+            _cfg(
+                tmp_path,
+                "train.lr=1e-4",
+                "train.steps=5000",
+                "moe.capacity_factor=2.0",
+                "model.max_seq_len=4096",
+                "seed=3",
+                "data.path=x.txt",
+            ),
+        )
+        == []
+    )
+    assert incompatible_keys(base, _cfg(tmp_path, "moe.top_k=1", "data.tokenizer=char")) == [
+        "data.tokenizer: 'byte' -> 'char'",
+        "moe.top_k: 2 -> 1",
+    ]
+
+
+def test_incompatible_run_dir_is_refused_with_nothing_touched(tmp_path, capsys):
+    run = tmp_path / "run"
+    cfg = _cfg(run)
+    _write_checkpoints(cfg, steps=(2,))
+    before = _snapshot(run)
+    argv = [
+        "configs/tiny.yaml",
+        *TINY,
+        "model.d_model=64",
+        "model.ffn_hidden=48",
+        "moe.expert_hidden=40",
+        f"run_dir={run}",
+    ]
+    assert TRAIN_MAIN(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: run_dir") and "model.d_model: 32 -> 64" in err
+    assert err.count("\n") == 1
+    assert _snapshot(run) == before
+
+
+def test_non_run_directory_is_refused(tmp_path, capsys):
+    (tmp_path / "notes.txt").write_text("precious")
+    assert TRAIN_MAIN([f"run_dir={tmp_path}", "train.steps=2", "train.warmup_steps=1"]) == 2
+    assert "is not a moe_jax run directory" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]
+
+
+def test_cli_bad_data_path_exits_2_without_traceback(tmp_path):
+    run = tmp_path / "run"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "train.py"),
+            f"data.path={tmp_path}/missing.txt",
+            f"run_dir={run}",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=120,
+    )
+    assert proc.returncode == 2
+    assert proc.stderr.startswith("error: data file") and "does not exist" in proc.stderr
+    assert "Traceback" not in proc.stderr + proc.stdout
+    assert not run.exists()  # nothing written
+
+
+CRASH_SCRIPT = """
+import os, signal, sys
+sys.path.insert(0, {root!r})
+import grain._src.python.checkpoint.handler as grain_handler
+from tests.test_checkpoint import _cfg, _write_checkpoints
+from moe_jax.checkpoint import Checkpointer
+cfg = _cfg({run!r})
+_write_checkpoints(cfg, steps=(1,))
+def die(*args, **kwargs):  # the process is killed while step 2 is being written
+    os.kill(os.getpid(), signal.SIGKILL)
+grain_handler.CheckpointHandler.save = die
+_write_checkpoints(cfg, steps=(2,))
+"""
+
+
+def test_crash_mid_save_keeps_the_previous_checkpoint(tmp_path):
+    run = tmp_path / "run"
+    script = textwrap.dedent(CRASH_SCRIPT).format(root=str(ROOT), run=str(run))
+    proc = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=120,
+        env=subprocess_env(),
+    )
+    assert proc.returncode == -9, proc.stderr
+    ckpt_dir = run / "checkpoints"
+    leftovers = [p.name for p in ckpt_dir.iterdir() if "orbax-checkpoint-tmp" in p.name]
+    assert leftovers and leftovers[0].startswith("2.")  # the save of step 2 was cut short
+
+    cfg = _cfg(run)
+    assert inspect_run(cfg).step == 1
+    _, model, _ = load_run(run)
+    _, state = init_state(cfg, make_optimizer(cfg.train))  # what step 1 saved
+    _assert_trees_equal(nnx.state(model, nnx.Param), state["params"])
+    Checkpointer(cfg).close()  # opening the run for training clears the unfinished save
+    assert sorted(p.name for p in ckpt_dir.iterdir() if not p.name.startswith("_")) == ["1"]

@@ -1,0 +1,43 @@
+"""Train a Mixture-of-Experts language model.
+
+    python train.py                                   # configs/tiny.yaml on the embedded corpus
+    python train.py configs/tiny.yaml train.steps=100 moe.top_k=1
+    python train.py run_dir=runs/exp1 data.path=shakespeare.txt data.tokenizer=char
+
+A run directory that already holds checkpoints is resumed from the latest one. SIGTERM or
+Ctrl-C saves a checkpoint after the current step and stops; run the same command to resume.
+Metrics: RUN_DIR/metrics.jsonl and TensorBoard files in RUN_DIR/tb; plots with
+`python -m moe_jax.plot RUN_DIR`.
+"""
+
+import sys
+from pathlib import Path
+
+from moe_jax.checkpoint import RunError
+from moe_jax.config import cli_config
+from moe_jax.data import DataError
+from moe_jax.trainer import TrainingError, train
+
+USAGE = "usage: python train.py [CONFIG.yaml] [section.key=value ...]"
+
+
+def main(argv: list[str]) -> int:
+    if argv and argv[0] in ("-h", "--help"):
+        print(__doc__.strip() + "\n\n" + USAGE)
+        return 0
+    cfg = cli_config(argv, default_path=Path(__file__).resolve().parent / "configs/tiny.yaml")
+    try:
+        result = train(cfg)
+    except (DataError, RunError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except TrainingError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    if result.stopped_by is not None:
+        return 128 + result.stopped_by  # the shell convention for "terminated by a signal"
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
