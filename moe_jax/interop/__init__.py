@@ -1,0 +1,17 @@
+"""Hugging Face interop: import and export safetensors checkpoints with logit parity.
+
+    from moe_jax.interop import load_hf, save_hf
+    cfg, model = load_hf("path/to/hf_model")          # config.json + *.safetensors -> ours
+    save_hf(cfg, model, "path/to/out")                 # -> a directory transformers loads
+
+Families: Llama4ForCausalLM (and the text part of Llama4ForConditionalGeneration),
+MixtralForCausalLM, Qwen3MoeForCausalLM, and the dense LlamaForCausalLM / Qwen3ForCausalLM
+(`moe.n_experts = 0`). A setting that changes the math and that our model lacks is refused
+with an `InteropError` naming it. Imported MoE models never drop tokens
+(`moe.capacity_factor = 0`), like transformers. CLI: `python -m moe_jax.interop --help`.
+"""
+
+from moe_jax.interop.convert import FAMILIES, config_from_hf, load_hf, pick_family, save_hf
+from moe_jax.interop.safetensors_io import InteropError
+
+__all__ = ["FAMILIES", "InteropError", "config_from_hf", "load_hf", "pick_family", "save_hf"]

@@ -1,0 +1,152 @@
+"""Convert between Hugging Face checkpoints and moe_jax run directories.
+
+    python -m moe_jax.interop import HF_DIR --out RUN_DIR [CONFIG.yaml] [section.key=value ...]
+    python -m moe_jax.interop export RUN_DIR --out HF_DIR [--step N] [--arch ARCHITECTURE]
+
+import: the architecture comes from HF_DIR/config.json; CONFIG.yaml (default: the schema
+defaults) and the overrides set everything else (train, data, mesh, ...) plus the run-time
+model keys (model.dtype, model.scan_layers, model.max_seq_len, moe.capacity_factor, aux-loss
+weights). RUN_DIR gets a step-0 checkpoint: fine-tune it with
+`python train.py RUN_DIR/config.yaml [overrides]` (fresh optimizer, data from the start) or
+sample from it. moe_jax tokenizes with its own `data.tokenizer` (byte or char), not the HF
+tokenizer, whose files are not read.
+
+export: writes the run's latest (or --step) checkpoint as float32 safetensors + config.json
+for the first HF architecture that represents its config exactly (or --arch).
+
+Errors (unsupported architecture or setting, missing tensor, existing non-empty --out) print
+one `error: ...` line and exit 2; nothing existing is overwritten.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import shutil
+import sys
+from pathlib import Path
+
+import jax
+from flax import nnx
+from omegaconf import OmegaConf
+
+from moe_jax.checkpoint import RESUMABLE_CHANGES, Checkpointer, RunError, load_run
+from moe_jax.config import Config, ConfigError, config_from_yaml, config_to_yaml, load_config
+from moe_jax.data import DataError, load_data, train_iterator
+from moe_jax.interop.convert import FAMILIES, load_hf, save_hf
+from moe_jax.interop.safetensors_io import InteropError
+from moe_jax.model import Transformer
+from moe_jax.trainer import make_optimizer
+
+
+def _require_empty(out: Path) -> None:
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise InteropError(f"'{out}' exists and is not empty; choose a new --out directory")
+
+
+def _host_device() -> jax.Device | None:
+    """Host memory rather than an accelerator: an imported model only passes through on its
+    way to disk (None, i.e. the default device, where JAX runs without a CPU backend)."""
+    try:
+        return jax.local_devices(backend="cpu")[0]
+    except RuntimeError:
+        return None
+
+
+def _import_config(
+    hf_dir: Path, config: str | None, overrides: list[str]
+) -> tuple[Config, Transformer]:
+    """The HF architecture over CONFIG.yaml + overrides; overriding an architecture key that
+    the HF config fixes is refused rather than silently ignored."""
+    for item in overrides:
+        key = item.partition("=")[0]
+        if key.split(".")[0] in ("model", "attention", "moe") and key not in RESUMABLE_CHANGES:
+            raise ConfigError(f"'{key}' is set by {hf_dir}/config.json and cannot be overridden")
+    base = load_config(config, overrides)
+    cfg, model = load_hf(hf_dir, base, device=_host_device())
+    if overrides:  # re-apply the run-time model keys the HF config may have set
+        merged = OmegaConf.merge(
+            OmegaConf.create(config_to_yaml(cfg)), OmegaConf.from_dotlist(overrides)
+        )
+        cfg = config_from_yaml(OmegaConf.to_yaml(merged))
+    return cfg, model
+
+
+def import_run(hf_dir: Path, out: Path, config: str | None, overrides: list[str]) -> Config:
+    """Import HF_DIR into a new run directory `out` holding a step-0 checkpoint."""
+    _require_empty(out)
+    cfg, model = _import_config(hf_dir, config, overrides)
+    cfg = dataclasses.replace(cfg, run_dir=str(out))
+    data = load_data(cfg)  # the run's tokenizer and data position, as train.py would start them
+    params = nnx.state(model, nnx.Param)
+    opt_state = make_optimizer(cfg.train).init(params)
+    it = train_iterator(
+        data.train, cfg.train.seq_len, cfg.train.batch_size, cfg.seed,
+        num_threads=cfg.data.num_workers,
+    )  # fmt: skip
+    meta = {"config": cfg, "tokenizer": data.tokenizer, "fingerprint": data.fingerprint}
+    existed = out.exists()  # and then empty
+    try:
+        ckpt = Checkpointer(cfg)
+        try:
+            ckpt.save(0, params, opt_state, it, meta)
+        finally:
+            ckpt.close()
+    except BaseException:  # remove only what this command wrote
+        if not existed:
+            shutil.rmtree(out, ignore_errors=True)
+        elif out.is_dir():
+            for child in out.iterdir():
+                if child.is_dir():
+                    shutil.rmtree(child)
+                else:
+                    child.unlink()
+        raise
+    return cfg
+
+
+def export_run(run_dir: Path, out: Path, step: int | None, arch: str | None) -> str:
+    _require_empty(out)
+    cfg, model, _ = load_run(run_dir, step)
+    return save_hf(cfg, model, out, architecture=arch)
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m moe_jax.interop",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    imp = sub.add_parser(
+        "import",
+        help="HF checkpoint directory -> moe_jax run directory",
+        usage="%(prog)s HF_DIR --out RUN_DIR [CONFIG.yaml] [section.key=value ...]",
+    )
+    imp.add_argument("hf_dir", type=Path)
+    imp.add_argument("--out", type=Path, required=True, help="new run directory")
+    exp = sub.add_parser("export", help="moe_jax run directory -> HF checkpoint directory")
+    exp.add_argument("run_dir", type=Path)
+    exp.add_argument("--out", type=Path, required=True, help="new HF model directory")
+    exp.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")
+    exp.add_argument("--arch", choices=list(FAMILIES), default=None)
+    # CONFIG.yaml and key=value overrides may come before or after --out.
+    args, rest = parser.parse_known_args(argv)
+    if args.command == "export" and rest or any(r.startswith("-") for r in rest):
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    try:
+        if args.command == "import":
+            config = rest.pop(0) if rest and "=" not in rest[0] else None
+            cfg = import_run(args.hf_dir, args.out, config, rest)
+            print(f"imported {args.hf_dir} into {cfg.run_dir} (step 0)")
+        else:
+            arch = export_run(args.run_dir, args.out, args.step, args.arch)
+            print(f"exported {args.run_dir} as {arch} to {args.out}")
+    except (InteropError, ConfigError, DataError, RunError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

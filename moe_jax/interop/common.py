@@ -1,0 +1,390 @@
+"""Pieces shared by the family mappings: tensor rules, HF config reading, RoPE, layer patterns.
+
+A `Rule` ties one or more of our per-layer parameters (paths inside a decoder layer such as
+`attn.wq`, or top-level paths such as `embed.embedding`) to Hugging Face tensors, both ways:
+`load(src, *outs)` fills our arrays (preallocated views, our layout) from HF tensors read one
+at a time, `save(*arrays)` yields the HF tensors of our arrays. Layout facts used below:
+`nn.Linear.weight` is [out, in] and ours are [in..., out...]; our heads are split out
+(`wq [D, H, hd]`, `wo [H, hd, D]`) where HF flattens them (`[H*hd, D]`, `[D, H*hd]`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import numpy as np
+
+from moe_jax.config import AttentionConfig, Config, ModelConfig, MoEConfig, RopeScalingConfig
+from moe_jax.interop.safetensors_io import InteropError, TensorReader
+
+HFTensors = Iterator[tuple[str, np.ndarray]]
+
+
+class Source:
+    """HF tensors under a name prefix (e.g. `model.layers.3.`), recording which were read."""
+
+    def __init__(self, reader: TensorReader, prefix: str, used: set[str]):
+        self.reader, self.prefix, self.used = reader, prefix, used
+
+    def has(self, name: str) -> bool:
+        return self.reader.has(self.prefix + name)
+
+    def __call__(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
+        full = self.prefix + name
+        found = self.reader.shape(full) if self.reader.has(full) else None
+        if found is not None and found != tuple(shape):
+            raise InteropError(
+                f"tensor '{full}' has shape {list(found)} but config.json implies {list(shape)}"
+            )
+        self.used.add(full)
+        return self.reader.get(full)
+
+
+@dataclass(frozen=True)
+class Rule:
+    ours: tuple[str, ...]
+    load: Callable[..., None]  # load(src, *outs): fill our arrays in place
+    save: Callable[..., HFTensors]  # save(*arrays): the HF tensors
+
+
+def linear(ours: str, hf: str, in_axes: int = 1, alt: str | None = None) -> Rule:
+    """nn.Linear weight [out, in] <-> ours [in..., out...]; `in_axes` leading axes are `in`.
+    `alt`: another name the tensor may have on import (written under `hf`)."""
+
+    def load(src: Source, out: np.ndarray) -> None:
+        n_in = math.prod(out.shape[:in_axes])
+        name = alt if alt is not None and not src.has(hf) and src.has(alt) else hf
+        out[...] = src(name, (out.size // n_in, n_in)).T.reshape(out.shape)
+
+    def save(a: np.ndarray) -> HFTensors:
+        yield hf, a.reshape(math.prod(a.shape[:in_axes]), -1).T
+
+    return Rule((ours,), load, save)
+
+
+def same(ours: str, hf: str, flat: bool = True) -> Rule:
+    """Same values; HF keeps them flat (norm scales, biases) unless `flat=False` (embedding)."""
+
+    def load(src: Source, out: np.ndarray) -> None:
+        out[...] = src(hf, (out.size,) if flat else out.shape).reshape(out.shape)
+
+    def save(a: np.ndarray) -> HFTensors:
+        yield hf, a.reshape(-1) if flat else a
+
+    return Rule((ours,), load, save)
+
+
+def swiglu(ours: str, hf: str) -> list[Rule]:
+    """A SwiGLU MLP stored as three HF linears `{hf}.gate_proj/up_proj/down_proj`."""
+    return [
+        linear(f"{ours}.w_gate", f"{hf}.gate_proj.weight"),
+        linear(f"{ours}.w_up", f"{hf}.up_proj.weight"),
+        linear(f"{ours}.w_down", f"{hf}.down_proj.weight"),
+    ]
+
+
+def per_expert_swiglu(hf_gate: str, hf_up: str, hf_down: str, fused: str, n_experts: int) -> Rule:
+    """Experts as one nn.Linear per expert (`hf_*` hold `{}` for the expert index), the layout
+    `save_pretrained` writes for Mixtral and Qwen3-MoE. On import the fused layout that
+    transformers>=5 uses in memory (`{fused}.gate_up_proj [E, 2F, D]` gate first,
+    `{fused}.down_proj [E, D, F]`, written by `save_pretrained(save_original_format=False)`)
+    is accepted too."""
+    ours = ("ffn.experts.w_gate", "ffn.experts.w_up", "ffn.experts.w_down")
+
+    def load(src: Source, gate: np.ndarray, up: np.ndarray, down: np.ndarray) -> None:
+        E, D, F = gate.shape
+        if src.has(f"{fused}.gate_up_proj"):
+            gate_up = src(f"{fused}.gate_up_proj", (E, 2 * F, D))
+            gate[...] = gate_up[:, :F].transpose(0, 2, 1)
+            up[...] = gate_up[:, F:].transpose(0, 2, 1)
+            down[...] = src(f"{fused}.down_proj", (E, D, F)).transpose(0, 2, 1)
+            return
+        for e in range(E):
+            gate[e] = src(hf_gate.format(e), (F, D)).T
+            up[e] = src(hf_up.format(e), (F, D)).T
+            down[e] = src(hf_down.format(e), (D, F)).T
+
+    def save(gate: np.ndarray, up: np.ndarray, down: np.ndarray) -> HFTensors:
+        for e in range(n_experts):
+            yield hf_gate.format(e), gate[e].T
+            yield hf_up.format(e), up[e].T
+            yield hf_down.format(e), down[e].T
+
+    return Rule(ours, load, save)
+
+
+def attention_rules(cfg: Config) -> list[Rule]:
+    """Pre-norms and attention of a Llama-style layer (`self_attn.*`, `*_layernorm`)."""
+    a = cfg.attention
+    rules = [
+        same("attn_norm.scale", "input_layernorm.weight"),
+        same("ffn_norm.scale", "post_attention_layernorm.weight"),
+        linear("attn.wq", "self_attn.q_proj.weight"),
+        linear("attn.wk", "self_attn.k_proj.weight"),
+        linear("attn.wv", "self_attn.v_proj.weight"),
+        linear("attn.wo", "self_attn.o_proj.weight", in_axes=2),
+    ]
+    if a.qkv_bias:
+        rules += [same(f"attn.{p}_bias", f"self_attn.{p}_proj.bias") for p in "qkv"]
+    if a.o_bias:
+        rules.append(same("attn.o_bias", "self_attn.o_proj.bias"))
+    if a.qk_norm == "rms":
+        rules += [same(f"attn.{p}_norm.scale", f"self_attn.{p}_norm.weight") for p in "qk"]
+    return rules
+
+
+def top_rules(cfg: Config) -> list[Rule]:
+    """Embedding, final norm and (untied) output head, the same in every family."""
+    rules = [
+        same("embed.embedding", "model.embed_tokens.weight", flat=False),
+        same("final_norm.scale", "model.norm.weight"),
+    ]
+    if not cfg.model.tie_embeddings:
+        rules.append(linear("head", "lm_head.weight"))
+    return rules
+
+
+# ----------------------------------------------------------------------------- HF configs
+
+
+class HFConfig:
+    """config.json values, falling back to the defaults of the family's transformers config
+    class (a key absent from config.json means that default to transformers)."""
+
+    def __init__(self, values: dict, defaults: dict, architecture: str):
+        self.values, self.defaults, self.architecture = values, defaults, architecture
+
+    def __getitem__(self, key: str):
+        return self.values[key] if key in self.values else self.defaults.get(key)
+
+    def get(self, *keys: str):
+        """The first of `keys` (aliases) in config.json, else the first one's class default."""
+        for k in keys:
+            if k in self.values:
+                return self.values[k]
+        return self.defaults.get(keys[0])
+
+    def refuse(self, setting: str, why: str) -> InteropError:
+        return InteropError(f"{self.architecture}: {setting} is not supported by moe_jax ({why})")
+
+    def require(self, ok: bool, setting: str, why: str) -> None:
+        if not ok:
+            raise self.refuse(setting, why)
+
+
+def head_dim(hf: HFConfig) -> int:
+    return hf["head_dim"] or hf["hidden_size"] // hf["num_attention_heads"]
+
+
+def rope_from_hf(hf: HFConfig, default_theta: float) -> tuple[float, RopeScalingConfig]:
+    """(theta, scaling) as transformers resolves them: `rope_scaling` (legacy) over
+    `rope_parameters`, `rope_theta` inside them over the top-level key over the class default."""
+    params = dict(hf.values.get("rope_scaling") or hf.values.get("rope_parameters") or {})
+    hf.require(
+        not any(isinstance(v, dict) for v in params.values()),
+        "RoPE parameters per layer type",
+        "one RoPE for all layers",
+    )
+    theta = params.get("rope_theta", hf.values.get("rope_theta", default_theta))
+    kind = params.get("rope_type", params.get("type", "default"))
+    partial = params.get("partial_rotary_factor", hf.values.get("partial_rotary_factor"))
+    hf.require(partial in (None, 1, 1.0), f"partial_rotary_factor={partial}", "RoPE on all dims")
+
+    def need(key: str) -> float:
+        if key not in params:
+            raise InteropError(f"{hf.architecture}: {kind} RoPE parameters lack '{key}'")
+        return float(params[key])
+
+    if kind == "default":
+        return float(theta), RopeScalingConfig(type="none")
+    if kind == "linear":
+        return float(theta), RopeScalingConfig(type="linear", factor=need("factor"))
+    if kind == "llama3":
+        original = hf.values.get(
+            "original_max_position_embeddings",
+            params.get("original_max_position_embeddings", hf["max_position_embeddings"]),
+        )
+        return float(theta), RopeScalingConfig(
+            type="llama3",
+            factor=need("factor"),
+            low_freq_factor=need("low_freq_factor"),
+            high_freq_factor=need("high_freq_factor"),
+            original_max_position=int(original),
+        )
+    raise hf.refuse(f"rope type '{kind}'", "only default, linear and llama3 RoPE exist here")
+
+
+def rope_to_hf(a: AttentionConfig) -> dict:
+    s = a.rope_scaling
+    if s.type == "none":
+        return {"rope_type": "default", "rope_theta": a.rope_theta}
+    if s.type == "linear":
+        return {"rope_type": "linear", "rope_theta": a.rope_theta, "factor": s.factor}
+    return {
+        "rope_type": "llama3",
+        "rope_theta": a.rope_theta,
+        "factor": s.factor,
+        "low_freq_factor": s.low_freq_factor,
+        "high_freq_factor": s.high_freq_factor,
+        "original_max_position_embeddings": s.original_max_position,
+    }
+
+
+def every_nth(flags: list[bool], what: str, hf: HFConfig) -> int:
+    """The n with flags[i] == ((i + 1) % n == 0) for every layer i; 0 when no flag is set.
+
+    Our config expresses MoE and NoPE layers only as "every n-th layer"; any other layer
+    pattern is refused."""
+    if not any(flags):
+        return 0
+    n = flags.index(True) + 1
+    if any(f != ((i + 1) % n == 0) for i, f in enumerate(flags)):
+        layers = [i for i, f in enumerate(flags) if f]
+        raise hf.refuse(f"{what} on layers {layers}", "the pattern must be every n-th layer")
+    return n
+
+
+def common_hf_config(cfg: Config, architecture: str, model_type: str) -> dict:
+    """config.json keys every family shares."""
+    m, a = cfg.model, cfg.attention
+    return {
+        "architectures": [architecture],
+        "model_type": model_type,
+        "vocab_size": m.vocab_size,
+        "hidden_size": m.d_model,
+        "num_hidden_layers": m.n_layers,
+        "num_attention_heads": a.n_heads,
+        "num_key_value_heads": a.n_kv_heads,
+        "head_dim": cfg.head_dim,
+        "hidden_act": "silu",
+        "max_position_embeddings": m.max_seq_len,
+        "rms_norm_eps": m.norm_eps,
+        "tie_word_embeddings": m.tie_embeddings,
+        "initializer_range": m.init_std,
+        "rope_parameters": rope_to_hf(a),
+        "attention_dropout": 0.0,
+        # Our tokenizers have no special tokens; None keeps transformers from stopping
+        # generation at a class-default id that means nothing to this vocabulary.
+        "bos_token_id": None,
+        "eos_token_id": None,
+        "pad_token_id": None,
+        "use_cache": True,
+        "dtype": "float32",
+    }
+
+
+class Unsupported:
+    """Collects why a config cannot be written as a family (for one clear error)."""
+
+    def __init__(self, architecture: str):
+        self.architecture, self.reasons = architecture, []
+
+    def check(self, ok: bool, reason: str) -> None:
+        if not ok:
+            self.reasons.append(reason)
+
+    def raise_if_any(self) -> None:
+        if self.reasons:
+            raise InteropError(f"cannot write {self.architecture}: {'; '.join(self.reasons)}")
+
+
+# ----------------------------------------------------------------------------- our configs
+
+
+@dataclass(frozen=True)
+class Family:
+    """One Hugging Face architecture: its config mapping both ways and its tensor rules."""
+
+    architecture: str  # e.g. "MixtralForCausalLM"
+    model_type: str
+    defaults: dict  # the transformers config class defaults of every key read here
+    to_config: Callable[[HFConfig, Config], Config]  # config.json over a base config
+    from_config: Callable[[Config], dict]  # our config -> config.json, or InteropError
+    layer_rules: Callable[[Config, int], list[Rule]]
+
+
+def check_hf_basics(hf: HFConfig) -> None:
+    hf.require(hf["hidden_act"] == "silu", f"hidden_act='{hf['hidden_act']}'", "MLPs are SwiGLU")
+
+
+def model_from_hf(hf: HFConfig, base: Config, ffn_hidden: int) -> ModelConfig:
+    return dataclasses.replace(
+        base.model,
+        vocab_size=hf["vocab_size"],
+        d_model=hf["hidden_size"],
+        n_layers=hf["num_hidden_layers"],
+        ffn_hidden=ffn_hidden,
+        norm_eps=float(hf["rms_norm_eps"]),
+        tie_embeddings=bool(hf["tie_word_embeddings"]),
+        max_seq_len=hf["max_position_embeddings"],
+        init_std=float(hf["initializer_range"]),
+    )
+
+
+def attention_from_hf(hf: HFConfig, default_theta: float, **settings) -> AttentionConfig:
+    """Heads and RoPE from config.json; `settings`: the family's other attention fields."""
+    theta, scaling = rope_from_hf(hf, default_theta)
+    return AttentionConfig(
+        n_heads=hf["num_attention_heads"],
+        n_kv_heads=hf["num_key_value_heads"] or hf["num_attention_heads"],
+        head_dim=head_dim(hf),
+        rope_theta=theta,
+        rope_scaling=scaling,
+        **settings,
+    )
+
+
+def moe_from_hf(hf: HFConfig, base: Config, interleave_step: int, **settings) -> MoEConfig:
+    """MoE section: no capacity drops (transformers never drops a token), the HF load-balance
+    coefficient x top_k (HF sums the expert fractions over the k choices, we average them;
+    HF also pools layers before the product, so it is the same loss only approximately)."""
+    if interleave_step == 0:  # no MoE layer at all: a dense model
+        return dense_moe(base)
+    top_k = hf["num_experts_per_tok"]
+    return dataclasses.replace(
+        base.moe,
+        top_k=top_k,
+        interleave_step=interleave_step,
+        router_bias=False,
+        expert_bias=False,
+        capacity_factor=0.0,
+        lb_loss_weight=float(hf["router_aux_loss_coef"]) * top_k,
+        **settings,
+    )
+
+
+def dense_moe(base: Config) -> MoEConfig:
+    return dataclasses.replace(
+        base.moe, n_experts=0, interleave_step=1, shared_expert_hidden=0, capacity_factor=0.0
+    )
+
+
+def has_nope_layers(cfg: Config) -> bool:
+    return not all(cfg.uses_rope(i) for i in range(cfg.model.n_layers))
+
+
+def check_llama_style(cfg: Config, u: Unsupported, qk_norm: str) -> None:
+    """What every rotate-half family (Llama, Qwen3, Mixtral, Qwen3-MoE) requires."""
+    a = cfg.attention
+    u.check(a.rope_style == "half", "attention.rope_style must be 'half'")
+    u.check(a.qk_norm == qk_norm, f"attention.qk_norm must be '{qk_norm}'")
+    u.check(not has_nope_layers(cfg), "NoPE layers (attention.nope_interval) are not supported")
+    u.check(a.chunk_size == 0, "chunked attention (attention.chunk_size) is not supported")
+
+
+def check_moe_softmax(cfg: Config, u: Unsupported) -> None:
+    """What the softmax-routed families (Mixtral, Qwen3-MoE) require of a MoE config."""
+    e = cfg.moe
+    u.check(e.n_experts > 0, "moe.n_experts must be > 0")
+    u.check(e.score == "softmax", "moe.score must be 'softmax'")
+    u.check(e.route_scale == "output", "moe.route_scale must be 'output'")
+    u.check(e.shared_expert_hidden == 0, "a shared expert is not supported")
+    u.check(not e.router_bias and not e.expert_bias, "router/expert biases are not supported")
+
+
+def aux_coef(cfg: Config) -> float:
+    """Inverse of the `router_aux_loss_coef` mapping in `moe_from_hf`."""
+    return cfg.moe.lb_loss_weight / cfg.moe.top_k

@@ -1,0 +1,233 @@
+"""`load_hf` / `save_hf`: Hugging Face checkpoint directory <-> (Config, Transformer).
+
+Import builds every parameter of ours in a preallocated float32 array, filled from the HF
+tensors one at a time (memory-mapped or read per tensor), then turns the buffers into device
+arrays one by one, dropping each buffer as its array is made: the peak is one copy of the
+model plus one parameter. Export writes per-layer slices of our (possibly stacked)
+parameters into size-capped safetensors shards.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+import tempfile
+from pathlib import Path
+
+import jax
+import numpy as np
+from flax import nnx
+
+from moe_jax.config import Config, ConfigError, validate
+from moe_jax.interop import llama, llama4, mixtral, qwen3
+from moe_jax.interop.common import Family, HFConfig, Source, top_rules
+from moe_jax.interop.safetensors_io import InteropError, ShardWriter, TensorReader
+from moe_jax.model import Transformer
+
+FAMILIES: dict[str, Family] = {
+    f.architecture: f for f in (llama4.FAMILY, mixtral.FAMILY, qwen3.MOE, llama.FAMILY, qwen3.DENSE)
+}
+DEFAULT_SHARD_BYTES = 2 * 1024**3
+# Tensors a checkpoint may carry that mean nothing to the model (old Llama checkpoints saved
+# the RoPE frequencies, which we recompute from config.json).
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def read_hf_config(directory: str | Path) -> tuple[Family, HFConfig, str]:
+    """(family, config.json with the family's defaults, tensor name prefix) of a checkpoint."""
+    path = Path(directory) / "config.json"
+    if not path.is_file():
+        raise InteropError(f"no config.json in '{directory}': not a Hugging Face model directory")
+    try:
+        values = json.loads(path.read_text(encoding="utf-8"))
+    except ValueError as e:
+        raise InteropError(f"'{path}' is not valid JSON ({e})") from None
+    architectures = values.get("architectures") or []
+    if not architectures:
+        by_type = {f.model_type: a for a, f in FAMILIES.items()}
+        architectures = [by_type.get(values.get("model_type"), values.get("model_type"))]
+    arch = architectures[0]
+    prefix = ""
+    if arch == llama4.MULTIMODAL_ARCH:  # the text model of a multimodal Llama 4 checkpoint
+        values, arch = values.get("text_config") or {}, llama4.ARCH
+        prefix = llama4.MULTIMODAL_PREFIX
+    if arch not in FAMILIES:
+        supported = ", ".join([*FAMILIES, llama4.MULTIMODAL_ARCH])
+        raise InteropError(f"unsupported architecture '{arch}' in '{path}'; supported: {supported}")
+    if values.get("quantization_config"):
+        raise InteropError(
+            f"'{path}' describes a quantized checkpoint (quantization_config); only float "
+            "checkpoints can be imported, dequantize it first"
+        )
+    family = FAMILIES[arch]
+    return family, HFConfig(values, family.defaults, arch), prefix
+
+
+def config_from_hf(directory: str | Path, base: Config | None = None) -> Config:
+    """Our config for a HF checkpoint: its architecture over `base` (default: `Config()`),
+    whose other sections (train, data, mesh, ...) and run-time model keys (dtype,
+    scan_layers) are kept. The MoE capacity factor is 0: no token is ever dropped, as in
+    transformers. `train.seq_len` is capped at the model's context. Training-only HF settings
+    (dropout, router jitter) have no counterpart here; `router_aux_loss_coef` x top_k becomes
+    `moe.lb_loss_weight`."""
+    return _our_config(*read_hf_config(directory)[:2], directory, base)
+
+
+def _our_config(family: Family, hf: HFConfig, directory, base: Config | None) -> Config:
+    cfg = family.to_config(hf, base or Config())
+    if cfg.train.seq_len > cfg.model.max_seq_len:
+        cfg = dataclasses.replace(
+            cfg, train=dataclasses.replace(cfg.train, seq_len=cfg.model.max_seq_len)
+        )
+    try:
+        validate(cfg)
+    except ConfigError as e:
+        raise InteropError(f"{hf.architecture} config in '{directory}' does not fit: {e}") from None
+    return cfg
+
+
+def _layer_path(cfg: Config, layer: int) -> tuple[tuple, int | None]:
+    """Where layer `layer` lives: (path prefix, index into the stacked block axis or None)."""
+    P = cfg.layer_period
+    n_blocks = cfg.model.n_layers // P
+    b, j = divmod(layer, P)
+    if b < n_blocks:
+        return ("blocks", "layers", j), b
+    return ("tail", layer - n_blocks * P), None
+
+
+def _placements(cfg: Config, family: Family):
+    """(tensor name prefix, rule, our param paths, block index) for every rule of the model."""
+    for rule in top_rules(cfg):
+        yield "", rule, [tuple(n.split(".")) for n in rule.ours], None
+    for i in range(cfg.model.n_layers):
+        base, b = _layer_path(cfg, i)
+        for rule in family.layer_rules(cfg, i):
+            yield f"model.layers.{i}.", rule, [base + tuple(n.split(".")) for n in rule.ours], b
+
+
+def _abstract_params(cfg: Config):
+    abstract = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
+    graphdef, params = nnx.split(abstract, nnx.Param)
+    return graphdef, dict(nnx.to_flat_state(params))
+
+
+def load_hf(
+    directory: str | Path, base: Config | None = None, device: jax.Device | None = None
+) -> tuple[Config, Transformer]:
+    """Import a HF checkpoint directory (config.json + safetensors, single file or sharded).
+
+    Returns our config (see `config_from_hf`) and a `Transformer` holding the weights as
+    float32 arrays on `device` (default: JAX's default device; pass a CPU device to import a
+    model larger than an accelerator, e.g. to write a checkpoint). Raises `InteropError`
+    (one line) for an unsupported architecture or setting, a missing tensor, a tensor of the
+    wrong shape, or a tensor the mapping does not use (a setting we would otherwise ignore).
+    """
+    family, hf, prefix = read_hf_config(directory)
+    cfg = _our_config(family, hf, directory, base)
+    reader = TensorReader(directory)
+    graphdef, variables = _abstract_params(cfg)
+    buffers: dict[tuple, np.ndarray] = {}
+
+    def out(path: tuple, block: int | None) -> np.ndarray:
+        if path not in buffers:
+            buffers[path] = np.empty(variables[path].shape, np.float32)
+        return buffers[path] if block is None else buffers[path][block]
+
+    used: set[str] = set()
+    for name_prefix, rule, paths, block in _placements(cfg, family):
+        src = Source(reader, prefix + name_prefix, used)
+        rule.load(src, *[out(p, block) for p in paths])
+    assert buffers.keys() == variables.keys(), sorted(variables.keys() ^ buffers.keys())
+
+    ignored = {prefix + "lm_head.weight"} if cfg.model.tie_embeddings else set()
+    unused = [
+        n
+        for n in reader.names()
+        if n.startswith(prefix)
+        and n not in used
+        and n not in ignored
+        and not n.endswith(_IGNORED_SUFFIXES)
+    ]
+    if unused:
+        raise InteropError(
+            f"{len(unused)} tensor(s) in '{directory}' have no place in the {hf.architecture} "
+            f"mapping, e.g. '{unused[0]}'; the checkpoint uses a setting moe_jax does not support"
+        )
+    # Each finished buffer becomes a device array and is dropped at once: one copy at a time.
+    params = nnx.from_flat_state(
+        [(p, variables[p].copy(jax.device_put(buffers.pop(p), device))) for p in sorted(variables)]
+    )
+    return cfg, nnx.merge(graphdef, params)
+
+
+def pick_family(cfg: Config, architecture: str | None = None) -> tuple[Family, dict]:
+    """The HF family that can represent `cfg` (the one named, or the first that fits) and
+    its config.json; `InteropError` saying why each candidate does not fit otherwise."""
+    if architecture is not None:
+        if architecture not in FAMILIES:
+            supported = ", ".join(FAMILIES)
+            raise InteropError(f"unknown architecture '{architecture}'; choose one of {supported}")
+        family = FAMILIES[architecture]
+        return family, family.from_config(cfg)
+    reasons = []
+    for family in FAMILIES.values():
+        try:
+            return family, family.from_config(cfg)
+        except InteropError as e:
+            reasons.append(str(e))
+    raise InteropError("no Hugging Face architecture fits this config: " + " | ".join(reasons))
+
+
+def save_hf(
+    cfg: Config,
+    model_or_params,
+    directory: str | Path,
+    *,
+    architecture: str | None = None,
+    max_shard_bytes: int = DEFAULT_SHARD_BYTES,
+) -> str:
+    """Write a directory that `transformers` loads with `AutoModelForCausalLM.from_pretrained`.
+
+    `model_or_params`: a `Transformer` or its `nnx.State` of params. The family is
+    `architecture` or the first that represents `cfg` exactly (else `InteropError`); float32
+    weights in `save_pretrained`'s layout and file names. `directory` must not exist or be
+    empty; it is written through a temporary sibling and renamed at the end, so a failure
+    leaves nothing behind. Returns the architecture written.
+    """
+    out = Path(directory)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise InteropError(f"'{out}' exists and is not empty; choose a new output directory")
+    family, hf_config = pick_family(cfg, architecture)
+    params = (
+        nnx.state(model_or_params, nnx.Param)
+        if isinstance(model_or_params, nnx.Module)
+        else model_or_params
+    )
+    flat = dict(nnx.to_flat_state(params))
+    _, expected = _abstract_params(cfg)
+    got = {p: tuple(v.shape) for p, v in flat.items()}
+    want = {p: tuple(v.shape) for p, v in expected.items()}
+    if got != want:
+        diff = sorted(got.keys() ^ want.keys()) or [p for p in want if got[p] != want[p]]
+        where = ".".join(map(str, diff[0]))
+        raise InteropError(f"the params do not match the config (first difference at {where})")
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        writer = ShardWriter(tmp, max_shard_bytes)
+        for name_prefix, rule, paths, block in _placements(cfg, family):
+            arrays = [np.asarray(flat[p][...] if block is None else flat[p][block]) for p in paths]
+            for name, tensor in rule.save(*arrays):
+                writer.add(name_prefix + name, tensor)
+        writer.close()
+        (tmp / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
+        if out.exists():
+            out.rmdir()
+        tmp.rename(out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return family.architecture

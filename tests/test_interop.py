@@ -1,0 +1,465 @@
+"""Hugging Face interop parity against `transformers` (torch CPU, float32, eager attention).
+
+For each family a tiny random transformers model (every weight redrawn, norm scales too, so
+that swapped or transposed tensors cannot hide behind ones and zeros) is saved, imported and
+compared: logits, greedy generation, and the round trip ours -> save_hf -> transformers.
+The configs switch on what each family can do: Llama 4 with NoPE + temperature tuning
+(floor_scale 4), chunked attention (chunk 8 < sequence 24), interleaved dense/MoE layers,
+top-2 sigmoid routing, llama3 RoPE scaling in its interpolated band, and a tail layer;
+Mixtral with a sliding window; Qwen3-MoE with a dense tail layer, attention biases,
+head_dim != d/heads and unnormalised top-k; Llama with biases and linear RoPE scaling;
+Qwen3 with tied embeddings and an all-layer sliding window.
+
+Tolerance: the issue's 1e-4 absolute on logits of O(1) (std ~0.8). Both sides compute the
+same float32 math in different orders; measured differences are ~1e-6.
+Budget: ~60 s on 2 cores (15 small XLA compiles dominate).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+torch = pytest.importorskip("torch", reason="interop tests need torch (the `interop` extra)")
+transformers = pytest.importorskip(
+    "transformers", reason="interop tests need transformers (the `interop` extra)"
+)
+
+from moe_jax.config import load_config  # noqa: E402
+from moe_jax.interop import InteropError, load_hf, save_hf  # noqa: E402
+from moe_jax.interop.safetensors_io import TensorReader  # noqa: E402
+from moe_jax.model import Transformer  # noqa: E402
+from tests.helpers import forward, forward_cached  # noqa: E402
+
+TOL = 1e-4
+V = 128
+NO_SPECIAL_TOKENS = dict(bos_token_id=None, eos_token_id=None, pad_token_id=None)
+COMMON = dict(vocab_size=V, hidden_size=64, num_attention_heads=4, num_key_value_heads=2)
+
+# name -> (transformers class, config class, config kwargs, greedy batch size)
+SPECS = {
+    "llama4": (
+        "Llama4ForCausalLM",
+        "Llama4TextConfig",
+        dict(
+            intermediate_size=32,
+            intermediate_size_mlp=48,
+            num_hidden_layers=5,
+            head_dim=16,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            interleave_moe_layer_step=2,
+            no_rope_layer_interval=4,
+            attention_chunk_size=8,
+            attn_temperature_tuning=True,
+            floor_scale=4,
+            attn_scale=0.5,
+            rope_parameters=dict(
+                rope_type="llama3",
+                rope_theta=500000.0,
+                factor=4.0,
+                low_freq_factor=1.0,
+                high_freq_factor=4.0,
+                original_max_position_embeddings=16,
+            ),
+            max_position_embeddings=256,
+        ),
+        1,  # decode reads only the picked experts (B * k < E)
+    ),
+    "mixtral": (
+        "MixtralForCausalLM",
+        "MixtralConfig",
+        dict(
+            intermediate_size=32,
+            num_hidden_layers=3,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            sliding_window=6,
+            max_position_embeddings=256,
+        ),
+        2,  # decode through the expert buffers
+    ),
+    "qwen3_moe": (
+        "Qwen3MoeForCausalLM",
+        "Qwen3MoeConfig",
+        dict(
+            intermediate_size=48,
+            moe_intermediate_size=32,
+            num_hidden_layers=3,
+            head_dim=24,
+            num_experts=4,
+            num_experts_per_tok=2,
+            decoder_sparse_step=2,
+            norm_topk_prob=False,
+            attention_bias=True,
+            max_position_embeddings=256,
+        ),
+        1,
+    ),
+    "llama": (
+        "LlamaForCausalLM",
+        "LlamaConfig",
+        dict(
+            intermediate_size=48,
+            num_hidden_layers=2,
+            attention_bias=True,
+            rope_parameters=dict(rope_type="linear", rope_theta=10000.0, factor=2.0),
+            max_position_embeddings=256,
+        ),
+        2,
+    ),
+    "qwen3": (
+        "Qwen3ForCausalLM",
+        "Qwen3Config",
+        dict(
+            intermediate_size=48,
+            num_hidden_layers=2,
+            head_dim=16,
+            tie_word_embeddings=True,
+            use_sliding_window=True,
+            sliding_window=5,
+            max_window_layers=0,
+            max_position_embeddings=256,
+        ),
+        2,
+    ),
+}
+
+
+def hf_model(name: str, seed: int = 0, **overrides):
+    model_cls, config_cls, kwargs, _ = SPECS[name]
+    settings = COMMON | kwargs | NO_SPECIAL_TOKENS | overrides
+    config = getattr(transformers, config_cls)(**settings)
+    config._attn_implementation = "eager"
+    torch.manual_seed(seed)
+    model = getattr(transformers, model_cls)(config).eval()
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for pname, p in model.named_parameters():
+            noise = 0.1 * torch.randn(p.shape, generator=g)
+            p.copy_(1.0 + noise if pname.endswith("norm.weight") else noise)
+    return model
+
+
+def hf_logits(model, tokens: np.ndarray) -> np.ndarray:
+    with torch.no_grad():
+        return model(torch.from_numpy(tokens)).logits.numpy()
+
+
+def our_logits(model, tokens: np.ndarray) -> np.ndarray:
+    return np.asarray(forward(model, jnp.asarray(tokens, jnp.int32))[0])
+
+
+def random_model(cfg, seed: int) -> Transformer:
+    """Our model with every param drawn like `hf_model` does (norm scales 1 + noise, the
+    rest noise); NumPy draws, so no per-shape XLA compile as with eager jax.random."""
+    graphdef, abstract = nnx.split(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0))))
+    rng = np.random.default_rng(seed)
+    new = []
+    for path, var in nnx.to_flat_state(abstract):
+        noise = 0.1 * rng.standard_normal(var.shape, dtype=np.float32)
+        new.append((path, var.copy(jnp.asarray(1.0 + noise if path[-1] == "scale" else noise))))
+    return nnx.merge(graphdef, nnx.from_flat_state(new))
+
+
+def params_of(model) -> dict:
+    return {p: np.asarray(v[...]) for p, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
+
+
+def assert_same_params(a, b) -> None:
+    pa, pb = params_of(a), params_of(b)
+    assert pa.keys() == pb.keys()
+    for path in pa:
+        np.testing.assert_array_equal(pa[path], pb[path], err_msg=str(path))
+
+
+def greedy_ours(model, prompt: np.ndarray, n_new: int) -> np.ndarray:
+    B, T0 = prompt.shape
+    cache = model.init_cache(B, T0 + n_new)
+    positions = jnp.broadcast_to(jnp.arange(T0, dtype=jnp.int32), (B, T0))
+    logits, _, cache = forward_cached(model, jnp.asarray(prompt, jnp.int32), positions, cache)
+    out = [jnp.argmax(logits[:, -1], axis=-1)]
+    for t in range(T0, T0 + n_new - 1):
+        step = out[-1][:, None].astype(jnp.int32)
+        logits, _, cache = forward_cached(model, step, jnp.full((B, 1), t, jnp.int32), cache)
+        out.append(jnp.argmax(logits[:, -1], axis=-1))
+    return np.stack([np.asarray(o) for o in out], axis=1)
+
+
+@pytest.fixture(scope="module", params=list(SPECS))
+def case(request, tmp_path_factory):
+    """(name, HF dir, HF model, our imported config and model) for one family."""
+    name = request.param
+    directory = tmp_path_factory.mktemp(name) / "hf"
+    model = hf_model(name)
+    model.save_pretrained(directory)
+    cfg, ours = load_hf(directory)
+    return name, directory, model, cfg, ours
+
+
+def tokens(B: int, T: int, seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, V, (B, T)).astype(np.int64)
+
+
+# ----------------------------------------------------------------------------- parity
+
+
+def test_imported_logits_match_transformers(case):
+    name, _, model, cfg, ours = case
+    assert cfg.moe.capacity_factor == 0  # imported models drop no token, like transformers
+    x = tokens(3, 24)
+    ref = hf_logits(model, x)
+    assert np.std(ref) > 0.3  # the redrawn weights give O(1) logits, so 1e-4 is tight
+    np.testing.assert_allclose(our_logits(ours, x), ref, rtol=0, atol=TOL)
+
+
+def test_greedy_generation_matches_transformers(case):
+    name, _, model, _, ours = case
+    batch = SPECS[name][3]
+    prompt, n_new = tokens(batch, 5, seed=1), 14  # 19 positions: past a Llama 4 chunk of 8
+    with torch.no_grad():
+        ref = model.generate(
+            torch.from_numpy(prompt), max_new_tokens=n_new, min_new_tokens=n_new, do_sample=False
+        ).numpy()[:, prompt.shape[1] :]
+    np.testing.assert_array_equal(greedy_ours(ours, prompt, n_new), ref)
+
+
+def test_round_trip_through_transformers(case, tmp_path):
+    name, _, model, cfg, ours = case
+    fresh = random_model(cfg, seed=2)
+    out = tmp_path / "export"
+    # A 100 kB shard limit makes every one of these models write several shards and an index.
+    arch = save_hf(cfg, fresh, out, max_shard_bytes=100_000)
+    assert arch == type(model).__name__
+    assert (out / "model.safetensors.index.json").is_file()
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(out, attn_implementation="eager")
+    x = tokens(3, 24, seed=3)
+    np.testing.assert_allclose(hf_logits(loaded.eval(), x), our_logits(fresh, x), rtol=0, atol=TOL)
+    # And back: the exported directory imports to the same config and identical weights.
+    cfg2, back = load_hf(out)
+    assert cfg2 == cfg
+    assert_same_params(back, fresh)
+
+
+# ----------------------------------------------------------------------------- layouts
+
+
+@pytest.fixture(scope="module")
+def mixtral_dir(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("mixtral_layouts")
+    model = hf_model("mixtral", seed=5)
+    model.save_pretrained(directory / "plain")
+    return model, directory
+
+
+def test_sharded_and_fused_checkpoints_import_identically(mixtral_dir):
+    model, directory = mixtral_dir
+    model.save_pretrained(directory / "sharded", max_shard_size="40KB")
+    assert (directory / "sharded" / "model.safetensors.index.json").is_file()
+    # transformers>=5 in-memory layout: fused experts [E, 2F, D] and the router under mlp.
+    model.save_pretrained(directory / "fused", save_original_format=False)
+    fused_names = TensorReader(directory / "fused").names()
+    assert "model.layers.0.mlp.experts.gate_up_proj" in fused_names
+    _, plain = load_hf(directory / "plain")
+    for variant in ("sharded", "fused"):
+        _, other = load_hf(directory / variant)
+        assert_same_params(plain, other)
+
+
+def test_llama4_multimodal_checkpoint_imports_its_text_model(tmp_path):
+    """A Llama4ForConditionalGeneration checkpoint: text config nested, text weights under
+    `language_model.`, vision weights ignored."""
+    from safetensors.numpy import save_file
+
+    text_dir, mm_dir = tmp_path / "text", tmp_path / "mm"
+    hf_model("llama4").save_pretrained(text_dir)
+    mm_dir.mkdir()
+    text_config = json.loads((text_dir / "config.json").read_text())
+    mm_config = {
+        "architectures": ["Llama4ForConditionalGeneration"],
+        "model_type": "llama4",
+        "text_config": text_config,
+        "vision_config": {"hidden_size": 8},
+    }
+    (mm_dir / "config.json").write_text(json.dumps(mm_config))
+    reader = TensorReader(text_dir)
+    tensors = {f"language_model.{n}": reader.get(n) for n in reader.names()}
+    tensors["vision_model.patch_embedding.weight"] = np.ones((2, 2), np.float32)
+    save_file(tensors, mm_dir / "model.safetensors")
+    cfg_text, text = load_hf(text_dir)
+    cfg_mm, mm = load_hf(mm_dir)
+    assert cfg_mm == cfg_text
+    assert_same_params(text, mm)
+
+
+def test_bf16_tensors_read_exactly(tmp_path):
+    from safetensors.torch import save_file
+
+    t = torch.randn(3, 5, dtype=torch.bfloat16)
+    empty = torch.zeros(0, 4, dtype=torch.bfloat16)
+    save_file({"w": t, "empty": empty}, tmp_path / "m.safetensors")
+    reader = TensorReader(tmp_path)
+    np.testing.assert_array_equal(reader.get("w"), t.float().numpy())
+    assert reader.get("empty").shape == (0, 4)
+
+
+# ----------------------------------------------------------------------------- refusals
+
+
+def write_config(directory, **values) -> None:
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "config.json").write_text(json.dumps(values))
+
+
+@pytest.mark.parametrize(
+    "config, message",
+    [
+        ({"architectures": ["GPT2LMHeadModel"]}, "unsupported architecture 'GPT2LMHeadModel'"),
+        (
+            {"architectures": ["LlamaForCausalLM"], "rope_scaling": {"rope_type": "yarn"}},
+            "rope type 'yarn'",
+        ),
+        ({"architectures": ["LlamaForCausalLM"], "mlp_bias": True}, "mlp_bias=true"),
+        ({"architectures": ["MixtralForCausalLM"], "hidden_act": "gelu"}, "hidden_act='gelu'"),
+        (
+            {
+                "architectures": ["Qwen3MoeForCausalLM"],
+                "num_hidden_layers": 4,
+                "mlp_only_layers": [2],
+            },
+            "MoE layers (decoder_sparse_step, mlp_only_layers) on layers [0, 1, 3]",
+        ),
+        (
+            {"architectures": ["Llama4ForCausalLM"], "num_hidden_layers": 3, "moe_layers": [0, 2]},
+            "MoE layers on layers [0, 2]",
+        ),
+        (
+            {
+                "architectures": ["Qwen3ForCausalLM"],
+                "num_hidden_layers": 2,
+                "use_sliding_window": True,
+                "max_window_layers": 1,
+            },
+            "layer_types",
+        ),
+    ],
+)
+def test_unsupported_configs_are_refused_by_name(tmp_path, config, message):
+    write_config(tmp_path, **config)
+    with pytest.raises(InteropError, match="^[^\n]*$") as err:
+        load_hf(tmp_path)
+    assert message in str(err.value)
+
+
+def test_missing_and_unused_tensors_are_named(mixtral_dir, tmp_path):
+    from safetensors.numpy import save_file
+
+    _, directory = mixtral_dir
+    reader = TensorReader(directory / "plain")
+    tensors = {n: reader.get(n) for n in reader.names()}
+    missing = "model.layers.1.block_sparse_moe.experts.2.w3.weight"
+    for variant, change in [("missing", missing), ("extra", "model.layers.0.mlp.bias")]:
+        d = tmp_path / variant
+        d.mkdir()
+        shutil.copy(directory / "plain" / "config.json", d)
+        changed = {n: t for n, t in tensors.items() if n != change}
+        if variant == "extra":
+            changed[change] = np.zeros(64, np.float32)
+        save_file(changed, d / "model.safetensors")
+        with pytest.raises(InteropError, match=change.replace(".", r"\.")):
+            load_hf(d)
+
+
+def test_unreadable_checkpoints_are_named(tmp_path):
+    write_config(tmp_path / "none", architectures=["LlamaForCausalLM"])
+    with pytest.raises(InteropError, match=r"no \*\.safetensors file"):
+        load_hf(tmp_path / "none")
+    write_config(tmp_path / "bad", architectures=["LlamaForCausalLM"])
+    (tmp_path / "bad" / "model.safetensors").write_bytes(b"\x08\0\0\0\0\0\0\0garbage!")
+    with pytest.raises(InteropError, match="not a readable safetensors file"):
+        load_hf(tmp_path / "bad")
+    fp8 = {"quant_method": "fbgemm_fp8"}
+    write_config(tmp_path / "fp8", architectures=["LlamaForCausalLM"], quantization_config=fp8)
+    with pytest.raises(InteropError, match="quantized checkpoint"):
+        load_hf(tmp_path / "fp8")
+
+
+def test_export_refuses_configs_no_family_can_hold(tmp_path):
+    # configs/tiny.yaml: Qwen3-style QK-norm with Llama 4 NoPE layers: neither family has both.
+    cfg = load_config("configs/tiny.yaml")
+    model = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))  # refused before reading
+    with pytest.raises(InteropError, match="no Hugging Face architecture fits") as err:
+        save_hf(cfg, model, tmp_path / "out")
+    assert "NoPE layers" in str(err.value)
+    assert not (tmp_path / "out").exists()
+    with pytest.raises(InteropError, match="cannot write MixtralForCausalLM: .*qk_norm"):
+        save_hf(cfg, model, tmp_path / "out", architecture="MixtralForCausalLM")
+
+
+def test_export_never_overwrites(tmp_path):
+    cfg = load_config("configs/tiny.yaml")
+    (tmp_path / "keep.txt").write_text("mine")
+    with pytest.raises(InteropError, match="not empty"):
+        save_hf(cfg, nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0))), tmp_path)
+    assert [p.name for p in tmp_path.iterdir()] == ["keep.txt"]
+
+
+# ----------------------------------------------------------------------------- CLI
+
+
+def test_cli_import_finetune_export(tmp_path, capsys):
+    """import -> the run dir samples like transformers and train.py continues it -> export."""
+    from moe_jax.checkpoint import load_run
+    from moe_jax.interop.__main__ import main
+    from moe_jax.trainer import train
+
+    big = hf_model("llama", seed=7, vocab_size=256)  # the byte tokenizer's ids
+    hf_dir, run_dir, out_dir = tmp_path / "hf", tmp_path / "run", tmp_path / "export"
+    big.save_pretrained(hf_dir)
+    run_args = [
+        "train.steps=2", "train.batch_size=2", "train.seq_len=16", "train.warmup_steps=1",
+        "train.eval_batches=1", "train.peak_flops=1e12", "data.embedded_max_bytes=100000",
+        "checkpoint.async_save=false",
+    ]  # fmt: skip
+    assert main(["import", str(hf_dir), "--out", str(run_dir), *run_args]) == 0
+    cfg, ours, tokenizer = load_run(run_dir)
+    assert tokenizer.kind == "byte" and cfg.train.steps == 2 and cfg.moe.capacity_factor == 0
+    x = tokens(2, 16, seed=4)
+    np.testing.assert_allclose(our_logits(ours, x), hf_logits(big, x), rtol=0, atol=TOL)
+
+    assert train(cfg).step == 2  # fine-tunes from the imported step-0 checkpoint
+
+    assert main(["export", str(run_dir), "--out", str(out_dir), "--step", "0"]) == 0
+    exported = transformers.AutoModelForCausalLM.from_pretrained(out_dir).state_dict()
+    original = big.state_dict()
+    assert exported.keys() == original.keys()
+    for name, tensor in original.items():  # step 0 is the imported model: bit for bit
+        assert torch.equal(exported[name], tensor), name
+
+
+def test_cli_errors_exit_2_and_touch_nothing(tmp_path, capsys):
+    from moe_jax.interop.__main__ import main
+
+    write_config(tmp_path / "gpt2", architectures=["GPT2LMHeadModel"])
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "keep.txt").write_text("mine")
+    cases = [
+        (["import", str(tmp_path / "gpt2"), "--out", str(tmp_path / "new")], "GPT2LMHeadModel"),
+        (["import", str(tmp_path / "gpt2"), "--out", str(tmp_path / "full")], "not empty"),
+        (
+            ["import", str(tmp_path / "gpt2"), "--out", str(tmp_path / "new"), "model.n_layers=3"],
+            "'model.n_layers' is set by",
+        ),
+        (["export", str(tmp_path / "nothing"), "--out", str(tmp_path / "new")], "does not exist"),
+    ]
+    for argv, message in cases:
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and message in err and err.count("\n") == 1
+    assert not (tmp_path / "new").exists()
+    assert [p.name for p in (tmp_path / "full").iterdir()] == ["keep.txt"]
