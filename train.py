@@ -14,8 +14,9 @@ import sys
 from pathlib import Path
 
 from moe_jax.checkpoint import RunError
-from moe_jax.config import cli_config
+from moe_jax.config import ConfigError, cli_config
 from moe_jax.data import DataError
+from moe_jax.sharding import init_distributed
 from moe_jax.trainer import TrainingError, train
 
 USAGE = "usage: python train.py [CONFIG.yaml] [section.key=value ...]"
@@ -27,8 +28,9 @@ def main(argv: list[str]) -> int:
         return 0
     cfg = cli_config(argv, default_path=Path(__file__).resolve().parent / "configs/tiny.yaml")
     try:
+        init_distributed(cfg)
         result = train(cfg)
-    except (DataError, RunError) as e:
+    except (ConfigError, DataError, RunError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except TrainingError as e:

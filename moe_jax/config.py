@@ -126,7 +126,9 @@ class MeshConfig:
     fsdp: int = 1
     expert: int = 1
     tensor: int = 1
-    # multi-host (jax.distributed); empty / 0 = single process or taken from the environment
+    # multi-host (jax.distributed): on with `distributed` or when a coordinator / more than one
+    # process is given; unset fields come from JAX_COORDINATOR_ADDRESS or the cluster's env
+    distributed: bool = False
     coordinator_address: str = ""
     num_processes: int = 0
     process_id: int = -1

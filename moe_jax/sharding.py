@@ -12,8 +12,10 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
-from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from moe_jax.config import Config, ConfigError
 
@@ -42,8 +44,13 @@ def param(
 ) -> nnx.Param:
     """A float32 parameter initialised by `init` and annotated with logical `axes`."""
     assert len(axes) == len(shape), (shape, axes)
+    # The rules travel with the param so Flax's own sharding helpers (nnx.eval_shape under a
+    # mesh, nnx.get_partition_spec) resolve the logical names the same way we do.
     return nnx.Param(
-        init(rngs.params(), shape, jnp.float32), out_sharding=axes, eager_sharding=False
+        init(rngs.params(), shape, jnp.float32),
+        out_sharding=axes,
+        sharding_rules=LOGICAL_RULES,
+        eager_sharding=False,
     )
 
 
@@ -100,13 +107,37 @@ def _check_divisible(cfg: Config, sizes: dict[str, int]) -> None:
 
 
 def make_mesh(cfg: Config, devices: list | None = None) -> Mesh:
+    """The device mesh of `cfg.mesh`. All axes 1 means one device (the first); any other
+    shape must use every device (of every process)."""
     devices = list(devices if devices is not None else jax.devices())
+    if all(getattr(cfg.mesh, ax) == 1 for ax in MESH_AXES):
+        devices = devices[:1]
     sizes = mesh_shape(cfg, len(devices))
     return jax.make_mesh(
         tuple(sizes[ax] for ax in MESH_AXES),
         MESH_AXES,
         axis_types=(AxisType.Auto,) * len(MESH_AXES),
         devices=devices,
+    )
+
+
+def init_distributed(cfg: Config) -> None:
+    """Join a multi-process run through JAX's own runtime (before any other JAX call).
+
+    Enabled by `mesh.distributed=true`, or implied by `mesh.coordinator_address` /
+    `mesh.num_processes > 1`. Unset fields come from JAX_COORDINATOR_ADDRESS or the cluster's
+    environment (SLURM, Open MPI, TPU pods...), as `jax.distributed.initialize` detects them.
+    """
+    m = cfg.mesh
+    if not (m.distributed or m.coordinator_address or m.num_processes > 1):
+        return
+    if jax.config.jax_platforms in (None, "", "cpu"):
+        # XLA:CPU needs a collectives backend to reduce across processes.
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(
+        coordinator_address=m.coordinator_address or None,
+        num_processes=m.num_processes or None,
+        process_id=m.process_id if m.process_id >= 0 else None,
     )
 
 
@@ -120,23 +151,37 @@ def n_batch_shards(mesh: Mesh | None = None) -> int:
 
 def batch_sharding(mesh: Mesh) -> NamedSharding:
     """[B, ...] arrays: batch over (data, fsdp, expert), everything else replicated."""
-    return NamedSharding(mesh, PartitionSpec(BATCH_AXES))
+    return NamedSharding(mesh, P(BATCH_AXES))
 
 
-def logical_to_spec(axes: tuple[str | None, ...]) -> PartitionSpec:
+def logical_to_spec(axes: tuple[str | None, ...]) -> P:
     rules = dict(LOGICAL_RULES)
-    return PartitionSpec(*(rules.get(a) if a is not None else None for a in axes))
+    return P(*(rules.get(a) if a is not None else None for a in axes))
 
 
-def state_shardings(state: nnx.State, mesh: Mesh) -> nnx.State:
-    """NamedShardings mirroring `state`, from each Variable's logical `out_sharding` axes."""
+def state_shardings(tree, mesh: Mesh):
+    """NamedShardings mirroring `tree`: Variables by their logical `out_sharding` axes (an
+    optimizer state built from params carries them too), any other array replicated."""
 
-    def one(v):
-        axes = v.get_metadata().get("out_sharding")
-        spec = logical_to_spec(tuple(axes)) if axes else PartitionSpec()
-        return v.replace(NamedSharding(mesh, spec))
+    def one(x):
+        if isinstance(x, nnx.Variable):
+            axes = x.get_metadata().get("out_sharding")
+            return x.replace(NamedSharding(mesh, logical_to_spec(tuple(axes)) if axes else P()))
+        return NamedSharding(mesh, P())
 
-    return jax.tree.map(one, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+    return jax.tree.map(one, tree, is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+def with_shardings(abstract_tree, shardings):
+    """Restore target: each abstract leaf's shape and dtype with its sharding."""
+    return jax.tree.map(
+        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), abstract_tree, shardings
+    )
+
+
+def global_batch(local_rows: np.ndarray, mesh: Mesh) -> jax.Array:
+    """This process's rows of a batch -> the global batch array, split over the batch axes."""
+    return jax.make_array_from_process_local_data(batch_sharding(mesh), local_rows)
 
 
 def create_sharded(make: Callable[[], nnx.Module], mesh: Mesh | None) -> nnx.Module:

@@ -47,13 +47,22 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 from tqdm import tqdm
 
-from moe_jax.checkpoint import Checkpointer, inspect_run, on_device
+from moe_jax.checkpoint import Checkpointer, inspect_run
 from moe_jax.config import Config, TrainConfig
 from moe_jax.data import eval_batches, load_data, train_iterator
 from moe_jax.metrics import MetricsWriter, measure_peak_flops
 from moe_jax.model import Transformer
+from moe_jax.sharding import (
+    BATCH_AXES,
+    global_batch,
+    make_mesh,
+    state_shardings,
+    with_shardings,
+)
 from moe_jax.summary import param_counts, train_flops_per_token
 
 
@@ -130,7 +139,12 @@ def compute_grads(params, graphdef: nnx.GraphDef, tokens_BT1: jax.Array, t: Trai
     """-> (grads, metrics) of the batch, accumulated over `t.grad_accum` micro-batches."""
     A = t.grad_accum
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
-    micro_ABT1 = tokens_BT1.reshape(A, tokens_BT1.shape[0] // A, tokens_BT1.shape[1])
+    B, T1 = tokens_BT1.shape
+    # Micro-batch a takes rows a, a+A, a+2A, ...: each device's contiguous block of the batch
+    # splits into A local micro-batches, so accumulation moves no data between devices.
+    micro_ABT1 = tokens_BT1.reshape(B // A, A, T1).swapaxes(0, 1)
+    if not jax.sharding.get_abstract_mesh().empty:
+        micro_ABT1 = jax.lax.with_sharding_constraint(micro_ABT1, P(None, BATCH_AXES))
 
     def accumulate(grads_sum, micro_BT1):
         (loss, metrics), grads = grad_fn(params, graphdef, micro_BT1, t.logit_z_loss)
@@ -143,8 +157,11 @@ def compute_grads(params, graphdef: nnx.GraphDef, tokens_BT1: jax.Array, t: Trai
     return grads, metrics
 
 
-def make_train_step(cfg: Config, graphdef: nnx.GraphDef, tx: optax.GradientTransformation):
-    """Jitted `(state, tokens_BT1) -> (new state, metrics)`; `state` is donated."""
+def make_train_step(
+    cfg: Config, graphdef: nnx.GraphDef, tx: optax.GradientTransformation, state_sharding=None
+):
+    """Jitted `(state, tokens_BT1) -> (new state, metrics)`; `state` is donated and, with
+    `state_sharding`, keeps that layout (metrics come back replicated)."""
     schedule = lr_schedule(cfg.train)
 
     def train_step(state, tokens_BT1):
@@ -160,7 +177,10 @@ def make_train_step(cfg: Config, graphdef: nnx.GraphDef, tx: optax.GradientTrans
         }
         return new_state, metrics
 
-    return jax.jit(train_step, donate_argnums=0)
+    if state_sharding is None:
+        return jax.jit(train_step, donate_argnums=0)
+    replicated = NamedSharding(jax.tree.leaves(state_sharding)[0].mesh, P())
+    return jax.jit(train_step, donate_argnums=0, out_shardings=(state_sharding, replicated))
 
 
 def make_eval_step(graphdef: nnx.GraphDef):
@@ -173,8 +193,11 @@ def make_eval_step(graphdef: nnx.GraphDef):
     return jax.jit(eval_step)
 
 
-def init_state(cfg: Config, tx: optax.GradientTransformation, abstract: bool = False):
-    """-> (graphdef, state). `abstract=True` gives shapes only (the target of a restore)."""
+def init_state(cfg: Config, tx: optax.GradientTransformation, abstract: bool = False, mesh=None):
+    """-> (graphdef, state). `abstract=True` gives shapes only (the target of a restore).
+
+    With a `mesh`, every array is created (or described, when abstract) already laid out
+    over it: params by their logical axes, Adam moments like their params."""
 
     def init():
         model = Transformer(cfg, rngs=nnx.Rngs(cfg.seed))
@@ -182,8 +205,12 @@ def init_state(cfg: Config, tx: optax.GradientTransformation, abstract: bool = F
         return {"step": jnp.zeros((), jnp.int32), "params": params, "opt_state": tx.init(params)}
 
     graphdef = nnx.graphdef(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0))))
+    shapes = jax.eval_shape(init)
+    shardings = state_shardings(shapes, mesh) if mesh is not None else None
+    if abstract:
+        return graphdef, (with_shardings(shapes, shardings) if mesh is not None else shapes)
     # One jitted program rather than hundreds of eagerly compiled initialiser ops.
-    return graphdef, (jax.eval_shape(init) if abstract else jax.jit(init)())
+    return graphdef, jax.jit(init, out_shardings=shardings)()
 
 
 # ----------------------------------------------------------------------------- the loop
@@ -265,8 +292,13 @@ def train(cfg: Config, *, stop_at: int | None = None) -> TrainResult:
             f"(sha256 {resume.fingerprint}); the data order after resuming is not the original"
         )
 
+    mesh = make_mesh(cfg)
+    if mesh.size < jax.device_count():
+        log(f"mesh: 1 of {jax.device_count()} devices (set mesh.data=-1 to use all)")
+    else:
+        log(f"mesh: {dict(mesh.shape)} over {mesh.size} devices, {jax.process_count()} process(es)")
     tx = make_optimizer(t)
-    graphdef, abstract_state = init_state(cfg, tx, abstract=True)
+    graphdef, abstract_state = init_state(cfg, tx, abstract=True, mesh=mesh)
     it = train_iterator(
         data.train,
         t.seq_len,
@@ -278,28 +310,27 @@ def train(cfg: Config, *, stop_at: int | None = None) -> TrainResult:
     )
     ckpt = Checkpointer(cfg)
     try:
-        if resume:
-            device = jax.devices()[0]
+        if resume:  # onto this run's mesh, whatever mesh saved it
             params, opt_state = ckpt.restore(
-                resume.step,
-                on_device(abstract_state["params"], device),
-                on_device(abstract_state["opt_state"], device),
-                it,
+                resume.step, abstract_state["params"], abstract_state["opt_state"], it
             )
             state = {
-                "step": jnp.asarray(resume.step, jnp.int32),
+                "step": jax.device_put(
+                    jnp.asarray(resume.step, jnp.int32), abstract_state["step"].sharding
+                ),
                 "params": params,
                 "opt_state": opt_state,
             }
             log(f"resumed from {cfg.run_dir} at step {resume.step}")
         else:
-            _, state = init_state(cfg, tx)
-        return _loop(cfg, graphdef, tx, state, it, data, ckpt, resume, stop_at, log)
+            _, state = init_state(cfg, tx, mesh=mesh)
+        with jax.set_mesh(mesh):
+            return _loop(cfg, mesh, graphdef, tx, state, it, data, ckpt, resume, stop_at, log)
     finally:
         ckpt.close()  # waits for an async save in flight, so it is never lost
 
 
-def _loop(cfg, graphdef, tx, state, it, data, ckpt, resume, stop_at, log) -> TrainResult:
+def _loop(cfg, mesh, graphdef, tx, state, it, data, ckpt, resume, stop_at, log) -> TrainResult:
     t = cfg.train
     start = resume.step if resume else 0
     end = t.steps if stop_at is None else min(stop_at, t.steps)
@@ -321,7 +352,10 @@ def _loop(cfg, graphdef, tx, state, it, data, ckpt, resume, stop_at, log) -> Tra
     val = eval_batches(
         data.val, t.seq_len, t.batch_size, t.eval_batches, jax.process_index(), jax.process_count()
     )
-    train_step, eval_step = make_train_step(cfg, graphdef, tx), make_eval_step(graphdef)
+    val = [global_batch(b, mesh) for b in val]
+    state_sharding = jax.tree.map(lambda a: a.sharding, state)
+    train_step = make_train_step(cfg, graphdef, tx, state_sharding)
+    eval_step = make_eval_step(graphdef)
     meta = {"config": cfg, "tokenizer": data.tokenizer, "fingerprint": data.fingerprint}
 
     last_saved = resume.step if resume else None
@@ -355,7 +389,7 @@ def _loop(cfg, graphdef, tx, state, it, data, ckpt, resume, stop_at, log) -> Tra
         )
         step = start
         while step < end:
-            state, metrics = train_step(state, next(it))
+            state, metrics = train_step(state, global_batch(next(it), mesh))
             step += 1
             window.append((step, metrics))
             if step == start + 1:  # the first step compiles: keep it out of the throughput

@@ -6,17 +6,19 @@ from flax import nnx
 
 from moe_jax.config import Config, load_config
 
+# A very small model on top of configs/tiny.yaml (also usable as CLI overrides).
+TINY_BASE = [
+    "model.d_model=32",
+    "model.ffn_hidden=48",
+    "attention.n_heads=4",
+    "attention.n_kv_heads=2",
+    "moe.expert_hidden=40",
+]
+
 
 def tiny_config(*overrides: str) -> Config:
-    """A very small model on top of configs/tiny.yaml, then the given overrides."""
-    base = [
-        "model.d_model=32",
-        "model.ffn_hidden=48",
-        "attention.n_heads=4",
-        "attention.n_kv_heads=2",
-        "moe.expert_hidden=40",
-    ]
-    return load_config("configs/tiny.yaml", [*base, *overrides])
+    """configs/tiny.yaml shrunk by TINY_BASE, then the given overrides."""
+    return load_config("configs/tiny.yaml", [*TINY_BASE, *overrides])
 
 
 @nnx.jit

@@ -1,0 +1,153 @@
+"""Whole training on a mesh: the train step on 8 simulated devices equals the single-device
+step; a run saved on one mesh resumes on another; two processes train together like one.
+
+No token is dropped here (capacity_factor 0), so routing does not depend on how the batch is
+grouped and every mesh must give the single-device numbers up to float summation order.
+Tolerances: float32; the sharded step sums gradients in another order (psum over shards), so
+losses agree to ~1e-6 relative. After Adam steps parameters agree to 1e-5 absolute: Adam's
+normalised update is O(lr) = 3e-3 per weight and the reordering moves it by ~1e-7.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from moe_jax.checkpoint import load_run
+from moe_jax.metrics import read_metrics
+from moe_jax.sharding import global_batch, make_mesh
+from moe_jax.trainer import init_state, make_optimizer, make_train_step, train
+from tests.helpers import TINY_BASE, tiny_config
+
+ROOT = Path(__file__).resolve().parents[1]
+
+ARCH = [
+    "model.n_layers=2",
+    "moe.n_experts=8",
+    "moe.capacity_factor=0",
+    "moe.shared_expert_hidden=16",
+    "train.seq_len=16",
+    "train.batch_size=8",
+    "train.warmup_steps=1",
+    "train.log_every=1",
+    "train.peak_flops=1e11",
+    "train.steps=100",
+    "train.eval_every=100",
+    "train.eval_batches=1",
+    "checkpoint.every=100",
+    "data.embedded_max_bytes=200000",
+]
+MESHES = {
+    "expert8": ["mesh.expert=8"],
+    "data2_expert4": ["mesh.data=2", "mesh.expert=4"],
+    "fsdp2_expert2_tensor2": ["mesh.fsdp=2", "mesh.expert=2", "mesh.tensor=2"],
+    "data2_fsdp2_expert2": ["mesh.data=2", "mesh.fsdp=2", "mesh.expert=2"],
+}
+
+
+def run_steps(cfg, n_steps=2):
+    mesh = make_mesh(cfg)
+    tx = make_optimizer(cfg.train)
+    rng = np.random.default_rng(0)
+    batches = [rng.integers(0, 256, (8, 17), dtype=np.int32) for _ in range(n_steps)]
+    with jax.set_mesh(mesh):
+        graphdef, state = init_state(cfg, tx, mesh=mesh)
+        step = make_train_step(cfg, graphdef, tx, jax.tree.map(lambda a: a.sharding, state))
+        losses = []
+        for b in batches:
+            state, metrics = step(state, global_batch(b, mesh))
+            losses.append(float(metrics["loss"]))
+    return losses, jax.device_get(state["params"]), metrics
+
+
+@pytest.fixture(scope="module")
+def single_device():
+    return run_steps(tiny_config(*ARCH))
+
+
+@pytest.mark.parametrize("mesh_name", list(MESHES))
+def test_train_step_on_a_mesh_equals_single_device(single_device, mesh_name):
+    cfg = tiny_config(*ARCH, *MESHES[mesh_name])
+    losses, params, metrics = run_steps(cfg)
+    ref_losses, ref_params, ref_metrics = single_device
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    for k in ("ce", "lb_loss", "z_loss", "expert_load", "grad_norm"):
+        np.testing.assert_allclose(metrics[k], ref_metrics[k], rtol=1e-5, atol=1e-7, err_msg=k)
+    for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(ref_params), strict=True):
+        np.testing.assert_allclose(a, b, atol=1e-5)
+
+
+def _losses(run_dir):
+    return {r["step"]: r["loss"] for r in read_metrics(run_dir) if r["kind"] == "train"}
+
+
+def test_save_on_one_mesh_resume_on_another(tmp_path):
+    straight, moved = tmp_path / "straight", tmp_path / "moved"
+    train(tiny_config(*ARCH, f"run_dir={straight}"), stop_at=4)
+    train(tiny_config(*ARCH, *MESHES["expert8"], f"run_dir={moved}"), stop_at=2)
+    train(tiny_config(*ARCH, *MESHES["fsdp2_expert2_tensor2"], f"run_dir={moved}"), stop_at=4)
+    a, b = _losses(straight), _losses(moved)
+    assert sorted(a) == sorted(b) == [1, 2, 3, 4]
+    np.testing.assert_allclose([b[s] for s in a], [a[s] for s in a], rtol=1e-5)
+    pa = nnx.state(load_run(straight)[1], nnx.Param)
+    pb = nnx.state(load_run(moved)[1], nnx.Param)
+    for x, y in zip(jax.tree.leaves(pa), jax.tree.leaves(pb), strict=True):
+        np.testing.assert_allclose(x, y, atol=1e-5)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_processes_train_together_like_one(tmp_path):
+    """2 processes x 2 CPU devices (gloo collectives) form one data=2 x expert=2 mesh."""
+    single, multi = tmp_path / "single", tmp_path / "multi"
+    steps = ["train.steps=3", "train.eval_every=3", "checkpoint.every=3"]
+    train(tiny_config(*ARCH, *steps, f"run_dir={single}"))
+
+    port = _free_port()
+    env = os.environ | {
+        "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
+        "JAX_PLATFORMS": "cpu",
+    }
+    args = [*ARCH, *steps, "mesh.data=2", "mesh.expert=2", f"run_dir={multi}"]
+    args += ["mesh.num_processes=2", f"mesh.coordinator_address=127.0.0.1:{port}"]
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "train.py",
+                "configs/tiny.yaml",
+                *TINY_BASE,
+                *args,
+                f"mesh.process_id={i}",
+            ],
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for i in range(2)
+    ]
+    outs = [p.communicate(timeout=240)[0] for p in procs]
+    for p, out in zip(procs, outs, strict=True):
+        assert p.returncode == 0, out[-3000:]
+    assert "'data': 2, 'fsdp': 1, 'expert': 2, 'tensor': 1} over 4 devices, 2 process" in outs[0]
+    a, b = _losses(single), _losses(multi)
+    assert sorted(a) == sorted(b) == [1, 2, 3]
+    np.testing.assert_allclose([b[s] for s in a], [a[s] for s in a], rtol=1e-5)
+    pa = nnx.state(load_run(single)[1], nnx.Param)
+    pb = nnx.state(load_run(multi)[1], nnx.Param)
+    for x, y in zip(jax.tree.leaves(pa), jax.tree.leaves(pb), strict=True):
+        np.testing.assert_allclose(x, y, atol=1e-5)
