@@ -39,10 +39,10 @@ ARCH = [
     "train.warmup_steps=1",
     "train.log_every=1",
     "train.peak_flops=1e11",
-    "train.steps=100",
-    "train.eval_every=100",
+    "train.steps=4",
+    "train.eval_every=4",
     "train.eval_batches=1",
-    "checkpoint.every=100",
+    "checkpoint.every=4",
     "data.embedded_max_bytes=200000",
 ]
 MESHES = {
@@ -89,18 +89,29 @@ def _losses(run_dir):
     return {r["step"]: r["loss"] for r in read_metrics(run_dir) if r["kind"] == "train"}
 
 
-def test_save_on_one_mesh_resume_on_another(tmp_path):
-    straight, moved = tmp_path / "straight", tmp_path / "moved"
-    train(tiny_config(*ARCH, f"run_dir={straight}"), stop_at=4)
-    train(tiny_config(*ARCH, *MESHES["expert8"], f"run_dir={moved}"), stop_at=2)
-    train(tiny_config(*ARCH, *MESHES["fsdp2_expert2_tensor2"], f"run_dir={moved}"), stop_at=4)
-    a, b = _losses(straight), _losses(moved)
+@pytest.fixture(scope="module")
+def straight_run(tmp_path_factory):
+    """4 uninterrupted steps on one device: the reference of the runs below."""
+    run_dir = tmp_path_factory.mktemp("straight")
+    train(tiny_config(*ARCH, f"run_dir={run_dir}"))
+    return run_dir
+
+
+def assert_same_run(run_dir, reference):
+    a, b = _losses(reference), _losses(run_dir)
     assert sorted(a) == sorted(b) == [1, 2, 3, 4]
     np.testing.assert_allclose([b[s] for s in a], [a[s] for s in a], rtol=1e-5)
-    pa = nnx.state(load_run(straight)[1], nnx.Param)
-    pb = nnx.state(load_run(moved)[1], nnx.Param)
+    pa = nnx.state(load_run(reference)[1], nnx.Param)
+    pb = nnx.state(load_run(run_dir)[1], nnx.Param)
     for x, y in zip(jax.tree.leaves(pa), jax.tree.leaves(pb), strict=True):
         np.testing.assert_allclose(x, y, atol=1e-5)
+
+
+def test_save_on_one_mesh_resume_on_another(tmp_path, straight_run):
+    moved = tmp_path / "moved"
+    train(tiny_config(*ARCH, *MESHES["expert8"], f"run_dir={moved}"), stop_at=2)
+    train(tiny_config(*ARCH, *MESHES["fsdp2_expert2_tensor2"], f"run_dir={moved}"))
+    assert_same_run(moved, straight_run)
 
 
 def _free_port() -> int:
@@ -109,18 +120,16 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_two_processes_train_together_like_one(tmp_path):
+def test_two_processes_train_together_like_one(tmp_path, straight_run):
     """2 processes x 2 CPU devices (gloo collectives) form one data=2 x expert=2 mesh."""
-    single, multi = tmp_path / "single", tmp_path / "multi"
-    steps = ["train.steps=3", "train.eval_every=3", "checkpoint.every=3"]
-    train(tiny_config(*ARCH, *steps, f"run_dir={single}"))
+    multi = tmp_path / "multi"
 
     port = _free_port()
     env = os.environ | {
         "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
         "JAX_PLATFORMS": "cpu",
     }
-    args = [*ARCH, *steps, "mesh.data=2", "mesh.expert=2", f"run_dir={multi}"]
+    args = [*ARCH, "mesh.data=2", "mesh.expert=2", f"run_dir={multi}"]
     args += ["mesh.num_processes=2", f"mesh.coordinator_address=127.0.0.1:{port}"]
     procs = [
         subprocess.Popen(
@@ -144,10 +153,4 @@ def test_two_processes_train_together_like_one(tmp_path):
     for p, out in zip(procs, outs, strict=True):
         assert p.returncode == 0, out[-3000:]
     assert "'data': 2, 'fsdp': 1, 'expert': 2, 'tensor': 1} over 4 devices, 2 process" in outs[0]
-    a, b = _losses(single), _losses(multi)
-    assert sorted(a) == sorted(b) == [1, 2, 3]
-    np.testing.assert_allclose([b[s] for s in a], [a[s] for s in a], rtol=1e-5)
-    pa = nnx.state(load_run(single)[1], nnx.Param)
-    pb = nnx.state(load_run(multi)[1], nnx.Param)
-    for x, y in zip(jax.tree.leaves(pa), jax.tree.leaves(pb), strict=True):
-        np.testing.assert_allclose(x, y, atol=1e-5)
+    assert_same_run(multi, straight_run)
