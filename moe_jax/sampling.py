@@ -1,0 +1,380 @@
+"""Text generation: prefill + KV-cache decode in one compiled program.
+
+    sampler = Sampler(model)                       # splits the params once; keep it around
+    out = sampler.generate([ids_a, ids_b], max_new_tokens=100, temperature=0.8, top_k=40)
+    out.sequences()                                # generated ids per prompt, stop token included
+
+One call is one jitted program: prefill of the right-padded prompt batch, then a
+`jax.lax.while_loop` that feeds each sampled token back through the KV cache until every
+sequence has hit a stop token or `max_new_tokens` are out. The program is compiled once per
+(batch size, prompt bucket, max_new_tokens, sampling mode) and reused: prompt lengths are
+padded up to a power of two, so most prompts share a compile, and the sampling *values*
+(temperature, top-k, top-p, seed, up to 8 stop tokens) are traced arguments, so changing them
+does not recompile. The mode (greedy, or sampling with or without the top-k / top-p filters)
+is static, because a greedy or unfiltered step can skip the sort over the vocabulary.
+
+Padding: row b's prompt occupies positions [0, len_b); its pad tokens are prefilled at
+positions [len_b, bucket) and write junk into those cache slots, but attention masks by
+position, and row b's decode step t writes position len_b + t - 1 before any query can see it,
+so a padded prompt yields exactly what it yields alone.
+
+MoE at inference: every token reaches its experts (`moe.capacity_factor = 0` on the sampling
+copy of the graph). Capacity drops are a training-time device; at inference they would make a
+sequence's tokens depend on the other sequences of the batch (and on the pad tokens), and the
+result differ from the same prompt alone. The decode step then takes one of the MoE layer's
+two paths by shape: with B * top_k < n_experts assignments in flight (batch 1-3 for top-2 of
+8, 1-7 for top-1) it *gathers* just the picked experts' weights, so a step reads top_k /
+n_experts of the expert weights instead of all of them; with more it runs the [E, C, D]
+buffers, which read every expert once (B * top_k >= E assignments touch most experts anyway).
+The price of no drops is in the prefill: its buffers hold C = all B * T tokens per expert, so
+the prefill computes every expert on every token (n_experts / top_k times the routed work).
+benchmarks/decode.py and benchmarks/README.md show both costs.
+
+Decode speed is bound by reading the weights, so nothing in the loop may copy them: layers run
+unrolled here whatever `model.scan_layers` says, and the stacked layer blocks are split once
+(see `unstack_blocks`). The KV cache has `bucket + max_new_tokens` slots; each step attends
+over all of them under the position mask.
+
+Streaming (`on_token`) calls back to the host from inside the compiled loop
+(`jax.debug.callback`, ordered) rather than running the loop in chunks from Python: the
+stream is the batch program plus one callback per step, so the default path and the streamed
+one are the same code, there is no second (resumable) program, and each token shows the moment
+it is sampled. The callback syncs with the host every step, which costs nothing that matters
+on CPU or for text a person reads; batches compile without it.
+
+Sampling rules, applied in this order to each row's logits: temperature (0 = greedy argmax),
+top-k (keep the k most likely; 0 = off), top-p (keep the smallest most-likely set whose mass
+reaches p; 1 = off). Ties rank by token id, like argmax, so top-k = 1 and top-p -> 0 are greedy.
+Every row draws from its own key, `fold_in(fold_in(seed, row), step)`: a seed always gives the
+same text, and row r's draws do not depend on the batch size.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Sequence
+from functools import partial
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from moe_jax.model import Transformer
+
+MIN_BUCKET = 16  # shortest prompt bucket: shorter prompts are padded to this
+STOP_BUCKET = 8  # stop-token lists are padded to a multiple of this
+
+
+class SamplingError(ValueError):
+    """Unusable generation request; the message names the problem and the fix."""
+
+
+class Mode(NamedTuple):
+    """Static part of the sampling rule (which code the step compiles to)."""
+
+    greedy: bool
+    top_k: bool
+    top_p: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class Generation:
+    tokens: np.ndarray  # int32 [B, max_new_tokens]; -1 after a sequence's stop token
+    lengths: np.ndarray  # int32 [B]: tokens generated per sequence, its stop token included
+    steps: int  # decode-loop iterations run (max_new_tokens - 1 unless all stopped early)
+
+    def sequences(self) -> list[list[int]]:
+        return [row[:n].tolist() for row, n in zip(self.tokens, self.lengths, strict=True)]
+
+
+# ----------------------------------------------------------------------------- sampling rules
+
+
+def sample_tokens(
+    logits_BV: jax.Array,
+    keys_B: jax.Array,
+    temperature: jax.Array,
+    top_k: jax.Array,
+    top_p: jax.Array,
+    mode: Mode,
+) -> jax.Array:
+    """One token per row [B] from float32 logits [B, V]; `keys_B` is one PRNG key per row."""
+    if mode.greedy:
+        return jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
+    logits_BV = logits_BV.astype(jnp.float32) / temperature
+    draw = jax.vmap(jax.random.categorical)
+    if not (mode.top_k or mode.top_p):
+        return draw(keys_B, logits_BV).astype(jnp.int32)
+    # Work in rank order: one stable sort (ties by token id, as argmax) serves both filters.
+    order_BV = jnp.argsort(logits_BV, axis=-1, descending=True, stable=True)
+    sorted_BV = jnp.take_along_axis(logits_BV, order_BV, axis=-1)
+    rank_V = jnp.arange(logits_BV.shape[-1])
+    keep_BV = jnp.ones(sorted_BV.shape, bool)
+    if mode.top_k:
+        keep_BV &= rank_V < top_k
+    if mode.top_p:
+        probs_BV = jax.nn.softmax(jnp.where(keep_BV, sorted_BV, -jnp.inf), axis=-1)
+        mass_before_BV = jnp.cumsum(probs_BV, axis=-1) - probs_BV
+        keep_BV &= mass_before_BV < top_p  # the most likely token always stays
+    rank_B = draw(keys_B, jnp.where(keep_BV, sorted_BV, -jnp.inf))
+    return jnp.take_along_axis(order_BV, rank_B[:, None], axis=-1)[:, 0].astype(jnp.int32)
+
+
+# ----------------------------------------------------------------------------- the program
+
+
+def unstack_blocks(tree, n: int) -> list:
+    """Stacked layer blocks [n, ...] -> n per-block trees.
+
+    The model slices block b out of each stacked weight and cache array. XLA does not hoist
+    loop-invariant slices out of a while loop (it deems them too cheap to move), and on CPU a
+    slice is a copy, so inside the decode loop every step would copy every weight. So the
+    sampler keeps the blocks apart (the params split once, the cache carried split) and
+    re-stacks them at each model call: slice(stack(...)) folds back to the block itself at
+    compile time, and no copy is left.
+    """
+    return [jax.tree.map(lambda a, b=b: a[b], tree) for b in range(n)]
+
+
+def stack_blocks(blocks: list):
+    return jax.tree.map(lambda *a: jnp.stack(a), *blocks) if blocks else []
+
+
+def _generate(
+    graphdef,
+    emit_host: Callable,
+    params,
+    param_blocks,
+    prompt_BP,
+    prompt_len_B,
+    stop_S,
+    key,
+    temperature,
+    top_k,
+    top_p,
+    n_vocab,
+    *,
+    max_new_tokens: int,
+    mode: Mode,
+    stream: bool,
+):
+    """Prefill + decode loop. -> (tokens [B, N] with -1 after a stop, decode iterations run).
+
+    `params` lacks the stacked layer blocks; `param_blocks` holds them one block at a time.
+    """
+    B, P = prompt_BP.shape
+    N = max_new_tokens
+    row_keys_B = jax.vmap(lambda r: jax.random.fold_in(key, r))(jnp.arange(B))
+
+    def merged():
+        full = jax.tree.map(lambda a: a, params)  # a shallow copy of the State
+        if param_blocks:
+            full["blocks"] = stack_blocks(param_blocks)
+        return nnx.merge(graphdef, full)
+
+    def unstacked(cache):
+        return {"blocks": unstack_blocks(cache["blocks"], len(param_blocks)), "tail": cache["tail"]}
+
+    def run_model(tokens_BT, positions_BT, cache):
+        stacked = {"blocks": stack_blocks(cache["blocks"]), "tail": cache["tail"]}
+        logits_BTV, _, new = merged()(tokens_BT, positions=positions_BT, cache=stacked)
+        return logits_BTV, unstacked(new)
+
+    def pick(logits_BV, step):
+        keys_B = jax.vmap(lambda k: jax.random.fold_in(k, step))(row_keys_B)
+        in_vocab_V = jnp.arange(logits_BV.shape[-1]) < n_vocab
+        logits_BV = jnp.where(in_vocab_V, logits_BV, -jnp.inf)
+        return sample_tokens(logits_BV, keys_B, temperature, top_k, top_p, mode)
+
+    def is_stop(tok_B):
+        return jnp.any(tok_B[:, None] == stop_S[None, :], axis=-1)
+
+    def emit(step, out_tok_B):
+        if stream:
+            jax.debug.callback(emit_host, step, out_tok_B, ordered=True)
+
+    # Prefill: the first new token comes from each row's own last prompt position.
+    cache = unstacked(merged().init_cache(B, P + N))
+    positions_BP = jnp.broadcast_to(jnp.arange(P, dtype=jnp.int32), (B, P))
+    logits_BPV, cache = run_model(prompt_BP, positions_BP, cache)
+    last_BV = jnp.take_along_axis(logits_BPV, (prompt_len_B - 1)[:, None, None], axis=1)[:, 0]
+    tok_B = pick(last_BV, 0)
+    emit(0, tok_B)
+    out_BN = jnp.full((B, N), -1, jnp.int32).at[:, 0].set(tok_B)
+
+    def cond(carry):
+        step, _, _, _, done_B = carry
+        return (step < N) & ~jnp.all(done_B)
+
+    def body(carry):
+        step, tok_B, cache, out_BN, done_B = carry
+        # Feed token `step - 1` at its row's position; sample token `step`.
+        positions_B1 = (prompt_len_B + step - 1)[:, None]
+        logits_B1V, cache = run_model(tok_B[:, None], positions_B1, cache)
+        new_B = pick(logits_B1V[:, 0], step)
+        out_tok_B = jnp.where(done_B, -1, new_B)
+        emit(step, out_tok_B)
+        out_BN = jax.lax.dynamic_update_slice(out_BN, out_tok_B[:, None], (0, step))
+        return step + 1, new_B, cache, out_BN, done_B | is_stop(new_B)
+
+    init = (jnp.int32(1), tok_B, cache, out_BN, is_stop(tok_B))
+    step, _, _, out_BN, _ = jax.lax.while_loop(cond, body, init)
+    return out_BN, step - 1
+
+
+# ----------------------------------------------------------------------------- the API
+
+
+def _pad_stops(stop_tokens: Sequence[int]) -> np.ndarray:
+    """Stop ids padded with -1 (never sampled) to a multiple of STOP_BUCKET: one program serves
+    every request with up to STOP_BUCKET stop tokens, none included."""
+    n = max(STOP_BUCKET, -(-len(stop_tokens) // STOP_BUCKET) * STOP_BUCKET)
+    padded = np.full(n, -1, np.int32)
+    padded[: len(stop_tokens)] = stop_tokens
+    return padded
+
+
+def prompt_bucket(length: int, limit: int) -> int:
+    """Padded prompt length: the next power of two (at least MIN_BUCKET), at most `limit`."""
+    return min(max(MIN_BUCKET, 1 << math.ceil(math.log2(length))), limit)
+
+
+class Sampler:
+    """Generation from one model's parameters: split once, programs compiled and cached per
+    sampler (so keep one Sampler per model rather than one per call)."""
+
+    def __init__(self, model: Transformer):
+        cfg = model.cfg
+        self.cfg = cfg
+        # The same graph with no capacity drops and unrolled layers (see the module
+        # docstring); only static attributes change, so the trained params plug straight in.
+        infer_cfg = dataclasses.replace(
+            cfg,
+            model=dataclasses.replace(cfg.model, scan_layers=False),
+            moe=dataclasses.replace(cfg.moe, capacity_factor=0),
+        )
+        abstract = nnx.eval_shape(lambda: Transformer(infer_cfg, rngs=nnx.Rngs(0)))
+        self.graphdef, _ = nnx.split(abstract, nnx.Param)
+        # The stacked layer blocks are split once here, so that no program slices them
+        # (see `unstack_blocks`): this holds a copy of them while `model` lives too.
+        params = nnx.state(model, nnx.Param)
+        self.params = jax.tree.map(lambda a: a, params)  # a shallow copy to pop from
+        blocks = self.params.pop("blocks") if model.n_blocks else None
+        self.param_blocks = unstack_blocks(blocks, model.n_blocks) if blocks else []
+        # One jitted function per sampler: the graph is bound, not hashed at every call.
+        self.compiled = jax.jit(
+            partial(_generate, self.graphdef, self._emit),
+            static_argnames=("max_new_tokens", "mode", "stream"),
+        )
+        self._listener: Callable[[int, np.ndarray], None] | None = None
+
+    def _emit(self, step, tokens_B) -> None:
+        """Host side of the streaming callback: hand the step's tokens to the listener."""
+        if self._listener is not None:
+            self._listener(int(step), np.asarray(tokens_B))
+
+    def inference_model(self) -> Transformer:
+        """The model exactly as generation runs it (no capacity drops), for references."""
+        params = jax.tree.map(lambda a: a, self.params)
+        if self.param_blocks:
+            params["blocks"] = stack_blocks(self.param_blocks)
+        return nnx.merge(self.graphdef, params)
+
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        max_new_tokens: int,
+        *,
+        temperature: float = 1.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        seed: int = 0,
+        stop_tokens: Sequence[int] = (),
+        vocab_size: int | None = None,
+        on_token: Callable[[int, np.ndarray], None] | None = None,
+    ) -> Generation:
+        """Continue every prompt (token ids) by up to `max_new_tokens` tokens.
+
+        A sequence ends after it emits any of `stop_tokens`; the loop ends when all have.
+        `vocab_size` restricts sampling to ids below it: a char tokenizer's alphabet is usually
+        smaller than the model's vocabulary, and the ids beyond it decode to nothing.
+        `on_token(step, tokens_B)` streams each step's tokens (-1 for finished rows) from
+        inside the compiled loop; it compiles a separate (otherwise identical) program.
+        """
+        V, max_len = self.cfg.model.vocab_size, self.cfg.model.max_seq_len
+        lengths = self._check(prompts, max_new_tokens, temperature, top_k, top_p, stop_tokens)
+        if vocab_size is not None and not 0 < vocab_size <= V:
+            raise SamplingError(f"vocab_size must be within [1, {V}], got {vocab_size}")
+        longest = max(lengths)
+        if longest + max_new_tokens > max_len:
+            raise SamplingError(
+                f"prompt of {longest} tokens + max_new_tokens {max_new_tokens} exceeds the "
+                f"model's context (model.max_seq_len={max_len}); shorten the prompt or lower "
+                "max_new_tokens"
+            )
+        P = prompt_bucket(longest, max_len - max_new_tokens)
+        prompt_BP = np.zeros((len(prompts), P), np.int32)
+        for row, ids in zip(prompt_BP, prompts, strict=True):
+            row[: len(ids)] = ids
+        greedy = temperature == 0  # then the filters cannot change the argmax
+        mode = Mode(greedy, not greedy and 0 < top_k < V, not greedy and top_p < 1)
+
+        self._listener = on_token
+        try:
+            out_BN, steps = self.compiled(
+                self.params,
+                self.param_blocks,
+                jnp.asarray(prompt_BP),
+                jnp.asarray(lengths, jnp.int32),
+                jnp.asarray(_pad_stops(stop_tokens)),
+                jax.random.key(seed),
+                jnp.float32(temperature if temperature > 0 else 1.0),
+                jnp.int32(top_k),
+                jnp.float32(top_p),
+                jnp.int32(vocab_size or V),
+                max_new_tokens=max_new_tokens,
+                mode=mode,
+                stream=on_token is not None,
+            )
+            out_BN = np.asarray(out_BN)  # waits for the program (and its callbacks) to finish
+        finally:
+            self._listener = None
+        return Generation(out_BN, np.sum(out_BN >= 0, axis=1).astype(np.int32), int(steps))
+
+    def _check(self, prompts, max_new_tokens, temperature, top_k, top_p, stop_tokens):
+        V = self.cfg.model.vocab_size
+        if isinstance(prompts, str | bytes) or len(prompts) == 0:
+            raise SamplingError("prompts must be a non-empty list of token-id sequences")
+        lengths = []
+        for i, ids in enumerate(prompts):
+            ids = np.asarray(ids)
+            if ids.ndim != 1 or ids.size == 0:
+                raise SamplingError(
+                    f"prompt {i} is empty or not a flat list of token ids; give each prompt at "
+                    "least one token (e.g. a newline)"
+                )
+            if not np.issubdtype(ids.dtype, np.integer) or ids.min() < 0 or ids.max() >= V:
+                raise SamplingError(
+                    f"prompt {i} has token ids outside [0, {V}) (the model's vocabulary); "
+                    "encode it with the run's tokenizer"
+                )
+            lengths.append(int(ids.size))
+        if any(not 0 <= int(t) < V for t in stop_tokens):
+            raise SamplingError(f"stop_tokens must be token ids in [0, {V})")
+        if max_new_tokens < 1:
+            raise SamplingError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        if not temperature >= 0:
+            raise SamplingError(f"temperature must be >= 0 (0 = greedy), got {temperature}")
+        if top_k < 0:
+            raise SamplingError(f"top_k must be >= 0 (0 = off), got {top_k}")
+        if not 0 < top_p <= 1:
+            raise SamplingError(f"top_p must be within (0, 1] (1 = off), got {top_p}")
+        return lengths
+
+
+def generate(model: Transformer, prompts: Sequence[Sequence[int]], max_new_tokens: int, **kw):
+    """One-off `Sampler(model).generate(...)`; keep a Sampler to skip the split per call."""
+    return Sampler(model).generate(prompts, max_new_tokens, **kw)

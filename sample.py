@@ -1,0 +1,112 @@
+"""Generate text from a trained run.
+
+    python sample.py --run runs/tiny                              # latest checkpoint
+    python sample.py --run runs/tiny --prompt "def " --max-new-tokens 300 --temperature 0.7
+    python sample.py --run runs/tiny --prompt-file prompt.txt --num-samples 4 --top-k 40 --seed 1
+
+Defaults for the sampling flags come from the run's saved config (its `sample` section). One
+sample streams to the terminal as it is decoded; several are decoded as one batch in one
+compiled program and printed one after the other. The output includes the prompt.
+"""
+
+import argparse
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from moe_jax.checkpoint import RunError, load_run
+from moe_jax.data import DataError
+from moe_jax.sampling import Sampler, SamplingError
+
+SEPARATOR = "\n" + "-" * 40 + "\n"
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        description=__doc__.strip().splitlines()[0],
+        epilog="Sampling flags left out take the run's config values (sample.*).",
+    )
+    p.add_argument("--run", required=True, help="run directory written by train.py")
+    p.add_argument("--step", type=int, help="checkpoint step (default: the latest)")
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--prompt", help="prompt text (default: sample.prompt)")
+    src.add_argument("--prompt-file", type=Path, help="read the prompt from this UTF-8 file")
+    p.add_argument("--num-samples", type=int, default=1, help="samples of the prompt (a batch)")
+    p.add_argument("--max-new-tokens", type=int, help="tokens to generate per sample")
+    p.add_argument("--temperature", type=float, help="0 = greedy")
+    p.add_argument("--top-k", type=int, help="keep the k most likely tokens; 0 = off")
+    p.add_argument("--top-p", type=float, help="nucleus: keep the top mass p; 1 = off")
+    p.add_argument("--seed", type=int, help="same seed, same text")
+    return p.parse_args(argv)
+
+
+def read_prompt(args: argparse.Namespace, default: str) -> str:
+    if args.prompt_file is None:
+        return default if args.prompt is None else args.prompt
+    try:
+        return args.prompt_file.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        reason = e.strerror if isinstance(e, OSError) else "not valid UTF-8"
+        raise SamplingError(f"cannot read prompt file '{args.prompt_file}': {reason}") from None
+
+
+class Streamer:
+    """Prints the prompt, then one sequence's text as its tokens arrive from the compiled loop.
+
+    A byte token may end inside a multi-byte character, which decodes to U+FFFD until its last
+    byte comes, so a trailing U+FFFD is held back until the next token (or the end) settles it.
+    """
+
+    def __init__(self, tokenizer, prompt: str):
+        self.tokenizer, self.ids = tokenizer, []
+        self.pending, self.shown = prompt, 0  # the prompt goes out with the first token
+
+    def __call__(self, step: int, tokens_B: np.ndarray) -> None:
+        if tokens_B[0] >= 0:
+            self.ids.append(int(tokens_B[0]))
+            self.flush(final=False)
+
+    def flush(self, final: bool = True) -> None:
+        text = self.tokenizer.decode(self.ids)
+        end = len(text) if final or not text.endswith("\ufffd") else len(text) - 1
+        sys.stdout.write(self.pending + text[self.shown : end])
+        sys.stdout.flush()
+        self.pending, self.shown = "", max(end, self.shown)
+
+
+def main(argv: list[str]) -> int:
+    args = parse_args(argv)
+    try:
+        if args.num_samples < 1:
+            raise SamplingError(f"--num-samples must be >= 1, got {args.num_samples}")
+        cfg, model, tokenizer = load_run(args.run, args.step)
+        s = cfg.sample
+        prompt = read_prompt(args, s.prompt)
+        ids = tokenizer.encode(prompt).tolist()
+        sampler = Sampler(model)
+        streamer = Streamer(tokenizer, prompt) if args.num_samples == 1 else None
+        out = sampler.generate(
+            [ids] * args.num_samples,
+            args.max_new_tokens if args.max_new_tokens is not None else s.max_new_tokens,
+            temperature=args.temperature if args.temperature is not None else s.temperature,
+            top_k=args.top_k if args.top_k is not None else s.top_k,
+            top_p=args.top_p if args.top_p is not None else s.top_p,
+            seed=args.seed if args.seed is not None else s.seed,
+            vocab_size=tokenizer.vocab_size,
+            on_token=streamer,
+        )
+    except (RunError, DataError, SamplingError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if streamer is not None:
+        streamer.flush()
+        print()
+    else:
+        texts = [prompt + tokenizer.decode(seq) for seq in out.sequences()]
+        print(SEPARATOR.join(texts))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
