@@ -64,7 +64,7 @@ def peer(model, B: int, P: int, N: int, seed: int = 0):
     return run
 
 
-def measure(sampler, hf, B, P, N, repeats, wait_idle) -> dict:
+def measure(sampler, hf, B, P, N, repeats, wait_s) -> dict:
     run = ours(sampler, B, P, N)
     t0 = time.perf_counter()
     run()
@@ -75,7 +75,7 @@ def measure(sampler, hf, B, P, N, repeats, wait_idle) -> dict:
         peer_run()  # warm-up
     our_t, peer_t, prefill_t, quiet = [], [], [], []
     for _ in range(repeats):  # alternate, so both see the same machine load
-        quiet.append(wait_until_idle() if wait_idle else True)
+        quiet.append(wait_until_idle(timeout_s=wait_s) if wait_s > 0 else False)
         our_t.append(median_time(run, 1))
         prefill_t.append(median_time(lambda: run(1), 1))
         if peer_run is not None:
@@ -106,7 +106,10 @@ def main(argv: list[str]) -> int:
     p.add_argument("--no-peer", action="store_true", help="time moe_jax only")
     p.add_argument("--path-sweep", action="store_true", help="decode step vs batch 1-4, 8")
     p.add_argument(
-        "--no-wait", action="store_true", help="time at once, not after the CPUs go quiet"
+        "--wait-s",
+        type=float,
+        default=60,
+        help="before each timed pair, wait up to this long for the CPUs to go quiet (0 = no)",
     )
     args = p.parse_args(argv)
     P, N = args.prompt_len, args.new_tokens
@@ -133,7 +136,7 @@ def main(argv: list[str]) -> int:
             sampler = Sampler(Transformer(cfg, rngs=nnx.Rngs(0)))
             hf = None if args.no_peer or args.path_sweep else hf_model(cfg, style)
             for B in batches:
-                r = measure(sampler, hf, B, P, N, args.repeats, not args.no_wait)
+                r = measure(sampler, hf, B, P, N, args.repeats, args.wait_s)
                 r = {"size": size, "style": style, **r}
                 rows.append(r)
                 peer_s = f"{r['peer_tok_s']:10.0f} {r['ratio']:5.2f}x" if hf else " " * 17

@@ -1,0 +1,193 @@
+"""Where the time of one training step goes: a jax.profiler trace + XLA's cost analysis.
+
+    python benchmarks/profile_step.py                          # medium, Mixtral-like
+    python benchmarks/profile_step.py --size small --style llama4 --top 40
+    python benchmarks/profile_step.py --set model.scan_layers=true --trace-dir /tmp/trace
+
+Profiles the train step as `train.py` runs it (train_throughput.real_train_step: the
+config's mesh, one device by default, and `moe_jax.trainer.make_train_step`). Before tracing, the
+model's parts are wrapped in `jax.named_scope`s (attention core, projections, RoPE, norms,
+router, dispatch, experts, combine, aux statistics, loss) by patching them from outside: the
+scopes only rename HLO ops, the computation is unchanged. Each XLA op the CPU runtime executed
+is then charged, through its `op_name` metadata, to a part and to forward or backward
+(`transpose(...)` in the name), and the optimizer update is what lies outside the gradient.
+Durations are summed over the `--repeats` traced steps and divided by their number. Ops can
+overlap on the runtime's threads, so the column sums can exceed the step's wall time.
+
+XLA's cost analysis (of the whole compiled step) gives the FLOPs and bytes XLA counts: it
+compares with the model FLOPs of `moe_jax.summary.train_flops_per_token` and gives the
+step's arithmetic intensity. Prints tables and, last, one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import functools
+import glob
+import gzip
+import json
+import re
+import statistics
+import sys
+import tempfile
+import time
+
+import jax
+from common import STYLES, bench_config, machine
+from train_throughput import real_train_step
+
+import moe_jax.model.attention as attention_mod
+import moe_jax.model.moe as moe_mod
+import moe_jax.model.norm as norm_mod
+import moe_jax.model.transformer as transformer_mod
+import moe_jax.trainer as trainer_mod
+from moe_jax.metrics import measure_peak_flops
+from moe_jax.summary import train_flops_per_token
+
+# Scope name -> (owner, attribute) wrapped in jax.named_scope(scope). An op is charged to the
+# innermost scope in its name (see `_part`).
+SCOPES = {
+    "attn_core": (attention_mod.jax.nn, "dot_product_attention"),
+    "attn_mask": (attention_mod, "attention_mask"),
+    "rope": (attention_mod, "apply_rope"),
+    "qk_norm": (attention_mod, "rms_norm"),
+    "attn_proj": (attention_mod.Attention, "__call__"),
+    "router": (moe_mod, "route"),
+    "slots": (moe_mod, "assign_slots"),
+    "dispatch": (moe_mod.MoE, "_dispatch"),
+    "experts": (moe_mod, "expert_swiglu"),
+    "combine": (moe_mod.MoE, "_combine"),
+    "shared_expert": (moe_mod.SwiGLU, "__call__"),
+    "moe_stats": (moe_mod.MoE, "_stats"),
+    "moe_route_other": (moe_mod.MoE, "_route_group"),
+    "norm": (norm_mod.RMSNorm, "__call__"),
+    "aux": (transformer_mod.Transformer, "_aux"),
+    "embed_head": (transformer_mod.Transformer, "__call__"),
+    "loss": (trainer_mod, "loss_fn"),
+}
+
+
+def add_scopes() -> None:
+    """Wrap every SCOPES target in its named scope (the names show up in HLO op_name)."""
+    for scope, (owner, attr) in SCOPES.items():
+        fn = getattr(owner, attr)
+
+        @functools.wraps(fn)
+        def scoped(*a, _fn=fn, _scope=scope, **k):
+            with jax.named_scope(_scope):
+                return _fn(*a, **k)
+
+        setattr(owner, attr, scoped)
+
+
+def _part(op_name: str) -> str:
+    """The innermost scope in an op's name; `optimizer` outside the gradient, else `other`."""
+    for token in reversed(re.split(r"[/();]", op_name)):
+        if token in SCOPES:
+            return token
+    return "other" if "while/body" in op_name or "transpose(" in op_name else "optimizer"
+
+
+def op_metadata(hlo_text: str) -> dict[str, str]:
+    """Instruction name -> op_name, for the instructions of the compiled module."""
+    meta = {}
+    for line in hlo_text.splitlines():
+        m = re.match(r"\s*(?:ROOT )?%?([\w.\-]+) = .*?op_name=\"([^\"]*)\"", line)
+        if m:
+            meta[m.group(1)] = m.group(2)
+    return meta
+
+
+def trace_ops(fn, repeats: int, trace_dir: str) -> tuple[list[dict], float]:
+    """Run `fn` `repeats` times under the profiler -> (op events, median wall s)."""
+    walls = []
+    with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            fn()
+            walls.append(time.perf_counter() - t0)
+    path = sorted(glob.glob(f"{trace_dir}/**/perfetto_trace.json.gz", recursive=True))[-1]
+    with gzip.open(path) as f:
+        data = json.load(f)
+    events = data["traceEvents"] if isinstance(data, dict) else data
+    # Complete events that are XLA ops; the rest are runtime / Python frames.
+    runtime = ("ThunkExecutor", "$", "PjitFunction", "SlinkyThreadPool", "TfrtCpu", "Pjrt")
+    ops = [e for e in events if e.get("ph") == "X" and not e["name"].startswith(runtime)]
+    return ops, statistics.median(walls)
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(description=__doc__.strip().splitlines()[0])
+    p.add_argument("--size", default="medium", choices=("small", "medium"))
+    p.add_argument("--style", default="mixtral", choices=tuple(STYLES))
+    p.add_argument("--repeats", type=int, default=3, help="traced steps (after 2 warm-up steps)")
+    p.add_argument("--top", type=int, default=25, help="how many single ops to list")
+    p.add_argument("--trace-dir", default=None, help="keep the trace here (default: temp dir)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    args = p.parse_args(argv)
+
+    add_scopes()
+    cfg = bench_config(args.size, args.style, *args.set)
+    step, state, (tokens, *_) = real_train_step(cfg, n_batches=1)
+    B, T = cfg.train.batch_size, cfg.train.seq_len
+    with jax.set_mesh(step.mesh):
+        compiled = step.jitted.lower(state, tokens).compile()
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, list) else cost
+    meta = op_metadata(compiled.as_text())
+    box = {"state": state}
+
+    def run():
+        box["state"], metrics = step(box["state"], tokens)
+        jax.block_until_ready(metrics)
+
+    for _ in range(2):
+        run()
+    with tempfile.TemporaryDirectory() as tmp:
+        ops, wall = trace_ops(run, args.repeats, args.trace_dir or tmp)
+    peak = measure_peak_flops()
+
+    n = args.repeats
+    by_part = collections.defaultdict(lambda: [0.0, 0.0])  # part -> [fwd s, bwd s]
+    by_op = collections.defaultdict(float)
+    by_kind = collections.defaultdict(float)
+    for e in ops:
+        name, s = e["name"], e["dur"] * 1e-6 / n
+        op_name = meta.get(name, "")
+        by_part[_part(op_name)]["transpose(" in op_name] += s
+        by_op[name] += s
+        by_kind[re.sub(r"[.\d]+$", "", name)] += s
+    total = sum(by_op.values())
+    model_flops = train_flops_per_token(cfg) * B * T
+
+    print(f"# {args.size} {args.style} train step, B={B} T={T}; wall {wall:.3f} s/step "
+          f"(median of {n} traced), ops {total:.3f} s; MFU {model_flops / wall / peak:.1%} of "
+          f"{peak / 1e9:.0f} GFLOP/s")  # fmt: skip
+    print(f"XLA cost analysis: {cost.get('flops', 0) / 1e9:.0f} GFLOP, "
+          f"{cost.get('bytes accessed', 0) / 1e9:.2f} GB accessed per step; model FLOPs "
+          f"{model_flops / 1e9:.0f} GFLOP (active experts, no capacity slack)")  # fmt: skip
+    print(f"\n{'part':16s} {'fwd s':>7s} {'bwd s':>7s} {'total':>7s} {'share':>6s}")
+    parts = sorted(by_part.items(), key=lambda kv: -sum(kv[1]))
+    for part, (f, b) in parts:
+        print(f"{part:16s} {f:7.3f} {b:7.3f} {f + b:7.3f} {(f + b) / total:6.1%}")
+    print(f"\n{'op kind':28s} {'s':>7s} {'share':>6s}")
+    for kind, s in sorted(by_kind.items(), key=lambda kv: -kv[1])[:12]:
+        print(f"{kind:28s} {s:7.3f} {s / total:6.1%}")
+    print(f"\n{'op':28s} {'s':>7s}  op_name")
+    top = sorted(by_op.items(), key=lambda kv: -kv[1])[: args.top]
+    for name, s in top:
+        print(f"{name:28s} {s:7.3f}  {meta.get(name, '')[:90]}")
+    print(json.dumps({
+        "benchmark": "profile_step", **machine(), "size": args.size, "style": args.style,
+        "overrides": args.set, "wall_s": wall, "op_s": total, "peak_flops": peak,
+        "model_flops": model_flops, "xla_flops": cost.get("flops"),
+        "xla_bytes": cost.get("bytes accessed"),
+        "parts": {k: {"fwd_s": f, "bwd_s": b} for k, (f, b) in parts},
+        "top_ops": [{"op": k, "s": s, "op_name": meta.get(k, "")} for k, s in top],
+    }))  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

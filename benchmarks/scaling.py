@@ -1,0 +1,130 @@
+"""How training throughput scales: experts, sequence length, capacity factor; compile time.
+
+    python benchmarks/scaling.py                                  # all four sweeps (~15 min)
+    python benchmarks/scaling.py --sweeps experts,compile --steps 6
+    python benchmarks/scaling.py --size small --style qwen3
+
+Sweeps (each point is our real train step in a fresh worker process, timed as in
+train_throughput.py: median of `--steps` steps after a compile step and a warm-up step):
+- experts: n_experts 8 -> 16 -> 32 at the style's top-k and expert hidden size, so the active
+  FLOPs per token stay constant (capacity per expert shrinks as E grows, the buffers' total
+  rows E x C stay the same); what grows is the parameter count (weights, gradients, AdamW).
+- seq: seq_len 256 -> 512 -> 1024 at batch 8 (attention FLOPs per token grow with T).
+- capacity: capacity_factor 1.0 / 1.25 / 2.0 / no-drop (0: C = all tokens of the group).
+- compile: first-call compile time of the train step for 4 and 16 layers, with and without
+  `model.scan_layers` (trace + lower, and XLA compile, from abstract shapes in a fresh process).
+Prints one table per sweep and, last, one JSON line with every figure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+
+from common import STYLES, bench_config, machine
+from train_throughput import measure
+
+SWEEPS = {
+    "experts": ("moe.n_experts", [8, 16, 32]),
+    "seq": ("train.seq_len", [256, 512, 1024]),
+    "capacity": ("moe.capacity_factor", [1.0, 1.25, 2.0, 0.0]),
+}
+COMPILE_LAYERS = (4, 16)
+
+
+def compile_time(size: str, style: str, n_layers: int, scan: bool) -> dict:
+    """(trace + lower s, compile s) of the train step, from abstract shapes (nothing runs)."""
+    import jax
+    import jax.numpy as jnp
+
+    from moe_jax.trainer import init_state, make_optimizer, make_train_step
+
+    cfg = bench_config(size, style, f"model.n_layers={n_layers}", f"model.scan_layers={scan}")
+    tx = make_optimizer(cfg.train)
+    graphdef, state = init_state(cfg, tx, abstract=True)
+    B, T = cfg.train.batch_size, cfg.train.seq_len
+    tokens = jax.ShapeDtypeStruct((B, T + 1), jnp.int32)
+    t0 = time.perf_counter()
+    lowered = make_train_step(cfg, graphdef, tx).lower(state, tokens)
+    t1 = time.perf_counter()
+    lowered.compile()
+    t2 = time.perf_counter()
+    return {"n_layers": n_layers, "scan": scan, "lower_s": t1 - t0, "compile_s": t2 - t1}
+
+
+def compile_sweep(size: str, style: str) -> list[dict]:
+    rows = []
+    print(f"\ncompile time of the train step ({size} {style}; fresh process each)")
+    print(f"{'layers':>6s} {'scan':>5s} {'trace+lower s':>13s} {'compile s':>9s} {'total s':>8s}")
+    for scan in (False, True):
+        for n in COMPILE_LAYERS:
+            cmd = [sys.executable, __file__, "--compile-worker", f"{n},{int(scan)}",
+                   "--size", size, "--style", style]  # fmt: skip
+            out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+            r = json.loads(out.strip().splitlines()[-1])
+            rows.append(r)
+            total = r["lower_s"] + r["compile_s"]
+            print(f"{n:6d} {str(scan):>5s} {r['lower_s']:13.1f} {r['compile_s']:9.1f} {total:8.1f}",
+                  flush=True)  # fmt: skip
+    for scan in (False, True):
+        t = {r["n_layers"]: r["lower_s"] + r["compile_s"] for r in rows if r["scan"] == scan}
+        lo, hi = COMPILE_LAYERS
+        print(f"scan={scan}: {hi} layers / {lo} layers = {t[hi] / t[lo]:.2f}x")
+    return rows
+
+
+def throughput_sweep(name: str, size: str, style: str, steps: int) -> list[dict]:
+    key, values = SWEEPS[name]
+    print(f"\n{name}: {key} in {values} ({size} {style}, ours only)")
+    print(f"{key:>20s} {'tok/s':>7s} {'s/step':>7s} {'vs first':>8s} {'MFU':>6s} {'RSS GB':>6s} "
+          f"{'first s':>7s} {'load':>5s}")  # fmt: skip
+    rows = []
+    for v in values:
+        r = measure(size, style, [f"{key}={v}"], steps, 1, steps, with_peer=False)
+        r["value"] = v
+        rows.append(r)
+        rel = r["ours_tok_s"] / rows[0]["ours_tok_s"]
+        print(f"{v!s:>20s} {r['ours_tok_s']:7.0f} {r['ours_step_s']:7.2f} {rel:8.2f} "
+              f"{100 * r['ours_mfu']:5.1f}% {r['ours_peak_rss_gb']:6.2f} "
+              f"{r['ours_first_step_s']:7.1f} {r['load_avg_1m']:5.1f}", flush=True)  # fmt: skip
+    return rows
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(description=__doc__.strip().splitlines()[0])
+    p.add_argument("--size", default="medium", choices=("small", "medium"))
+    p.add_argument("--style", default="mixtral", choices=tuple(STYLES))
+    p.add_argument("--sweeps", default="experts,seq,capacity,compile")
+    p.add_argument("--steps", type=int, default=6, help="timed steps per point (median)")
+    p.add_argument("--compile-worker", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.compile_worker:
+        n, scan = args.compile_worker.split(",")
+        print(json.dumps(compile_time(args.size, args.style, int(n), bool(int(scan)))))
+        return 0
+    sweeps = args.sweeps.split(",")
+    unknown = [s for s in sweeps if s not in (*SWEEPS, "compile")]
+    if unknown or args.steps < 1:
+        what = f"unknown sweep {', '.join(unknown)}" if unknown else "--steps must be >= 1"
+        print(f"error: {what}; sweeps: {', '.join([*SWEEPS, 'compile'])}", file=sys.stderr)
+        return 2
+
+    info = machine()
+    print(f"# {info['cpu']}, {info['cores']} cores; jax {info['jax']}; fp32; "
+          f"median of {args.steps} steps")  # fmt: skip
+    results = {}
+    for s in sweeps:
+        if s == "compile":
+            results[s] = compile_sweep(args.size, args.style)
+        else:
+            results[s] = throughput_sweep(s, args.size, args.style, args.steps)
+    print(json.dumps({"benchmark": "scaling", **info, "size": args.size, "style": args.style,
+                      "results": results}))  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,298 @@
+"""Training throughput: moe_jax's train step vs the Hugging Face peer, side by side.
+
+    python benchmarks/train_throughput.py                               # 2 sizes x 3 styles
+    python benchmarks/train_throughput.py --sizes medium --styles qwen3 --steps 12
+    python benchmarks/train_throughput.py --no-peer --set moe.capacity_factor=2.0
+
+Ours is exactly what `train.py` runs: the config's mesh (one device unless `--set mesh.*`),
+`moe_jax.trainer.init_state` + `make_train_step` on it (AdamW with clipping and weight-decay
+mask, aux losses, donated state), on random byte windows [B, T+1]. The peer is the
+`transformers` model of the same architecture (benchmarks/common.py builds its config from
+ours), random init, torch CPU float32 on `torch.set_num_threads(2)`,
+`torch.optim.AdamW` with gradient clipping and, for Mixtral/Qwen3, the router load-balance loss
+(`output_router_logits=True`, as ours always computes its aux losses); it is fed [B, T] with
+`labels=input_ids`, so both do B x T tokens of forward and backward per step.
+
+Each side runs in its own worker process, so their peak RSS (`ru_maxrss`, the whole process:
+interpreter, libraries, params, optimizer state, activations) does not mix. Both workers stay
+alive and take turns (`--chunk` steps each), so both see the same machine load; per-step times
+are medians over all `--steps` timed steps after `--warmup` untimed ones. `first_step_s` is the
+first call (trace + compile + run for ours). The matmul peak (fastest of 5 jitted 2048^3 fp32
+`jnp.dot`s, `moe_jax.metrics.measure_peak_flops`) is measured in our worker before each turn
+and its median is the MFU denominator; model FLOPs/token (active experts only) come from
+`moe_jax.summary.train_flops_per_token`, the same for both sides (the Llama 4 peer runs every
+expert on every token, so it does more arithmetic than this counts).
+Prints a table and, last, one JSON line with every figure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import time
+
+import numpy as np
+from common import SIZES, STYLES, bench_config, hf_model, machine, wait_until_idle
+
+REPLY = "@@reply "  # prefix of the worker's protocol lines (libraries may print to stdout too)
+
+
+# ----------------------------------------------------------------------------- the two sides
+
+
+def real_train_step(cfg, n_batches: int = 4):
+    """moe_jax's train step set up exactly as `train.py` does it: the config's mesh (one device
+    by default), state created on it, the jitted step with that state layout, global batches.
+    -> (step(state, tokens) that runs under the mesh, state, list of random token batches)."""
+    import jax
+
+    from moe_jax.sharding import global_batch, make_mesh
+    from moe_jax.trainer import init_state, make_optimizer, make_train_step
+
+    tx = make_optimizer(cfg.train)
+    mesh = make_mesh(cfg)
+    with jax.set_mesh(mesh):
+        graphdef, state = init_state(cfg, tx, mesh=mesh)
+        jitted = make_train_step(cfg, graphdef, tx, jax.tree.map(lambda a: a.sharding, state))
+    B, T = cfg.train.batch_size, cfg.train.seq_len
+    rng = np.random.default_rng(cfg.seed)
+    batches = [
+        global_batch(rng.integers(0, 256, (B, T + 1), dtype=np.int32), mesh)
+        for _ in range(n_batches)
+    ]
+
+    def step(state, tokens):
+        with jax.set_mesh(mesh):
+            return jitted(state, tokens)
+
+    step.jitted, step.mesh = jitted, mesh
+    return step, state, batches
+
+
+def ours(cfg):
+    """-> (step() that blocks until done, a peak-FLOP/s probe) for moe_jax's real train step."""
+    import jax
+
+    from moe_jax.metrics import measure_peak_flops
+
+    train_step, state, batches = real_train_step(cfg)
+    box = {"state": state, "i": 0}
+
+    def step():
+        box["state"], metrics = train_step(box["state"], batches[box["i"] % len(batches)])
+        box["i"] += 1
+        jax.block_until_ready(metrics)
+
+    return step, measure_peak_flops
+
+
+def peer(cfg, style: str):
+    """-> step() for the transformers model of `cfg` with torch AdamW (same hyperparameters)."""
+    import torch
+
+    model = hf_model(cfg, style).train()
+    t = cfg.train
+    decay = [p for p in model.parameters() if p.ndim >= 2]
+    no_decay = [p for p in model.parameters() if p.ndim < 2]
+    groups = [{"params": decay, "weight_decay": t.weight_decay}, {"params": no_decay}]
+    opt = torch.optim.AdamW(
+        groups,
+        weight_decay=0.0,
+        lr=t.lr,
+        betas=(t.b1, t.b2),
+        eps=t.eps,
+    )
+    kwargs = {}
+    if style in ("mixtral", "qwen3"):  # router load-balance loss, as ours always computes
+        kwargs = {"output_router_logits": True}
+        model.config.router_aux_loss_coef = cfg.moe.lb_loss_weight
+    B, T = t.batch_size, t.seq_len
+    gen = torch.Generator().manual_seed(cfg.seed)
+    batches = [torch.randint(0, 256, (B, T), generator=gen) for _ in range(4)]
+    box = {"i": 0}
+
+    def step():
+        ids = batches[box["i"] % len(batches)]
+        box["i"] += 1
+        loss = model(input_ids=ids, labels=ids, **kwargs).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), t.clip_norm)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return step, None
+
+
+def worker(side: str, size: str, style: str, overrides: list[str]) -> None:
+    """Serve commands from stdin: `first`, `run N`, `peak`, `rss`, `quit` -> one reply each."""
+    out = os.fdopen(os.dup(sys.stdout.fileno()), "w", buffering=1)
+    sys.stdout = sys.stderr  # keep library chatter off the protocol channel
+    cfg = bench_config(size, style, *overrides)
+    step, peak = ours(cfg) if side == "ours" else peer(cfg, style)
+    for line in sys.stdin:
+        cmd, *arg = line.split()
+        if cmd == "first":
+            t0 = time.perf_counter()
+            step()
+            reply = time.perf_counter() - t0
+        elif cmd == "run":
+            reply = []
+            for _ in range(int(arg[0])):
+                t0 = time.perf_counter()
+                step()
+                reply.append(time.perf_counter() - t0)
+        elif cmd == "peak":
+            reply = peak() if peak else None
+        elif cmd == "rss":
+            reply = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
+        else:
+            return
+        out.write(REPLY + json.dumps(reply) + "\n")
+
+
+class Worker:
+    """A worker process (this file with --worker) and its command channel."""
+
+    def __init__(self, side: str, size: str, style: str, overrides: list[str]):
+        cmd = [sys.executable, __file__, "--worker", side, "--sizes", size, "--styles", style]
+        cmd += [f"--set={o}" for o in overrides]
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self.side = side
+
+    def ask(self, command: str):
+        self.proc.stdin.write(command + "\n")
+        self.proc.stdin.flush()
+        for line in self.proc.stdout:
+            if line.startswith(REPLY):
+                return json.loads(line[len(REPLY) :])
+        raise RuntimeError(f"the {self.side} worker died (exit {self.proc.wait()}); see stderr")
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.stdin.write("quit\n")
+            self.proc.stdin.close()
+            self.proc.wait()
+
+
+# ----------------------------------------------------------------------------- measuring
+
+
+def measure(size: str, style: str, overrides, steps: int, warmup: int, chunk: int, with_peer):
+    """One side-by-side measurement -> dict of figures (ours_*, peer_*, ratio, mfu)."""
+    from moe_jax.summary import train_flops_per_token
+
+    cfg = bench_config(size, style, *overrides)
+    tokens = cfg.train.batch_size * cfg.train.seq_len
+    workers = {"ours": Worker("ours", size, style, overrides)}
+    if with_peer:
+        workers["peer"] = Worker("peer", size, style, overrides)
+    try:
+        first = {s: w.ask("first") for s, w in workers.items()}
+        for w in workers.values():
+            w.ask(f"run {warmup}")
+        times = {s: [] for s in workers}
+        peaks = []
+        load = [os.getloadavg()[0]]
+        while len(times["ours"]) < steps:  # take turns, so both see the same load
+            n = min(chunk, steps - len(times["ours"]))
+            peaks.append(workers["ours"].ask("peak"))
+            for s, w in workers.items():
+                times[s] += w.ask(f"run {n}")
+            load.append(os.getloadavg()[0])
+        rss = {s: w.ask("rss") for s, w in workers.items()}
+    finally:
+        for w in workers.values():
+            w.close()
+
+    flops = train_flops_per_token(cfg)
+    peak = statistics.median(peaks)
+    row = {"size": size, "style": style, "overrides": list(overrides), "tokens_per_step": tokens}
+    row |= {"flops_per_token": flops, "peak_flops": peak, "load_avg_1m": max(load)}
+    for s in workers:
+        step_s = statistics.median(times[s])
+        row[f"{s}_step_s"] = step_s
+        row[f"{s}_tok_s"] = tokens / step_s
+        row[f"{s}_mfu"] = tokens / step_s * flops / peak
+        row[f"{s}_first_step_s"] = first[s]
+        row[f"{s}_peak_rss_gb"] = rss[s] / 1e9
+        row[f"{s}_step_times"] = times[s]
+    if with_peer:
+        row["ratio"] = row["ours_tok_s"] / row["peer_tok_s"]
+        row["rss_ratio"] = row["ours_peak_rss_gb"] / row["peer_peak_rss_gb"]
+    return row
+
+
+def print_row(r: dict) -> None:
+    peer = (
+        f"{r['peer_tok_s']:9.0f} {r['ratio']:5.2f}x {r['peer_step_s']:7.2f} "
+        f"{r['peer_peak_rss_gb']:6.2f}"
+        if "peer_tok_s" in r
+        else " " * 32
+    )
+    print(
+        f"{r['size']:7s} {r['style']:8s} {r['ours_tok_s']:9.0f} {peer} {r['ours_step_s']:7.2f} "
+        f"{100 * r['ours_mfu']:5.1f}% {r['ours_first_step_s']:7.1f} {r['ours_peak_rss_gb']:6.2f} "
+        f"{r['peak_flops'] / 1e9:6.0f} {r['load_avg_1m']:5.1f}",
+        flush=True,
+    )
+
+
+HEADER = (
+    f"{'size':7s} {'style':8s} {'ours tok/s':>9s} {'peer tok/s':>9s} {'ratio':>6s} "
+    f"{'peer s':>7s} {'p RSS':>6s} {'ours s':>7s} {'MFU':>6s} {'first s':>7s} {'RSS GB':>6s} "
+    f"{'GF/s':>6s} {'load':>5s}"
+)
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(description=__doc__.strip().splitlines()[0])
+    p.add_argument("--sizes", default=",".join(SIZES), help="comma list of: small, medium")
+    p.add_argument("--styles", default=",".join(STYLES), help="comma list of: " + ",".join(STYLES))
+    p.add_argument("--steps", type=int, default=10, help="timed steps per side (median)")
+    p.add_argument("--warmup", type=int, default=1, help="untimed steps after the first")
+    p.add_argument("--chunk", type=int, default=2, help="steps per turn before the other side")
+    p.add_argument("--no-peer", action="store_true", help="time moe_jax only")
+    p.add_argument("--wait-idle", type=float, default=120, metavar="S",
+                   help="before each measurement wait up to S s for an idle machine")  # fmt: skip
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="config override (the peer follows where it maps); repeatable")  # fmt: skip
+    p.add_argument("--worker", choices=("ours", "peer"), help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    sizes, styles = args.sizes.split(","), args.styles.split(",")
+    bad = [s for s in sizes if s not in SIZES] + [s for s in styles if s not in STYLES]
+    if bad or args.steps < 1 or args.chunk < 1 or args.warmup < 0:
+        what = f"unknown size/style {', '.join(bad)}" if bad else "--steps/--chunk must be >= 1"
+        print(f"error: {what}; sizes: {', '.join(SIZES)}, styles: {', '.join(STYLES)}",
+              file=sys.stderr)  # fmt: skip
+        return 2
+    if args.worker:
+        worker(args.worker, sizes[0], styles[0], args.set)
+        return 0
+
+    info = machine()
+    print(
+        f"# {info['cpu']}, {info['cores']} cores; jax {info['jax']}, torch {info['torch']} "
+        f"({info['torch_threads']} threads), transformers {info['transformers']}; fp32; "
+        f"median of {args.steps} steps; load avg {os.getloadavg()[0]:.1f}"
+    )
+    print(HEADER)
+    rows = []
+    for size in sizes:
+        for style in styles:
+            peer = not args.no_peer
+            idle = wait_until_idle(timeout_s=args.wait_idle) if args.wait_idle > 0 else False
+            r = measure(size, style, args.set, args.steps, args.warmup, args.chunk, peer)
+            r["started_idle"] = idle
+            rows.append(r)
+            print_row(r)
+    print(json.dumps({"benchmark": "train_throughput", **info, "results": rows}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
