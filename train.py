@@ -13,11 +13,16 @@ Metrics: RUN_DIR/metrics.jsonl and TensorBoard files in RUN_DIR/tb; plots with
 import sys
 from pathlib import Path
 
-from moe_jax.checkpoint import RunError
-from moe_jax.config import ConfigError, cli_config
-from moe_jax.data import DataError
-from moe_jax.sharding import init_distributed
-from moe_jax.trainer import TrainingError, train
+from moe_jax.runtime import reexec_with_hugepages
+
+if __name__ == "__main__":  # first: a glibc tunable is read only when a process starts
+    reexec_with_hugepages()
+
+from moe_jax.checkpoint import RunError  # noqa: E402
+from moe_jax.config import ConfigError, cli_config  # noqa: E402
+from moe_jax.data import DataError  # noqa: E402
+from moe_jax.sharding import init_distributed  # noqa: E402
+from moe_jax.trainer import TrainingError, train  # noqa: E402
 
 USAGE = "usage: python train.py [CONFIG.yaml] [section.key=value ...]"
 

@@ -38,6 +38,7 @@ from common import (
 from flax import nnx
 
 from moe_jax.model import Transformer
+from moe_jax.runtime import reexec_with_hugepages
 from moe_jax.sampling import Sampler
 
 
@@ -152,4 +153,5 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
+    reexec_with_hugepages()
     sys.exit(main(sys.argv[1:]))

@@ -31,6 +31,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 from benchmarks.common import bench_config, median_time  # noqa: E402
+from moe_jax.runtime import reexec_with_hugepages  # noqa: E402
 from moe_jax.sharding import global_batch, make_mesh  # noqa: E402
 from moe_jax.trainer import init_state, make_optimizer, make_train_step  # noqa: E402
 
@@ -105,4 +106,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    reexec_with_hugepages()
     main()

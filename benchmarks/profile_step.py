@@ -16,7 +16,9 @@ overlap on the runtime's threads, so the column sums can exceed the step's wall 
 
 XLA's cost analysis (of the whole compiled step) gives the FLOPs and bytes XLA counts: it
 compares with the model FLOPs of `moe_jax.summary.train_flops_per_token` and gives the
-step's arithmetic intensity. Prints tables and, last, one JSON line.
+step's arithmetic intensity. Caveat: XLA counts the body of a nested loop (the per-expert
+`lax.map` inside the layer scan) once, so with MoE layers its totals undercount; the model
+FLOPs are the reference. Prints tables and, last, one JSON line.
 """
 
 from __future__ import annotations
@@ -43,12 +45,13 @@ import moe_jax.model.norm as norm_mod
 import moe_jax.model.transformer as transformer_mod
 import moe_jax.trainer as trainer_mod
 from moe_jax.metrics import measure_peak_flops
+from moe_jax.runtime import reexec_with_hugepages
 from moe_jax.summary import train_flops_per_token
 
 # Scope name -> (owner, attribute) wrapped in jax.named_scope(scope). An op is charged to the
 # innermost scope in its name (see `_part`).
 SCOPES = {
-    "attn_core": (attention_mod.jax.nn, "dot_product_attention"),
+    "attn_core": (attention_mod, "attend"),
     "attn_mask": (attention_mod, "attention_mask"),
     "rope": (attention_mod, "apply_rope"),
     "qk_norm": (attention_mod, "rms_norm"),
@@ -190,4 +193,5 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
+    reexec_with_hugepages()
     sys.exit(main(sys.argv[1:]))

@@ -27,6 +27,8 @@ import time
 from common import STYLES, bench_config, machine
 from train_throughput import measure
 
+from moe_jax.runtime import reexec_with_hugepages
+
 SWEEPS = {
     "experts": ("moe.n_experts", [8, 16, 32]),
     "seq": ("train.seq_len", [256, 512, 1024]),
@@ -127,4 +129,5 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
+    reexec_with_hugepages()
     sys.exit(main(sys.argv[1:]))

@@ -39,6 +39,8 @@ import time
 import numpy as np
 from common import SIZES, STYLES, bench_config, hf_model, machine, wait_until_idle
 
+from moe_jax.runtime import reexec_with_hugepages
+
 REPLY = "@@reply "  # prefix of the worker's protocol lines (libraries may print to stdout too)
 
 
@@ -295,4 +297,5 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
+    reexec_with_hugepages()
     sys.exit(main(sys.argv[1:]))

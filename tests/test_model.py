@@ -15,7 +15,7 @@ import pytest
 from flax import nnx
 
 from moe_jax.model import Transformer
-from moe_jax.model.attention import Attention, attention_mask
+from moe_jax.model.attention import Attention, attend, attention_mask, query_blocks
 from moe_jax.model.rope import apply_rope, rope_inv_freq
 from tests.helpers import forward, forward_cached, tiny_config
 
@@ -108,6 +108,48 @@ def test_attention_matches_naive_reference(overrides, layer):
     pos = jnp.broadcast_to(jnp.arange(11), (2, 11))
     y, _ = attn(x, pos)
     np.testing.assert_allclose(y, naive_attention(attn, x, pos), **TOL)
+
+
+def test_query_blocks_cover_every_visible_key():
+    assert query_blocks(512) == [(i * 64, i * 64 + 64, 0, i * 64 + 64) for i in range(8)]
+    assert query_blocks(11) == [(0, 11, 0, 11)]  # short: one block
+    assert len(query_blocks(4096)) == 8  # bounded unrolling
+    # With a window of 70, block [75, 150) sees keys from 75 - 69 = 6 on.
+    assert query_blocks(150, window=70) == [(0, 75, 0, 75), (75, 150, 6, 150)]
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        [],
+        ["attention.sliding_window=70"],  # windows reach back across a block boundary
+        ["attention.chunk_size=40", "attention.n_kv_heads=1"],  # chunks straddle blocks; MQA
+    ],
+)
+def test_blocked_self_attention_equals_one_full_mask(overrides):
+    """Output and gradients of the query-blocked path (T=150: 2 blocks) equal one softmax over
+    the whole [T, T] mask, and jax.nn.dot_product_attention agrees on the forward."""
+    cfg = tiny_config(*overrides)
+    attn = Attention(cfg, 0, rngs=nnx.Rngs(0))
+    B, T, H, hd = 2, 150, cfg.attention.n_heads, cfg.head_dim
+    K = cfg.attention.n_kv_heads
+    keys = jax.random.split(jax.random.key(3), 3)
+    q = jax.random.normal(keys[0], (B, T, H, hd))
+    k = jax.random.normal(keys[1], (B, T, K, hd))
+    v = jax.random.normal(keys[2], (B, T, K, hd))
+    pos = jnp.broadcast_to(jnp.arange(T), (B, T))
+    assert len(query_blocks(T, attn.window)) == 2
+    mask = attn._mask(pos, pos)
+    full = lambda q, k, v: attend(q, k, v, mask, hd**-0.5)
+    blocked = lambda q, k, v: attn._blocked(q, k, v, pos)
+    np.testing.assert_allclose(blocked(q, k, v), full(q, k, v), **TOL)
+    reference = jax.nn.dot_product_attention(q, k, v, mask=mask[:, None], scale=hd**-0.5)
+    np.testing.assert_allclose(full(q, k, v), reference, **TOL)
+    loss = lambda f: lambda q, k, v: jnp.sum(jnp.sin(f(q, k, v)))
+    g_blocked = jax.grad(loss(blocked), argnums=(0, 1, 2))(q, k, v)
+    g_full = jax.grad(loss(full), argnums=(0, 1, 2))(q, k, v)
+    for a, b in zip(g_blocked, g_full, strict=True):
+        np.testing.assert_allclose(a, b, **TOL)
 
 
 def test_kv_cache_decode_equals_full_forward():

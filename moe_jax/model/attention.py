@@ -4,9 +4,19 @@ Masks are built from absolute positions (query positions vs key positions), neve
 indices, so the same code serves training (keys = the queries' own tokens) and KV-cache
 decoding (keys = the whole cache, written at the queries' positions): slots not yet written
 always sit at positions after the query and are masked causally.
+
+Without a cache (training, full forwards) positions must increase along each row, as for any
+causal model. The queries are then cut into blocks, and a block attends only to the keys up to
+its last query (and, with a sliding window, from its first query's window start): that skips
+about half of the logits, and each block's [T_blk, S_blk] logits stay in cache instead of one
+[B, H, T, S] array going through memory several times. Each block is rematerialised in the
+backward pass for the same reason. Softmax normalises after the value product, dividing the
+[T, hd] output rather than the [T, S] weights.
 """
 
 from __future__ import annotations
+
+import math
 
 import jax
 import jax.numpy as jnp
@@ -38,6 +48,38 @@ def temperature_scale(positions_BT: jax.Array, floor_scale: float, attn_scale: f
     """Llama 4 attention-temperature tuning for NoPE layers: sharper attention far out."""
     pos = positions_BT.astype(jnp.float32)
     return jnp.log1p(jnp.floor((pos + 1.0) / floor_scale)) * attn_scale + 1.0
+
+
+def attend(q_BTHD, k_BSKD, v_BSKD, mask_BTS, scale: float) -> jax.Array:
+    """Masked softmax attention, query heads grouped over the K key/value heads (GQA)."""
+    B, T, H, hd = q_BTHD.shape
+    K = k_BSKD.shape[2]
+    q_BTKGD = (q_BTHD * scale).reshape(B, T, K, H // K, hd)
+    logits_BKGTS = jnp.einsum(
+        "btkgd,bskd->bkgts", q_BTKGD, k_BSKD, preferred_element_type=jnp.float32
+    )
+    logits_BKGTS = jnp.where(mask_BTS[:, None, None], logits_BKGTS, jnp.finfo(jnp.float32).min)
+    # The max only keeps exp() in range; softmax does not depend on it, so no gradient flows.
+    shift = jax.lax.stop_gradient(jnp.max(logits_BKGTS, axis=-1, keepdims=True))
+    weights_BKGTS = jnp.exp(logits_BKGTS - shift)
+    denom_BTKG = jnp.einsum("bkgts->btkg", weights_BKGTS)
+    out_BTKGD = jnp.einsum("bkgts,bskd->btkgd", weights_BKGTS.astype(v_BSKD.dtype), v_BSKD)
+    out_BTKGD = out_BTKGD / denom_BTKG[..., None].astype(out_BTKGD.dtype)
+    return out_BTKGD.reshape(B, T, H, hd)
+
+
+def query_blocks(T: int, window: int = 0, max_blocks: int = 8, min_block: int = 64):
+    """Static (q_lo, q_hi, k_lo, k_hi) per query block for increasing positions: the keys a
+    block can see end at its last query and, with a window, start at its first query's window.
+    At most `max_blocks` blocks, so the unrolled blocks keep compile time bounded."""
+    n = max(1, min(max_blocks, T // min_block))
+    size = math.ceil(T / n)
+    blocks = []
+    for q_lo in range(0, T, size):
+        q_hi = min(T, q_lo + size)
+        k_lo = max(0, q_lo - window + 1) if window > 0 else 0
+        blocks.append((q_lo, q_hi, k_lo, q_hi))
+    return blocks
 
 
 def write_cache(cache_BSKH: jax.Array, new_BTKH: jax.Array, start_B: jax.Array) -> jax.Array:
@@ -105,28 +147,45 @@ class Attention(nnx.Module):
             q_BTHD = (q_BTHD * scale_BT[:, :, None, None]).astype(q_BTHD.dtype)
 
         if cache is None:
-            keys, values, k_pos_BS = k_BTKD, v_BTKD, positions_BT
+            out_BTHD = self._blocked(q_BTHD, k_BTKD, v_BTKD, positions_BT)
         else:
             start_B = positions_BT[:, 0]
             cache = {
                 "k": write_cache(cache["k"], k_BTKD, start_B),
                 "v": write_cache(cache["v"], v_BTKD, start_B),
             }
-            keys, values = cache["k"], cache["v"]
-            B, S = keys.shape[:2]
+            B, S = cache["k"].shape[:2]
             k_pos_BS = jnp.broadcast_to(jnp.arange(S, dtype=positions_BT.dtype), (B, S))
-
-        mask_BTS = attention_mask(
-            positions_BT, k_pos_BS, chunk_size=self.chunk_size, window=self.window
-        )
-        out_BTHD = jax.nn.dot_product_attention(
-            q_BTHD,
-            keys.astype(self.dtype),
-            values.astype(self.dtype),
-            mask=mask_BTS[:, None, :, :],
-            scale=self.head_dim**-0.5,
-        )
+            out_BTHD = attend(
+                q_BTHD,
+                cache["k"].astype(self.dtype),
+                cache["v"].astype(self.dtype),
+                self._mask(positions_BT, k_pos_BS),
+                self.head_dim**-0.5,
+            )
         y_BTD = jnp.einsum("bthk,hkd->btd", out_BTHD, self.wo[...].astype(self.dtype))
         if hasattr(self, "o_bias"):
             y_BTD = y_BTD + self.o_bias[...].astype(self.dtype)
         return y_BTD, cache
+
+    def _mask(self, q_pos_BT, k_pos_BS):
+        return attention_mask(q_pos_BT, k_pos_BS, chunk_size=self.chunk_size, window=self.window)
+
+    def _blocked(self, q_BTHD, k_BTKD, v_BTKD, positions_BT) -> jax.Array:
+        """Self-attention over the call's own tokens, one query block at a time."""
+        block = jax.checkpoint(
+            lambda q, k, v, q_pos, k_pos: attend(
+                q, k, v, self._mask(q_pos, k_pos), self.head_dim**-0.5
+            )
+        )
+        outs = [
+            block(
+                q_BTHD[:, q_lo:q_hi],
+                k_BTKD[:, k_lo:k_hi],
+                v_BTKD[:, k_lo:k_hi],
+                positions_BT[:, q_lo:q_hi],
+                positions_BT[:, k_lo:k_hi],
+            )
+            for q_lo, q_hi, k_lo, k_hi in query_blocks(q_BTHD.shape[1], self.window)
+        ]
+        return outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=1)

@@ -142,13 +142,19 @@ class Experts(nnx.Module):
 def expert_swiglu(x_ECD, w: dict, dtype, reduce_axis: str | None = None) -> jax.Array:
     """Each expert's SwiGLU on its buffer. With `reduce_axis`, `w` holds a shard of the hidden
     dim (tensor parallelism) and the partial down-projections are summed over that axis."""
-    bias = lambda n: w[n].astype(dtype)[:, None, :] if n in w else 0
-    gate = jnp.einsum("ecd,edf->ecf", x_ECD, w["w_gate"].astype(dtype)) + bias("gate_bias")
-    up = jnp.einsum("ecd,edf->ecf", x_ECD, w["w_up"].astype(dtype)) + bias("up_bias")
-    y = jnp.einsum("ecf,efd->ecd", jax.nn.silu(gate) * up, w["w_down"].astype(dtype))
+
+    def one_expert(args):
+        x_CD, w_e = args
+        bias = lambda n: w_e[n].astype(dtype) if n in w_e else 0
+        gate_CF = x_CD @ w_e["w_gate"].astype(dtype) + bias("gate_bias")
+        up_CF = x_CD @ w_e["w_up"].astype(dtype) + bias("up_bias")
+        return (jax.nn.silu(gate_CF) * up_CF) @ w_e["w_down"].astype(dtype)
+
+    w_in = {n: a for n, a in w.items() if n != "down_bias"}
+    y = jax.lax.map(one_expert, (x_ECD, w_in))
     if reduce_axis is not None:
         y = jax.lax.psum(y, reduce_axis)
-    return y + bias("down_bias")
+    return y + (w["down_bias"].astype(dtype)[:, None, :] if "down_bias" in w else 0)
 
 
 class MoE(nnx.Module):
