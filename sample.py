@@ -3,6 +3,7 @@
     python sample.py --run runs/tiny                              # latest checkpoint
     python sample.py --run runs/tiny --prompt "def " --max-new-tokens 300 --temperature 0.7
     python sample.py --run runs/tiny --prompt-file prompt.txt --num-samples 4 --top-k 40 --seed 1
+    python sample.py --run runs/tiny --quantize int8              # int8 weights (moe_jax.quantize)
 
 Defaults for the sampling flags come from the run's saved config (its `sample` section). One
 sample streams to the terminal as it is decoded; several are decoded as one batch in one
@@ -17,6 +18,7 @@ import numpy as np
 
 from moe_jax.checkpoint import RunError, load_run
 from moe_jax.data import DataError
+from moe_jax.quantize import QUANTIZATIONS, QuantizeError, check_quantization, quantize_model
 from moe_jax.sampling import Sampler, SamplingError
 
 SEPARATOR = "\n" + "-" * 40 + "\n"
@@ -38,6 +40,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--top-k", type=int, help="keep the k most likely tokens; 0 = off")
     p.add_argument("--top-p", type=float, help="nucleus: keep the top mass p; 1 = off")
     p.add_argument("--seed", type=int, help="same seed, same text")
+    p.add_argument(
+        "--quantize",
+        metavar="MODE",
+        help=f"quantise the weights after loading: {', '.join(QUANTIZATIONS)} (a run written by "
+        "`python -m moe_jax.quantize` is int8 already)",
+    )
     return p.parse_args(argv)
 
 
@@ -80,7 +88,11 @@ def main(argv: list[str]) -> int:
     try:
         if args.num_samples < 1:
             raise SamplingError(f"--num-samples must be >= 1, got {args.num_samples}")
+        if args.quantize is not None:
+            check_quantization(args.quantize)  # before the (slow) load
         cfg, model, tokenizer = load_run(args.run, args.step)
+        if args.quantize is not None:
+            model = quantize_model(model, args.quantize)
         s = cfg.sample
         prompt = read_prompt(args, s.prompt)
         ids = tokenizer.encode(prompt).tolist()
@@ -96,7 +108,7 @@ def main(argv: list[str]) -> int:
             vocab_size=tokenizer.vocab_size,
             on_token=streamer,
         )
-    except (RunError, DataError, SamplingError) as e:
+    except (RunError, DataError, SamplingError, QuantizeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if streamer is not None:

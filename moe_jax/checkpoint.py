@@ -8,6 +8,8 @@ Public API:
         # checkpoint's params; tokenizer: the run's tokenizer (`.encode(text)`, `.decode(ids)`).
     RunError(ValueError)   # missing run dir, no checkpoint, unknown step, incompatible config;
                            # CLIs print `error: <message>` and exit 2.
+    meta = read_run_meta("runs/tiny")    # {"step", "config", "tokenizer", "fingerprint", ...}
+    write_inference_run(out_dir, step, params, meta)   # a new params-only run (e.g. int8)
 
     resume = inspect_run(cfg)    # read-only: None for a new run, else the latest step and its
                                  # saved config/tokenizer; RunError if cfg cannot continue it
@@ -24,6 +26,10 @@ Layout of a run directory:
         data/       the Grain iterator position, one JSON file per process
         meta/       resolved config (YAML text), tokenizer, corpus fingerprint (JSON)
     RUN_DIR/metrics.jsonl, RUN_DIR/tb/   metrics (see moe_jax/metrics.py)
+
+An inference-only run (`python -m moe_jax.quantize`) has the same layout with `params/` and
+`meta/` only; its meta says `"quantization": "int8"` (config.yaml says so in a comment), so
+`load_run` rebuilds the quantised model, and training it is refused.
 
 The step is the checkpoint's directory name. Training draws no random numbers after
 initialisation (no dropout; the params seed is used once), and the data order is Grain's
@@ -45,6 +51,7 @@ from __future__ import annotations
 
 import dataclasses
 import shutil
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -169,6 +176,11 @@ def inspect_run(cfg: Config) -> Resume | None:
     if steps:
         meta = _read_meta(manager, max(steps), run_dir)
         saved = meta["config"]
+        if meta.get("quantization"):
+            raise RunError(
+                f"run_dir '{run_dir}' holds a {meta['quantization']} copy of a run for "
+                f"inference only; train the float run it came from ({meta.get('source')})"
+            )
     else:
         meta = None
         try:
@@ -189,11 +201,8 @@ def inspect_run(cfg: Config) -> Resume | None:
     return Resume(max(steps), saved, meta["tokenizer"], meta.get("fingerprint", ""))
 
 
-def load_run(run_dir: str | Path, step: int | None = None) -> tuple[Config, nnx.Module, Tokenizer]:
-    """(config, Transformer with the checkpoint's params on the host, tokenizer)."""
-    from moe_jax.model import Transformer  # imported here: the model imports the config only
-
-    run_dir = Path(run_dir)
+def _open_run(run_dir: Path, step: int | None) -> tuple[ocp.CheckpointManager, int]:
+    """The run's checkpoint manager and the step asked for (default: the latest)."""
     if not run_dir.is_dir():
         raise RunError(
             f"run directory '{run_dir}' does not exist; train one with "
@@ -210,10 +219,37 @@ def load_run(run_dir: str | Path, step: int | None = None) -> tuple[Config, nnx.
         step = steps[-1]
     elif step not in steps:
         raise RunError(f"no checkpoint for step {step} in '{run_dir}'; saved steps: {steps}")
+    return manager, step
+
+
+def read_run_meta(run_dir: str | Path, step: int | None = None) -> dict:
+    """The checkpoint's meta (latest or `step`): "step", "config" (a Config), "tokenizer",
+    "fingerprint", and "quantization" / "source" for an inference-only copy."""
+    run_dir = Path(run_dir)
+    manager, step = _open_run(run_dir, step)
+    return _read_meta(manager, step, run_dir) | {"step": step}
+
+
+def load_run(run_dir: str | Path, step: int | None = None) -> tuple[Config, nnx.Module, Tokenizer]:
+    """(config, Transformer with the checkpoint's params on the host, tokenizer)."""
+    from moe_jax.model import Transformer  # imported here: the model imports the config only
+
+    run_dir = Path(run_dir)
+    manager, step = _open_run(run_dir, step)
     meta = _read_meta(manager, step, run_dir)
     cfg = meta["config"]
-    abstract = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
-    graphdef, abstract_params = nnx.split(abstract, nnx.Param)
+    build = lambda: Transformer(cfg, rngs=nnx.Rngs(0))
+    if meta.get("quantization"):
+        from moe_jax.quantize import QUANTIZATIONS, quantize_model  # it imports this module
+
+        mode = meta["quantization"]
+        if mode not in QUANTIZATIONS:
+            raise RunError(
+                f"checkpoint {step} in '{run_dir}' is quantised as '{mode}', which this "
+                "version of moe_jax does not know"
+            )
+        build = lambda: quantize_model(Transformer(cfg, rngs=nnx.Rngs(0)), mode)
+    graphdef, abstract_params = nnx.split(nnx.eval_shape(build), nnx.Param)
     restored = manager.restore(
         step,
         args=ocp.args.Composite(
@@ -232,6 +268,39 @@ def on_device(abstract_tree, device: jax.Device):
 
 
 # ----------------------------------------------------------------------------- writing runs
+
+
+def write_inference_run(out_dir: str | Path, step: int, params, meta: dict) -> None:
+    """A new run directory holding one checkpoint of `params` only (no optimizer or data
+    state), e.g. a quantised copy; `meta` as for `Checkpointer.save`, plus "quantization" and
+    "source". Written into a temporary sibling and renamed when complete, so `out_dir` holds
+    the whole run or does not exist; an existing `out_dir` is refused, never touched."""
+    out_dir = Path(out_dir)
+    if out_dir.exists():
+        raise RunError(f"'{out_dir}' already exists; choose a new directory")
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out_dir.parent / f".{out_dir.name}.tmp-{uuid.uuid4().hex[:12]}"
+    tmp.mkdir()  # not tempfile.mkdtemp: the run directory gets the usual (umask) permissions
+    try:
+        comment = f"# {meta['quantization']} copy of {meta['source']}: inference only\n"
+        (tmp / CONFIG_FILE).write_text(comment + config_to_yaml(meta["config"]), encoding="utf-8")
+        meta = meta | {
+            "step": step,
+            "config": config_to_yaml(meta["config"]),
+            "tokenizer": meta["tokenizer"].to_dict(),
+        }
+        manager = _manager(tmp, enable_async_checkpointing=False)
+        manager.save(
+            step,
+            args=ocp.args.Composite(
+                params=ocp.args.StandardSave(params), meta=ocp.args.JsonSave(meta)
+            ),
+        )
+        manager.close()
+        tmp.rename(out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
 
 
 class Checkpointer:

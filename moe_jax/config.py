@@ -49,6 +49,9 @@ class ModelConfig:
     dtype: str = "float32"  # compute dtype; params are always float32
     scan_layers: bool = False  # lax.scan over repeating blocks of layers
     init_std: float = 0.02
+    # Width of precomputed image embeddings the model accepts (`model(tokens, images=...,
+    # image_mask=...)`, projected to d_model); 0 = text only, no projection parameter.
+    vision: int = 0
 
 
 @dataclass(frozen=True)
@@ -396,6 +399,7 @@ def validate(cfg: Config) -> None:
         _require(0.0 <= getattr(t, n) < 1.0, f"train.{n} must be within [0, 1)")
     _positive(t, "train", ["eps"])
     _positive(m, "model", ["init_std"])
+    _require(m.vision >= 0, f"model.vision must be >= 0 (0 = no image inputs), got {m.vision}")
     _require(
         cfg.data.num_workers >= 0, f"data.num_workers must be >= 0, got {cfg.data.num_workers}"
     )

@@ -35,6 +35,10 @@ unrolled here whatever `model.scan_layers` says, and the stacked layer blocks ar
 (see `unstack_blocks`). The KV cache has `bucket + max_new_tokens` slots; each step attends
 over all of them under the position mask.
 
+An int8 model (`moe_jax.quantize`) runs the same program: its weights enter as int8 values
+and scales, and each layer's are dequantised inside the loop in that layer's turn (XLA would
+otherwise hoist them out of the loop as float copies; see `moe_jax.quantize.after`).
+
 Streaming (`on_token`) calls back to the host from inside the compiled loop
 (`jax.debug.callback`, ordered) rather than running the loop in chunks from Python: the
 stream is the batch program plus one callback per step, so the default path and the streamed
@@ -63,6 +67,7 @@ import numpy as np
 from flax import nnx
 
 from moe_jax.model import Transformer
+from moe_jax.quantize import is_quantized, quantize_model
 
 MIN_BUCKET = 16  # shortest prompt bucket: shorter prompts are padded to this
 STOP_BUCKET = 8  # stop-token lists are padded to a multiple of this
@@ -256,8 +261,10 @@ class Sampler:
             model=dataclasses.replace(cfg.model, scan_layers=False),
             moe=dataclasses.replace(cfg.moe, capacity_factor=0),
         )
-        abstract = nnx.eval_shape(lambda: Transformer(infer_cfg, rngs=nnx.Rngs(0)))
-        self.graphdef, _ = nnx.split(abstract, nnx.Param)
+        build = lambda: Transformer(infer_cfg, rngs=nnx.Rngs(0))
+        if is_quantized(model):  # the same int8 weights (moe_jax.quantize)
+            build = lambda: quantize_model(Transformer(infer_cfg, rngs=nnx.Rngs(0)))
+        self.graphdef, _ = nnx.split(nnx.eval_shape(build), nnx.Param)
         # The stacked layer blocks are split once here, so that no program slices them
         # (see `unstack_blocks`): this holds a copy of them while `model` lives too.
         params = nnx.state(model, nnx.Param)

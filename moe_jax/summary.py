@@ -33,6 +33,7 @@ COMPONENTS = (
     "router",
     "norms",
     "head",
+    "vision_proj",
 )
 
 
@@ -51,6 +52,8 @@ def _component(names: Sequence[str]) -> str:
         return "embedding"
     if tuple(names) == ("head",):
         return "head"
+    if tuple(names) == ("vision_proj",):
+        return "vision_proj"
     if "experts" in names:
         return "routed_experts"
     if "shared" in names:
@@ -86,6 +89,8 @@ def param_breakdown(cfg: Config) -> ParamBreakdown:
             if shape[expert_axis] != E:
                 raise ValueError(f"expert parameter '{'.'.join(names)}' {shape} has no {E}-axis")
             used = size // E * K
+        elif comp == "vision_proj":  # projects image embeddings, not the text tokens
+            used = 0
         total[comp] += size
         active[comp] += used
         if comp not in ("embedding", "norms") and not names[-1].endswith("bias"):

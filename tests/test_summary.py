@@ -86,6 +86,7 @@ def materialised_param_count(cfg) -> int:
             "moe.shared_expert_hidden=48",
             "moe.router_bias=true",
             "moe.expert_bias=true",
+            "model.vision=24",
         ],
     ],
     ids=["tiny", "tiny_all_params"],
@@ -97,6 +98,9 @@ def test_total_equals_the_materialised_model(overrides):
     b = param_breakdown(cfg)
     assert set(b.total) == set(COMPONENTS)
     assert b.total["routed_experts"] > 0 and active < total
+    # The image projection counts in the total, not per text token.
+    assert b.total["vision_proj"] == cfg.model.vision * cfg.model.d_model
+    assert b.active["vision_proj"] == 0
 
 
 @pytest.mark.parametrize("tie", [False, True])

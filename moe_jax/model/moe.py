@@ -306,7 +306,7 @@ class MoE(nnx.Module):
         """Every assignment through its own expert's gathered weights: [B, T, K, D, F] reads."""
         ex, dt = self.experts, self.dtype
         pick = lambda name: (
-            getattr(ex, name)[...][experts_BTK].astype(dt) if hasattr(ex, name) else 0
+            getattr(ex, name)[experts_BTK].astype(dt) if hasattr(ex, name) else 0
         )
         if self.cfg.route_scale == "input":
             x_BTKD = x_BTD[:, :, None, :] * w_BTK[..., None]

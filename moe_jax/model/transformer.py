@@ -8,6 +8,16 @@ depth), `false` unrolls them, and the two give the same numbers from the same ch
 
     logits_BTV, aux = model(tokens_BT)
     logits_BTV, aux, cache = model(tokens_BT, positions=positions_BT, cache=cache)
+    logits_BTV, aux = model(tokens_BT, images=images_BND, image_mask=mask_BT)   # model.vision > 0
+
+Image inputs (`model.vision` = d_vision > 0): precomputed image embeddings [B, N, d_vision] go
+through a learned projection `vision_proj` [d_vision, d_model] and replace the token embeddings
+at the positions the boolean `image_mask` [B, T] marks, in order (row b's n-th marked position
+gets row b's n-th embedding); the tokens there are placeholders whose ids are never read. Every
+row must mark exactly N positions. Shapes are checked at trace time and the counts too when the
+mask is concrete; under jit a traced mask cannot be checked, and a row marking fewer positions
+drops its last embeddings while one marking more repeats its last. The images enter before the
+first layer, so they work with `cache=` (prefill) and the layer scan alike.
 
 `aux`: "aux_loss" (weighted lb + z losses, add it to the LM loss), "lb_loss" and "z_loss"
 (unweighted means over MoE layers), "expert_load" [n_moe_layers, E] (fraction of top-k
@@ -18,12 +28,14 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from moe_jax.config import Config
 from moe_jax.model.attention import Attention, KVCache
 from moe_jax.model.moe import MoE, SwiGLU
 from moe_jax.model.norm import RMSNorm
+from moe_jax.quantize import after
 from moe_jax.sharding import param
 
 
@@ -40,12 +52,13 @@ class DecoderLayer(nnx.Module):
             self.ffn = SwiGLU(D, cfg.model.ffn_hidden, cfg, rngs=rngs)
 
     def __call__(self, x_BTD, positions_BT, cache: KVCache | None, n_groups: int):
-        h, cache = self.attn(self.attn_norm(x_BTD), positions_BT, cache)
+        layer = after(x_BTD, self)  # int8 weights are dequantised in this layer's turn
+        h, cache = layer.attn(layer.attn_norm(x_BTD), positions_BT, cache)
         x_BTD = x_BTD + h
         if self.is_moe:
-            h, stats = self.ffn(self.ffn_norm(x_BTD), n_groups)
+            h, stats = layer.ffn(layer.ffn_norm(x_BTD), n_groups)
         else:
-            h, stats = self.ffn(self.ffn_norm(x_BTD)), None
+            h, stats = layer.ffn(layer.ffn_norm(x_BTD)), None
         return x_BTD + h, cache, stats
 
 
@@ -88,6 +101,9 @@ class Transformer(nnx.Module):
         self.final_norm = RMSNorm(m.d_model, m.norm_eps, rngs=rngs)
         if not m.tie_embeddings:
             self.head = param(rngs, init, (m.d_model, m.vocab_size), ("embed", "vocab"))
+        if m.vision:
+            # Created last, so a text model and its vision variant draw identical other params.
+            self.vision_proj = param(rngs, init, (m.vision, m.d_model), (None, "embed"))
 
     # ------------------------------------------------------------------ KV cache
 
@@ -113,12 +129,16 @@ class Transformer(nnx.Module):
         positions: jax.Array | None = None,
         cache: dict | None = None,
         n_groups: int = 1,
+        images: jax.Array | None = None,
+        image_mask: jax.Array | None = None,
     ):
         B, T = tokens_BT.shape
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
         embedding = self.embed.embedding[...]
         x_BTD = embedding[tokens_BT].astype(self.dtype)
+        if images is not None or image_mask is not None:
+            x_BTD = self._insert_images(x_BTD, images, image_mask)
 
         block_stats, new_block_caches = [], []
         if self.n_blocks:
@@ -132,12 +152,25 @@ class Transformer(nnx.Module):
             tail_stats.append(stats)
 
         x_BTD = self.final_norm(x_BTD)
-        head = embedding.T if self.cfg.model.tie_embeddings else self.head[...]
+        head = embedding.T if self.cfg.model.tie_embeddings else after(x_BTD, self.head)[...]
         logits_BTV = (x_BTD @ head.astype(self.dtype)).astype(jnp.float32)
         aux = self._aux(block_stats, tail_stats)
         if cache is None:
             return logits_BTV, aux
         return logits_BTV, aux, {"blocks": new_block_caches, "tail": new_tail_caches}
+
+    def _insert_images(self, x_BTD, images_BND, mask_BT) -> jax.Array:
+        """The projected image embeddings in place of the token embeddings the mask marks."""
+        check_image_inputs(self.cfg.model.vision, x_BTD.shape[:2], images_BND, mask_BT)
+        N = images_BND.shape[1]
+        if N == 0:  # nothing to place (and a checked mask marks nothing)
+            return x_BTD
+        proj = self.vision_proj[...].astype(self.dtype)
+        img_BND = images_BND.astype(self.dtype) @ proj
+        # Marked position t of row b takes embedding (number of marked positions <= t) - 1.
+        slot_BT = jnp.clip(jnp.cumsum(mask_BT, axis=1, dtype=jnp.int32) - 1, 0, N - 1)
+        img_BTD = jnp.take_along_axis(img_BND, slot_BT[..., None], axis=1)
+        return jnp.where(mask_BT[..., None], img_BTD, x_BTD)
 
     def _run_blocks(self, x_BTD, positions_BT, caches, n_groups):
         """Apply the stacked blocks; stats come back stacked [n_blocks, ...] per block layer."""
@@ -191,3 +224,37 @@ class Transformer(nnx.Module):
             "expert_load": stacked["expert_load"],
             "dropped_frac": stacked["dropped_frac"],
         }
+
+
+def check_image_inputs(d_vision: int, batch_shape: tuple[int, int], images_BND, mask_BT) -> None:
+    """Clear errors for image inputs that cannot fill the marked positions (ValueError)."""
+    B, T = batch_shape
+    if d_vision == 0:
+        raise ValueError(
+            "this model takes no image embeddings (model.vision=0); set model.vision to their "
+            "width to train a model that does"
+        )
+    if images_BND is None or mask_BT is None:
+        raise ValueError("images and image_mask go together: pass both or neither")
+    if images_BND.ndim != 3 or images_BND.shape[0] != B or images_BND.shape[2] != d_vision:
+        raise ValueError(
+            f"images must be [B={B}, N, model.vision={d_vision}], got shape {images_BND.shape}"
+        )
+    if mask_BT.shape != (B, T) or mask_BT.dtype != jnp.bool_:
+        raise ValueError(
+            f"image_mask must be a boolean [B={B}, T={T}] array like the tokens, got "
+            f"{mask_BT.dtype} {mask_BT.shape}"
+        )
+    N = images_BND.shape[1]
+    if N > T:
+        raise ValueError(f"{N} image embeddings per row cannot fill {T} token positions")
+    try:
+        counts_B = np.asarray(mask_BT).sum(axis=1)
+    except jax.errors.TracerArrayConversionError:
+        return  # traced under jit: the counts are the caller's contract (see the module doc)
+    if np.any(counts_B != N):
+        row = int(np.argmax(counts_B != N))
+        raise ValueError(
+            f"image_mask row {row} marks {counts_B[row]} positions but images holds {N} "
+            "embeddings per row; mark exactly one position per image embedding in every row"
+        )
