@@ -14,12 +14,22 @@ import argparse
 import sys
 from pathlib import Path
 
-import numpy as np
+from moe_jax.runtime import reexec_with_hugepages
 
-from moe_jax.checkpoint import RunError, load_run
-from moe_jax.data import DataError
-from moe_jax.quantize import QUANTIZATIONS, QuantizeError, check_quantization, quantize_model
-from moe_jax.sampling import Sampler, SamplingError
+if __name__ == "__main__":  # first: a glibc tunable is read only when a process starts
+    reexec_with_hugepages()
+
+import numpy as np  # noqa: E402
+
+from moe_jax.checkpoint import RunError, load_run  # noqa: E402
+from moe_jax.data import DataError  # noqa: E402
+from moe_jax.quantize import (  # noqa: E402
+    QUANTIZATIONS,
+    QuantizeError,
+    check_quantization,
+    quantize_model,
+)
+from moe_jax.sampling import Sampler, SamplingError  # noqa: E402
 
 SEPARATOR = "\n" + "-" * 40 + "\n"
 

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from moe_jax.model.moe import MoE, assign_slots, capacity, route
+from moe_jax.model.moe import MAP_MIN_CAPACITY, MoE, assign_slots, capacity, route
 from tests.helpers import tiny_config
 
 
@@ -88,6 +88,27 @@ def test_no_drop_equals_dense_reference(name, n_groups):
     ref = dense_reference(moe, x)
     np.testing.assert_allclose(y, ref, rtol=1e-5, atol=1e-5)
     assert float(stats["dropped_frac"]) == 0.0
+
+
+def test_big_buffers_run_one_expert_at_a_time_and_match():
+    """Buffers of >= MAP_MIN_CAPACITY slots take the per-expert `lax.map` path (training
+    sizes): values and gradients equal the dense reference's."""
+    cfg = tiny_config("moe.capacity_factor=0", *VARIANTS["softmax_top3_shared_bias"])
+    moe = MoE(cfg, rngs=nnx.Rngs(0))
+    randomize(moe, 1)
+    x = jax.random.normal(jax.random.key(2), (2, MAP_MIN_CAPACITY // 2, cfg.model.d_model))
+    assert capacity(x.shape[0] * x.shape[1], cfg.moe) >= MAP_MIN_CAPACITY
+    assert "scan[" in str(jax.make_jaxpr(lambda x: moe(x)[0])(x))  # lax.map is a scan
+    np.testing.assert_allclose(apply(moe, x)[0], dense_reference(moe, x), rtol=1e-5, atol=1e-5)
+    loss = lambda f: lambda m: jnp.sum(jnp.sin(f(m)))
+    grads = nnx.grad(loss(lambda m: m(x)[0]))(moe)
+    ref_grads = nnx.grad(loss(lambda m: dense_reference(m, x)))(moe)
+    np.testing.assert_allclose(
+        grads.experts.w_gate[...], ref_grads.experts.w_gate[...], rtol=1e-4, atol=1e-5
+    )
+    np.testing.assert_allclose(
+        grads.experts.w_down[...], ref_grads.experts.w_down[...], rtol=1e-4, atol=1e-5
+    )
 
 
 def test_large_capacity_factor_drops_nothing_and_matches():

@@ -38,6 +38,7 @@ from moe_jax.config import Config, MoEConfig
 from moe_jax.sharding import BATCH_AXES, n_batch_shards, param
 
 EXPERT_PARAMS = ("w_gate", "w_up", "w_down", "gate_bias", "up_bias", "down_bias")
+MAP_MIN_CAPACITY = 128  # expert buffers of at least this many slots run one expert at a time
 
 
 def capacity(tokens_per_group: int, cfg: MoEConfig) -> int:
@@ -139,22 +140,34 @@ class Experts(nnx.Module):
         return {n: getattr(self, n)[...] for n in EXPERT_PARAMS if hasattr(self, n)}
 
 
+def swiglu_rows(x_CD, w: dict, dtype) -> jax.Array:
+    """SwiGLU of rows [..., C, D] with weights [..., D, F] (a leading expert axis on both, or
+    none), without the down-projection bias (added after any tensor-parallel sum)."""
+    bias = lambda n: jnp.expand_dims(w[n].astype(dtype), -2) if n in w else 0
+    gate_CF = jnp.matmul(x_CD, w["w_gate"].astype(dtype)) + bias("gate_bias")
+    up_CF = jnp.matmul(x_CD, w["w_up"].astype(dtype)) + bias("up_bias")
+    return jnp.matmul(jax.nn.silu(gate_CF) * up_CF, w["w_down"].astype(dtype))
+
+
 def expert_swiglu(x_ECD, w: dict, dtype, reduce_axis: str | None = None) -> jax.Array:
     """Each expert's SwiGLU on its buffer. With `reduce_axis`, `w` holds a shard of the hidden
-    dim (tensor parallelism) and the partial down-projections are summed over that axis."""
+    dim (tensor parallelism) and the partial down-projections are summed over that axis.
 
-    def one_expert(args):
-        x_CD, w_e = args
-        bias = lambda n: w_e[n].astype(dtype) if n in w_e else 0
-        gate_CF = x_CD @ w_e["w_gate"].astype(dtype) + bias("gate_bias")
-        up_CF = x_CD @ w_e["w_up"].astype(dtype) + bias("up_bias")
-        return (jax.nn.silu(gate_CF) * up_CF) @ w_e["w_down"].astype(dtype)
-
+    Big buffers (training) run one expert at a time (`lax.map`): an expert's [C, F]
+    intermediates then stay in the CPU cache instead of [E, C, F] arrays going through
+    memory (the medium training step used ~15% less CPU). Small ones (decoding) run as
+    batched matmuls, which stream the weights in one pass (the per-expert map made batch-8
+    decoding ~25% slower)."""
     w_in = {n: a for n, a in w.items() if n != "down_bias"}
-    y = jax.lax.map(one_expert, (x_ECD, w_in))
+    if x_ECD.shape[1] >= MAP_MIN_CAPACITY:
+        y_ECD = jax.lax.map(lambda a: swiglu_rows(a[0], a[1], dtype), (x_ECD, w_in))
+    else:
+        y_ECD = swiglu_rows(x_ECD, w_in, dtype)
     if reduce_axis is not None:
-        y = jax.lax.psum(y, reduce_axis)
-    return y + (w["down_bias"].astype(dtype)[:, None, :] if "down_bias" in w else 0)
+        y_ECD = jax.lax.psum(y_ECD, reduce_axis)
+    if "down_bias" in w:
+        y_ECD = y_ECD + w["down_bias"].astype(dtype)[:, None, :]
+    return y_ECD
 
 
 class MoE(nnx.Module):
@@ -305,9 +318,7 @@ class MoE(nnx.Module):
     def _gathered(self, x_BTD, experts_BTK, w_BTK, keep_BTK) -> jax.Array:
         """Every assignment through its own expert's gathered weights: [B, T, K, D, F] reads."""
         ex, dt = self.experts, self.dtype
-        pick = lambda name: (
-            getattr(ex, name)[experts_BTK].astype(dt) if hasattr(ex, name) else 0
-        )
+        pick = lambda name: getattr(ex, name)[experts_BTK].astype(dt) if hasattr(ex, name) else 0
         if self.cfg.route_scale == "input":
             x_BTKD = x_BTD[:, :, None, :] * w_BTK[..., None]
         else:
