@@ -20,33 +20,18 @@ import os
 import sys
 import time
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 from common import STYLES, bench_config, machine, median_time, wait_until_idle
 from flax import nnx
 
 from moe_jax.model import Transformer
 from moe_jax.quantize import param_bytes, quantize_model
-from moe_jax.sampling import Mode, Sampler, prompt_bucket
+from moe_jax.sampling import Sampler
 
 
 def program_memory(sampler: Sampler, B: int, P: int, N: int) -> dict:
     """Argument and temporary bytes of the compiled greedy generate program."""
-    args = (
-        sampler.params,
-        sampler.param_blocks,
-        jnp.zeros((B, prompt_bucket(P, sampler.cfg.model.max_seq_len - N)), jnp.int32),
-        jnp.full((B,), P, jnp.int32),
-        jnp.full((8,), -1, jnp.int32),
-        jax.random.key(0),
-        jnp.float32(1),
-        jnp.int32(0),
-        jnp.float32(1),
-        jnp.int32(sampler.cfg.model.vocab_size),
-    )
-    greedy = Mode(True, False, False)
-    lowered = sampler.compiled.lower(*args, max_new_tokens=N, mode=greedy, stream=False)
+    lowered = sampler.lower([[0] * P] * B, N, temperature=0)
     m = lowered.compile().memory_analysis()
     return {"argument_bytes": m.argument_size_in_bytes, "temp_bytes": m.temp_size_in_bytes}
 

@@ -311,6 +311,35 @@ class Sampler:
         `on_token(step, tokens_B)` streams each step's tokens (-1 for finished rows) from
         inside the compiled loop; it compiles a separate (otherwise identical) program.
         """
+        args, statics = self._inputs(
+            prompts, max_new_tokens, temperature, top_k, top_p, seed, stop_tokens, vocab_size
+        )
+        self._listener = on_token
+        try:
+            out_BN, steps = self.compiled(*args, **statics, stream=on_token is not None)
+            out_BN = np.asarray(out_BN)  # waits for the program (and its callbacks) to finish
+        finally:
+            self._listener = None
+        return Generation(out_BN, np.sum(out_BN >= 0, axis=1).astype(np.int32), int(steps))
+
+    def lower(self, prompts, max_new_tokens: int, **kw) -> jax.stages.Lowered:
+        """The program `generate(prompts, max_new_tokens, **kw)` runs, lowered and not run:
+        for reading its HLO or its compiled memory (`.compile().memory_analysis()`)."""
+        args, statics = self._inputs(prompts, max_new_tokens, **kw)
+        return self.compiled.lower(*args, **statics, stream=False)
+
+    def _inputs(
+        self,
+        prompts,
+        max_new_tokens,
+        temperature=1.0,
+        top_k=0,
+        top_p=1.0,
+        seed=0,
+        stop_tokens=(),
+        vocab_size=None,
+    ):
+        """Checked arguments of the compiled program: (positional arrays, static kwargs)."""
         V, max_len = self.cfg.model.vocab_size, self.cfg.model.max_seq_len
         lengths = self._check(prompts, max_new_tokens, temperature, top_k, top_p, stop_tokens)
         if vocab_size is not None and not 0 < vocab_size <= V:
@@ -327,29 +356,20 @@ class Sampler:
         for row, ids in zip(prompt_BP, prompts, strict=True):
             row[: len(ids)] = ids
         greedy = temperature == 0  # then the filters cannot change the argmax
+        args = (
+            self.params,
+            self.param_blocks,
+            jnp.asarray(prompt_BP),
+            jnp.asarray(lengths, jnp.int32),
+            jnp.asarray(_pad_stops(stop_tokens)),
+            jax.random.key(seed),
+            jnp.float32(temperature if temperature > 0 else 1.0),
+            jnp.int32(top_k),
+            jnp.float32(top_p),
+            jnp.int32(vocab_size or V),
+        )
         mode = Mode(greedy, not greedy and 0 < top_k < V, not greedy and top_p < 1)
-
-        self._listener = on_token
-        try:
-            out_BN, steps = self.compiled(
-                self.params,
-                self.param_blocks,
-                jnp.asarray(prompt_BP),
-                jnp.asarray(lengths, jnp.int32),
-                jnp.asarray(_pad_stops(stop_tokens)),
-                jax.random.key(seed),
-                jnp.float32(temperature if temperature > 0 else 1.0),
-                jnp.int32(top_k),
-                jnp.float32(top_p),
-                jnp.int32(vocab_size or V),
-                max_new_tokens=max_new_tokens,
-                mode=mode,
-                stream=on_token is not None,
-            )
-            out_BN = np.asarray(out_BN)  # waits for the program (and its callbacks) to finish
-        finally:
-            self._listener = None
-        return Generation(out_BN, np.sum(out_BN >= 0, axis=1).astype(np.int32), int(steps))
+        return args, {"max_new_tokens": max_new_tokens, "mode": mode}
 
     def _check(self, prompts, max_new_tokens, temperature, top_k, top_p, stop_tokens):
         V = self.cfg.model.vocab_size

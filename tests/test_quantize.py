@@ -31,7 +31,7 @@ from moe_jax.quantize import (
     quantize_tensor,
 )
 from moe_jax.quantize import main as quantize_main
-from moe_jax.sampling import Mode, Sampler
+from moe_jax.sampling import Sampler
 from moe_jax.trainer import train
 from tests.helpers import forward, tiny_config
 from tests.test_sampling import greedy_reference
@@ -180,20 +180,7 @@ def test_int8_decode_loop_is_exact_and_holds_no_float_copy_of_the_weights(xla_ca
     # hoist the loop-invariant dequantisation out of the decode loop, keeping a float copy
     # of every weight alive for the whole loop, or do every layer's at once; the model ties
     # each layer's weights to its input, so about one layer's float copy exists at a time.
-    args = (
-        sampler.params,
-        sampler.param_blocks,
-        jnp.asarray([p + [0] * (16 - len(p)) for p in prompts], jnp.int32),
-        jnp.asarray([len(p) for p in prompts], jnp.int32),
-        jnp.full((8,), -1, jnp.int32),
-        jax.random.key(0),
-        jnp.float32(1),
-        jnp.int32(0),
-        jnp.float32(1),
-        jnp.int32(256),
-    )
-    greedy = Mode(True, False, False)
-    lowered = sampler.compiled.lower(*args, max_new_tokens=8, mode=greedy, stream=False)
+    lowered = sampler.lower(prompts, 8, temperature=0)
     memory = lowered.compile().memory_analysis()
     float_bytes_of_int8 = sum(
         4 * a.size for a in jax.tree.leaves(nnx.state(qmodel, Int8Param)) if a.dtype == jnp.int8

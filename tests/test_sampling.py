@@ -124,25 +124,7 @@ def test_compiled_program_never_materialises_the_stacked_layers():
     model, sampler = make_sampler(*KINDS["window_llama4_scan"])
     assert model.blocks.layers[0].ffn.experts.w_gate.shape == (2, 4, 32, 40)  # 2 blocks
     B, P, N = 2, 16, 8
-    hlo = (
-        sampler.compiled.lower(
-            sampler.params,
-            sampler.param_blocks,
-            jnp.zeros((B, P), jnp.int32),
-            jnp.full((B,), P, jnp.int32),
-            jnp.full((8,), -1, jnp.int32),
-            jax.random.key(0),
-            jnp.float32(1.0),
-            jnp.int32(0),
-            jnp.float32(1.0),
-            jnp.int32(256),
-            max_new_tokens=N,
-            mode=Mode(True, False, False),
-            stream=False,
-        )
-        .compile()
-        .as_text()
-    )
+    hlo = sampler.lower([[0] * P] * B, N, temperature=0).compile().as_text()
     assert "f32[4,32,40]" in hlo  # the per-block expert weights are there...
     assert "f32[2,4,32,40]" not in hlo  # ...never stacked
     kv = f"{B},{P + N},2,8]"  # cache [B, S, K, hd] per block, never [n_blocks, B, S, K, hd]
