@@ -21,6 +21,7 @@ from omegaconf import OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
 DTYPES = ("float32", "bfloat16")
+REMAT_POLICIES = ("none", "dots", "full")
 
 
 class ConfigError(ValueError):
@@ -48,6 +49,11 @@ class ModelConfig:
     max_seq_len: int = 2048  # longest context the model (and its KV cache) is used with
     dtype: str = "float32"  # compute dtype; params are always float32
     scan_layers: bool = False  # lax.scan over repeating blocks of layers
+    # Rematerialisation of each scanned block in the backward pass (needs scan_layers; memory
+    # for compute): none = keep the activations the backward needs (the attention blocks and
+    # the expert map already recompute their cheap parts); dots = keep only matmul outputs;
+    # full = keep only each block's input and recompute its forward (one extra forward pass).
+    remat: str = "none"
     init_std: float = 0.02
     # Width of precomputed image embeddings the model accepts (`model(tokens, images=...,
     # image_mask=...)`, projected to d_model); 0 = text only, no projection parameter.
@@ -305,6 +311,12 @@ def validate(cfg: Config) -> None:
     _positive(m, "model", ["vocab_size", "d_model", "n_layers", "max_seq_len", "norm_eps"])
     _positive(a, "attention", ["n_heads", "n_kv_heads", "rope_theta"])
     _one_of(m.dtype, DTYPES, "model.dtype")
+    _one_of(m.remat, REMAT_POLICIES, "model.remat")
+    _require(
+        m.remat == "none" or m.scan_layers,
+        f"model.remat={m.remat} needs model.scan_layers=true (unrolled layers give XLA "
+        "freedom to recompute in the forward, which saves no memory); set both or remat=none",
+    )
     _one_of(a.rope_style, ("half", "interleaved"), "attention.rope_style")
     _one_of(a.qk_norm, ("none", "rms", "l2"), "attention.qk_norm")
     _one_of(a.rope_scaling.type, ("none", "linear", "llama3"), "attention.rope_scaling.type")

@@ -5,6 +5,11 @@ P = cfg.layer_period is the period of the (RoPE/NoPE, MoE/dense) pattern, plus a
 remaining `n_layers % P` layers. One parameter layout serves both execution modes:
 `model.scan_layers=true` runs the stacked blocks with `lax.scan` (compile time independent of
 depth), `false` unrolls them, and the two give the same numbers from the same checkpoint.
+Under the scan, `model.remat` (dots | full) makes the backward recompute each block's
+forward from the block's input instead of keeping its activations: medium benchmark training
+keeps 2.5 GB of XLA temporaries with none, 2.0 GB with dots (~2% slower), 1.0 GB with full
+(~14% slower). Unrolled, XLA:CPU schedules the recomputation back into the forward and saves
+nothing, so the config accepts remat only with the scan.
 
     logits_BTV, aux = model(tokens_BT)
     logits_BTV, aux, cache = model(tokens_BT, positions=positions_BT, cache=cache)
@@ -183,6 +188,8 @@ class Transformer(nnx.Module):
             return x, (new_caches, stats)
 
         if self.cfg.model.scan_layers:
+            if caches is None:  # a forward that may be differentiated: apply model.remat
+                body = remat(body, self.cfg.model.remat)
             x_BTD, (new_caches, stats) = jax.lax.scan(body, x_BTD, (state, caches))
             return x_BTD, new_caches, stats
         per_block = []
@@ -224,6 +231,20 @@ class Transformer(nnx.Module):
             "expert_load": stacked["expert_load"],
             "dropped_frac": stacked["dropped_frac"],
         }
+
+
+def remat(fn, policy: str):
+    """A scanned block's `fn` under a `model.remat` policy: what its backward needs is
+    recomputed from the block's input rather than kept (none: `fn` unchanged)."""
+    if policy == "none":
+        return fn
+    saveable = {
+        "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+        "full": jax.checkpoint_policies.nothing_saveable,
+    }[policy]
+    # The scan's loop boundary already keeps XLA from merging the recomputation into the
+    # forward, so CSE prevention would only cost (JAX's advice for checkpoint inside scan).
+    return jax.checkpoint(fn, policy=saveable, prevent_cse=False)
 
 
 def check_image_inputs(d_vision: int, batch_shape: tuple[int, int], images_BND, mask_BT) -> None:
