@@ -3,6 +3,7 @@
     python benchmarks/scaling.py                                  # all four sweeps (~15 min)
     python benchmarks/scaling.py --sweeps experts,compile --steps 6
     python benchmarks/scaling.py --size small --style qwen3
+    python benchmarks/scaling.py --set model.scan_layers=true --set model.remat=dots
 
 Sweeps (each point is our real train step in a fresh worker process, timed as in
 train_throughput.py: median of `--steps` steps after a compile step and a warm-up step):
@@ -78,14 +79,15 @@ def compile_sweep(size: str, style: str) -> list[dict]:
     return rows
 
 
-def throughput_sweep(name: str, size: str, style: str, steps: int) -> list[dict]:
+def throughput_sweep(name: str, size: str, style: str, steps: int, overrides) -> list[dict]:
     key, values = SWEEPS[name]
     print(f"\n{name}: {key} in {values} ({size} {style}, ours only)")
     print(f"{key:>20s} {'tok/s':>7s} {'s/step':>7s} {'vs first':>8s} {'MFU':>6s} {'RSS GB':>6s} "
           f"{'first s':>7s} {'load':>5s}")  # fmt: skip
     rows = []
     for v in values:
-        r = measure(size, style, [f"{key}={v}"], steps, 1, steps, with_peer=False)
+        point = [*overrides, f"{key}={v}"]
+        r = measure(size, style, point, steps, 1, steps, settle=0, with_peer=False)
         r["value"] = v
         rows.append(r)
         rel = r["ours_tok_s"] / rows[0]["ours_tok_s"]
@@ -101,6 +103,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("--style", default="mixtral", choices=tuple(STYLES))
     p.add_argument("--sweeps", default="experts,seq,capacity,compile")
     p.add_argument("--steps", type=int, default=6, help="timed steps per point (median)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="config override for the throughput sweeps; repeatable")  # fmt: skip
     p.add_argument("--compile-worker", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.compile_worker:
@@ -122,7 +126,7 @@ def main(argv: list[str]) -> int:
         if s == "compile":
             results[s] = compile_sweep(args.size, args.style)
         else:
-            results[s] = throughput_sweep(s, args.size, args.style, args.steps)
+            results[s] = throughput_sweep(s, args.size, args.style, args.steps, args.set)
     print(json.dumps({"benchmark": "scaling", **info, "size": args.size, "style": args.style,
                       "results": results}))  # fmt: skip
     return 0

@@ -16,7 +16,13 @@ ours), random init, torch CPU float32 on `torch.set_num_threads(2)`,
 Each side runs in its own worker process, so their peak RSS (`ru_maxrss`, the whole process:
 interpreter, libraries, params, optimizer state, activations) does not mix. Both workers stay
 alive and take turns (`--chunk` steps each), so both see the same machine load; per-step times
-are medians over all `--steps` timed steps after `--warmup` untimed ones. `first_step_s` is the
+are medians over all `--steps` timed steps after `--warmup` untimed ones. Each turn starts with
+`--settle` untimed steps on both sides, so the timed steps follow a step as they do in a
+training loop: this VM reports memory that stays free for 2 s to its host (free page
+reporting), which takes it back, and touching it again then costs the kernel ~2 s per GB. Our
+step frees its 3.3 GB XLA temporary block after each step, so the first step after the other
+side's turn paid 7 s instead of 4 s (CPU s and kernel `sys` s per step are in the JSON;
+`--settle 0` shows it). `first_step_s` is the
 first call (trace + compile + run for ours). The matmul peak (fastest of 5 jitted 2048^3 fp32
 `jnp.dot`s, `moe_jax.metrics.measure_peak_flops`) is measured in our worker before each turn
 and its median is the MFU denominator; model FLOPs/token (active experts only) come from
@@ -142,12 +148,14 @@ def worker(side: str, size: str, style: str, overrides: list[str]) -> None:
             t0 = time.perf_counter()
             step()
             reply = time.perf_counter() - t0
-        elif cmd == "run":
+        elif cmd == "run":  # -> per step: wall seconds, CPU seconds, of which in the kernel
             reply = []
             for _ in range(int(arg[0])):
-                t0 = time.perf_counter()
+                r0, t0 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
                 step()
-                reply.append(time.perf_counter() - t0)
+                wall, r1 = time.perf_counter() - t0, resource.getrusage(resource.RUSAGE_SELF)
+                sys_s = r1.ru_stime - r0.ru_stime
+                reply.append({"s": wall, "cpu": r1.ru_utime - r0.ru_utime + sys_s, "sys": sys_s})
         elif cmd == "peak":
             reply = peak() if peak else None
         elif cmd == "rss":
@@ -184,7 +192,7 @@ class Worker:
 # ----------------------------------------------------------------------------- measuring
 
 
-def measure(size: str, style: str, overrides, steps: int, warmup: int, chunk: int, with_peer):
+def measure(size, style, overrides, steps: int, warmup: int, chunk: int, settle: int, with_peer):
     """One side-by-side measurement -> dict of figures (ours_*, peer_*, ratio, mfu)."""
     from moe_jax.summary import train_flops_per_token
 
@@ -204,6 +212,8 @@ def measure(size: str, style: str, overrides, steps: int, warmup: int, chunk: in
             n = min(chunk, steps - len(times["ours"]))
             peaks.append(workers["ours"].ask("peak"))
             for s, w in workers.items():
+                if settle:
+                    w.ask(f"run {settle}")  # untimed: see --settle
                 times[s] += w.ask(f"run {n}")
             load.append(os.getloadavg()[0])
         rss = {s: w.ask("rss") for s, w in workers.items()}
@@ -216,13 +226,15 @@ def measure(size: str, style: str, overrides, steps: int, warmup: int, chunk: in
     row = {"size": size, "style": style, "overrides": list(overrides), "tokens_per_step": tokens}
     row |= {"flops_per_token": flops, "peak_flops": peak, "load_avg_1m": max(load)}
     for s in workers:
-        step_s = statistics.median(times[s])
+        step_s = statistics.median(t["s"] for t in times[s])
         row[f"{s}_step_s"] = step_s
         row[f"{s}_tok_s"] = tokens / step_s
         row[f"{s}_mfu"] = tokens / step_s * flops / peak
         row[f"{s}_first_step_s"] = first[s]
         row[f"{s}_peak_rss_gb"] = rss[s] / 1e9
-        row[f"{s}_step_times"] = times[s]
+        row[f"{s}_cpu_s"] = statistics.median(t["cpu"] for t in times[s])
+        row[f"{s}_sys_s"] = statistics.median(t["sys"] for t in times[s])
+        row[f"{s}_step_times"] = [t["s"] for t in times[s]]
     if with_peer:
         row["ratio"] = row["ours_tok_s"] / row["peer_tok_s"]
         row["rss_ratio"] = row["ours_peak_rss_gb"] / row["peer_peak_rss_gb"]
@@ -258,6 +270,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("--steps", type=int, default=10, help="timed steps per side (median)")
     p.add_argument("--warmup", type=int, default=1, help="untimed steps after the first")
     p.add_argument("--chunk", type=int, default=2, help="steps per turn before the other side")
+    p.add_argument("--settle", type=int, default=1,
+                   help="untimed steps starting each turn, both sides (see the doc)")  # fmt: skip
     p.add_argument("--no-peer", action="store_true", help="time moe_jax only")
     p.add_argument("--wait-idle", type=float, default=120, metavar="S",
                    help="before each measurement wait up to S s for an idle machine")  # fmt: skip
@@ -267,8 +281,12 @@ def main(argv: list[str]) -> int:
     args = p.parse_args(argv)
     sizes, styles = args.sizes.split(","), args.styles.split(",")
     bad = [s for s in sizes if s not in SIZES] + [s for s in styles if s not in STYLES]
-    if bad or args.steps < 1 or args.chunk < 1 or args.warmup < 0:
-        what = f"unknown size/style {', '.join(bad)}" if bad else "--steps/--chunk must be >= 1"
+    if bad or args.steps < 1 or args.chunk < 1 or min(args.warmup, args.settle) < 0:
+        what = (
+            f"unknown size/style {', '.join(bad)}"
+            if bad
+            else "--steps/--chunk must be >= 1, --warmup/--settle >= 0"
+        )
         print(f"error: {what}; sizes: {', '.join(SIZES)}, styles: {', '.join(STYLES)}",
               file=sys.stderr)  # fmt: skip
         return 2
@@ -288,7 +306,9 @@ def main(argv: list[str]) -> int:
         for style in styles:
             peer = not args.no_peer
             idle = wait_until_idle(timeout_s=args.wait_idle) if args.wait_idle > 0 else False
-            r = measure(size, style, args.set, args.steps, args.warmup, args.chunk, peer)
+            r = measure(
+                size, style, args.set, args.steps, args.warmup, args.chunk, args.settle, peer
+            )
             r["started_idle"] = idle
             rows.append(r)
             print_row(r)

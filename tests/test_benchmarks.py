@@ -1,0 +1,65 @@
+"""The training benchmarks run end to end on a shrunk model and report consistent figures.
+
+The figures themselves are machine-dependent and never asserted; what is checked is that the
+scripts run (ours and the Hugging Face peer), time the steps they were asked to, and that the
+derived columns follow from the raw ones. Budget: ~25 s (one-layer models, 2 x 32 tokens).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
+SHRINK = ["--set=model.n_layers=1", "--set=train.seq_len=32", "--set=train.batch_size=2"]
+
+
+def run(script: str, *args: str) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, str(BENCH / script), *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+
+
+def json_line(stdout: str) -> dict:
+    return json.loads(stdout.strip().splitlines()[-1])
+
+
+def test_train_throughput_times_both_sides_and_derives_its_columns():
+    pytest.importorskip("transformers", reason="the peer needs the interop extra")
+    steps = "3"
+    args = ["--sizes=small", "--styles=qwen3", f"--steps={steps}", "--chunk=2", "--wait-idle=0"]
+    proc = run("train_throughput.py", *args, *SHRINK)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (row,) = json_line(proc.stdout)["results"]
+    tokens = 2 * 32
+    assert row["tokens_per_step"] == tokens
+    for side in ("ours", "peer"):
+        times = row[f"{side}_step_times"]
+        assert len(times) == int(steps)  # turns of 2 then 1; settle steps are not timed
+        assert row[f"{side}_step_s"] == pytest.approx(sorted(times)[1])  # the median of 3
+        assert row[f"{side}_tok_s"] == pytest.approx(tokens / row[f"{side}_step_s"])
+        assert 0 <= row[f"{side}_sys_s"] <= row[f"{side}_cpu_s"]
+        assert row[f"{side}_peak_rss_gb"] > 0.1  # a whole Python process with its framework
+    assert row["ratio"] == pytest.approx(row["ours_tok_s"] / row["peer_tok_s"])
+    mfu = row["ours_tok_s"] * row["flops_per_token"] / row["peak_flops"]
+    assert row["ours_mfu"] == pytest.approx(mfu)
+
+
+def test_scaling_sweeps_the_experts_at_constant_active_flops():
+    proc = run("scaling.py", "--size=small", "--sweeps=experts", "--steps=1", *SHRINK)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json_line(proc.stdout)["results"]["experts"]
+    assert [r["value"] for r in rows] == [8, 16, 32]
+    # Active FLOPs stay put; only the router's d_model x E matmul grows (~1% of the experts').
+    flops = [r["flops_per_token"] for r in rows]
+    assert flops == sorted(flops) and flops[-1] / flops[0] < 1.02
+
+
+@pytest.mark.parametrize("script", ["train_throughput.py", "scaling.py"])
+def test_bad_arguments_get_one_line_and_exit_2(script):
+    proc = run(script, "--size=huge" if script == "scaling.py" else "--sizes=huge")
+    assert proc.returncode == 2
+    assert "huge" in proc.stderr and "Traceback" not in proc.stderr
