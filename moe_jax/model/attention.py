@@ -172,20 +172,37 @@ class Attention(nnx.Module):
         return attention_mask(q_pos_BT, k_pos_BS, chunk_size=self.chunk_size, window=self.window)
 
     def _blocked(self, q_BTHD, k_BTKD, v_BTKD, positions_BT) -> jax.Array:
-        """Self-attention over the call's own tokens, one query block at a time."""
+        """Self-attention over the call's own tokens, one query block at a time.
+
+        q, k and v are cut into the query blocks' chunks with one `lax.split` each, and a block
+        attends to the concatenation of the key chunks it can see (from the chunk holding its
+        window's first key; the mask drops the rest). In the backward the chunks' gradients
+        are then summed chunk by chunk and concatenated once, where per-block slices of the
+        whole sequence each came back padded to full length and were added up (8 full-size
+        arrays per tensor and layer)."""
         block = jax.checkpoint(
             lambda q, k, v, q_pos, k_pos: attend(
                 q, k, v, self._mask(q_pos, k_pos), self.head_dim**-0.5
             )
         )
-        outs = [
-            block(
-                q_BTHD[:, q_lo:q_hi],
-                k_BTKD[:, k_lo:k_hi],
-                v_BTKD[:, k_lo:k_hi],
-                positions_BT[:, q_lo:q_hi],
-                positions_BT[:, k_lo:k_hi],
+        blocks = query_blocks(q_BTHD.shape[1], self.window)
+        sizes = [q_hi - q_lo for q_lo, q_hi, _, _ in blocks]
+        q_parts, k_parts, v_parts, pos_parts = (
+            jax.lax.split(a, sizes, axis=1) for a in (q_BTHD, k_BTKD, v_BTKD, positions_BT)
+        )
+        seen = lambda parts, first, last: (
+            parts[last] if first == last else jnp.concatenate(parts[first : last + 1], axis=1)
+        )
+        outs = []
+        for i, (_, _, k_lo, _) in enumerate(blocks):
+            first = k_lo // sizes[0]  # every chunk but the last has sizes[0] positions
+            outs.append(
+                block(
+                    q_parts[i],
+                    seen(k_parts, first, i),
+                    seen(v_parts, first, i),
+                    pos_parts[i],
+                    seen(pos_parts, first, i),
+                )
             )
-            for q_lo, q_hi, k_lo, k_hi in query_blocks(q_BTHD.shape[1], self.window)
-        ]
         return outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=1)
