@@ -1,12 +1,28 @@
-"""Test-wide setup: 8 simulated CPU devices (must precede the first jax import)."""
+"""Test-wide setup: 8 simulated CPU devices (must precede the first jax import), and one XLA
+compilation cache per test run, shared by the xdist workers and the CLIs the tests start:
+several tests compile the same program (a tiny train step run again to resume, the same
+sampler in two processes), and a compile is most of a small test's time. The cache directory
+is new for every run, so nothing compiled by an older checkout can be picked up."""
 
 import os
+import shutil
+import tempfile
 
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+run_id = os.environ.get("PYTEST_XDIST_TESTRUNUID", f"pid{os.getpid()}")  # same for all workers
+OWN_CACHE = os.path.join(tempfile.gettempdir(), f"moe_jax_tests_{run_id}")
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", OWN_CACHE)  # a user's own cache wins
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
 
 import jax  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
+
+
+def pytest_sessionfinish(session):
+    """The controller (not an xdist worker) removes the cache this run made."""
+    if not hasattr(session.config, "workerinput"):
+        shutil.rmtree(OWN_CACHE, ignore_errors=True)
