@@ -5,8 +5,10 @@
     python benchmarks/scaling.py --size small --style qwen3
     python benchmarks/scaling.py --set model.scan_layers=true --set model.remat=dots
 
-Sweeps (each point is our real train step in a fresh worker process, timed as in
-train_throughput.py: median of `--steps` steps after a compile step and a warm-up step):
+Sweeps (each point is our real train step in a worker process of its own, timed as in
+train_throughput.py: median of `--steps` steps after a compile step and a warm-up step; the
+points of a sweep take turns, 2 steps each after an untimed settle step, so they share the
+host's drifts; all of a sweep's workers are alive at once, so memory adds up):
 - experts: n_experts 8 -> 16 -> 32 at the style's top-k and expert hidden size, so the active
   FLOPs per token stay constant (capacity per expert shrinks as E grows, the buffers' total
   rows E x C stay the same); what grows is the parameter count (weights, gradients, AdamW).
@@ -21,12 +23,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import subprocess
 import sys
 import time
 
 from common import STYLES, bench_config, machine
-from train_throughput import measure
+from train_throughput import Worker, figures, take_turns
 
 from moe_jax.runtime import reexec_with_hugepages
 
@@ -80,20 +83,40 @@ def compile_sweep(size: str, style: str) -> list[dict]:
 
 
 def throughput_sweep(name: str, size: str, style: str, steps: int, overrides) -> list[dict]:
+    """Every point of the sweep in its own worker process, all alive at once and timed in turns
+    (train_throughput.take_turns), so a drift of the host's speed hits every point alike."""
+    from moe_jax.summary import train_flops_per_token
+
     key, values = SWEEPS[name]
-    print(f"\n{name}: {key} in {values} ({size} {style}, ours only)")
+    print(f"\n{name}: {key} in {values} ({size} {style}, ours only, points timed in turns)")
+    points = {str(v): [*overrides, f"{key}={v}"] for v in values}
+    workers = {v: Worker("ours", size, style, point) for v, point in points.items()}
+    try:
+        timed = take_turns(workers, steps, warmup=1, chunk=2, settle=1)
+    finally:
+        for w in workers.values():
+            w.close()
     print(f"{key:>20s} {'tok/s':>7s} {'s/step':>7s} {'vs first':>8s} {'MFU':>6s} {'RSS GB':>6s} "
-          f"{'first s':>7s} {'load':>5s}")  # fmt: skip
+          f"{'first s':>7s}")  # fmt: skip
     rows = []
-    for v in values:
-        point = [*overrides, f"{key}={v}"]
-        r = measure(size, style, point, steps, 1, steps, settle=0, with_peer=False)
-        r["value"] = v
+    for v, (label, point) in zip(values, points.items(), strict=True):
+        cfg = bench_config(size, style, *point)
+        r = {
+            "value": v,
+            "overrides": point,
+            "tokens_per_step": cfg.train.batch_size * cfg.train.seq_len,
+        }
+        r |= {"flops_per_token": train_flops_per_token(cfg)}
+        r |= figures(cfg, timed, label, "ours")
         rows.append(r)
         rel = r["ours_tok_s"] / rows[0]["ours_tok_s"]
         print(f"{v!s:>20s} {r['ours_tok_s']:7.0f} {r['ours_step_s']:7.2f} {rel:8.2f} "
               f"{100 * r['ours_mfu']:5.1f}% {r['ours_peak_rss_gb']:6.2f} "
-              f"{r['ours_first_step_s']:7.1f} {r['load_avg_1m']:5.1f}", flush=True)  # fmt: skip
+              f"{r['ours_first_step_s']:7.1f}", flush=True)  # fmt: skip
+    peak = statistics.median(timed["peaks"])
+    print(f"matmul peak {peak / 1e9:.0f} GFLOP/s; 1-min load avg up to {max(timed['load']):.1f}")
+    for r in rows:
+        r |= {"peak_flops": peak, "load_avg_1m": max(timed["load"])}
     return rows
 
 

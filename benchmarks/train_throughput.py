@@ -192,49 +192,72 @@ class Worker:
 # ----------------------------------------------------------------------------- measuring
 
 
+def take_turns(workers: dict, steps: int, warmup: int, chunk: int, settle: int) -> dict:
+    """Time `steps` steps on every worker, `chunk` at a time in turn, so that all of them see
+    the same machine load (this host's speed drifts by 30% over minutes). The first worker
+    that can (ours) measures the matmul peak before each round. -> {"first", "times",
+    "peaks", "load", "rss"}, each per worker name except the peaks and the 1-min load."""
+    first = {s: w.ask("first") for s, w in workers.items()}
+    for w in workers.values():
+        w.ask(f"run {warmup}")
+    times = {s: [] for s in workers}
+    peaks, load = [], [os.getloadavg()[0]]
+    prober = next((w for w in workers.values() if w.side == "ours"), None)
+    done = 0
+    while done < steps:
+        n = min(chunk, steps - done)
+        if prober:
+            peaks.append(prober.ask("peak"))
+        for s, w in workers.items():
+            if settle:
+                w.ask(f"run {settle}")  # untimed: see --settle
+            times[s] += w.ask(f"run {n}")
+        done += n
+        load.append(os.getloadavg()[0])
+    rss = {s: w.ask("rss") for s, w in workers.items()}
+    return {"first": first, "times": times, "peaks": peaks, "load": load, "rss": rss}
+
+
+def figures(cfg, timed: dict, name: str, side: str) -> dict:
+    """Worker `name`'s figures from `take_turns` as `side`_* columns (tok/s, MFU, RSS, ...)."""
+    from moe_jax.summary import train_flops_per_token
+
+    tokens = cfg.train.batch_size * cfg.train.seq_len
+    times = timed["times"][name]
+    step_s = statistics.median(t["s"] for t in times)
+    flops, peak = train_flops_per_token(cfg), statistics.median(timed["peaks"])
+    return {
+        f"{side}_step_s": step_s,
+        f"{side}_tok_s": tokens / step_s,
+        f"{side}_mfu": tokens / step_s * flops / peak,
+        f"{side}_first_step_s": timed["first"][name],
+        f"{side}_peak_rss_gb": timed["rss"][name] / 1e9,
+        f"{side}_cpu_s": statistics.median(t["cpu"] for t in times),
+        f"{side}_sys_s": statistics.median(t["sys"] for t in times),
+        f"{side}_step_times": [t["s"] for t in times],
+    }
+
+
 def measure(size, style, overrides, steps: int, warmup: int, chunk: int, settle: int, with_peer):
     """One side-by-side measurement -> dict of figures (ours_*, peer_*, ratio, mfu)."""
     from moe_jax.summary import train_flops_per_token
 
     cfg = bench_config(size, style, *overrides)
-    tokens = cfg.train.batch_size * cfg.train.seq_len
     workers = {"ours": Worker("ours", size, style, overrides)}
     if with_peer:
         workers["peer"] = Worker("peer", size, style, overrides)
     try:
-        first = {s: w.ask("first") for s, w in workers.items()}
-        for w in workers.values():
-            w.ask(f"run {warmup}")
-        times = {s: [] for s in workers}
-        peaks = []
-        load = [os.getloadavg()[0]]
-        while len(times["ours"]) < steps:  # take turns, so both see the same load
-            n = min(chunk, steps - len(times["ours"]))
-            peaks.append(workers["ours"].ask("peak"))
-            for s, w in workers.items():
-                if settle:
-                    w.ask(f"run {settle}")  # untimed: see --settle
-                times[s] += w.ask(f"run {n}")
-            load.append(os.getloadavg()[0])
-        rss = {s: w.ask("rss") for s, w in workers.items()}
+        timed = take_turns(workers, steps, warmup, chunk, settle)
     finally:
         for w in workers.values():
             w.close()
 
-    flops = train_flops_per_token(cfg)
-    peak = statistics.median(peaks)
+    tokens = cfg.train.batch_size * cfg.train.seq_len
     row = {"size": size, "style": style, "overrides": list(overrides), "tokens_per_step": tokens}
-    row |= {"flops_per_token": flops, "peak_flops": peak, "load_avg_1m": max(load)}
+    row |= {"flops_per_token": train_flops_per_token(cfg)}
+    row |= {"peak_flops": statistics.median(timed["peaks"]), "load_avg_1m": max(timed["load"])}
     for s in workers:
-        step_s = statistics.median(t["s"] for t in times[s])
-        row[f"{s}_step_s"] = step_s
-        row[f"{s}_tok_s"] = tokens / step_s
-        row[f"{s}_mfu"] = tokens / step_s * flops / peak
-        row[f"{s}_first_step_s"] = first[s]
-        row[f"{s}_peak_rss_gb"] = rss[s] / 1e9
-        row[f"{s}_cpu_s"] = statistics.median(t["cpu"] for t in times[s])
-        row[f"{s}_sys_s"] = statistics.median(t["sys"] for t in times[s])
-        row[f"{s}_step_times"] = [t["s"] for t in times[s]]
+        row |= figures(cfg, timed, s, s)
     if with_peer:
         row["ratio"] = row["ours_tok_s"] / row["peer_tok_s"]
         row["rss_ratio"] = row["ours_peak_rss_gb"] / row["peer_peak_rss_gb"]

@@ -15,6 +15,9 @@ from pathlib import Path
 import pytest
 
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
+sys.path.insert(0, str(BENCH))  # the scripts import their siblings as top-level modules
+from train_throughput import take_turns  # noqa: E402
+
 SHRINK = ["--set=model.n_layers=1", "--set=train.seq_len=32", "--set=train.batch_size=2"]
 
 
@@ -48,11 +51,44 @@ def test_train_throughput_times_both_sides_and_derives_its_columns():
     assert row["ours_mfu"] == pytest.approx(mfu)
 
 
+class FakeWorker:
+    """Stands in for a worker process: logs every command it gets; a step takes 1 s."""
+
+    def __init__(self, side: str, log: list):
+        self.side, self.log = side, log
+
+    def ask(self, command: str):
+        self.log.append((self.side, command))
+        cmd, *arg = command.split()
+        if cmd == "run":
+            return [{"s": 1.0, "cpu": 2.0, "sys": 0.0}] * int(arg[0])
+        return {"first": 9.0, "peak": 1e11, "rss": 1e9}[cmd]
+
+
+def test_take_turns_interleaves_the_workers_and_times_only_the_turns():
+    log = []
+    workers = {"ours": FakeWorker("ours", log), "peer": FakeWorker("peer", log)}
+    timed = take_turns(workers, steps=5, warmup=1, chunk=2, settle=1)
+    assert {s: len(t) for s, t in timed["times"].items()} == {"ours": 5, "peer": 5}
+    assert len(timed["peaks"]) == 3  # one probe per round of turns: 2 + 2 + 1 steps
+    turns = [(s, c) for s, c in log[4:] if c != "rss"]  # after first and warm-up of both
+    one_round = lambda n: [
+        ("ours", "peak"),
+        ("ours", "run 1"),  # the settle step, untimed
+        ("ours", f"run {n}"),
+        ("peer", "run 1"),
+        ("peer", f"run {n}"),
+    ]
+    assert turns == one_round(2) + one_round(2) + one_round(1)
+    assert log[:4] == [("ours", "first"), ("peer", "first"), ("ours", "run 1"), ("peer", "run 1")]
+
+
 def test_scaling_sweeps_the_experts_at_constant_active_flops():
     proc = run("scaling.py", "--size=small", "--sweeps=experts", "--steps=1", *SHRINK)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = json_line(proc.stdout)["results"]["experts"]
     assert [r["value"] for r in rows] == [8, 16, 32]
+    assert all(len(r["ours_step_times"]) == 1 for r in rows)
     # Active FLOPs stay put; only the router's d_model x E matmul grows (~1% of the experts').
     flops = [r["flops_per_token"] for r in rows]
     assert flops == sorted(flops) and flops[-1] / flops[0] < 1.02
