@@ -4,6 +4,7 @@
     python benchmarks/scaling.py --sweeps experts,compile --steps 6
     python benchmarks/scaling.py --size small --style qwen3
     python benchmarks/scaling.py --set model.scan_layers=true --set model.remat=dots
+    python benchmarks/scaling.py --compare '' --compare model.scan_layers=false,model.remat=none
 
 Sweeps (each point is our real train step in a worker process of its own, timed as in
 train_throughput.py: median of `--steps` steps after a compile step and a warm-up step; the
@@ -14,6 +15,7 @@ host's drifts; all of a sweep's workers are alive at once, so memory adds up):
   rows E x C stay the same); what grows is the parameter count (weights, gradients, AdamW).
 - seq: seq_len 256 -> 512 -> 1024 at batch 8 (attention FLOPs per token grow with T).
 - capacity: capacity_factor 1.0 / 1.25 / 2.0 / no-drop (0: C = all tokens of the group).
+- compare (`--compare`, instead of the sweeps): any sets of config overrides, side by side.
 - compile: first-call compile time of the train step for 4 and 16 layers, with and without
   `model.scan_layers` (trace + lower, and XLA compile, from abstract shapes in a fresh process).
 Prints one table per sweep and, last, one JSON line with every figure.
@@ -31,6 +33,7 @@ import time
 from common import STYLES, bench_config, machine
 from train_throughput import Worker, figures, take_turns
 
+from moe_jax.config import ConfigError
 from moe_jax.runtime import reexec_with_hugepages
 
 SWEEPS = {
@@ -82,24 +85,26 @@ def compile_sweep(size: str, style: str) -> list[dict]:
     return rows
 
 
-def throughput_sweep(name: str, size: str, style: str, steps: int, overrides) -> list[dict]:
-    """Every point of the sweep in its own worker process, all alive at once and timed in turns
-    (train_throughput.take_turns), so a drift of the host's speed hits every point alike."""
+def throughput_sweep(
+    title: str, key: str, points: list[tuple], size: str, style: str, steps: int
+) -> list[dict]:
+    """Every point (value, its overrides) in its own worker process, all alive at once and
+    timed in turns (train_throughput.take_turns), so a drift of the host's speed hits every
+    point alike."""
     from moe_jax.summary import train_flops_per_token
 
-    key, values = SWEEPS[name]
-    print(f"\n{name}: {key} in {values} ({size} {style}, ours only, points timed in turns)")
-    points = {str(v): [*overrides, f"{key}={v}"] for v in values}
-    workers = {v: Worker("ours", size, style, point) for v, point in points.items()}
+    print(f"\n{title} ({size} {style}, ours only, points timed in turns)")
+    workers = {str(v): Worker("ours", size, style, point) for v, point in points}
     try:
         timed = take_turns(workers, steps, warmup=1, chunk=2, settle=1)
     finally:
         for w in workers.values():
             w.close()
-    print(f"{key:>20s} {'tok/s':>7s} {'s/step':>7s} {'vs first':>8s} {'MFU':>6s} {'RSS GB':>6s} "
+    w = max(20, *(len(str(v)) for v, _ in points))
+    print(f"{key:>{w}s} {'tok/s':>7s} {'s/step':>7s} {'vs first':>8s} {'MFU':>6s} {'RSS GB':>6s} "
           f"{'first s':>7s}")  # fmt: skip
     rows = []
-    for v, (label, point) in zip(values, points.items(), strict=True):
+    for v, point in points:
         cfg = bench_config(size, style, *point)
         r = {
             "value": v,
@@ -107,10 +112,10 @@ def throughput_sweep(name: str, size: str, style: str, steps: int, overrides) ->
             "tokens_per_step": cfg.train.batch_size * cfg.train.seq_len,
         }
         r |= {"flops_per_token": train_flops_per_token(cfg)}
-        r |= figures(cfg, timed, label, "ours")
+        r |= figures(cfg, timed, str(v), "ours")
         rows.append(r)
         rel = r["ours_tok_s"] / rows[0]["ours_tok_s"]
-        print(f"{v!s:>20s} {r['ours_tok_s']:7.0f} {r['ours_step_s']:7.2f} {rel:8.2f} "
+        print(f"{v!s:>{w}s} {r['ours_tok_s']:7.0f} {r['ours_step_s']:7.2f} {rel:8.2f} "
               f"{100 * r['ours_mfu']:5.1f}% {r['ours_peak_rss_gb']:6.2f} "
               f"{r['ours_first_step_s']:7.1f}", flush=True)  # fmt: skip
     peak = statistics.median(timed["peaks"])
@@ -128,6 +133,9 @@ def main(argv: list[str]) -> int:
     p.add_argument("--steps", type=int, default=6, help="timed steps per point (median)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="config override for the throughput sweeps; repeatable")  # fmt: skip
+    p.add_argument("--compare", action="append", metavar="K=V,K=V",
+                   help="a set of overrides ('' for none) to time in turns with the other "
+                   "--compare sets; repeatable; runs instead of --sweeps")  # fmt: skip
     p.add_argument("--compile-worker", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.compile_worker:
@@ -141,15 +149,32 @@ def main(argv: list[str]) -> int:
         print(f"error: {what}; sweeps: {', '.join([*SWEEPS, 'compile'])}", file=sys.stderr)
         return 2
 
+    where = (args.size, args.style)
+    runs = []  # (result name, title, key, points)
+    if args.compare:
+        sets = [[*args.set, *filter(None, c.split(","))] for c in args.compare]
+        points = [(c or "(as configured)", o) for c, o in zip(args.compare, sets, strict=True)]
+        runs.append(("compare", "compare: override sets", "overrides", points))
+    for s in [] if args.compare else [s for s in sweeps if s != "compile"]:
+        key, values = SWEEPS[s]
+        points = [(v, [*args.set, f"{key}={v}"]) for v in values]
+        runs.append((s, f"{s}: {key} in {values}", key, points))
+    try:  # every point's config, before any worker starts
+        for *_, points in runs:
+            for _, overrides in points:
+                bench_config(*where, *overrides)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
     info = machine()
     print(f"# {info['cpu']}, {info['cores']} cores; jax {info['jax']}; fp32; "
           f"median of {args.steps} steps")  # fmt: skip
     results = {}
-    for s in sweeps:
-        if s == "compile":
-            results[s] = compile_sweep(args.size, args.style)
-        else:
-            results[s] = throughput_sweep(s, args.size, args.style, args.steps, args.set)
+    for name, title, key, points in runs:
+        results[name] = throughput_sweep(title, key, points, *where, args.steps)
+    if "compile" in sweeps and not args.compare:
+        results["compile"] = compile_sweep(args.size, args.style)
     print(json.dumps({"benchmark": "scaling", **info, "size": args.size, "style": args.style,
                       "results": results}))  # fmt: skip
     return 0

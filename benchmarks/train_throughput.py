@@ -45,6 +45,7 @@ import time
 import numpy as np
 from common import SIZES, STYLES, bench_config, hf_model, machine, wait_until_idle
 
+from moe_jax.config import ConfigError
 from moe_jax.runtime import reexec_with_hugepages
 
 REPLY = "@@reply "  # prefix of the worker's protocol lines (libraries may print to stdout too)
@@ -316,6 +317,13 @@ def main(argv: list[str]) -> int:
     if args.worker:
         worker(args.worker, sizes[0], styles[0], args.set)
         return 0
+    try:  # every config, before any worker starts
+        for size in sizes:
+            for style in styles:
+                bench_config(size, style, *args.set)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
 
     info = machine()
     print(
