@@ -25,13 +25,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import subprocess
 import sys
 import time
 
 from common import STYLES, bench_config, machine
-from train_throughput import Worker, figures, take_turns
+from train_throughput import Worker, figures, shared_figures, take_turns
 
 from moe_jax.config import ConfigError
 from moe_jax.runtime import reexec_with_hugepages
@@ -91,8 +90,6 @@ def throughput_sweep(
     """Every point (value, its overrides) in its own worker process, all alive at once and
     timed in turns (train_throughput.take_turns), so a drift of the host's speed hits every
     point alike."""
-    from moe_jax.summary import train_flops_per_token
-
     print(f"\n{title} ({size} {style}, ours only, points timed in turns)")
     workers = {str(v): Worker("ours", size, style, point) for v, point in points}
     try:
@@ -106,22 +103,15 @@ def throughput_sweep(
     rows = []
     for v, point in points:
         cfg = bench_config(size, style, *point)
-        r = {
-            "value": v,
-            "overrides": point,
-            "tokens_per_step": cfg.train.batch_size * cfg.train.seq_len,
-        }
-        r |= {"flops_per_token": train_flops_per_token(cfg)}
+        r = {"value": v, "overrides": point} | shared_figures(cfg, timed)
         r |= figures(cfg, timed, str(v), "ours")
         rows.append(r)
         rel = r["ours_tok_s"] / rows[0]["ours_tok_s"]
         print(f"{v!s:>{w}s} {r['ours_tok_s']:7.0f} {r['ours_step_s']:7.2f} {rel:8.2f} "
               f"{100 * r['ours_mfu']:5.1f}% {r['ours_peak_rss_gb']:6.2f} "
               f"{r['ours_first_step_s']:7.1f}", flush=True)  # fmt: skip
-    peak = statistics.median(timed["peaks"])
-    print(f"matmul peak {peak / 1e9:.0f} GFLOP/s; 1-min load avg up to {max(timed['load']):.1f}")
-    for r in rows:
-        r |= {"peak_flops": peak, "load_avg_1m": max(timed["load"])}
+    print(f"matmul peak {rows[0]['peak_flops'] / 1e9:.0f} GFLOP/s; "
+          f"1-min load avg up to {rows[0]['load_avg_1m']:.1f}")  # fmt: skip
     return rows
 
 

@@ -219,6 +219,18 @@ def take_turns(workers: dict, steps: int, warmup: int, chunk: int, settle: int) 
     return {"first": first, "times": times, "peaks": peaks, "load": load, "rss": rss}
 
 
+def shared_figures(cfg, timed: dict) -> dict:
+    """The figures of a `take_turns` run that are the same for every worker."""
+    from moe_jax.summary import train_flops_per_token
+
+    return {
+        "tokens_per_step": cfg.train.batch_size * cfg.train.seq_len,
+        "flops_per_token": train_flops_per_token(cfg),
+        "peak_flops": statistics.median(timed["peaks"]),
+        "load_avg_1m": max(timed["load"]),
+    }
+
+
 def figures(cfg, timed: dict, name: str, side: str) -> dict:
     """Worker `name`'s figures from `take_turns` as `side`_* columns (tok/s, MFU, RSS, ...)."""
     from moe_jax.summary import train_flops_per_token
@@ -241,8 +253,6 @@ def figures(cfg, timed: dict, name: str, side: str) -> dict:
 
 def measure(size, style, overrides, steps: int, warmup: int, chunk: int, settle: int, with_peer):
     """One side-by-side measurement -> dict of figures (ours_*, peer_*, ratio, mfu)."""
-    from moe_jax.summary import train_flops_per_token
-
     cfg = bench_config(size, style, *overrides)
     workers = {"ours": Worker("ours", size, style, overrides)}
     if with_peer:
@@ -253,10 +263,8 @@ def measure(size, style, overrides, steps: int, warmup: int, chunk: int, settle:
         for w in workers.values():
             w.close()
 
-    tokens = cfg.train.batch_size * cfg.train.seq_len
-    row = {"size": size, "style": style, "overrides": list(overrides), "tokens_per_step": tokens}
-    row |= {"flops_per_token": train_flops_per_token(cfg)}
-    row |= {"peak_flops": statistics.median(timed["peaks"]), "load_avg_1m": max(timed["load"])}
+    row = {"size": size, "style": style, "overrides": list(overrides)}
+    row |= shared_figures(cfg, timed)
     for s in workers:
         row |= figures(cfg, timed, s, s)
     if with_peer:
