@@ -51,7 +51,8 @@ from moe_jax.summary import train_flops_per_token
 # Scope name -> (owner, attribute) wrapped in jax.named_scope(scope). An op is charged to the
 # innermost scope in its name (see `_part`).
 SCOPES = {
-    "attn_core": (attention_mod, "attend"),
+    "attn_core": (attention_mod, "block_attention"),
+    "attn_decode": (attention_mod, "attend"),
     "attn_mask": (attention_mod, "attention_mask"),
     "rope": (attention_mod, "apply_rope"),
     "qk_norm": (attention_mod, "rms_norm"),
