@@ -120,7 +120,7 @@ class TrainConfig:
     b1: float = 0.9
     b2: float = 0.95
     eps: float = 1e-8
-    clip_norm: float = 1.0
+    clip_norm: float = 1.0  # gradient clipping by global norm; 0 = off
     logit_z_loss: float = 0.0
     eval_every: int = 100
     eval_batches: int = 8

@@ -157,6 +157,21 @@ def test_weight_decay_skips_norms_biases_and_the_embedding(xla_cache):
     assert decayed_embedding.get_value() is True
 
 
+@pytest.mark.parametrize("scale", [0.1, 10.0])  # global norm below / above max_norm
+def test_clip_by_global_norm_equals_optax_and_zero_turns_it_off(scale):
+    keys = jax.random.split(jax.random.key(0), 3)
+    grads = {"w": jax.random.normal(keys[0], (64, 32)), "b": jax.random.normal(keys[1], (32,))}
+    grads = jax.tree.map(lambda g: g * scale / optax.tree.norm(grads), grads)  # norm = scale
+    ours, state = trainer.clip_by_global_norm(1.0).update(grads, optax.EmptyState())
+    want, _ = optax.clip_by_global_norm(1.0).update(grads, optax.EmptyState())
+    assert state == optax.clip_by_global_norm(1.0).init(grads)  # checkpoints keep their layout
+    assert float(optax.tree.norm(ours)) == pytest.approx(min(scale, 1.0), rel=1e-6)
+    for name in grads:  # (g / n) * c against g * (c / n): a few ulps of float32 apart
+        np.testing.assert_allclose(ours[name], want[name], rtol=1e-6, atol=0)
+    off, _ = trainer.clip_by_global_norm(0.0).update(grads, optax.EmptyState())
+    assert all(off[n] is grads[n] for n in grads)
+
+
 def test_loss_is_next_token_cross_entropy_plus_aux(xla_cache):
     cfg = _cfg("unused")
     graphdef, state = init_state(cfg, make_optimizer(cfg.train))
