@@ -16,6 +16,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from moe_jax.config import ConfigError
+from moe_jax.model import moe as moe_module
 from moe_jax.model.moe import MoE
 from moe_jax.sharding import BATCH_AXES, create_sharded, make_mesh, n_batch_shards
 from tests.helpers import tiny_config
@@ -82,7 +83,8 @@ def test_expert_parallel_equals_unsharded(mesh_name, variant):
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, **TOL), g_sh, g_ref)
 
 
-def compiled_forward_hlo(mesh_overrides, *extra):
+def compiled_hlo(mesh_overrides, *extra, grad=False):
+    """The compiled MoE forward (or the gradient of its summed output) on the mesh, as text."""
     cfg, mesh, _, sharded = moe_pair(mesh_overrides, *extra)
     x = jnp.zeros((8, 4, cfg.model.d_model))
     graphdef, state = nnx.split(sharded)
@@ -90,20 +92,47 @@ def compiled_forward_hlo(mesh_overrides, *extra):
     def fwd(state, x):
         return nnx.merge(graphdef, state)(x)[0]
 
+    fn = jax.grad(lambda state, x: jnp.sum(fwd(state, x))) if grad else fwd
     with jax.set_mesh(mesh):
         xs = jax.device_put(x, NamedSharding(mesh, P(BATCH_AXES)))
-        return jax.jit(fwd).lower(state, xs).compile().as_text()
+        return jax.jit(fn).lower(state, xs).compile().as_text()
+
+
+def loop_computations(hlo: str) -> str:
+    """The text of every computation that runs inside a while loop (bodies and their callees)."""
+    comps = {
+        m.group(1): m.group(0) for m in re.finditer(r"^(?:ENTRY )?%(\S+) .*?^}", hlo, re.M | re.S)
+    }
+    todo = re.findall(r"while\(.*?body=%([\w.\-]+)", hlo)
+    seen = set()
+    while todo:
+        name = todo.pop()
+        if name not in seen and name in comps:
+            seen.add(name)
+            todo += re.findall(r"(?:body|condition|calls|to_apply)=%([\w.\-]+)", comps[name])
+    return "\n".join(comps[n] for n in seen)
 
 
 @pytest.mark.parametrize("mesh_name", ["expert8", "fsdp2_expert2_tensor2"])
 def test_hlo_has_two_all_to_alls_and_never_gathers_expert_weights(mesh_name):
-    hlo = compiled_forward_hlo(MESHES[mesh_name], "moe.capacity_factor=1.25")
+    hlo = compiled_hlo(MESHES[mesh_name], "moe.capacity_factor=1.25")
     assert len(re.findall(r"^\s*%[\w.\-]+ = .*? all-to-all\(", hlo, re.M)) == 2
     # Expert weights are [8, 32, 16] / [8, 16, 32]: no all-gather may produce a full-E tensor.
     for line in re.findall(r"^\s*%[\w.\-]+ = .*? all-gather\(.*$", hlo, re.M):
         shape = re.search(r"= \w+\[([\d,]*)\]", line)
         dims = [int(d) for d in shape.group(1).split(",") if d] if shape else []
         assert not (len(dims) == 3 and dims[0] == 8), f"expert weights all-gathered: {line}"
+
+
+def test_expert_gradients_are_summed_over_data_shards_once_not_per_expert(monkeypatch):
+    """Through the per-expert map (forced here on small buffers), each data shard's expert
+    weight gradients are all-reduced once, after the map's loop: inside it that would be one
+    small all-reduce per local expert and weight."""
+    monkeypatch.setattr(moe_module, "MAP_MIN_CAPACITY", 1)
+    hlo = compiled_hlo(MESHES["data2_expert4"], "moe.capacity_factor=0", grad=True)
+    assert "while(" in hlo  # the map is there
+    loops = loop_computations(hlo)
+    assert "all-reduce(" in hlo and "all-reduce(" not in loops
 
 
 def test_mesh_validation_messages():

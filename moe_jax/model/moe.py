@@ -281,6 +281,10 @@ class MoE(nnx.Module):
         router, bias = self._router_params()
 
         def local(x_bTD, router, bias, w):
+            # The weights are the same on every data/fsdp shard; their gradient is summed over
+            # those shards where they turn varying. Done here, that is one all-reduce of the
+            # [E_loc, D, F] gradients, not one per expert inside the expert map's backward loop.
+            w = jax.lax.pcast(w, ("data", "fsdp"), to="varying")
             b, T, _ = x_bTD.shape
             wts, _, slot, _, cap, sums = self._route_group(x_bTD, router, bias)
             buf = self._dispatch(x_bTD, slot, wts, cap)  # [E * C, D], all experts
