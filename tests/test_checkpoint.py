@@ -27,14 +27,11 @@ from moe_jax.checkpoint import (
 from moe_jax.data import ByteTokenizer, train_iterator
 from moe_jax.model import Transformer
 from moe_jax.trainer import init_state, make_optimizer
-from tests.test_train import TINY, _cfg, subprocess_env, xla_cache  # noqa: F401 (fixture)
+from tests.test_train import TINY, _cfg, subprocess_env
 
 ROOT = Path(__file__).resolve().parents[1]
 TRAIN_MAIN = runpy.run_path(str(ROOT / "train.py"))["main"]
 TOKENS = np.arange(5000, dtype=np.int32) % 256
-
-
-pytestmark = pytest.mark.usefixtures("xla_cache")
 
 
 def _write_checkpoints(cfg, steps=(3,)):

@@ -35,7 +35,7 @@ from moe_jax.sampling import Sampler
 from moe_jax.trainer import train
 from tests.helpers import forward, tiny_config
 from tests.test_sampling import greedy_reference
-from tests.test_train import _cfg, xla_cache  # noqa: F401 (fixture)
+from tests.test_train import _cfg
 
 ROOT = Path(__file__).resolve().parents[1]
 SAMPLE_MAIN = runpy.run_path(str(ROOT / "sample.py"))["main"]
@@ -43,7 +43,7 @@ STEPS = 150
 
 
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory, xla_cache):  # noqa: F811 (the fixture imported above)
+def trained(tmp_path_factory):
     """A tiny model (2 layers: dense + MoE, qkv and router biases) trained for 150 steps on
     the embedded corpus (val loss ~2.3 nats against a unigram entropy of ~2.95), and its int8
     copy written by the CLI."""
@@ -163,7 +163,7 @@ def test_logits_and_validation_perplexity_match_float(trained):
     assert abs(np.exp(int8_ce - float_ce) - 1) < 0.02  # perplexity within 2% (0.03% measured)
 
 
-def test_int8_decode_loop_is_exact_and_holds_no_float_copy_of_the_weights(xla_cache):  # noqa: F811
+def test_int8_decode_loop_is_exact_and_holds_no_float_copy_of_the_weights():
     # Two stacked blocks of [RoPE dense, NoPE MoE], no capacity drops (as generation runs),
     # logits spread enough (init_std 0.05) for greedy margins. The reference runs the stacked
     # int8 layers with lax.scan; the sampler unrolls them.

@@ -2,7 +2,7 @@
 (data order included), seeds, SIGTERM + resume, NaN stop, learning on tinyshakespeare, plots.
 
 Budget: tiny models (d_model 32, 2 layers, seq 32); every compiled program is kept in a
-persistent XLA cache for the session, so the runs that share a program (and the subprocess)
+persistent XLA cache for the run (conftest), so the runs that share a program (and the subprocess)
 compile it once. About a minute on 2 idle cores.
 """
 
@@ -22,7 +22,6 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
-from jax.experimental.compilation_cache import compilation_cache
 
 from moe_jax import trainer
 from moe_jax.checkpoint import inspect_run, load_run
@@ -42,33 +41,13 @@ from tests.helpers import tiny_config
 
 ROOT = Path(__file__).resolve().parents[1]
 SHAKESPEARE = Path(__file__).resolve().parents[2] / "shared/data/tinyshakespeare.txt"
-CACHE_OPTIONS = {
-    "jax_compilation_cache_dir": None,
-    "jax_persistent_cache_min_compile_time_secs": 0.0,
-    "jax_persistent_cache_min_entry_size_bytes": 0,
-}
-
-
-@pytest.fixture(scope="module")
-def xla_cache(tmp_path_factory):
-    """A persistent compilation cache for this module and its subprocesses (env vars)."""
-    cache = tmp_path_factory.getbasetemp() / "xla-cache"
-    cache.mkdir(exist_ok=True)
-    options = CACHE_OPTIONS | {"jax_compilation_cache_dir": str(cache)}
-    previous = {k: getattr(jax.config, k) for k in options}
-    for k, v in options.items():
-        jax.config.update(k, v)
-    compilation_cache.reset_cache()
-    yield
-    for k, v in previous.items():
-        jax.config.update(k, v)
-    compilation_cache.reset_cache()
 
 
 def subprocess_env() -> dict[str, str]:
-    """Environment for a child process that uses the same cache and builds the same programs."""
-    names = [*CACHE_OPTIONS, "jax_default_matmul_precision"]
-    return os.environ | {k.upper(): str(getattr(jax.config, k)) for k in names}
+    """Environment for a child process that builds the same programs: the compilation cache
+    comes through conftest's environment variables, the matmul precision from jax.config."""
+    name = "jax_default_matmul_precision"
+    return os.environ | {name.upper(): str(getattr(jax.config, name))}
 
 
 # Every test model shares these architecture settings, so they share one compiled initialiser.
@@ -126,7 +105,7 @@ def test_lr_schedule_warmup_then_cosine_to_the_floor():
     assert got[14] == got[15] == pytest.approx(0.1)  # the floor from step `steps` on
 
 
-def test_weight_decay_skips_norms_biases_and_the_embedding(xla_cache):
+def test_weight_decay_skips_norms_biases_and_the_embedding():
     cfg = _cfg("unused", "train.lr=0.5", "train.warmup_steps=1", "train.weight_decay=0.1")
     _, state = init_state(cfg, make_optimizer(cfg.train))
     params = state["params"]
@@ -172,7 +151,7 @@ def test_clip_by_global_norm_equals_optax_and_zero_turns_it_off(scale):
     assert all(off[n] is grads[n] for n in grads)
 
 
-def test_loss_is_next_token_cross_entropy_plus_aux(xla_cache):
+def test_loss_is_next_token_cross_entropy_plus_aux():
     cfg = _cfg("unused")
     graphdef, state = init_state(cfg, make_optimizer(cfg.train))
     tokens = jax.random.randint(jax.random.key(1), (3, 17), 0, 256, jnp.int32)
@@ -188,7 +167,7 @@ def test_loss_is_next_token_cross_entropy_plus_aux(xla_cache):
     )
 
 
-def test_grad_accumulation_4x2_equals_1x8(xla_cache):
+def test_grad_accumulation_4x2_equals_1x8():
     # capacity_factor=0: no token is dropped, so routing does not depend on which tokens share
     # a routing group (the micro-batch). lb_loss_weight=0: the load-balance loss is a product
     # of batch means, defined per micro-batch by every accumulation scheme; CE and router
@@ -220,7 +199,7 @@ def test_grad_accumulation_4x2_equals_1x8(xla_cache):
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory, xla_cache):
+def runs(tmp_path_factory):
     """Straight 6-step run; the same run stopped after 3 steps then resumed to 6; a 3-step run
     with a different seed."""
     root = tmp_path_factory.mktemp("runs")
@@ -272,7 +251,7 @@ def test_plots_and_tensorboard_files_are_written(runs, tmp_path):
     assert b"train/loss" in events.read_bytes() and b"moe_dropped/layer0" in events.read_bytes()
 
 
-def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, xla_cache, monkeypatch):
+def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, monkeypatch):
     # Divergence is simulated at step 4 (the loss the step reports becomes NaN) around the
     # real compiled step, so what is tested is the loop's reaction. Checkpoints every 2 steps:
     # step 2 is the last good one, and step 4 must not be saved.
@@ -300,7 +279,7 @@ def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, xla_cache, 
     assert inspect_run(cfg).step == 2
 
 
-def test_sigterm_saves_and_the_resumed_run_continues_exactly(tmp_path, xla_cache):
+def test_sigterm_saves_and_the_resumed_run_continues_exactly(tmp_path):
     run = tmp_path / "run"
     args = [*TINY, "model.d_model=32", "model.ffn_hidden=48", "moe.expert_hidden=40"]
     proc = subprocess.Popen(
@@ -331,7 +310,7 @@ def test_sigterm_saves_and_the_resumed_run_continues_exactly(tmp_path, xla_cache
 
 
 @pytest.mark.skipif(not SHAKESPEARE.is_file(), reason=f"{SHAKESPEARE} not present")
-def test_learns_tinyshakespeare_well_below_the_unigram_entropy(tmp_path, xla_cache):
+def test_learns_tinyshakespeare_well_below_the_unigram_entropy(tmp_path):
     # The shared tiny model (43k params; char ids use 65 of its 256 vocabulary rows), 300
     # steps of 8 x 32 characters, evaluated on 16 x 8 windows spread over the validation text.
     cfg = _cfg(
