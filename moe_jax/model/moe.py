@@ -35,6 +35,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from moe_jax.config import Config, MoEConfig
+from moe_jax.model.filled_rows import swiglu_filled
 from moe_jax.sharding import BATCH_AXES, n_batch_shards, param
 
 EXPERT_PARAMS = ("w_gate", "w_up", "w_down", "gate_bias", "up_bias", "down_bias")
@@ -124,7 +125,7 @@ class SwiGLU(nnx.Module):
 
 
 class Experts(nnx.Module):
-    """n_experts SwiGLU MLPs applied to their [E, C, D] buffers with batched einsums."""
+    """n_experts SwiGLU MLPs, applied to their capacity buffers by `expert_swiglu`."""
 
     def __init__(self, cfg: Config, *, rngs: nnx.Rngs):
         E, D, F = cfg.moe.n_experts, cfg.model.d_model, cfg.moe.expert_hidden
@@ -152,32 +153,37 @@ def swiglu_rows(x_CD, w: dict, dtype) -> jax.Array:
     return jnp.matmul(jax.nn.silu(gate_CF) * up_CF, w["w_down"].astype(dtype))
 
 
-def expert_swiglu(x_ECD, w: dict, dtype, reduce_axis: str | None = None) -> jax.Array:
-    """Each expert's SwiGLU on its buffer. With `reduce_axis`, `w` holds a shard of the hidden
-    dim (tensor parallelism) and the partial down-projections are summed over that axis.
+def expert_swiglu(x_ESCD, w: dict, dtype, filled_ES=None, reduce_axis: str | None = None):
+    """Each expert's SwiGLU on its buffer: E experts x S segments (routing groups) x C slots.
+    A segment is filled from the front, `filled_ES` rows (None: any may be full); outputs of
+    empty slots are never read. With `reduce_axis`, `w` holds a shard of the hidden dim
+    (tensor parallelism) and the partial down-projections are summed over that axis.
 
-    Big buffers (training) run one expert at a time (`lax.map`): an expert's [C, F]
-    intermediates then stay in the CPU cache instead of [E, C, F] arrays going through
-    memory (the medium training step used ~15% less CPU). Small ones (decoding) run as
-    batched matmuls, which stream the weights in one pass (the per-expert map made batch-8
-    decoding ~25% slower)."""
+    Big buffers (training) run one expert at a time (`lax.map`) on the filled rows of each
+    segment only (`filled_rows`): an expert's [C, F] intermediates then stay in the CPU cache
+    instead of [E, C, F] arrays going through memory (the medium training step used ~15% less
+    CPU), and the capacity padding costs nothing. Small ones (decoding) run as batched
+    matmuls over every slot, which stream the weights in one pass (the per-expert map made
+    batch-8 decoding ~25% slower)."""
+    E, S, C, D = x_ESCD.shape
     w_in = {n: a for n, a in w.items() if n != "down_bias"}
-    if x_ECD.shape[1] >= MAP_MIN_CAPACITY:
-        # Keep only the matmul outputs for the backward (silu and the product are recomputed):
-        # otherwise the map stacks every per-expert intermediate and weight slice as a
-        # residual, 1.3 GB more peak memory for the medium benchmark and no faster.
-        one_expert = jax.checkpoint(
-            lambda a: swiglu_rows(a[0], a[1], dtype),
-            policy=jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
-        )
-        y_ECD = jax.lax.map(one_expert, (x_ECD, w_in))
+    if S * C >= MAP_MIN_CAPACITY:
+        if filled_ES is None:
+            filled_ES = jnp.full((E, S), C, jnp.int32)
+        one_expert = lambda a: swiglu_filled(a[0], a[1], a[2], dtype)
+        y_ESCD = jax.lax.map(one_expert, (x_ESCD, w_in, filled_ES))
     else:
-        y_ECD = swiglu_rows(x_ECD, w_in, dtype)
+        y_ESCD = swiglu_rows(x_ESCD.reshape(E, S * C, D), w_in, dtype).reshape(E, S, C, D)
     if reduce_axis is not None:
-        y_ECD = jax.lax.psum(y_ECD, reduce_axis)
+        y_ESCD = jax.lax.psum(y_ESCD, reduce_axis)
     if "down_bias" in w:
-        y_ECD = y_ECD + w["down_bias"].astype(dtype)[:, None, :]
-    return y_ECD
+        y_ESCD = y_ESCD + w["down_bias"].astype(dtype)[:, None, None, :]
+    return y_ESCD
+
+
+def filled_slots(slot_bTK: jax.Array, n_experts: int, cap: int) -> jax.Array:
+    """[E] slots each expert's buffer has filled (dropped assignments point past the end)."""
+    return jnp.bincount(slot_bTK.reshape(-1) // cap, length=n_experts)
 
 
 class MoE(nnx.Module):
@@ -259,8 +265,7 @@ class MoE(nnx.Module):
             # of running all E experts on mostly empty buffers. Same drops as the buffers.
             y_BTD = self._gathered(x_BTD, merge(experts), merge(w), merge(keep))
         else:
-            y_GbTD = jax.vmap(self._buffered, in_axes=(0, 0, 0, None))(split(x_BTD), slot, w, cap)
-            y_BTD = merge(y_GbTD)
+            y_BTD = merge(self._buffered(split(x_BTD), slot, w, cap))
         return y_BTD, self._stats(sums, B * T)
 
     def _expert_parallel(self, x_BTD: jax.Array, mesh) -> tuple[jax.Array, dict]:
@@ -288,11 +293,15 @@ class MoE(nnx.Module):
             b, T, _ = x_bTD.shape
             wts, _, slot, _, cap, sums = self._route_group(x_bTD, router, bias)
             buf = self._dispatch(x_bTD, slot, wts, cap)  # [E * C, D], all experts
-            # Send expert e's slots to the shard that owns e: [ep, E_loc, C, D] -> by source.
+            # Send expert e's slots (and how many are filled) to the shard that owns e:
+            # [ep, E_loc, ...] -> by source shard.
             buf = jax.lax.all_to_all(buf.reshape(ep, E_loc, cap, D), "expert", 0, 0)
-            x_eSD = buf.transpose(1, 0, 2, 3).reshape(E_loc, ep * cap, D)
-            y_eSD = expert_swiglu(x_eSD, w, self.dtype, reduce_axis=tp)
-            y = y_eSD.reshape(E_loc, ep, cap, D).transpose(1, 0, 2, 3)
+            filled = filled_slots(slot, E, cap).reshape(ep, E_loc)
+            filled = jax.lax.all_to_all(filled, "expert", 0, 0)
+            y_eSCD = expert_swiglu(
+                buf.transpose(1, 0, 2, 3), w, self.dtype, filled_ES=filled.T, reduce_axis=tp
+            )
+            y = y_eSCD.transpose(1, 0, 2, 3)
             y = jax.lax.all_to_all(y, "expert", 0, 0).reshape(E * cap, D)  # back home
             y_bTD = self._combine(y, slot, wts)
             sums = jax.lax.psum(sums, BATCH_AXES)
@@ -322,12 +331,22 @@ class MoE(nnx.Module):
             y_bTKD = y_bTKD * w_bTK[..., None]
         return jnp.sum(y_bTKD, axis=2)
 
-    def _buffered(self, x_bTD, slot_bTK, w_bTK, cap: int) -> jax.Array:
-        """One routing group through the fixed [E, C, D] buffers on this device."""
-        E, D = self.cfg.n_experts, x_bTD.shape[-1]
-        buf = self._dispatch(x_bTD, slot_bTK, w_bTK, cap)
-        y_ECD = expert_swiglu(buf.reshape(E, cap, D), self.experts.weights(), self.dtype)
-        return self._combine(y_ECD.reshape(E * cap, D), slot_bTK, w_bTK)
+    def _buffered(self, x_GbTD, slot_GbTK, w_GbTK, cap: int) -> jax.Array:
+        """G routing groups through fixed [E, C, D] buffers on this device. Only dispatch and
+        combine are vmapped over the groups: the experts take them as segments, so that each
+        segment's filled-row bucket stays a scalar (a vmapped switch runs every branch)."""
+        E, D = self.cfg.n_experts, x_GbTD.shape[-1]
+        G = x_GbTD.shape[0]
+        buf_GSD = jax.vmap(self._dispatch, in_axes=(0, 0, 0, None))(x_GbTD, slot_GbTK, w_GbTK, cap)
+        filled_GE = jax.vmap(filled_slots, in_axes=(0, None, None))(slot_GbTK, E, cap)
+        y_EGCD = expert_swiglu(
+            buf_GSD.reshape(G, E, cap, D).transpose(1, 0, 2, 3),
+            self.experts.weights(),
+            self.dtype,
+            filled_ES=filled_GE.T,
+        )
+        y_GSD = y_EGCD.transpose(1, 0, 2, 3).reshape(G, E * cap, D)
+        return jax.vmap(self._combine)(y_GSD, slot_GbTK, w_GbTK)
 
     def _gathered(self, x_BTD, experts_BTK, w_BTK, keep_BTK) -> jax.Array:
         """Every assignment through its own expert's gathered weights: [B, T, K, D, F] reads."""

@@ -38,6 +38,7 @@ from flax import nnx
 
 from moe_jax.config import Config
 from moe_jax.model.attention import Attention, KVCache
+from moe_jax.model.filled_rows import SAVED_NAMES
 from moe_jax.model.moe import MoE, SwiGLU
 from moe_jax.model.norm import RMSNorm
 from moe_jax.quantize import after
@@ -238,9 +239,15 @@ def remat(fn, policy: str):
     recomputed from the block's input rather than kept (none: `fn` unchanged)."""
     if policy == "none":
         return fn
+    policies = jax.checkpoint_policies
     saveable = {
-        "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
-        "full": jax.checkpoint_policies.nothing_saveable,
+        # The experts' matmuls run inside `filled_rows`' switch; their outputs leave it
+        # under names.
+        "dots": policies.save_from_both_policies(
+            policies.dots_with_no_batch_dims_saveable,
+            policies.save_only_these_names(*SAVED_NAMES),
+        ),
+        "full": policies.nothing_saveable,
     }[policy]
     # The scan's loop boundary already keeps XLA from merging the recomputation into the
     # forward, so CSE prevention would only cost (JAX's advice for checkpoint inside scan).

@@ -1,0 +1,88 @@
+"""Expert SwiGLU on the filled rows of its buffers only (`moe_jax.model.filled_rows`).
+
+Reference: `moe.swiglu_rows` (the plain SwiGLU) on the rows of the segment's bucket, zeros
+past them, differentiated by JAX. Same float32 matmuls on the same rows, so only the
+matmuls' blocking can differ: values to 1e-5 relative (1e-6 absolute near zero); gradients,
+whose weight parts are sums over up to 164 rows of O(1) terms, to 1e-4 (1e-5 absolute). A
+skipped or misplaced row is off by the activations themselves (~1).
+"""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from moe_jax.model.filled_rows import bucket_index, row_buckets, swiglu_filled
+import moe_jax.model.moe as moe_module
+from moe_jax.model.moe import expert_swiglu, swiglu_rows
+from moe_jax.model.transformer import remat
+
+S, C, D, F = 3, 100, 16, 24
+FILLED = [0, 33, 100]  # nothing, just past the first bucket (32), everything
+
+
+def test_row_buckets_and_bucket_index():
+    assert row_buckets(1280) == (0, 160, 320, 480, 640, 800, 960, 1120, 1280)
+    assert row_buckets(100) == (0, 32, 64, 96, 100)  # at least MIN_BUCKET_ROWS per step
+    assert row_buckets(20) == (0, 20)
+    b = row_buckets(100)
+    index = bucket_index(jnp.array([0, 1, 32, 33, 96, 97, 100]), b)
+    np.testing.assert_array_equal(index, [0, 1, 1, 2, 3, 4, 4])
+
+
+def weights(with_bias: bool) -> dict:
+    keys = jax.random.split(jax.random.key(0), 5)
+    w = {
+        "w_gate": jax.random.normal(keys[0], (D, F)) * 0.3,
+        "w_up": jax.random.normal(keys[1], (D, F)) * 0.3,
+        "w_down": jax.random.normal(keys[2], (F, D)) * 0.3,
+    }
+    if with_bias:
+        w["gate_bias"] = jax.random.normal(keys[3], (F,)) * 0.3
+        w["up_bias"] = jax.random.normal(keys[4], (F,)) * 0.3
+    return w
+
+
+def reference(x_SCD, w, rows_S):
+    """swiglu_rows on every row, then zeros from each segment's bucket end (rows_S) on."""
+    keep_SC1 = jnp.arange(C)[None, :, None] < jnp.asarray(rows_S)[:, None, None]
+    return jnp.where(keep_SC1, swiglu_rows(x_SCD, w, jnp.float32), 0.0)
+
+
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_values_and_gradients_equal_swiglu_on_the_bucket_rows(with_bias):
+    # Nonzero inputs in every slot: rows past a bucket must come out zero because they were
+    # not computed, not because their inputs were zero.
+    x = jax.random.normal(jax.random.key(1), (S, C, D))
+    w = weights(with_bias)
+    filled = jnp.asarray(FILLED)
+    y = jax.jit(swiglu_filled, static_argnums=3)(x, w, filled, jnp.float32)
+    rows = [0, 64, 100]  # the buckets holding FILLED
+    ref = reference(x, w, rows)
+    np.testing.assert_allclose(y, ref, rtol=1e-5, atol=1e-6)
+    assert np.all(y[0] == 0) and np.all(y[1, 64:] == 0) and np.all(y[1, :33] != 0)
+
+    probe = jax.random.normal(jax.random.key(2), (S, C, D))
+    loss = lambda f: lambda x, w: jnp.sum(jnp.sin(f(x, w)) * probe)
+    grads = jax.jit(jax.grad(loss(lambda x, w: swiglu_filled(x, w, filled, jnp.float32)), (0, 1)))
+    ref_grads = jax.jit(jax.grad(loss(lambda x, w: reference(x, w, rows)), (0, 1)))
+    for got, want in zip(jax.tree.leaves(grads(x, w)), jax.tree.leaves(ref_grads(x, w))):
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+
+
+def test_remat_keeps_one_output_and_the_padded_projections_not_every_bucket(capsys, monkeypatch):
+    """Under `model.remat=dots` the expert map's saved residuals are full-capacity arrays.
+    Left to the dots policy, the switch kept each branch's down-projection output, one
+    array per bucket size (0.7 GB more for the medium benchmark)."""
+    monkeypatch.setattr(moe_module, "MAP_MIN_CAPACITY", 1)  # the per-expert map
+    E = 2
+    x = jax.random.normal(jax.random.key(1), (E, 1, C, D))
+    w = {n: jnp.stack([a] * E) for n, a in weights(True).items()}
+    filled = jnp.asarray([[33], [100]])
+    fn = remat(lambda x, w: jnp.sum(jnp.sin(expert_swiglu(x, w, jnp.float32, filled))), "dots")
+    jax.ad_checkpoint.print_saved_residuals(fn, x, w)
+    shapes = re.findall(r"f32\[([\d,]+)\]", capsys.readouterr().out)
+    rows = {int(s.split(",")[-2]) for s in shapes if s.count(",") >= 1}
+    assert C in rows and not rows & set(row_buckets(C)[1:-1]), shapes
