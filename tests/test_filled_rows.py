@@ -14,8 +14,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from moe_jax.model.filled_rows import bucket_index, row_buckets, swiglu_filled
 import moe_jax.model.moe as moe_module
+from moe_jax.model.filled_rows import bucket_index, row_buckets, swiglu_filled
 from moe_jax.model.moe import expert_swiglu, swiglu_rows
 from moe_jax.model.transformer import remat
 
@@ -68,7 +68,8 @@ def test_values_and_gradients_equal_swiglu_on_the_bucket_rows(with_bias):
     loss = lambda f: lambda x, w: jnp.sum(jnp.sin(f(x, w)) * probe)
     grads = jax.jit(jax.grad(loss(lambda x, w: swiglu_filled(x, w, filled, jnp.float32)), (0, 1)))
     ref_grads = jax.jit(jax.grad(loss(lambda x, w: reference(x, w, rows)), (0, 1)))
-    for got, want in zip(jax.tree.leaves(grads(x, w)), jax.tree.leaves(ref_grads(x, w))):
+    got_grads, want_grads = jax.tree.leaves(grads(x, w)), jax.tree.leaves(ref_grads(x, w))
+    for got, want in zip(got_grads, want_grads, strict=True):
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
 
 

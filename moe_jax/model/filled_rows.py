@@ -101,7 +101,8 @@ def _swiglu_filled_fwd(x_SCD, w, filled_S, dtype):
     index_S = bucket_index(filled_S, buckets)
     branches = [functools.partial(_forward_rows, r, dtype=dtype) for r in buckets]
     ys, gates, ups = zip(
-        *(jax.lax.switch(index_S[s], branches, x_SCD[s], w) for s in range(x_SCD.shape[0]))
+        *(jax.lax.switch(index_S[s], branches, x_SCD[s], w) for s in range(x_SCD.shape[0])),
+        strict=True,
     )
     y_SCD = checkpoint_name(jnp.stack(ys), SAVED_NAMES[0])
     gate_up = checkpoint_name((jnp.stack(gates), jnp.stack(ups)), SAVED_NAMES[1])
@@ -116,7 +117,8 @@ def _swiglu_filled_bwd(dtype, residuals, dy_SCD):
         *(
             jax.lax.switch(index_S[s], branches, x_SCD[s], w, gate_SCF[s], up_SCF[s], dy_SCD[s])
             for s in range(x_SCD.shape[0])
-        )
+        ),
+        strict=True,
     )
     dw = jax.tree.map(lambda *g: functools.reduce(jnp.add, g), *dws)
     return jnp.stack(dxs), dw, None
