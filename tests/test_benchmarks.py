@@ -17,6 +17,7 @@ import pytest
 
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
 sys.path.insert(0, str(BENCH))  # the scripts import their siblings as top-level modules
+from profile_step import _part, conditionals  # noqa: E402
 from train_throughput import take_turns  # noqa: E402
 
 SHRINK = ["--set=model.n_layers=1", "--set=train.seq_len=32", "--set=train.batch_size=2"]
@@ -105,6 +106,27 @@ def test_scaling_compares_override_sets_side_by_side():
     assert rows[1]["overrides"][-2:] == ["moe.capacity_factor=2.0", "moe.top_k=1"]
     # top-1 halves the routed experts' FLOPs: the set really reached the worker's config
     assert rows[1]["flops_per_token"] < 0.8 * rows[0]["flops_per_token"]
+
+
+def test_profile_charges_ops_to_their_innermost_part_and_skips_conditionals():
+    import jax
+    import jax.numpy as jnp
+
+    scan = "jit(train_step)/while/body/closed_call/transpose(jvp(loss))/embed_head/while/body/"
+    assert _part(scan + "closed_call/checkpoint/experts/while/body/cond/dot_general") == "experts"
+    # embed_head is the whole forward: inside the layer scan's loop it is the loop's own work
+    assert _part(scan + "jit(dynamic_index_in_dim)/dynamic_slice") == "layer_loop"
+    assert _part("jit(train_step)/jvp(loss)/embed_head/dot_general") == "embed_head"
+    assert _part("jit(train_step)/while/body/add") == "other"
+    assert _part("jit(train_step)/adam/mul") == "optimizer"
+
+    # A conditional's runtime event spans its branch's ops, so the profile must know its name
+    def f(i, x):
+        return jax.lax.switch(i, [jnp.sin, jnp.cos], x)
+
+    hlo = jax.jit(f).lower(0, jnp.ones(4)).compile().as_text()
+    names = conditionals(hlo)
+    assert len(names) == 1 and f"{names.pop()} = " in hlo
 
 
 @pytest.mark.parametrize(
