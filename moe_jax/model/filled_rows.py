@@ -31,7 +31,8 @@ from jax.ad_checkpoint import checkpoint_name
 # Checkpoint names of the expert's output (what combine's backward needs) and of the
 # residuals of its own backward: `model.remat=dots` keeps both (see `transformer.remat`).
 SAVED_NAMES = ("expert_out", "expert_gate_up")
-MAX_BUCKETS = 8  # branches per switch: more would cut padding further, at compile time's cost
+MAX_BUCKETS = 8  # non-empty buckets (the switch has one more branch, for 0 rows); more
+# would cut padding further, at compile time's cost
 MIN_BUCKET_ROWS = 32  # below this a matmul's rows cost about the same as none skipped
 
 
