@@ -37,7 +37,7 @@ import numpy as np
 from flax import nnx
 
 from moe_jax.config import Config
-from moe_jax.model.attention import Attention, KVCache
+from moe_jax.model.attention import ATTENTION_OUT, Attention, KVCache
 from moe_jax.model.filled_rows import SAVED_NAMES
 from moe_jax.model.moe import MoE, SwiGLU
 from moe_jax.model.norm import RMSNorm
@@ -242,10 +242,10 @@ def remat(fn, policy: str):
     policies = jax.checkpoint_policies
     saveable = {
         # The experts' matmuls run inside `filled_rows`' switch; their outputs leave it
-        # under names.
+        # under names. Attention's are batched matmuls, so its output is kept by name too.
         "dots": policies.save_from_both_policies(
             policies.dots_with_no_batch_dims_saveable,
-            policies.save_only_these_names(*SAVED_NAMES),
+            policies.save_only_these_names(*SAVED_NAMES, ATTENTION_OUT),
         ),
         "full": policies.nothing_saveable,
     }[policy]
