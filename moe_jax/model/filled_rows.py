@@ -105,13 +105,18 @@ def _swiglu_filled_fwd(x_SCD, w, filled_S, dtype):
         *(jax.lax.switch(index_S[s], branches, x_SCD[s], w) for s in range(x_SCD.shape[0])),
         strict=True,
     )
-    y_SCD = checkpoint_name(jnp.stack(ys), SAVED_NAMES[0])
-    gate_up = checkpoint_name((jnp.stack(gates), jnp.stack(ups)), SAVED_NAMES[1])
+    # Saved as rows [S * C, .]: stacked by the expert map and the layer scan, a size-1 S axis
+    # got a permuted layout and a copy back on every slice.
+    S, C = x_SCD.shape[:2]
+    rows = lambda parts: jnp.stack(parts).reshape(S * C, -1)
+    y_SCD = checkpoint_name(rows(ys), SAVED_NAMES[0]).reshape(S, C, -1)
+    gate_up = checkpoint_name((rows(gates), rows(ups)), SAVED_NAMES[1])
     return y_SCD, (x_SCD, w, index_S, gate_up)
 
 
 def _swiglu_filled_bwd(dtype, residuals, dy_SCD):
-    x_SCD, w, index_S, (gate_SCF, up_SCF) = residuals
+    x_SCD, w, index_S, gate_up = residuals
+    gate_SCF, up_SCF = (a.reshape(*x_SCD.shape[:2], -1) for a in gate_up)
     buckets = row_buckets(x_SCD.shape[1])
     branches = [functools.partial(_backward_rows, r, dtype=dtype) for r in buckets]
     dxs, dws = zip(

@@ -170,8 +170,14 @@ def expert_swiglu(x_ESCD, w: dict, dtype, filled_ES=None, reduce_axis: str | Non
     if S * C >= MAP_MIN_CAPACITY:
         if filled_ES is None:
             filled_ES = jnp.full((E, S), C, jnp.int32)
-        one_expert = lambda a: swiglu_filled(a[0], a[1], a[2], dtype)
-        y_ESCD = jax.lax.map(one_expert, (x_ESCD, w_in, filled_ES))
+
+        # The map carries rows [S * C, D]: with S = 1, XLA:CPU gave a [E, 1, C, D] operand a
+        # layout with the size-1 axis first and copied it into the map's default layout.
+        def one_expert(a):
+            return swiglu_filled(a[0].reshape(S, C, D), a[1], a[2], dtype).reshape(S * C, D)
+
+        y_ESCD = jax.lax.map(one_expert, (x_ESCD.reshape(E, S * C, D), w_in, filled_ES))
+        y_ESCD = y_ESCD.reshape(E, S, C, D)
     else:
         y_ESCD = swiglu_rows(x_ESCD.reshape(E, S * C, D), w_in, dtype).reshape(E, S, C, D)
     if reduce_axis is not None:
