@@ -7,7 +7,7 @@ remaining `n_layers % P` layers. One parameter layout serves both execution mode
 depth), `false` unrolls them, and the two give the same numbers from the same checkpoint.
 Under the scan, `model.remat` (dots | full) makes the backward recompute each block's
 forward from the block's input instead of keeping its activations: medium benchmark training
-keeps 2.5 GB of XLA temporaries with none, 2.0 GB with dots (~2% slower), 1.0 GB with full
+keeps 2.5 GB of XLA temporaries with none, 2.1 GB with dots (~2% slower), 1.0 GB with full
 (~14% slower). Unrolled, XLA:CPU schedules the recomputation back into the forward and saves
 nothing, so the config accepts remat only with the scan.
 
