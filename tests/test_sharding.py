@@ -24,6 +24,8 @@ from tests.helpers import tiny_config
 TOL = dict(rtol=1e-5, atol=1e-5)
 
 MESHES = {
+    "one_device": [],  # all axes 1: the expert-parallel path on one device
+    "data8": ["mesh.data=8"],  # replicated experts, no all_to_all
     "expert8": ["mesh.expert=8"],
     "data2_expert4": ["mesh.data=2", "mesh.expert=4"],
     "fsdp2_expert2_tensor2": ["mesh.fsdp=2", "mesh.expert=2", "mesh.tensor=2"],
@@ -133,6 +135,16 @@ def test_expert_gradients_are_summed_over_data_shards_once_not_per_expert(monkey
     assert "while(" in hlo  # the map is there
     loops = loop_computations(hlo)
     assert "all-reduce(" in hlo and "all-reduce(" not in loops
+
+
+def test_one_device_mesh_runs_no_collectives():
+    """On a one-device mesh (the trainer's default) the gradient has no all-reduce or
+    all-to-all: XLA:CPU ran the size-1 axes' all-reduce of the expert weight gradients as a
+    full copy of them, every layer."""
+    hlo = compiled_hlo(MESHES["one_device"], "moe.capacity_factor=1.25", grad=True)
+    assert "while(" in hlo or "dot(" in hlo  # a real compiled gradient
+    for op in ("all-reduce", "all-to-all", "all-gather", "collective-permute"):
+        assert f" {op}(" not in hlo and f" {op}-start(" not in hlo, op
 
 
 def test_mesh_validation_messages():

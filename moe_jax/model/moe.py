@@ -278,42 +278,51 @@ class MoE(nnx.Module):
         E, D = self.cfg.n_experts, x_BTD.shape[-1]
         ep = mesh.shape["expert"]
         E_loc = E // ep
-        # Hidden dim split over `tensor` (only named when > 1, so replication stays inferable).
+        # Experts split over `expert`, the hidden dim over `tensor`; each named only when > 1,
+        # so replication stays inferable (and see batch_axes below).
+        ex = "expert" if ep > 1 else None
         tp = "tensor" if mesh.shape["tensor"] > 1 else None
         expert_specs = {
-            "w_gate": P("expert", None, tp),
-            "w_up": P("expert", None, tp),
-            "w_down": P("expert", tp, None),
-            "gate_bias": P("expert", tp),
-            "up_bias": P("expert", tp),
-            "down_bias": P("expert", None),
+            "w_gate": P(ex, None, tp),
+            "w_up": P(ex, None, tp),
+            "w_down": P(ex, tp, None),
+            "gate_bias": P(ex, tp),
+            "up_bias": P(ex, tp),
+            "down_bias": P(ex, None),
         }
         weights = self.experts.weights()
         router, bias = self._router_params()
+        # Only axes that split the batch are named. A size-1 axis named in the batch spec
+        # would still make JAX sum the weights' gradient over it, and XLA:CPU runs that
+        # one-device all-reduce as a full copy of each layer's expert gradients (0.1 s a step
+        # at medium with 32 experts).
+        batch_axes = tuple(ax for ax in BATCH_AXES if mesh.shape[ax] > 1)
+        replica_axes = tuple(ax for ax in ("data", "fsdp") if mesh.shape[ax] > 1)
+        to_owner = (lambda a: jax.lax.all_to_all(a, "expert", 0, 0)) if ep > 1 else (lambda a: a)
 
         def local(x_bTD, router, bias, w):
             # The weights are the same on every data/fsdp shard; their gradient is summed over
             # those shards where they turn varying. Done here, that is one all-reduce of the
             # [E_loc, D, F] gradients, not one per expert inside the expert map's backward loop.
-            w = jax.lax.pcast(w, ("data", "fsdp"), to="varying")
+            if replica_axes:
+                w = jax.lax.pcast(w, replica_axes, to="varying")
             b, T, _ = x_bTD.shape
             wts, _, slot, _, cap, sums = self._route_group(x_bTD, router, bias)
             buf = self._dispatch(x_bTD, slot, wts, cap)  # [E * C, D], all experts
             # Send expert e's slots (and how many are filled) to the shard that owns e:
             # [ep, E_loc, ...] -> by source shard.
-            buf = jax.lax.all_to_all(buf.reshape(ep, E_loc, cap, D), "expert", 0, 0)
-            filled = filled_slots(slot, E, cap).reshape(ep, E_loc)
-            filled = jax.lax.all_to_all(filled, "expert", 0, 0)
+            buf = to_owner(buf.reshape(ep, E_loc, cap, D))
+            filled = to_owner(filled_slots(slot, E, cap).reshape(ep, E_loc))
             y_eSCD = expert_swiglu(
                 buf.transpose(1, 0, 2, 3), w, self.dtype, filled_ES=filled.T, reduce_axis=tp
             )
-            y = y_eSCD.transpose(1, 0, 2, 3)
-            y = jax.lax.all_to_all(y, "expert", 0, 0).reshape(E * cap, D)  # back home
+            y = to_owner(y_eSCD.transpose(1, 0, 2, 3)).reshape(E * cap, D)  # back home
             y_bTD = self._combine(y, slot, wts)
-            sums = jax.lax.psum(sums, BATCH_AXES)
+            if batch_axes:
+                sums = jax.lax.psum(sums, batch_axes)
             return y_bTD, sums
 
-        x_spec = P(BATCH_AXES, None, None)
+        x_spec = P(batch_axes or None, None, None)
         y_BTD, sums = jax.shard_map(
             local,
             mesh=mesh,
