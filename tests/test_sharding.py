@@ -85,6 +85,14 @@ def test_expert_parallel_equals_unsharded(mesh_name, variant):
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, **TOL), g_sh, g_ref)
 
 
+def test_expert_parallel_training_sizes_equal_unsharded(monkeypatch):
+    """The per-expert path of training-size buffers (forced on these small ones) under expert
+    and tensor parallelism. It used to fail: its hand-written backward returned the input's
+    cotangent as a per-tensor-shard partial sum, typed unlike the input."""
+    monkeypatch.setattr(moe_module, "MAP_MIN_CAPACITY", 1)
+    test_expert_parallel_equals_unsharded("fsdp2_expert2_tensor2", ["moe.capacity_factor=0.75"])
+
+
 def compiled_hlo(mesh_overrides, *extra, grad=False):
     """The compiled MoE forward (or the gradient of its summed output) on the mesh, as text."""
     cfg, mesh, _, sharded = moe_pair(mesh_overrides, *extra)

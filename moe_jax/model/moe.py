@@ -168,6 +168,12 @@ def expert_swiglu(x_ESCD, w: dict, dtype, filled_ES=None, reduce_axis: str | Non
     E, S, C, D = x_ESCD.shape
     w_in = {n: a for n, a in w.items() if n != "down_bias"}
     if S * C >= MAP_MIN_CAPACITY:
+        if reduce_axis is not None:
+            # Each tensor shard's input cotangent is a partial sum. `filled_rows`' hand-written
+            # backward must return it typed like its input, so the input is made varying here
+            # and the sum of the partials (this cast's transpose) is one all-reduce for all
+            # experts, after the per-expert loop.
+            x_ESCD = jax.lax.pcast(x_ESCD, reduce_axis, to="varying")
         if filled_ES is None:
             filled_ES = jnp.full((E, S), C, jnp.int32)
 
