@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from moe_jax.model import moe as moe_module
 from moe_jax.model.moe import MAP_MIN_CAPACITY, MoE, assign_slots, capacity, route
 from tests.helpers import tiny_config
 
@@ -90,15 +91,21 @@ def test_no_drop_equals_dense_reference(name, n_groups):
     assert float(stats["dropped_frac"]) == 0.0
 
 
-def test_big_buffers_run_one_expert_at_a_time_and_match():
-    """Buffers of >= MAP_MIN_CAPACITY slots take the per-expert `lax.map` path (training
-    sizes): values and gradients equal the dense reference's."""
+@pytest.mark.parametrize("unrolled", [True, False], ids=["unrolled", "lax_map"])
+def test_big_buffers_run_one_expert_at_a_time_and_match(unrolled, monkeypatch):
+    """Buffers of >= MAP_MIN_CAPACITY slots run one expert at a time (training sizes),
+    unrolled up to UNROLL_MAX_EXPERTS experts, else in a `lax.map`: values and gradients
+    equal the dense reference's."""
     cfg = tiny_config("moe.capacity_factor=0", *VARIANTS["softmax_top3_shared_bias"])
+    E = cfg.moe.n_experts
+    monkeypatch.setattr(moe_module, "UNROLL_MAX_EXPERTS", E if unrolled else E - 1)
+    monkeypatch.setattr(moe_module, "UNROLL_MIN_MACS", 0)  # the tiny experts count
     moe = MoE(cfg, rngs=nnx.Rngs(0))
     randomize(moe, 1)
     x = jax.random.normal(jax.random.key(2), (2, MAP_MIN_CAPACITY // 2, cfg.model.d_model))
     assert capacity(x.shape[0] * x.shape[1], cfg.moe) >= MAP_MIN_CAPACITY
-    assert "scan[" in str(jax.make_jaxpr(lambda x: moe(x)[0])(x))  # lax.map is a scan
+    jaxpr = str(jax.make_jaxpr(lambda x: moe(x)[0])(x))
+    assert (f"length={E}" not in jaxpr) == unrolled  # lax.map is a scan over the experts
     np.testing.assert_allclose(apply(moe, x)[0], dense_reference(moe, x), rtol=1e-5, atol=1e-5)
     loss = lambda f: lambda m: jnp.sum(jnp.sin(f(m)))
     grads = nnx.jit(nnx.grad(loss(lambda m: m(x)[0])))(moe)

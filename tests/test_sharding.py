@@ -85,11 +85,14 @@ def test_expert_parallel_equals_unsharded(mesh_name, variant):
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, **TOL), g_sh, g_ref)
 
 
-def test_expert_parallel_training_sizes_equal_unsharded(monkeypatch):
-    """The per-expert path of training-size buffers (forced on these small ones) under expert
-    and tensor parallelism. It used to fail: its hand-written backward returned the input's
-    cotangent as a per-tensor-shard partial sum, typed unlike the input."""
+@pytest.mark.parametrize("unroll_max", [8, 0], ids=["unrolled", "lax_map"])
+def test_expert_parallel_training_sizes_equal_unsharded(monkeypatch, unroll_max):
+    """The per-expert path of training-size buffers (forced on these small ones), unrolled or
+    mapped, under expert and tensor parallelism. It used to fail: its hand-written backward
+    returned the input's cotangent as a per-tensor-shard partial sum, typed unlike the input."""
     monkeypatch.setattr(moe_module, "MAP_MIN_CAPACITY", 1)
+    monkeypatch.setattr(moe_module, "UNROLL_MAX_EXPERTS", unroll_max)
+    monkeypatch.setattr(moe_module, "UNROLL_MIN_MACS", 0)
     test_expert_parallel_equals_unsharded("fsdp2_expert2_tensor2", ["moe.capacity_factor=0.75"])
 
 
@@ -139,6 +142,7 @@ def test_expert_gradients_are_summed_over_data_shards_once_not_per_expert(monkey
     weight gradients are all-reduced once, after the map's loop: inside it that would be one
     small all-reduce per local expert and weight."""
     monkeypatch.setattr(moe_module, "MAP_MIN_CAPACITY", 1)
+    monkeypatch.setattr(moe_module, "UNROLL_MAX_EXPERTS", 0)
     hlo = compiled_hlo(MESHES["data2_expert4"], "moe.capacity_factor=0", grad=True)
     assert "while(" in hlo  # the map is there
     loops = loop_computations(hlo)
