@@ -51,7 +51,7 @@ class ModelConfig:
     scan_layers: bool = False  # lax.scan over repeating blocks of layers
     # Rematerialisation of each scanned block in the backward pass (needs scan_layers; memory
     # for compute): none = keep the activations the backward needs (the attention blocks and
-    # the expert map already recompute their cheap parts); dots = keep only matmul outputs;
+    # the experts already recompute their cheap parts); dots = keep only matmul outputs;
     # full = keep only each block's input and recompute its forward (one extra forward pass).
     remat: str = "none"
     init_std: float = 0.02

@@ -105,7 +105,7 @@ def _swiglu_filled_fwd(x_SCD, w, filled_S, dtype):
         *(jax.lax.switch(index_S[s], branches, x_SCD[s], w) for s in range(x_SCD.shape[0])),
         strict=True,
     )
-    # Saved as rows [S * C, .]: stacked by the expert map and the layer scan, a size-1 S axis
+    # Saved as rows [S * C, .]: stacked over the experts and by the layer scan, a size-1 S axis
     # got a permuted layout and a copy back on every slice.
     S, C = x_SCD.shape[:2]
     rows = lambda parts: jnp.stack(parts).reshape(S * C, -1)
