@@ -30,3 +30,13 @@ def forward(model, tokens_BT):
 @nnx.jit
 def forward_cached(model, tokens_BT, positions_BT, cache):
     return model(tokens_BT, positions=positions_BT, cache=cache)
+
+
+def one_expert_at_a_time(monkeypatch, unrolled: bool) -> None:
+    """Send the tiny tests' expert buffers down the training path (`moe.expert_swiglu`: one
+    expert at a time on its filled rows), with the experts unrolled or in a `lax.map`."""
+    from moe_jax.model import moe
+
+    monkeypatch.setattr(moe, "MAP_MIN_CAPACITY", 1)
+    monkeypatch.setattr(moe, "UNROLL_MAX_EXPERTS", moe.UNROLL_MAX_EXPERTS if unrolled else 0)
+    monkeypatch.setattr(moe, "UNROLL_MIN_MACS", 0)

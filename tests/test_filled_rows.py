@@ -18,6 +18,7 @@ import moe_jax.model.moe as moe_module
 from moe_jax.model.filled_rows import bucket_index, row_buckets, swiglu_filled
 from moe_jax.model.moe import expert_swiglu, swiglu_rows
 from moe_jax.model.transformer import remat
+from tests.helpers import one_expert_at_a_time, tiny_config
 
 S, C, D, F = 3, 100, 16, 24
 FILLED = [0, 33, 100]  # nothing, just past the first bucket (32), everything
@@ -73,16 +74,14 @@ def test_values_and_gradients_equal_swiglu_on_the_bucket_rows(with_bias):
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("unroll_max", [32, 0], ids=["unrolled", "lax_map"])
+@pytest.mark.parametrize("unrolled", [True, False], ids=["unrolled", "lax_map"])
 def test_remat_keeps_one_output_and_the_padded_projections_not_every_bucket(
-    capsys, monkeypatch, unroll_max
+    capsys, monkeypatch, unrolled
 ):
     """Under `model.remat=dots` the per-expert path's saved residuals are full-capacity
     arrays. Left to the dots policy, the switch kept each branch's down-projection output,
     one array per bucket size (0.7 GB more for the medium benchmark)."""
-    monkeypatch.setattr(moe_module, "MAP_MIN_CAPACITY", 1)  # one expert at a time
-    monkeypatch.setattr(moe_module, "UNROLL_MAX_EXPERTS", unroll_max)
-    monkeypatch.setattr(moe_module, "UNROLL_MIN_MACS", 0)  # the tiny experts count
+    one_expert_at_a_time(monkeypatch, unrolled)
     E = 2
     x = jax.random.normal(jax.random.key(1), (E, 1, C, D))
     w = {n: jnp.stack([a] * E) for n, a in weights(True).items()}
@@ -94,18 +93,15 @@ def test_remat_keeps_one_output_and_the_padded_projections_not_every_bucket(
     assert C in rows and not rows & set(row_buckets(C)[1:-1]), shapes
 
 
-def scanned_train_grad_hlo(monkeypatch, unroll_max: int):
+def scanned_train_grad_hlo(monkeypatch, unrolled: bool):
     """(compiled HLO of a scanned, remat'd tiny MoE model's training gradient, config, the
     experts' capacity), with the per-expert path forced on its small buffers."""
     from flax import nnx
 
     from moe_jax.model import Transformer
     from moe_jax.trainer import loss_fn
-    from tests.helpers import tiny_config
 
-    monkeypatch.setattr(moe_module, "MAP_MIN_CAPACITY", 1)  # one expert at a time
-    monkeypatch.setattr(moe_module, "UNROLL_MAX_EXPERTS", unroll_max)
-    monkeypatch.setattr(moe_module, "UNROLL_MIN_MACS", 0)  # the tiny experts count
+    one_expert_at_a_time(monkeypatch, unrolled)
     over = ["moe.interleave_step=1", "attention.nope_interval=0", "model.scan_layers=true"]
     cfg = tiny_config(*over, "model.remat=dots")
     graphdef, params = nnx.split(Transformer(cfg, rngs=nnx.Rngs(0)))
@@ -116,15 +112,15 @@ def scanned_train_grad_hlo(monkeypatch, unroll_max: int):
     return hlo, cfg, moe_module.capacity(B * (T - 1), cfg.moe)  # the loss predicts T - 1
 
 
-@pytest.mark.parametrize("unroll_max", [32, 0], ids=["unrolled", "lax_map"])
-def test_expert_buffers_cross_the_map_and_the_layer_scan_without_copies(monkeypatch, unroll_max):
+@pytest.mark.parametrize("unrolled", [True, False], ids=["unrolled", "lax_map"])
+def test_expert_buffers_cross_the_map_and_the_layer_scan_without_copies(monkeypatch, unrolled):
     """One routing group is a size-1 segment axis in the [E, S, C, .] buffers. Carried as
     such through the expert map and (as saved gate/up products) the layer scan, XLA:CPU gave
     that axis a permuted layout and copied every buffer back at each loop boundary (5 copies
     of expert buffers per layer at medium, ~2% of the step). The experts take [E, S * C, .]
     rows instead: the compiled train gradient copies no array with a capacity axis
     from one layout to another."""
-    hlo, _, cap = scanned_train_grad_hlo(monkeypatch, unroll_max)
+    hlo, _, cap = scanned_train_grad_hlo(monkeypatch, unrolled)
     assert f",{cap}," in hlo, "the test no longer sees the expert buffers"
     # (Copies of a broadcast are the loops' zero-filled output buffers, not layout changes.)
     copy = r"= f32\[([\d,]+)\]\S* (?:copy\((?!%wrapped_broadcast)|fusion\(.*calls=%wrapped_copy)"
@@ -132,8 +128,8 @@ def test_expert_buffers_cross_the_map_and_the_layer_scan_without_copies(monkeypa
     assert not [c for c in copies if str(cap) in c.split(",")], copies
 
 
-@pytest.mark.parametrize("unroll_max", [32, 0], ids=["unrolled", "lax_map"])
-def test_unrolled_experts_never_copy_a_layers_expert_weights(monkeypatch, unroll_max):
+@pytest.mark.parametrize("unrolled", [True, False], ids=["unrolled", "lax_map"])
+def test_unrolled_experts_never_copy_a_layers_expert_weights(monkeypatch, unrolled):
     """Unrolled inside the layer scan, each expert reads its weights as one slice of the
     stacked [L, E, D, F] parameters and its gradients are concatenated once. Through
     `lax.map`, the layer's [E, D, F] weights were copied out of the stack (a fusion), the
@@ -141,12 +137,12 @@ def test_unrolled_experts_never_copy_a_layers_expert_weights(monkeypatch, unroll
     and copied on. Taken as E slices `a[e]`, the gradients would be E zero-padded [E, D, F]
     arrays summed. So: in the unrolled gradient only a bitcast or the one concatenate makes
     an [E, D, F] array; the map's gradient is checked to be caught."""
-    hlo, cfg, _ = scanned_train_grad_hlo(monkeypatch, unroll_max)
+    hlo, cfg, _ = scanned_train_grad_hlo(monkeypatch, unrolled)
     E, D, F = cfg.moe.n_experts, cfg.model.d_model, cfg.moe.expert_hidden
     made = set()
     for shape in (f"{E},{D},{F}", f"{E},{F},{D}"):
         made |= set(re.findall(rf"= f32\[{shape}\]\S* ([\w-]+)\(", hlo))
-    if unroll_max:
+    if unrolled:
         assert made == {"bitcast", "concatenate"}, made
     else:  # the old way, caught
         assert {"fusion", "dynamic-update-slice", "broadcast"} <= made, made

@@ -11,9 +11,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from moe_jax.model import moe as moe_module
 from moe_jax.model.moe import MAP_MIN_CAPACITY, MoE, assign_slots, capacity, route
-from tests.helpers import tiny_config
+from tests.helpers import one_expert_at_a_time, tiny_config
 
 
 @nnx.jit
@@ -98,8 +97,7 @@ def test_big_buffers_run_one_expert_at_a_time_and_match(unrolled, monkeypatch):
     equal the dense reference's."""
     cfg = tiny_config("moe.capacity_factor=0", *VARIANTS["softmax_top3_shared_bias"])
     E = cfg.moe.n_experts
-    monkeypatch.setattr(moe_module, "UNROLL_MAX_EXPERTS", E if unrolled else E - 1)
-    monkeypatch.setattr(moe_module, "UNROLL_MIN_MACS", 0)  # the tiny experts count
+    one_expert_at_a_time(monkeypatch, unrolled)
     moe = MoE(cfg, rngs=nnx.Rngs(0))
     randomize(moe, 1)
     x = jax.random.normal(jax.random.key(2), (2, MAP_MIN_CAPACITY // 2, cfg.model.d_model))

@@ -16,10 +16,9 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from moe_jax.config import ConfigError
-from moe_jax.model import moe as moe_module
 from moe_jax.model.moe import MoE
 from moe_jax.sharding import BATCH_AXES, create_sharded, make_mesh, n_batch_shards
-from tests.helpers import tiny_config
+from tests.helpers import one_expert_at_a_time, tiny_config
 
 TOL = dict(rtol=1e-5, atol=1e-5)
 
@@ -85,14 +84,12 @@ def test_expert_parallel_equals_unsharded(mesh_name, variant):
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, **TOL), g_sh, g_ref)
 
 
-@pytest.mark.parametrize("unroll_max", [8, 0], ids=["unrolled", "lax_map"])
-def test_expert_parallel_training_sizes_equal_unsharded(monkeypatch, unroll_max):
+@pytest.mark.parametrize("unrolled", [True, False], ids=["unrolled", "lax_map"])
+def test_expert_parallel_training_sizes_equal_unsharded(monkeypatch, unrolled):
     """The per-expert path of training-size buffers (forced on these small ones), unrolled or
     mapped, under expert and tensor parallelism. It used to fail: its hand-written backward
     returned the input's cotangent as a per-tensor-shard partial sum, typed unlike the input."""
-    monkeypatch.setattr(moe_module, "MAP_MIN_CAPACITY", 1)
-    monkeypatch.setattr(moe_module, "UNROLL_MAX_EXPERTS", unroll_max)
-    monkeypatch.setattr(moe_module, "UNROLL_MIN_MACS", 0)
+    one_expert_at_a_time(monkeypatch, unrolled)
     test_expert_parallel_equals_unsharded("fsdp2_expert2_tensor2", ["moe.capacity_factor=0.75"])
 
 
@@ -141,8 +138,7 @@ def test_expert_gradients_are_summed_over_data_shards_once_not_per_expert(monkey
     """Through the per-expert map (forced here on small buffers), each data shard's expert
     weight gradients are all-reduced once, after the map's loop: inside it that would be one
     small all-reduce per local expert and weight."""
-    monkeypatch.setattr(moe_module, "MAP_MIN_CAPACITY", 1)
-    monkeypatch.setattr(moe_module, "UNROLL_MAX_EXPERTS", 0)
+    one_expert_at_a_time(monkeypatch, unrolled=False)
     hlo = compiled_hlo(MESHES["data2_expert4"], "moe.capacity_factor=0", grad=True)
     assert "while(" in hlo  # the map is there
     loops = loop_computations(hlo)
