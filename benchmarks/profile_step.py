@@ -11,8 +11,13 @@ router, dispatch, experts, combine, aux statistics, loss) by patching them from 
 scopes only rename HLO ops, the computation is unchanged. Each XLA op the CPU runtime executed
 is then charged, through its `op_name` metadata, to a part and to forward or backward
 (`transpose(...)` in the name), and the optimizer update is what lies outside the gradient.
-Durations are summed over the `--repeats` traced steps and divided by their number. Ops can
-overlap on the runtime's threads, so the column sums can exceed the step's wall time.
+Times are the ops' own trace events, summed over the `--repeats` traced steps and divided by
+their number. Ops overlap on the runtime's threads, so the column sums can exceed the step's
+wall time. Caveat: XLA:CPU runs some ops (Eigen's `dot_general`, copies, some slices and pads)
+asynchronously on its thread pool, and their events cover only the dispatch. A last table
+gives those ops' time from dispatch to the runtime's `end:` event for them: an upper bound,
+as it includes time spent queued behind other ops (the experts' weight-gradient dots are
+Eigen dots: ~0.1 s of events, up to ~1.8 s until done in the medium step).
 
 XLA's cost analysis (of the whole compiled step) gives the FLOPs and bytes XLA counts: it
 compares with the model FLOPs of `moe_jax.summary.train_flops_per_token` and gives the
@@ -108,11 +113,30 @@ def op_metadata(hlo_text: str) -> dict[str, str]:
     return meta
 
 
-def conditionals(hlo_text: str) -> set[str]:
-    """Names of the module's `conditional` instructions. The CPU runtime's event for one spans
-    the ops of the branch it ran, which have events of their own: counting both would charge
-    the branch twice."""
-    return set(re.findall(r"^\s*(?:ROOT )?%?([\w.\-]+) = .*? conditional\(", hlo_text, re.M))
+def control_flow(hlo_text: str) -> set[str]:
+    """Names of the module's `conditional` and `while` instructions. The CPU runtime's event
+    for one spans the ops of its bodies, which have events of their own: counting both would
+    charge those ops twice."""
+    pattern = r"^\s*(?:ROOT )?%?([\w.\-]+) = .*? (?:conditional|while)\("
+    return set(re.findall(pattern, hlo_text, re.M))
+
+
+def op_spans(events: list[dict]) -> list[dict]:
+    """The XLA ops among a trace's events (complete events with an `hlo_op`; the rest are
+    runtime / Python frames), each with `done`: the time from its start to its `end:` event,
+    longer than `dur` where the op ran asynchronously (see the module docstring)."""
+    complete = sorted((e for e in events if e.get("ph") == "X"), key=lambda e: e["ts"])
+    ops, running = [], {}
+    for e in complete:
+        name = e["name"]
+        if name.startswith("end: "):
+            start = running.pop(name[len("end: ") :], None)
+            if start is not None:
+                start["done"] = max(start["dur"], e["ts"] - start["ts"])
+        elif "hlo_op" in e.get("args", {}):
+            ops.append({**e, "done": e["dur"]})
+            running[name] = ops[-1]
+    return ops
 
 
 def trace_ops(fn, repeats: int, trace_dir: str) -> tuple[list[dict], float]:
@@ -126,11 +150,9 @@ def trace_ops(fn, repeats: int, trace_dir: str) -> tuple[list[dict], float]:
     path = sorted(glob.glob(f"{trace_dir}/**/perfetto_trace.json.gz", recursive=True))[-1]
     with gzip.open(path) as f:
         data = json.load(f)
-    events = data["traceEvents"] if isinstance(data, dict) else data
-    # Complete events that are XLA ops; the rest are runtime / Python frames.
-    runtime = ("ThunkExecutor", "$", "PjitFunction", "SlinkyThreadPool", "TfrtCpu", "Pjrt", "end: ")
-    ops = [e for e in events if e.get("ph") == "X" and not e["name"].startswith(runtime)]
-    return ops, statistics.median(walls)
+    return op_spans(data["traceEvents"] if isinstance(data, dict) else data), statistics.median(
+        walls
+    )
 
 
 def main(argv: list[str]) -> int:
@@ -152,7 +174,7 @@ def main(argv: list[str]) -> int:
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, list) else cost
     hlo_text = compiled.as_text()
-    meta, nested = op_metadata(hlo_text), conditionals(hlo_text)
+    meta, nested = op_metadata(hlo_text), control_flow(hlo_text)
     box = {"state": state}
 
     def run():
@@ -169,6 +191,7 @@ def main(argv: list[str]) -> int:
     by_part = collections.defaultdict(lambda: [0.0, 0.0])  # part -> [fwd s, bwd s]
     by_op = collections.defaultdict(float)
     by_kind = collections.defaultdict(float)
+    by_async_kind = collections.defaultdict(lambda: [0.0, 0.0])  # kind -> [events s, done s]
     cond_s = sum(e["dur"] for e in ops if e["name"] in nested) * 1e-6 / n
     for e in ops:
         name, s = e["name"], e["dur"] * 1e-6 / n
@@ -177,7 +200,11 @@ def main(argv: list[str]) -> int:
         op_name = meta.get(name, "")
         by_part[_part(op_name)]["transpose(" in op_name] += s
         by_op[name] += s
-        by_kind[re.sub(r"[.\d]+$", "", name)] += s
+        kind = re.sub(r"[.\d]+$", "", name)
+        by_kind[kind] += s
+        if e["done"] > e["dur"] * 1.5 + 20:  # us: ran asynchronously, not just a late end event
+            by_async_kind[kind][0] += s
+            by_async_kind[kind][1] += e["done"] * 1e-6 / n
     total = sum(by_op.values())
     model_flops = train_flops_per_token(cfg) * B * T
 
@@ -187,7 +214,8 @@ def main(argv: list[str]) -> int:
     print(f"XLA cost analysis: {cost.get('flops', 0) / 1e9:.0f} GFLOP, "
           f"{cost.get('bytes accessed', 0) / 1e9:.2f} GB accessed per step; model FLOPs "
           f"{model_flops / 1e9:.0f} GFLOP (active experts, no capacity slack)")  # fmt: skip
-    print(f"Not counted: {cond_s:.3f} s of `conditional` events, which span their branches' ops")
+    print(f"Not counted: {cond_s:.3f} s of `conditional` and `while` events, which span their "
+          "bodies' ops")  # fmt: skip
     print(f"\n{'part':16s} {'fwd s':>7s} {'bwd s':>7s} {'total':>7s} {'share':>6s}")
     parts = sorted(by_part.items(), key=lambda kv: -sum(kv[1]))
     for part, (f, b) in parts:
@@ -199,6 +227,11 @@ def main(argv: list[str]) -> int:
     top = sorted(by_op.items(), key=lambda kv: -kv[1])[: args.top]
     for name, s in top:
         print(f"{name:28s} {s:7.3f}  {meta.get(name, '')[:90]}")
+    print(f"\nasync ops (events cover the dispatch; 'until done' includes time queued)\n"
+          f"{'op kind':28s} {'events s':>8s} {'until done s':>12s}")  # fmt: skip
+    async_kinds = sorted(by_async_kind.items(), key=lambda kv: -kv[1][1])
+    for kind, (s, done) in async_kinds[:8]:
+        print(f"{kind:28s} {s:8.3f} {done:12.3f}")
     print(json.dumps({
         "benchmark": "profile_step", **machine(), "size": args.size, "style": args.style,
         "overrides": args.set, "wall_s": wall, "op_s": total, "peak_flops": peak,
@@ -206,6 +239,7 @@ def main(argv: list[str]) -> int:
         "xla_bytes": cost.get("bytes accessed"),
         "parts": {k: {"fwd_s": f, "bwd_s": b} for k, (f, b) in parts},
         "top_ops": [{"op": k, "s": s, "op_name": meta.get(k, "")} for k, s in top],
+        "async_kinds": {k: {"events_s": s, "done_s": d} for k, (s, d) in async_kinds},
     }))  # fmt: skip
     return 0
 

@@ -17,7 +17,7 @@ import pytest
 
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
 sys.path.insert(0, str(BENCH))  # the scripts import their siblings as top-level modules
-from profile_step import _part, conditionals  # noqa: E402
+from profile_step import _part, control_flow, op_spans  # noqa: E402
 from train_throughput import take_turns  # noqa: E402
 
 SHRINK = ["--set=model.n_layers=1", "--set=train.seq_len=32", "--set=train.batch_size=2"]
@@ -108,7 +108,7 @@ def test_scaling_compares_override_sets_side_by_side():
     assert rows[1]["flops_per_token"] < 0.8 * rows[0]["flops_per_token"]
 
 
-def test_profile_charges_ops_to_their_innermost_part_and_skips_conditionals():
+def test_profile_charges_ops_to_their_innermost_part_and_skips_control_flow():
     import jax
     import jax.numpy as jnp
 
@@ -120,13 +120,40 @@ def test_profile_charges_ops_to_their_innermost_part_and_skips_conditionals():
     assert _part("jit(train_step)/while/body/add") == "other"
     assert _part("jit(train_step)/adam/mul") == "optimizer"
 
-    # A conditional's runtime event spans its branch's ops, so the profile must know its name
+    # A conditional's or a loop's runtime event spans its bodies' ops, so the profile must
+    # know their names
     def f(i, x):
-        return jax.lax.switch(i, [jnp.sin, jnp.cos], x)
+        x = jax.lax.switch(i, [jnp.sin, jnp.cos], x)
+        return jax.lax.fori_loop(0, i, lambda _, y: jnp.sin(y) * y, x)
 
     hlo = jax.jit(f).lower(0, jnp.ones(4)).compile().as_text()
-    names = conditionals(hlo)
-    assert len(names) == 1 and f"{names.pop()} = " in hlo
+    names = control_flow(hlo)
+    lines = [next(line for line in hlo.splitlines() if f"{n} = " in line) for n in names]
+    kinds = {k for k in ("conditional", "while") for line in lines if f" {k}(" in line}
+    assert len(names) == 2 and kinds == {"conditional", "while"}
+
+
+def test_profile_times_an_async_op_until_its_end_event():
+    def ev(name, ts, dur, op=True):
+        return {
+            "ph": "X",
+            "name": name,
+            "ts": ts,
+            "dur": dur,
+            "args": {"hlo_op": name} if op else {},
+        }
+
+    events = [
+        ev("dot_general.3", 0, 2),  # dispatched in 2 us, done (its end: event) at 50 us
+        ev("fusion.1", 5, 10),  # synchronous: its end: event right after it
+        ev("end: fusion.1", 15, 0, op=False),
+        ev("ThunkExecutor::Execute", 0, 60, op=False),  # runtime frame, not an op
+        ev("end: dot_general.3", 50, 0, op=False),
+        ev("copy.2", 55, 1),  # no end: event in the trace: its own duration
+        {"ph": "i", "name": "marker", "ts": 1},
+    ]
+    spans = {e["name"]: (e["dur"], e["done"]) for e in op_spans(events)}
+    assert spans == {"dot_general.3": (2, 50), "fusion.1": (10, 10), "copy.2": (1, 1)}
 
 
 @pytest.mark.parametrize(
