@@ -150,9 +150,8 @@ def trace_ops(fn, repeats: int, trace_dir: str) -> tuple[list[dict], float]:
     path = sorted(glob.glob(f"{trace_dir}/**/perfetto_trace.json.gz", recursive=True))[-1]
     with gzip.open(path) as f:
         data = json.load(f)
-    return op_spans(data["traceEvents"] if isinstance(data, dict) else data), statistics.median(
-        walls
-    )
+    events = data["traceEvents"] if isinstance(data, dict) else data
+    return op_spans(events), statistics.median(walls)
 
 
 def main(argv: list[str]) -> int:
