@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import zlib
+
+import jax
 from flax import nnx
 
 from moe_jax.config import Config, load_config
@@ -40,3 +43,15 @@ def one_expert_at_a_time(monkeypatch, unrolled: bool) -> None:
     monkeypatch.setattr(moe, "MAP_MIN_CAPACITY", 1)
     monkeypatch.setattr(moe, "UNROLL_MAX_EXPERTS", moe.UNROLL_MAX_EXPERTS if unrolled else 0)
     monkeypatch.setattr(moe, "UNROLL_MIN_MACS", 0)
+
+
+def randomize_biases(module: nnx.Module, seed: int = 0) -> None:
+    """Biases start at zero, where a wrongly placed or dropped one goes unseen: give every
+    `*bias` parameter N(0, 0.3^2) values, keyed by its path so that two models with the same
+    layout (scanned or not, sharded or not) get the same values, keeping each one's sharding."""
+    for path, p in nnx.iter_graph(module):
+        if isinstance(p, nnx.Param) and str(path[-1]).endswith("bias"):
+            key = jax.random.fold_in(jax.random.key(seed), zlib.crc32(repr(path).encode()))
+            value = jax.random.normal(key, p[...].shape, p[...].dtype) * 0.3
+            sharding = getattr(p[...], "sharding", None)
+            p[...] = jax.device_put(value, sharding) if sharding is not None else value

@@ -24,7 +24,7 @@ from moe_jax.model.attention import (
 )
 from moe_jax.model.rope import apply_rope, rope_inv_freq
 from moe_jax.model.transformer import remat
-from tests.helpers import forward, forward_cached, tiny_config
+from tests.helpers import forward, forward_cached, randomize_biases, tiny_config
 
 TOL = dict(rtol=1e-5, atol=1e-5)
 
@@ -46,8 +46,11 @@ ALL_FLAVOURS = [
 
 
 def make(*overrides, seed=0):
+    """A tiny model with non-zero biases (where it has any)."""
     cfg = tiny_config(*overrides)
-    return cfg, Transformer(cfg, rngs=nnx.Rngs(seed))
+    model = Transformer(cfg, rngs=nnx.Rngs(seed))
+    randomize_biases(model, seed)
+    return cfg, model
 
 
 def tokens(B, T, seed=0, V=256):
@@ -57,9 +60,10 @@ def tokens(B, T, seed=0, V=256):
 def naive_attention(attn: Attention, x, positions):
     """Per-head loop with an explicit softmax: the definition, no shared helpers but RoPE."""
     H, K, hd = attn.n_heads, attn.n_kv_heads, attn.head_dim
-    q = jnp.einsum("btd,dhk->bthk", x, attn.wq[...])
-    k = jnp.einsum("btd,dhk->bthk", x, attn.wk[...])
-    v = jnp.einsum("btd,dhk->bthk", x, attn.wv[...])
+    bias = lambda name: getattr(attn, f"{name}_bias")[...] if hasattr(attn, f"{name}_bias") else 0
+    q = jnp.einsum("btd,dhk->bthk", x, attn.wq[...]) + bias("q")
+    k = jnp.einsum("btd,dhk->bthk", x, attn.wk[...]) + bias("k")
+    v = jnp.einsum("btd,dhk->bthk", x, attn.wv[...]) + bias("v")
     rms = lambda a: a / jnp.sqrt(jnp.mean(a * a, -1, keepdims=True) + attn.norm_eps)
     if attn.qk_norm == "rms":
         q, k = rms(q) * attn.q_norm.scale[...], rms(k) * attn.k_norm.scale[...]
@@ -87,7 +91,7 @@ def naive_attention(attn: Attention, x, positions):
                     logits = logits.at[:, t, s_].set(-jnp.inf)
         p = jax.nn.softmax(logits, axis=-1)
         out = out.at[:, :, h].set(jnp.einsum("bts,bsk->btk", p, v[:, :, g]))
-    return jnp.einsum("bthk,hkd->btd", out, attn.wo[...])
+    return jnp.einsum("bthk,hkd->btd", out, attn.wo[...]) + bias("o")
 
 
 @pytest.mark.parametrize(
@@ -104,11 +108,13 @@ def naive_attention(attn: Attention, x, positions):
         ),  # NoPE + temperature
         (["attention.qk_norm=l2", "attention.rope_style=interleaved"], 0),  # Llama 4 style
         (["attention.n_kv_heads=1"], 0),  # MQA
+        (["attention.qkv_bias=true", "attention.o_bias=true"], 0),  # Qwen2-style biases
     ],
 )
 def test_attention_matches_naive_reference(overrides, layer):
     cfg = tiny_config(*overrides)
     attn = Attention(cfg, layer, rngs=nnx.Rngs(0))
+    randomize_biases(attn)
     if attn.qk_norm == "rms":  # non-trivial learned norm scales
         attn.q_norm.scale[...] = 1 + jax.random.normal(jax.random.key(7), (cfg.head_dim,)) * 0.3
     x = jax.random.normal(jax.random.key(1), (2, 11, cfg.model.d_model))
@@ -364,19 +370,37 @@ def test_scan_equals_unrolled(n_layers):
     assert au["expert_load"].shape == (n_layers // 2, cfg_u.moe.n_experts)
 
 
-def test_aux_outputs_per_moe_layer_in_layer_order():
-    # Layers 2 and 4 are MoE (interleave 2). Their stats must come back in that order:
-    # compare against calling each MoE layer's router by hand is overkill; instead check that
-    # the stacked layout is consistent between a 4-layer model and its 2-block scan twin.
-    cfg, model = make("model.n_layers=4", "moe.interleave_step=2", "attention.nope_interval=0")
-    logits, aux = forward(model, tokens(2, 8))
-    assert logits.shape == (2, 8, 256) and logits.dtype == jnp.float32
-    assert aux["expert_load"].shape == (2, cfg.moe.n_experts)
-    np.testing.assert_allclose(jnp.sum(aux["expert_load"], -1), 1.0, rtol=1e-6)
-    lb = aux["lb_loss"]
-    np.testing.assert_allclose(
-        aux["aux_loss"], cfg.moe.lb_loss_weight * lb + cfg.moe.z_loss_weight * aux["z_loss"]
+@pytest.mark.parametrize("scan", [False, True], ids=["unrolled", "scan"])
+def test_aux_stats_per_moe_layer_in_layer_order(scan):
+    """Each MoE layer's router is zeroed and given its own bias, so every token's logits are
+    that bias and the layer's load, lb and z losses follow in NumPy. Layers 1 and 3 (0-based)
+    sit in the block of 4, layer 5 in the 2-layer tail: the stats must come back in layer
+    order, the losses as their mean, and aux_loss weighted by the config."""
+    cfg, model = make(
+        "model.n_layers=6",
+        "moe.interleave_step=2",
+        "attention.nope_interval=4",
+        "moe.router_bias=true",
+        f"model.scan_layers={scan}",
     )
+    E, K = cfg.moe.n_experts, cfg.moe.top_k
+    biases = np.array([[3.0, 0.0, 1.0, 2.0], [0.0, 1.0, 2.5, 3.5], [1.0, 4.0, 0.5, 0.0]])
+    ffns = [model.blocks.layers[1].ffn, model.blocks.layers[3].ffn, model.tail[1].ffn]
+    for ffn, bias in zip(ffns, biases, strict=True):
+        ffn.router[...] = jnp.zeros_like(ffn.router[...])
+        ffn.router_bias[...] = jnp.broadcast_to(jnp.asarray(bias), ffn.router_bias[...].shape)
+    _, aux = forward(model, tokens(2, 8))
+    load = np.zeros((3, E))
+    for i, bias in enumerate(biases):
+        load[i, np.argsort(-bias)[:K]] = 1 / K  # every token picks the same top-k
+    probs = np.exp(biases) / np.exp(biases).sum(-1, keepdims=True)
+    lb = E * (load * probs).sum(-1)
+    z = np.log(np.exp(biases).sum(-1)) ** 2
+    np.testing.assert_allclose(aux["expert_load"], load, rtol=1e-6)
+    np.testing.assert_allclose(aux["lb_loss"], lb.mean(), rtol=1e-6)
+    np.testing.assert_allclose(aux["z_loss"], z.mean(), rtol=1e-6)
+    assert (cfg.moe.lb_loss_weight, cfg.moe.z_loss_weight) == (0.01, 1e-3)  # DESIGN.md defaults
+    np.testing.assert_allclose(aux["aux_loss"], 0.01 * lb.mean() + 1e-3 * z.mean(), rtol=1e-6)
 
 
 def test_dense_model_has_empty_moe_stats():
@@ -386,13 +410,18 @@ def test_dense_model_has_empty_moe_stats():
 
 
 def test_tied_embeddings_share_the_table():
+    """The output head is the embedding table: doubling the rows of tokens absent from the
+    input doubles exactly those logit columns (a power of 2 scales float sums exactly) and
+    leaves every other column bit-identical."""
     cfg, model = make("model.tie_embeddings=true")
     assert not hasattr(model, "head")
-    x = tokens(1, 4)
+    x = tokens(1, 4, V=128)
     logits, _ = forward(model, x)
-    model.embed.embedding[...] = model.embed.embedding[...] * 2  # head changes with it
+    model.embed.embedding[...] = model.embed.embedding[...].at[128:].multiply(2.0)
     logits2, _ = forward(model, x)
-    assert not np.allclose(logits, logits2)
+    np.testing.assert_array_equal(logits2[..., :128], logits[..., :128])
+    np.testing.assert_allclose(logits2[..., 128:], 2 * logits[..., 128:], rtol=1e-6, atol=1e-6)
+    assert float(jnp.abs(logits[..., 128:]).max()) > 1e-2
 
 
 def test_bfloat16_compute_keeps_float32_params_and_tracks_float32():
