@@ -125,7 +125,7 @@ class TrainConfig:
     eval_every: int = 100
     eval_batches: int = 8
     log_every: int = 10
-    peak_flops: float = 0.0  # FLOP/s for MFU; 0 = measure a matmul at start-up
+    peak_flops: float = 0.0  # FLOP/s of one device (one host on CPU) for MFU; 0 = measure
     tensorboard: bool = True  # TensorBoard event files in RUN_DIR/tb (JSONL is always written)
 
 

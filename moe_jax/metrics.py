@@ -5,10 +5,11 @@ Records are flat dicts with a "kind" ("info", "train" or "eval") and a "step". T
 to it, and readers keep the *last* record of each (kind, step), so steps repeated after a crash
 between two checkpoints are superseded by the rerun. TensorBoard event files go to `RUN_DIR/tb`.
 
-MFU = achieved model FLOP/s / peak FLOP/s, where model FLOPs per token come from
-`moe_jax.summary.train_flops_per_token` (active experts only) and the peak is either
-`train.peak_flops` or, when that is 0, measured once at start-up with a large jitted matmul
-(the most a dense fp32 kernel reaches on this machine).
+MFU = achieved model FLOP/s / the job's peak FLOP/s, where model FLOPs per token come from
+`moe_jax.summary.train_flops_per_token` (active experts only). The peak of one compute unit is
+either `train.peak_flops` or, when that is 0, measured once at start-up with a large jitted
+matmul (the most a dense fp32 kernel reaches on it); the job's peak is that times
+`compute_units()`.
 """
 
 from __future__ import annotations
@@ -36,6 +37,13 @@ def measure_peak_flops(n: int = 2048, repeats: int = 5) -> float:
         matmul(a, a).block_until_ready()
         best = min(best, time.perf_counter() - t0)
     return 2 * n**3 / best
+
+
+def compute_units() -> int:
+    """How many peaks the job has: every accelerator is one, but the CPU devices of a process
+    (many of them when simulated with --xla_force_host_platform_device_count) share that
+    host's cores, which one matmul already keeps busy, so a CPU job has one per process."""
+    return jax.process_count() if jax.default_backend() == "cpu" else jax.device_count()
 
 
 def _jsonable(v):

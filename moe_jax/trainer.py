@@ -54,7 +54,7 @@ from tqdm import tqdm
 from moe_jax.checkpoint import Checkpointer, inspect_run
 from moe_jax.config import Config, TrainConfig
 from moe_jax.data import eval_batches, load_data, train_iterator
-from moe_jax.metrics import MetricsWriter, measure_peak_flops
+from moe_jax.metrics import MetricsWriter, compute_units, measure_peak_flops
 from moe_jax.model import Transformer
 from moe_jax.sharding import (
     BATCH_AXES,
@@ -359,8 +359,11 @@ def _loop(cfg, mesh, graphdef, tx, state, it, data, ckpt, resume, stop_at, log) 
 
     total, active = param_counts(cfg)
     flops_per_token = train_flops_per_token(cfg)
-    peak = t.peak_flops or measure_peak_flops()
+    units = compute_units()
+    peak = (t.peak_flops or measure_peak_flops()) * units
     peak_src = "train.peak_flops" if t.peak_flops else "measured jnp.dot peak"
+    if units > 1:
+        peak_src += f" x {units} " + ("hosts" if jax.default_backend() == "cpu" else "devices")
     tokens_per_step = t.batch_size * t.seq_len
     log(
         f"model: {total:,} params ({active:,} active/token), "
@@ -402,6 +405,7 @@ def _loop(cfg, mesh, graphdef, tx, state, it, data, ckpt, resume, stop_at, log) 
                 "params_active": active,
                 "flops_per_token": flops_per_token,
                 "peak_flops": peak,
+                "compute_units": units,
                 "moe_layers": [i for i in range(cfg.model.n_layers) if cfg.is_moe(i)],
             }
         )

@@ -155,3 +155,6 @@ def test_two_processes_train_together_like_one(tmp_path, straight_run):
         assert p.returncode == 0, out[-3000:]
     assert "'data': 2, 'fsdp': 1, 'expert': 2, 'tensor': 1} over 4 devices, 2 process" in outs[0]
     assert_same_run(multi, straight_run)
+    # Two CPU hosts: MFU is against twice one host's peak (each host's devices share its cores).
+    (info,) = [r for r in read_metrics(multi) if r["kind"] == "info"]
+    assert info["compute_units"] == 2 and info["peak_flops"] == 2e11

@@ -242,6 +242,26 @@ def test_same_seed_same_run_different_seed_different_run(runs):
     assert all(abs(seed1[s] - straight[s]) > 1e-4 for s in (1, 2, 3))
 
 
+def test_eval_is_the_cross_entropy_on_evenly_spaced_validation_windows(runs):
+    """The step-6 eval record equals the saved step-6 model's mean next-token cross-entropy,
+    recomputed here from the raw corpus: the last val_fraction of its bytes, and eval_batches
+    x batch_size windows at evenly spaced starts. float32 means over 512 tokens: 1e-5."""
+    from moe_jax.data import embedded_sources
+    from tests.helpers import forward
+
+    cfg, model, _ = load_run(runs["straight"])
+    t = cfg.train
+    corpus = b"".join(s.raw for s in embedded_sources(cfg.data.embedded_max_bytes))
+    tokens = np.frombuffer(corpus, np.uint8).astype(np.int32)
+    val = tokens[len(tokens) - int(np.ceil(len(tokens) * cfg.data.val_fraction)) :]
+    starts = np.linspace(0, len(val) - t.seq_len - 1, t.eval_batches * t.batch_size)
+    windows = val[np.round(starts).astype(int)[:, None] + np.arange(t.seq_len + 1)]
+    logits, _ = forward(model, jnp.asarray(windows[:, :-1]))
+    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    ce = -jnp.take_along_axis(logp, jnp.asarray(windows[:, 1:, None]), axis=-1).mean()
+    np.testing.assert_allclose(_evals(runs["straight"])[6], float(ce), rtol=1e-5)
+
+
 def test_plots_and_tensorboard_files_are_written(runs, tmp_path):
     assert plot_main([str(runs["straight"]), "--out", str(tmp_path)]) == 0
     for name in ("loss.png", "expert_load.png"):
@@ -277,6 +297,43 @@ def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, monkeypatch
     ):
         train(cfg)
     assert inspect_run(cfg).step == 2
+
+
+def test_throughput_and_mfu_follow_the_step_clock(tmp_path, monkeypatch):
+    """tokens/s and MFU in metrics.jsonl, on a clock that moves only inside the train step
+    (0.25 s a step): the first step's compile is left out, eval and checkpoint time do not
+    count, and MFU = tokens/s x model FLOPs per token / the peak (one CPU host here)."""
+    from types import SimpleNamespace
+
+    from moe_jax.summary import train_flops_per_token
+
+    clock = [0.0]
+    monkeypatch.setattr(trainer, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
+    real = trainer.make_train_step
+
+    def ticking(*args):
+        step_fn = real(*args)
+
+        def step(state, batch):
+            clock[0] += 0.25
+            return step_fn(state, batch)
+
+        return step
+
+    monkeypatch.setattr(trainer, "make_train_step", ticking)
+    cfg = _cfg(tmp_path / "run", "train.log_every=2", "train.eval_every=2")
+    train(cfg, stop_at=5)
+    records = read_metrics(cfg.run_dir)
+    (info,) = [r for r in records if r["kind"] == "info"]
+    assert info["flops_per_token"] == train_flops_per_token(cfg)
+    assert info["compute_units"] == 1 and info["peak_flops"] == 1e11
+    tok_s = {r["step"]: r["tokens_per_s"] for r in records if r["kind"] == "train"}
+    mfu = {r["step"]: r["mfu"] for r in records if r["kind"] == "train"}
+    assert sorted(tok_s) == [2, 4, 5]
+    expected = cfg.train.batch_size * cfg.train.seq_len / 0.25
+    for step in (2, 4, 5):  # step 2's window is step 2 alone: step 1 compiled
+        assert tok_s[step] == pytest.approx(expected, rel=1e-9)
+        assert mfu[step] == pytest.approx(expected * info["flops_per_token"] / 1e11, rel=1e-9)
 
 
 def test_sigterm_saves_and_the_resumed_run_continues_exactly(tmp_path):
