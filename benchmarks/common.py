@@ -12,6 +12,7 @@ both are random).
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import os
 import platform
@@ -62,6 +63,26 @@ STYLES: dict[str, list[str]] = {
         "attention.chunk_size=8192",
     ],
 }
+
+
+def count(minimum: int = 1) -> Callable[[str], int]:
+    """argparse type: an integer >= `minimum` (a bad one is argparse's usage error)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"{value} is below {minimum}")
+        return value
+
+    return parse
+
+
+def counts(text: str) -> list[int]:
+    """argparse type: a comma list of integers >= 1, e.g. `1,8`."""
+    return [count()(t) for t in text.split(",")]
 
 
 def bench_config(size: str, style: str, *overrides: str) -> Config:

@@ -30,6 +30,8 @@ from common import (
     SIZES,
     STYLES,
     bench_config,
+    count,
+    counts,
     hf_model,
     machine,
     median_time,
@@ -100,10 +102,10 @@ def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(description=__doc__.strip().splitlines()[0])
     p.add_argument("--sizes", default=",".join(SIZES))
     p.add_argument("--styles", default=",".join(STYLES))
-    p.add_argument("--batches", default="1,8")
-    p.add_argument("--prompt-len", type=int, default=64)
-    p.add_argument("--new-tokens", type=int, default=128)
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--batches", type=counts, default="1,8")
+    p.add_argument("--prompt-len", type=count(), default=64)
+    p.add_argument("--new-tokens", type=count(2), default=128)  # a step follows the prefill's
+    p.add_argument("--repeats", type=count(), default=3)
     p.add_argument("--no-peer", action="store_true", help="time moe_jax only")
     p.add_argument("--path-sweep", action="store_true", help="decode step vs batch 1-4, 8")
     p.add_argument(
@@ -114,10 +116,17 @@ def main(argv: list[str]) -> int:
     )
     args = p.parse_args(argv)
     P, N = args.prompt_len, args.new_tokens
-    sizes, styles = args.sizes.split(","), args.styles.split(",")
-    batches = [int(b) for b in args.batches.split(",")]
+    sizes, styles, batches = args.sizes.split(","), args.styles.split(","), args.batches
     if args.path_sweep:
         styles, batches = ["mixtral"], [1, 2, 3, 4, 8]
+    if bad := [s for s in sizes if s not in SIZES] + [s for s in styles if s not in STYLES]:
+        print(f"error: unknown size/style {', '.join(bad)}; sizes: {', '.join(SIZES)}, "
+              f"styles: {', '.join(STYLES)}", file=sys.stderr)  # fmt: skip
+        return 2
+    if min(bench_config(size, "mixtral").model.max_seq_len for size in sizes) < P + N:
+        print(f"error: --prompt-len {P} + --new-tokens {N} exceed the benchmark models' "
+              "context (model.max_seq_len); shorten them", file=sys.stderr)  # fmt: skip
+        return 2
 
     info = machine()
     print(

@@ -21,7 +21,7 @@ import sys
 import time
 
 import numpy as np
-from common import STYLES, bench_config, machine, median_time, wait_until_idle
+from common import STYLES, bench_config, count, counts, machine, median_time, wait_until_idle
 from flax import nnx
 
 from moe_jax.model import Transformer
@@ -76,16 +76,20 @@ def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(description=__doc__.strip().splitlines()[0])
     p.add_argument("--size", default="small", choices=("small", "medium"))
     p.add_argument("--styles", default="mixtral", help=f"comma-separated: {', '.join(STYLES)}")
-    p.add_argument("--batches", default="1,8")
-    p.add_argument("--prompt-len", type=int, default=64)
-    p.add_argument("--new-tokens", type=int, default=128)
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--batches", type=counts, default="1,8")
+    p.add_argument("--prompt-len", type=count(), default=64)
+    p.add_argument("--new-tokens", type=count(2), default=128)  # a step follows the prefill's
+    p.add_argument("--repeats", type=count(), default=3)
     p.add_argument("--wait-s", type=float, default=30, help="wait for quiet CPUs (0 = no)")
     args = p.parse_args(argv)
     P, N = args.prompt_len, args.new_tokens
     styles = args.styles.split(",")
     if unknown := [s for s in styles if s not in STYLES]:
         print(f"error: unknown style {unknown[0]!r}; use {', '.join(STYLES)}", file=sys.stderr)
+        return 2
+    if bench_config(args.size, styles[0]).model.max_seq_len < P + N:
+        print(f"error: --prompt-len {P} + --new-tokens {N} exceed the {args.size} model's "
+              "context (model.max_seq_len); shorten them", file=sys.stderr)  # fmt: skip
         return 2
 
     info = machine()
@@ -102,7 +106,7 @@ def main(argv: list[str]) -> int:
         model = Transformer(bench_config(args.size, style), rngs=nnx.Rngs(0))
         models = {"float32": model, "int8": quantize_model(model)}
         samplers = {name: Sampler(m) for name, m in models.items()}
-        for B in (int(b) for b in args.batches.split(",")):
+        for B in args.batches:
             timed = measure(samplers, B, P, N, args.repeats, args.wait_s)
             for name, (t, t_pre, compile_s) in timed.items():
                 row = {

@@ -41,7 +41,7 @@ import tempfile
 import time
 
 import jax
-from common import STYLES, bench_config, machine
+from common import STYLES, bench_config, count, machine
 from train_throughput import real_train_step
 
 import moe_jax.model.attention as attention_mod
@@ -49,6 +49,7 @@ import moe_jax.model.moe as moe_mod
 import moe_jax.model.norm as norm_mod
 import moe_jax.model.transformer as transformer_mod
 import moe_jax.trainer as trainer_mod
+from moe_jax.config import ConfigError
 from moe_jax.metrics import measure_peak_flops
 from moe_jax.runtime import reexec_with_hugepages
 from moe_jax.summary import train_flops_per_token
@@ -158,14 +159,18 @@ def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(description=__doc__.strip().splitlines()[0])
     p.add_argument("--size", default="medium", choices=("small", "medium"))
     p.add_argument("--style", default="mixtral", choices=tuple(STYLES))
-    p.add_argument("--repeats", type=int, default=3, help="traced steps (after 2 warm-up steps)")
-    p.add_argument("--top", type=int, default=25, help="how many single ops to list")
+    p.add_argument("--repeats", type=count(), default=3, help="traced steps (after 2 warm-ups)")
+    p.add_argument("--top", type=count(), default=25, help="how many single ops to list")
     p.add_argument("--trace-dir", default=None, help="keep the trace here (default: temp dir)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     args = p.parse_args(argv)
 
+    try:
+        cfg = bench_config(args.size, args.style, *args.set)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     add_scopes()
-    cfg = bench_config(args.size, args.style, *args.set)
     step, state, (tokens, *_) = real_train_step(cfg, n_batches=1)
     B, T = cfg.train.batch_size, cfg.train.seq_len
     with jax.set_mesh(step.mesh):

@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import dataclasses
 import shutil
+import sys
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -142,8 +143,56 @@ def _read_only_manager(run_dir: Path) -> ocp.CheckpointManager | None:
     return _manager(run_dir, create=False, save_root_metadata=False)
 
 
+def _is_orbax_leftover(unraisable) -> bool:
+    """After a failed restore, Orbax's other array reads fail too, in coroutines nobody awaits
+    any more, and TensorStore's callbacks find the restore's event loop closed. Python would
+    print each one's traceback at exit, under the one-line error already given."""
+    code = getattr(unraisable.object, "cr_code", None)
+    if code is not None:
+        return "orbax" in code.co_filename
+    e = unraisable.exc_value
+    return isinstance(e, RuntimeError) and str(e) == "Event loop is closed"
+
+
+def _drop_orbax_leftovers() -> None:
+    """Installed before the first restore (the leftovers print from other threads, as soon as
+    it fails); every other unraisable exception still prints."""
+    previous = sys.unraisablehook
+    if getattr(previous, "drops_orbax_leftovers", False):
+        return
+
+    def hook(unraisable):
+        if not _is_orbax_leftover(unraisable):
+            previous(unraisable)
+
+    hook.drops_orbax_leftovers = True
+    sys.unraisablehook = hook
+
+
+def _restore(manager: ocp.CheckpointManager, step: int, run_dir: Path, **items):
+    """`manager.restore` of `items`; a damaged checkpoint (missing or truncated files, bad
+    JSON) becomes a RunError naming it instead of Orbax's many-line traceback."""
+    _drop_orbax_leftovers()
+    try:
+        return manager.restore(step, args=ocp.args.Composite(**items))
+    except Exception as e:
+        lines = str(e).split(" See full TensorStore")[0].strip().splitlines() or [""]
+        earlier = [s for s in manager.all_steps() if s < step]
+        fix = (
+            f"use an earlier one (saved steps: {sorted(manager.all_steps())}): --step "
+            f"{max(earlier)} to sample, quantise or export it, or move "
+            f"'{run_dir / CHECKPOINT_DIR / str(step)}' aside to resume training from it"
+            if earlier
+            else "it is the run's only checkpoint: train again in a new run_dir"
+        )
+        raise RunError(
+            f"checkpoint {step} in '{run_dir}' is damaged and cannot be read "
+            f"({type(e).__name__}: {lines[0][:200]}); {fix}"
+        ) from None
+
+
 def _read_meta(manager: ocp.CheckpointManager, step: int, run_dir: Path) -> dict:
-    meta = manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta
+    meta = _restore(manager, step, run_dir, meta=ocp.args.JsonRestore()).meta
     try:
         meta["config"] = config_from_yaml(meta["config"])
         meta["tokenizer"] = tokenizer_from_dict(meta["tokenizer"])
@@ -190,6 +239,12 @@ def inspect_run(cfg: Config) -> Resume | None:
                 f"'{config_file}' is not a valid config ({e}); fix or remove it"
             ) from None
     diffs = incompatible_keys(saved, cfg)
+    if diffs and meta is None:
+        raise RunError(
+            f"run_dir '{run_dir}' has no checkpoint, only the {CONFIG_FILE} of a run that "
+            f"stopped before its first save, with a different architecture "
+            f"({'; '.join(diffs)}); delete '{run_dir}' or choose a new run_dir"
+        )
     if diffs:
         raise RunError(
             f"run_dir '{run_dir}' holds a run with a different architecture "
@@ -203,6 +258,8 @@ def inspect_run(cfg: Config) -> Resume | None:
 
 def _open_run(run_dir: Path, step: int | None) -> tuple[ocp.CheckpointManager, int]:
     """The run's checkpoint manager and the step asked for (default: the latest)."""
+    if run_dir.exists() and not run_dir.is_dir():
+        raise RunError(f"'{run_dir}' is a file, not a run directory; pass a run directory")
     if not run_dir.is_dir():
         raise RunError(
             f"run directory '{run_dir}' does not exist; train one with "
@@ -250,12 +307,8 @@ def load_run(run_dir: str | Path, step: int | None = None) -> tuple[Config, nnx.
             )
         build = lambda: quantize_model(Transformer(cfg, rngs=nnx.Rngs(0)), mode)
     graphdef, abstract_params = nnx.split(nnx.eval_shape(build), nnx.Param)
-    restored = manager.restore(
-        step,
-        args=ocp.args.Composite(
-            params=ocp.args.StandardRestore(on_device(abstract_params, jax.devices()[0]))
-        ),
-    )
+    target = on_device(abstract_params, jax.devices()[0])
+    restored = _restore(manager, step, run_dir, params=ocp.args.StandardRestore(target))
     return cfg, nnx.merge(graphdef, restored.params), meta["tokenizer"]
 
 
@@ -278,9 +331,9 @@ def write_inference_run(out_dir: str | Path, step: int, params, meta: dict) -> N
     out_dir = Path(out_dir)
     if out_dir.exists():
         raise RunError(f"'{out_dir}' already exists; choose a new directory")
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = out_dir.parent / f".{out_dir.name}.tmp-{uuid.uuid4().hex[:12]}"
-    tmp.mkdir()  # not tempfile.mkdtemp: the run directory gets the usual (umask) permissions
+    make_dir(out_dir.parent, "the output directory's parent")
+    make_dir(tmp, "a temporary directory next to the output")  # not tempfile.mkdtemp: umask
     try:
         comment = f"# {meta['quantization']} copy of {meta['source']}: inference only\n"
         (tmp / CONFIG_FILE).write_text(comment + config_to_yaml(meta["config"]), encoding="utf-8")
@@ -303,6 +356,17 @@ def write_inference_run(out_dir: str | Path, step: int, params, meta: dict) -> N
         raise
 
 
+def make_dir(path: Path, what: str) -> None:
+    """mkdir -p, with an OSError (a file in the way, no permission) as a one-line RunError."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        reason = "a file of that name is in the way" if path.is_file() else e.strerror
+        raise RunError(
+            f"cannot create {what} '{path}' ({reason}); choose a writable path"
+        ) from None
+
+
 class Checkpointer:
     """Saves and restores a training run's checkpoints in `cfg.run_dir`.
 
@@ -312,7 +376,7 @@ class Checkpointer:
 
     def __init__(self, cfg: Config):
         self.run_dir = Path(cfg.run_dir)
-        self.run_dir.mkdir(parents=True, exist_ok=True)
+        make_dir(self.run_dir, "run_dir")
         config_file = self.run_dir / CONFIG_FILE
         if not config_file.exists() and jax.process_index() == 0:
             config_file.write_text(config_to_yaml(cfg), encoding="utf-8")
@@ -351,13 +415,13 @@ class Checkpointer:
     def restore(self, step: int, params_target, opt_target, data_iterator):
         """-> (params, opt_state) of `step`, laid out like the targets (abstract arrays with
         shardings); `data_iterator` is moved to the saved position in place."""
-        restored = self.manager.restore(
+        restored = _restore(
+            self.manager,
             step,
-            args=ocp.args.Composite(
-                params=ocp.args.StandardRestore(params_target),
-                opt_state=ocp.args.StandardRestore(opt_target),
-                data=grain.checkpoint.CheckpointRestore(data_iterator),
-            ),
+            self.run_dir,
+            params=ocp.args.StandardRestore(params_target),
+            opt_state=ocp.args.StandardRestore(opt_target),
+            data=grain.checkpoint.CheckpointRestore(data_iterator),
         )
         return restored.params, restored.opt_state
 

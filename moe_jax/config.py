@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, fields, is_dataclass
 from pathlib import Path
 
+import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
@@ -252,6 +253,12 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -
             cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist([item]))
         except OmegaConfBaseException as e:
             raise _explain(e, f"override '{item}'") from None
+        except yaml.YAMLError as e:  # the value is parsed as YAML: `{`, `,,` ...
+            detail = " ".join(str(e).split())
+            raise ConfigError(
+                f"override '{item}' has a value that is not valid YAML ({detail}); put the "
+                f"value in double quotes inside the argument: '{key}=\"...\"'"
+            ) from None
     try:
         result = OmegaConf.to_object(cfg)
     except OmegaConfBaseException as e:
@@ -306,8 +313,28 @@ def _positive(obj: object, section: str, names: Sequence[str]) -> None:
         _require(v > 0, f"{section}.{n} must be positive, got {v}")
 
 
+INT32_MAX = 2**31 - 1  # sizes and counts index int32 arrays
+SEEDS = ("seed", "sample.seed")  # PRNG keys take 32 bits: larger seeds would collide
+
+
+def _numbers_in_range(obj: object, prefix: str = "") -> None:
+    """Every float of the config is finite and every int fits the arrays it sizes."""
+    for f in fields(obj):
+        v, key = getattr(obj, f.name), f"{prefix}{f.name}"
+        if is_dataclass(v):
+            _numbers_in_range(v, f"{key}.")
+        elif isinstance(v, float):
+            _require(math.isfinite(v), f"{key} must be a finite number, got {v}")
+        elif isinstance(v, int) and not isinstance(v, bool):
+            if key in SEEDS:
+                _require(0 <= v < 2**32, f"{key} must be within [0, 2^32), got {v}")
+            else:
+                _require(abs(v) <= INT32_MAX, f"{key} must be within +-{INT32_MAX:,}, got {v}")
+
+
 def validate(cfg: Config) -> None:
     m, a, e, t, mesh = cfg.model, cfg.attention, cfg.moe, cfg.train, cfg.mesh
+    _numbers_in_range(cfg)
     _positive(m, "model", ["vocab_size", "d_model", "n_layers", "max_seq_len", "norm_eps"])
     _positive(a, "attention", ["n_heads", "n_kv_heads", "rope_theta"])
     _one_of(m.dtype, DTYPES, "model.dtype")
@@ -378,6 +405,15 @@ def validate(cfg: Config) -> None:
     _require(
         sum(getattr(mesh, ax) == -1 for ax in ("data", "fsdp", "expert", "tensor")) <= 1,
         "at most one mesh axis may be -1",
+    )
+    _require(
+        mesh.num_processes >= 0,
+        f"mesh.num_processes must be >= 0 (0 = from the environment), got {mesh.num_processes}",
+    )
+    _require(
+        mesh.process_id >= -1 and (mesh.num_processes == 0 or mesh.process_id < mesh.num_processes),
+        f"mesh.process_id ({mesh.process_id}) must be within [0, mesh.num_processes) "
+        f"(num_processes {mesh.num_processes}), or -1 for the environment's",
     )
     if e.n_experts > 0 and mesh.expert > 0:
         _require(

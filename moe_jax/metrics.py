@@ -54,17 +54,26 @@ def _jsonable(v):
     return v
 
 
+def _ends_a_line(path: Path) -> bool:
+    with open(path, "rb") as f:
+        f.seek(-1, 2)
+        return f.read(1) == b"\n"
+
+
 class MetricsWriter:
     """Appends records to RUN_DIR/metrics.jsonl and scalars to TensorBoard (RUN_DIR/tb)."""
 
     def __init__(self, run_dir: str | Path, tensorboard: bool = True):
-        run_dir = Path(run_dir)
-        self._jsonl = open(run_dir / METRICS_FILE, "a", encoding="utf-8")  # noqa: SIM115
+        path = Path(run_dir) / METRICS_FILE
+        cut_off = path.is_file() and path.stat().st_size > 0 and not _ends_a_line(path)
+        self._jsonl = open(path, "a", encoding="utf-8")  # noqa: SIM115
+        if cut_off:  # a killed writer left half a record: start the next one on its own line
+            self._jsonl.write("\n")
         self._tb = None
         if tensorboard:
             from tensorboardX import SummaryWriter
 
-            self._tb = SummaryWriter(str(run_dir / "tb"), flush_secs=30)
+            self._tb = SummaryWriter(str(path.parent / "tb"), flush_secs=30)
 
     def write(self, record: dict) -> None:
         record = {k: _jsonable(v) for k, v in record.items()}
@@ -99,11 +108,15 @@ class MetricsWriter:
 
 
 def read_metrics(run_dir: str | Path) -> list[dict]:
-    """Records of RUN_DIR/metrics.jsonl in step order, the last one winning per (kind, step)."""
+    """Records of RUN_DIR/metrics.jsonl in step order, the last one winning per (kind, step).
+    A line that is not a whole record (a write cut off when the process was killed) is
+    skipped: the steps after it were rerun from a checkpoint and logged again."""
     latest: dict[tuple[str, int], dict] = {}
     path = Path(run_dir) / METRICS_FILE
-    for line in path.read_text(encoding="utf-8").splitlines():
-        if line.strip():
+    for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
+        try:
             r = json.loads(line)
             latest[(r["kind"], r["step"])] = r
+        except (ValueError, TypeError, KeyError):
+            continue
     return sorted(latest.values(), key=lambda r: (r["step"], r["kind"]))

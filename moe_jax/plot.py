@@ -114,7 +114,12 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 2
     out = Path(args.out) if args.out else run_dir
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        reason = "a file of that name is in the way" if out.is_file() else e.strerror
+        print(f"error: cannot create --out '{out}' ({reason}); choose a directory", file=sys.stderr)
+        return 2
     for path in (plot_loss(records, out), plot_expert_load(records, out)):
         if path is not None:
             print(path)

@@ -342,6 +342,8 @@ class Sampler:
         """Checked arguments of the compiled program: (positional arrays, static kwargs)."""
         V, max_len = self.cfg.model.vocab_size, self.cfg.model.max_seq_len
         lengths = self._check(prompts, max_new_tokens, temperature, top_k, top_p, stop_tokens)
+        if not 0 <= seed < 2**32:  # a PRNG key takes 32 bits: larger seeds would collide
+            raise SamplingError(f"seed must be within [0, 2^32), got {seed}")
         if vocab_size is not None and not 0 < vocab_size <= V:
             raise SamplingError(f"vocab_size must be within [1, {V}], got {vocab_size}")
         longest = max(lengths)
@@ -393,8 +395,10 @@ class Sampler:
             raise SamplingError(f"stop_tokens must be token ids in [0, {V})")
         if max_new_tokens < 1:
             raise SamplingError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-        if not temperature >= 0:
-            raise SamplingError(f"temperature must be >= 0 (0 = greedy), got {temperature}")
+        if not 0 <= temperature < math.inf:
+            raise SamplingError(
+                f"temperature must be a finite number >= 0 (0 = greedy), got {temperature}"
+            )
         if top_k < 0:
             raise SamplingError(f"top_k must be >= 0 (0 = off), got {top_k}")
         if not 0 < top_p <= 1:

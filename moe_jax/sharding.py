@@ -134,11 +134,19 @@ def init_distributed(cfg: Config) -> None:
     if jax.config.jax_platforms in (None, "", "cpu"):
         # XLA:CPU needs a collectives backend to reduce across processes.
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    jax.distributed.initialize(
-        coordinator_address=m.coordinator_address or None,
-        num_processes=m.num_processes or None,
-        process_id=m.process_id if m.process_id >= 0 else None,
-    )
+    try:
+        jax.distributed.initialize(
+            coordinator_address=m.coordinator_address or None,
+            num_processes=m.num_processes or None,
+            process_id=m.process_id if m.process_id >= 0 else None,
+        )
+    except (ValueError, RuntimeError) as e:  # nothing given or detected, no coordinator, ...
+        detail = " ".join(str(e).split())[:300]
+        raise ConfigError(
+            f"cannot join the multi-process run ({detail}); set mesh.coordinator_address "
+            "(host:port of process 0), mesh.num_processes and mesh.process_id, or run under "
+            "a cluster manager JAX detects (SLURM, Open MPI)"
+        ) from None
 
 
 def n_batch_shards(mesh: Mesh | None = None) -> int:

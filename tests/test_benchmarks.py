@@ -163,6 +163,12 @@ def test_profile_times_an_async_op_until_its_end_event():
         ("scaling.py", ["--size=huge"], "huge"),
         ("train_throughput.py", ["--sizes=small", "--set=moe.bogus=1"], "moe.bogus"),
         ("scaling.py", ["--size=small", "--compare=moe.n_experts=x"], "moe.n_experts"),
+        ("decode.py", ["--styles=bogus", "--no-peer"], "bogus"),
+        ("decode.py", ["--batches=1,x"], "--batches: 'x' is not an integer"),
+        ("decode.py", ["--repeats=0"], "--repeats: 0 is below 1"),
+        ("decode.py", ["--prompt-len=2000", "--no-peer"], "--prompt-len 2000 + --new-tokens"),
+        ("int8_decode.py", ["--new-tokens=1"], "--new-tokens: 1 is below 2"),
+        ("profile_step.py", ["--size=small", "--set=moe.top_kk=1"], "moe.top_kk"),
     ],
 )
 def test_bad_arguments_get_one_line_and_exit_2(script, args, named):

@@ -250,6 +250,18 @@ VALIDATION_CASES = {
         ["sample.max_new_tokens=0"],
         "sample.max_new_tokens must be positive, got 0",
     ),
+    # numbers out of range anywhere: NaN and infinities, ints beyond int32, seeds beyond 32 bits
+    "nan_capacity": (["moe.capacity_factor=nan"], "moe.capacity_factor must be a finite number"),
+    "inf_temperature": (["sample.temperature=inf"], "sample.temperature must be a finite number"),
+    "huge_vocab": (["model.vocab_size=99999999999"], "model.vocab_size must be within +-2,147,"),
+    "huge_seed": (["seed=4294967296"], "seed must be within [0, 2^32), got 4294967296"),
+    "negative_seed": (["sample.seed=-1"], "sample.seed must be within [0, 2^32), got -1"),
+    # multi-process
+    "num_processes": (["mesh.num_processes=-3"], "mesh.num_processes must be >= 0"),
+    "process_id": (
+        ["mesh.num_processes=2", "mesh.process_id=5"],
+        "mesh.process_id (5) must be within [0, mesh.num_processes) (num_processes 2)",
+    ),
 }
 
 
@@ -356,8 +368,14 @@ def run_summary(*args: str) -> subprocess.CompletedProcess:
             "error: config file 'configs/no_such.yaml' does not exist; "
             "pass a YAML file from configs/",
         ),
+        (
+            ["configs/tiny.yaml", "data.path=,,"],
+            "error: override 'data.path=,,' has a value that is not valid YAML (while parsing a "
+            'block node did not find expected node content in "<unicode string>", line 1, '
+            "column 1); put the value in double quotes inside the argument: 'data.path=\"...\"'",
+        ),
     ],
-    ids=["bad_key", "bad_path"],
+    ids=["bad_key", "bad_path", "bad_yaml_value"],
 )
 def test_cli_bad_config_exits_2_with_one_line(args, expected):
     proc = run_summary(*args)

@@ -158,3 +158,17 @@ def test_two_processes_train_together_like_one(tmp_path, straight_run):
     # Two CPU hosts: MFU is against twice one host's peak (each host's devices share its cores).
     (info,) = [r for r in read_metrics(multi) if r["kind"] == "info"]
     assert info["compute_units"] == 2 and info["peak_flops"] == 2e11
+
+
+def test_a_multi_process_run_without_a_coordinator_is_one_line(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "train.py", "mesh.num_processes=2", f"run_dir={tmp_path / 'run'}"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2
+    assert proc.stderr.startswith("error: cannot join the multi-process run (")
+    assert "set mesh.coordinator_address" in proc.stderr and proc.stderr.count("\n") == 1
+    assert not (tmp_path / "run").exists()

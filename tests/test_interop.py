@@ -347,6 +347,12 @@ def write_config(directory, **values) -> None:
             },
             "layer_types",
         ),
+        (
+            {"architectures": "MixtralForCausalLM", "hidden_size": "abc"},  # a bare name is fine
+            "MixtralForCausalLM has hidden_size='abc', which must be an integer",
+        ),
+        ({"architectures": [3]}, "architectures=[3]: give a list of names"),
+        ({"architectures": ["LlamaForCausalLM"], "rms_norm_eps": True}, "must be a number"),
     ],
 )
 def test_unsupported_configs_are_refused_by_name(tmp_path, config, message):
@@ -376,6 +382,10 @@ def test_missing_and_unused_tensors_are_named(mixtral_dir, tmp_path):
 
 
 def test_unreadable_checkpoints_are_named(tmp_path):
+    (tmp_path / "list").mkdir()
+    (tmp_path / "list" / "config.json").write_text("[1, 2]")
+    with pytest.raises(InteropError, match="must hold a JSON object of settings"):
+        load_hf(tmp_path / "list")
     write_config(tmp_path / "none", architectures=["LlamaForCausalLM"])
     with pytest.raises(InteropError, match=r"no \*\.safetensors file"):
         load_hf(tmp_path / "none")

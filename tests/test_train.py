@@ -271,6 +271,22 @@ def test_plots_and_tensorboard_files_are_written(runs, tmp_path):
     assert b"train/loss" in events.read_bytes() and b"moe_dropped/layer0" in events.read_bytes()
 
 
+def test_metrics_survive_a_record_cut_off_mid_write(tmp_path):
+    """A kill mid-write leaves half a line: readers skip it, and the next writer (the resumed
+    run) starts on a new line instead of gluing its first record onto the fragment."""
+    from moe_jax.metrics import METRICS_FILE, MetricsWriter
+
+    with MetricsWriter(tmp_path, tensorboard=False) as w:
+        w.write({"kind": "train", "step": 1, "loss": 2.0})
+    with open(tmp_path / METRICS_FILE, "a", encoding="utf-8") as f:
+        f.write('{"kind": "train", "step": 2, "lo')
+    assert [r["step"] for r in read_metrics(tmp_path)] == [1]
+    with MetricsWriter(tmp_path, tensorboard=False) as w:
+        w.write({"kind": "train", "step": 2, "loss": 1.5})
+    assert [(r["step"], r["loss"]) for r in read_metrics(tmp_path)] == [(1, 2.0), (2, 1.5)]
+    assert (tmp_path / METRICS_FILE).read_text().count("\n") == 3
+
+
 def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, monkeypatch):
     # Divergence is simulated at step 4 (the loss the step reports becomes NaN) around the
     # real compiled step, so what is tested is the loop's reaction. Checkpoints every 2 steps:

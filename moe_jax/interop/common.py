@@ -158,14 +158,30 @@ class HFConfig:
         self.values, self.defaults, self.architecture = values, defaults, architecture
 
     def __getitem__(self, key: str):
-        return self.values[key] if key in self.values else self.defaults.get(key)
+        return self._checked(key, key) if key in self.values else self.defaults.get(key)
 
     def get(self, *keys: str):
         """The first of `keys` (aliases) in config.json, else the first one's class default."""
         for k in keys:
             if k in self.values:
-                return self.values[k]
+                return self._checked(k, keys[0])
         return self.defaults.get(keys[0])
+
+    def _checked(self, key: str, default_key: str):
+        """config.json's value of `key`, of the kind its class default has (where known)."""
+        value, default = self.values[key], self.defaults.get(default_key)
+        kinds = {bool: (bool,), int: (int,), float: (int, float), str: (str,)}
+        want = kinds.get(type(default))
+        ok = want is None or value is None or isinstance(value, want)
+        if ok and want != (bool,) and isinstance(value, bool):  # True is an int to Python
+            ok = False
+        if not ok:
+            kind = {bool: "a boolean", int: "an integer", float: "a number", str: "a string"}
+            raise InteropError(
+                f"config.json of this {self.architecture} has {key}={value!r}, which must be "
+                f"{kind[type(default)]}; fix config.json"
+            )
+        return value
 
     def refuse(self, setting: str, why: str) -> InteropError:
         return InteropError(f"{self.architecture}: {setting} is not supported by moe_jax ({why})")

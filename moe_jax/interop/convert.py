@@ -19,6 +19,7 @@ import jax
 import numpy as np
 from flax import nnx
 
+from moe_jax.checkpoint import make_dir
 from moe_jax.config import Config, ConfigError, validate
 from moe_jax.interop import llama, llama4, mixtral, qwen3
 from moe_jax.interop.common import Family, HFConfig, Source, top_rules
@@ -43,7 +44,13 @@ def read_hf_config(directory: str | Path) -> tuple[Family, HFConfig, str]:
         values = json.loads(path.read_text(encoding="utf-8"))
     except ValueError as e:
         raise InteropError(f"'{path}' is not valid JSON ({e})") from None
+    if not isinstance(values, dict):
+        raise InteropError(f"'{path}' must hold a JSON object of settings, not {values!r:.40}")
     architectures = values.get("architectures") or []
+    if isinstance(architectures, str):  # a hand-written config may give the one name bare
+        architectures = [architectures]
+    if not isinstance(architectures, list) or not all(isinstance(a, str) for a in architectures):
+        raise InteropError(f"'{path}' has architectures={architectures!r}: give a list of names")
     if not architectures:
         by_type = {f.model_type: a for a, f in FAMILIES.items()}
         architectures = [by_type.get(values.get("model_type"), values.get("model_type"))]
@@ -214,7 +221,7 @@ def save_hf(
         where = ".".join(map(str, diff[0]))
         raise InteropError(f"the params do not match the config (first difference at {where})")
 
-    out.parent.mkdir(parents=True, exist_ok=True)
+    make_dir(out.parent, "the output directory's parent")
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:
         writer = ShardWriter(tmp, max_shard_bytes)
