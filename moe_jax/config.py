@@ -87,8 +87,11 @@ class MoEConfig:
     top_k: int = 2
     expert_hidden: int = 256
     interleave_step: int = 1  # MoE on every interleave_step-th layer, dense SwiGLU elsewhere
+    # The three routing switches are independent: Llama 4 is score=sigmoid, renormalize=false,
+    # route_scale=input (configs/llama4_scout_17b_16e.yaml); sigmoid alone keeps the others.
     score: str = "softmax"  # softmax | sigmoid
-    renormalize: bool = True  # renormalise the top-k weights to sum to 1
+    renormalize: bool = True  # renormalise the top-k weights to sum to 1 (top-1: always 1,
+    # so the router then learns from the aux losses only)
     route_scale: str = "output"  # output (Mixtral/Qwen) | input (Llama 4: scales expert input)
     shared_expert_hidden: int = 0  # 0 = no shared expert
     router_bias: bool = False

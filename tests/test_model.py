@@ -314,6 +314,44 @@ def test_rope_depends_only_on_relative_position(style):
     np.testing.assert_allclose(jnp.linalg.norm(r), jnp.linalg.norm(q), rtol=1e-6)
 
 
+@pytest.mark.parametrize("theta", [10000.0, 500000.0])
+def test_rope_rotates_each_pair_by_position_times_theta_power(theta):
+    """The definition in float64 complex numbers: pair i of the interleaved layout, x[2i] +
+    j x[2i+1], is multiplied by exp(j * pos * theta^(-2i/d)). apply_rope computes the angles
+    in float32: at positions up to 40 (angles up to 40 rad) that is ~3e-6 of error."""
+    d = 16
+    inv = rope_inv_freq(d, theta, tiny_config().attention.rope_scaling)
+    np.testing.assert_allclose(inv, theta ** (-np.arange(0, d, 2) / d), rtol=1e-12)
+    x = np.asarray(jax.random.normal(jax.random.key(0), (1, 4, 2, d)), np.float64)
+    pos = np.array([[0, 1, 17, 40]])
+    z = (x[..., 0::2] + 1j * x[..., 1::2]) * np.exp(1j * pos[..., None, None] * inv)
+    expected = np.stack([z.real, z.imag], axis=-1).reshape(x.shape)
+    got = apply_rope(jnp.asarray(x, jnp.float32), jnp.asarray(pos), inv, "interleaved")
+    np.testing.assert_allclose(got, expected, rtol=0, atol=2e-5)
+
+
+def test_llama3_rope_scaling_values_by_hand():
+    """Llama 3.1's rule for one frequency of each band, worked out by hand: old context 64,
+    factor 8, low/high frequency factors 1/4 (wavelengths above 64 slowed 8x, below 16 kept,
+    between smoothly mixed by s = (64 / wavelength - 1) / 3)."""
+    sc = tiny_config(
+        "attention.rope_scaling.type=llama3",
+        "attention.rope_scaling.factor=8",
+        "attention.rope_scaling.low_freq_factor=1",
+        "attention.rope_scaling.high_freq_factor=4",
+        "attention.rope_scaling.original_max_position=64",
+    ).attention.rope_scaling
+    base = 10000.0 ** (-np.arange(0, 64, 2) / 64)
+    scaled = rope_inv_freq(64, 10000.0, sc)
+    wavelength = 2 * np.pi / base
+    short, mid, long = 3, 8, 12  # indices with wavelengths ~14, ~63 and ~282
+    assert wavelength[short] < 16 and 16 <= wavelength[mid] <= 64 and wavelength[long] > 64
+    assert scaled[short] == pytest.approx(base[short], rel=1e-12)
+    assert scaled[long] == pytest.approx(base[long] / 8, rel=1e-12)
+    s_ = (64 / wavelength[mid] - 1) / 3
+    assert scaled[mid] == pytest.approx((1 - s_) * base[mid] / 8 + s_ * base[mid], rel=1e-12)
+
+
 def test_rope_styles_are_permutations_of_each_other():
     # interleaved on x == half on x with pairs (2i, 2i+1) moved to (i, i + d/2).
     inv = rope_inv_freq(8, 500.0, tiny_config().attention.rope_scaling)

@@ -118,6 +118,53 @@ def test_matmul_weights_are_int8_embeddings_norms_router_biases_stay_float():
         quantize_model(model, "int4")
 
 
+# The input (contracted) axes of each weight in the model's einsums, from the end; the scale
+# is 1 there and a channel everywhere else. Written out here as the spec, not read from the code.
+INPUT_AXES = {
+    "wq": (-3,),  # btd,dhk->bthk
+    "wk": (-3,),
+    "wv": (-3,),
+    "wo": (-3, -2),  # bthk,hkd->btd
+    "w_gate": (-2,),  # ...d,df->...f (experts: [E, D, F])
+    "w_up": (-2,),
+    "w_down": (-2,),  # ...f,fd->...d
+    "head": (-2,),  # btd,dv->btv
+}
+
+
+def test_every_int8_weight_is_scaled_per_output_channel_and_reads_back_exactly():
+    """Every int8 weight: scales of the output channels' shape, at most half a step from the
+    float weight everywhere. And the int8 model computes exactly what a float model holding
+    the dequantised weights computes (float32 reassociation only: 1e-5), on the expert
+    buffers (a prompt) and on the gathered picked experts (one token each, 2 x 2 < 8 experts)."""
+    overrides = ["moe.n_experts=8", "moe.shared_expert_hidden=24", "moe.capacity_factor=0"]
+    cfg = tiny_config(*overrides, "model.init_std=0.05", "attention.nope_interval=0")
+    model = Transformer(cfg, rngs=nnx.Rngs(0))
+    qmodel = quantize_model(model)
+    floats = dict(nnx.to_flat_state(nnx.state(model, nnx.Param)))
+    seen = set()
+    for path, v in nnx.to_flat_state(nnx.state(qmodel, Int8Param)):
+        raw, w = v.get_raw_value(), np.asarray(floats[path][...])
+        axes = INPUT_AXES[path[-1]]
+        seen.add(path[-1])
+        want = tuple(1 if i - w.ndim in axes else n for i, n in enumerate(w.shape))
+        assert raw["scale"].shape == want, path
+        scale = np.asarray(raw["scale"])
+        assert np.all(np.abs(w - scale * np.asarray(raw["q"])) <= scale * (0.5 + 1e-5)), path
+    assert seen == set(INPUT_AXES)
+
+    dequantised = nnx.clone(model)
+    for path, v in nnx.to_flat_state(nnx.state(qmodel, Int8Param)):
+        target = dequantised
+        for name in path[:-1]:
+            target = target[name] if isinstance(name, int) else getattr(target, name)
+        getattr(target, path[-1])[...] = v[...]
+    for tokens in (jnp.array([[5, 17, 99, 200, 3, 8]] * 2), jnp.array([[5], [200]])):
+        np.testing.assert_allclose(
+            forward(qmodel, tokens)[0], forward(dequantised, tokens)[0], rtol=1e-5, atol=1e-5
+        )
+
+
 def test_parameter_bytes_are_about_a_quarter_of_float32():
     cfg = load_config(ROOT / "benchmarks/configs/small.yaml")
     float_bytes = param_bytes(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0))))
