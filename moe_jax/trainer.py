@@ -310,6 +310,14 @@ def train(cfg: Config, *, stop_at: int | None = None) -> TrainResult:
             f"(sha256 {resume.fingerprint}); the data order after resuming is not the original"
         )
 
+    e = cfg.moe
+    if e.n_experts > 0 and e.top_k == 1 and e.renormalize:
+        log(
+            "warning: moe.top_k=1 with moe.renormalize=true makes every routing weight 1, so "
+            "the router learns from the aux losses only; set moe.renormalize=false for "
+            "Switch-style top-1 routing"
+        )
+
     mesh = make_mesh(cfg)
     if mesh.size < jax.device_count():
         log(f"mesh: 1 of {jax.device_count()} devices (set mesh.data=-1 to use all)")

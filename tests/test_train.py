@@ -315,10 +315,12 @@ def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, monkeypatch
     assert inspect_run(cfg).step == 2
 
 
-def test_throughput_and_mfu_follow_the_step_clock(tmp_path, monkeypatch):
+def test_throughput_and_mfu_follow_the_step_clock(tmp_path, monkeypatch, capsys):
     """tokens/s and MFU in metrics.jsonl, on a clock that moves only inside the train step
     (0.25 s a step): the first step's compile is left out, eval and checkpoint time do not
-    count, and MFU = tokens/s x model FLOPs per token / the peak (one CPU host here)."""
+    count, and MFU = tokens/s x model FLOPs per token / the peak (one CPU host here).
+    Top-1 routing with renormalised weights is warned about (its router gets no gradient
+    from the LM loss)."""
     from types import SimpleNamespace
 
     from moe_jax.summary import train_flops_per_token
@@ -337,8 +339,9 @@ def test_throughput_and_mfu_follow_the_step_clock(tmp_path, monkeypatch):
         return step
 
     monkeypatch.setattr(trainer, "make_train_step", ticking)
-    cfg = _cfg(tmp_path / "run", "train.log_every=2", "train.eval_every=2")
+    cfg = _cfg(tmp_path / "run", "train.log_every=2", "train.eval_every=2", "moe.top_k=1")
     train(cfg, stop_at=5)
+    assert "warning: moe.top_k=1 with moe.renormalize=true" in capsys.readouterr().out
     records = read_metrics(cfg.run_dir)
     (info,) = [r for r in records if r["kind"] == "info"]
     assert info["flops_per_token"] == train_flops_per_token(cfg)
