@@ -1,7 +1,7 @@
 """Train a Mixture-of-Experts language model.
 
     python train.py                                   # configs/tiny.yaml on the embedded corpus
-    python train.py configs/tiny.yaml train.steps=100 moe.top_k=1
+    python train.py configs/tiny.yaml train.steps=100 moe.top_k=1 moe.renormalize=false
     python train.py run_dir=runs/exp1 data.path=shakespeare.txt data.tokenizer=char
 
 A run directory that already holds checkpoints is resumed from the latest one. SIGTERM or

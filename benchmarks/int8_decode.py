@@ -26,6 +26,7 @@ from flax import nnx
 
 from moe_jax.model import Transformer
 from moe_jax.quantize import param_bytes, quantize_model
+from moe_jax.runtime import reexec_with_hugepages
 from moe_jax.sampling import Sampler
 
 
@@ -129,4 +130,5 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
+    reexec_with_hugepages()
     sys.exit(main(sys.argv[1:]))

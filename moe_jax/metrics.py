@@ -27,7 +27,10 @@ METRICS_FILE = "metrics.jsonl"
 
 
 def measure_peak_flops(n: int = 2048, repeats: int = 5) -> float:
-    """FLOP/s of the fastest of `repeats` jitted fp32 [n, n] @ [n, n] matmuls."""
+    """FLOP/s of the fastest of `repeats` jitted fp32 [n, n] @ [n, n] matmuls on one device.
+    Call it outside `jax.set_mesh`: under a mesh the matmul runs replicated on every device."""
+    if not jax.sharding.get_abstract_mesh().empty:
+        raise RuntimeError("measure_peak_flops() under a mesh would time every device at once")
     a = jnp.ones((n, n), jnp.float32)
     matmul = jax.jit(jnp.dot)
     matmul(a, a).block_until_ready()  # compile and warm up

@@ -78,7 +78,7 @@ def plot_expert_load(records: list[dict], out: Path) -> Path | None:
             vmax=float(load_SLE.max()),
             extent=(steps[0], steps[-1], n_experts - 0.5, -0.5),
         )
-        ax.set_ylabel(f"layer {layer_ids[layer]}\nexpert")
+        ax.set_ylabel(f"layer {layer_ids[layer] + 1}\nexpert")  # 1-based, as in the docs
     axes[-1, 0].set_xlabel("step")
     fig.colorbar(
         image, ax=axes[:, 0].tolist(), label=f"fraction of assignments (even = {1 / n_experts:.3f})"

@@ -107,7 +107,8 @@ def param_counts(cfg: Config) -> tuple[int, int]:
 
 
 def attention_flops_per_token(cfg: Config, seq_len: int) -> int:
-    """QK^T and AV matmuls, forward + backward, over all `seq_len` keys (PEERS.md convention)."""
+    """QK^T and AV matmuls, forward + backward, over all `seq_len` keys (the convention of the
+    peers' figures in shared/PEERS.md)."""
     return 12 * cfg.model.n_layers * cfg.attention.n_heads * cfg.head_dim * seq_len
 
 
@@ -118,7 +119,8 @@ def train_flops_per_token(cfg: Config, seq_len: int | None = None) -> int:
     table, norm scales and biases, plus the output head (counted even when tied to the
     embedding). 6 = 2 FLOPs per multiply-add x (forward + 2 backward matmuls). The second term
     is attention's QK^T and AV matmuls over `seq_len` keys (no causal or chunk discount), the
-    convention of the peer numbers in PEERS.md. `seq_len` defaults to `cfg.train.seq_len`.
+    convention of the peers' figures (shared/PEERS.md, outside this repository). `seq_len`
+    defaults to `cfg.train.seq_len`.
     """
     seq_len = cfg.train.seq_len if seq_len is None else seq_len
     return 6 * param_breakdown(cfg).active_matmul + attention_flops_per_token(cfg, seq_len)

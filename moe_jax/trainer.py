@@ -350,13 +350,17 @@ def train(cfg: Config, *, stop_at: int | None = None) -> TrainResult:
             log(f"resumed from {cfg.run_dir} at step {resume.step}")
         else:
             _, state = init_state(cfg, tx, mesh=mesh)
+        # Outside the mesh: under it, the test matmul would run replicated on every device.
+        peak = t.peak_flops or measure_peak_flops()
         with jax.set_mesh(mesh):
-            return _loop(cfg, mesh, graphdef, tx, state, it, data, ckpt, resume, stop_at, log)
+            return _loop(cfg, mesh, graphdef, tx, state, it, data, ckpt, resume, stop_at, log, peak)
     finally:
         ckpt.close()  # waits for an async save in flight, so it is never lost
 
 
-def _loop(cfg, mesh, graphdef, tx, state, it, data, ckpt, resume, stop_at, log) -> TrainResult:
+def _loop(
+    cfg, mesh, graphdef, tx, state, it, data, ckpt, resume, stop_at, log, unit_peak
+) -> TrainResult:
     t = cfg.train
     start = resume.step if resume else 0
     end = t.steps if stop_at is None else min(stop_at, t.steps)
@@ -368,7 +372,7 @@ def _loop(cfg, mesh, graphdef, tx, state, it, data, ckpt, resume, stop_at, log) 
     total, active = param_counts(cfg)
     flops_per_token = train_flops_per_token(cfg)
     units = compute_units()
-    peak = (t.peak_flops or measure_peak_flops()) * units
+    peak = unit_peak * units
     peak_src = "train.peak_flops" if t.peak_flops else "measured jnp.dot peak"
     if units > 1:
         peak_src += f" x {units} " + ("hosts" if jax.default_backend() == "cpu" else "devices")

@@ -17,8 +17,9 @@ Semantics (DESIGN.md):
   in fixed `[E, C, D]` buffers; tokens are gathered into the buffers and results gathered back.
 - Expert parallelism: under a mesh, each batch shard routes its own tokens (one group per
   shard) inside `jax.shard_map`; an `all_to_all` over the `expert` axis sends each expert's
-  buffer slots to the shard that owns the expert, the local experts run (hidden dim split over
-  `tensor`, partial sums psum-ed), and a second `all_to_all` brings the results home. Expert
+  buffer slots (and, for the per-expert path, how many are filled) to the shard that owns the
+  expert, the local experts run (hidden dim split over `tensor`, partial sums psum-ed), and a
+  second `all_to_all` brings the results home. Expert
   weights never move. Aux statistics are psum-ed over the batch axes, so they are global.
 - Aux losses over all tokens of the call: Switch load balance `E * sum_e f_e * P_e` with f_e the
   fraction of top-k assignments to e and P_e the mean router probability (softmax; for sigmoid
