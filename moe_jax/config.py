@@ -457,7 +457,10 @@ def validate(cfg: Config) -> None:
     _positive(cfg.data, "data", ["embedded_max_bytes"])
     _positive(cfg.checkpoint, "checkpoint", ["every", "keep"])
     s = cfg.sample
-    _require(s.temperature >= 0, f"sample.temperature must be >= 0, got {s.temperature}")
+    _require(
+        s.temperature == 0 or 1e-6 <= s.temperature <= 1e6,
+        f"sample.temperature must be 0 (greedy) or within [1e-06, 1e+06], got {s.temperature}",
+    )
     _require(s.top_k >= 0, f"sample.top_k must be >= 0 (0 = off), got {s.top_k}")
     _require(0.0 < s.top_p <= 1.0, f"sample.top_p must be within (0, 1], got {s.top_p}")
     _require(

@@ -73,6 +73,10 @@ MIN_BUCKET = 16  # shortest prompt bucket: shorter prompts are padded to this
 STOP_BUCKET = 8  # stop-token lists are padded to a multiple of this
 
 
+# Logits divided by the temperature stay finite in float32 (|logit| < 1e30) inside this range.
+MIN_TEMPERATURE, MAX_TEMPERATURE = 1e-6, 1e6
+
+
 class SamplingError(ValueError):
     """Unusable generation request; the message names the problem and the fix."""
 
@@ -366,7 +370,7 @@ class Sampler:
             jnp.asarray(_pad_stops(stop_tokens)),
             jax.random.key(seed),
             jnp.float32(temperature if temperature > 0 else 1.0),
-            jnp.int32(top_k),
+            jnp.int32(min(top_k, V)),  # any top_k >= V is off; int32 holds V
             jnp.float32(top_p),
             jnp.int32(vocab_size or V),
         )
@@ -395,9 +399,10 @@ class Sampler:
             raise SamplingError(f"stop_tokens must be token ids in [0, {V})")
         if max_new_tokens < 1:
             raise SamplingError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-        if not 0 <= temperature < math.inf:
+        if not (temperature == 0 or MIN_TEMPERATURE <= temperature <= MAX_TEMPERATURE):
             raise SamplingError(
-                f"temperature must be a finite number >= 0 (0 = greedy), got {temperature}"
+                f"temperature must be 0 (greedy) or within [{MIN_TEMPERATURE:g}, "
+                f"{MAX_TEMPERATURE:g}], got {temperature}"
             )
         if top_k < 0:
             raise SamplingError(f"top_k must be >= 0 (0 = off), got {top_k}")

@@ -243,7 +243,10 @@ VALIDATION_CASES = {
     # checkpoint, sampling
     "checkpoint_every": (["checkpoint.every=0"], "checkpoint.every must be positive, got 0"),
     "checkpoint_keep": (["checkpoint.keep=0"], "checkpoint.keep must be positive, got 0"),
-    "temperature": (["sample.temperature=-1"], "sample.temperature must be >= 0, got -1.0"),
+    "temperature": (
+        ["sample.temperature=-1"],
+        "sample.temperature must be 0 (greedy) or within [1e-06, 1e+06], got -1.0",
+    ),
     "sample_top_k": (["sample.top_k=-1"], "sample.top_k must be >= 0 (0 = off), got -1"),
     "top_p": (["sample.top_p=0"], "sample.top_p must be within (0, 1], got 0.0"),
     "max_new_tokens": (

@@ -172,6 +172,12 @@ def test_degenerate_sampling_equals_greedy(base, settings):
     np.testing.assert_array_equal(out.tokens, greedy.tokens)
 
 
+def test_top_k_beyond_the_vocabulary_is_off(base):
+    _, sampler, prompts, _ = base
+    run = lambda k: sampler.generate(prompts, N_NEW, temperature=1.0, top_k=k, seed=4).tokens
+    np.testing.assert_array_equal(run(2**40), run(0))  # beyond int32 too
+
+
 def test_same_seed_same_text_other_seed_other_text(base):
     _, sampler, prompts, _ = base
     run = lambda seed: sampler.generate(prompts, N_NEW, temperature=1.0, top_k=50, seed=seed)
@@ -314,8 +320,10 @@ def test_prompt_buckets_reuse_one_compiled_program(base):
         ([[1, 256]], {}, r"outside \[0, 256\)"),
         ([], {}, "non-empty list"),
         ([[1]], dict(max_new_tokens=0), "max_new_tokens must be >= 1"),
-        ([[1]], dict(temperature=-1.0), "temperature must be a finite number >= 0"),
-        ([[1]], dict(temperature=float("inf")), "temperature must be a finite number >= 0"),
+        ([[1]], dict(temperature=-1.0), r"temperature must be 0 \(greedy\) or within \[1e-06"),
+        ([[1]], dict(temperature=float("inf")), "temperature must be 0 .greedy. or within"),
+        ([[1]], dict(temperature=1e-39), "temperature must be 0 .greedy. or within"),  # float32: 0
+        ([[1]], dict(temperature=1e39), "temperature must be 0 .greedy. or within"),  # float32: inf
         ([[1]], dict(seed=2**32), r"seed must be within \[0, 2\^32\)"),
         ([[1]], dict(top_k=-2), "top_k must be >= 0"),
         ([[1]], dict(top_p=0.0), r"top_p must be within \(0, 1\]"),
