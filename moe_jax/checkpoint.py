@@ -415,6 +415,14 @@ class Checkpointer:
     def restore(self, step: int, params_target, opt_target, data_iterator):
         """-> (params, opt_state) of `step`, laid out like the targets (abstract arrays with
         shardings); `data_iterator` is moved to the saved position in place."""
+        data_files = (self.run_dir / CHECKPOINT_DIR / str(step) / "data").glob("process_*.json")
+        counts = {f.stem.rpartition("-of-")[2] for f in data_files}
+        if counts and str(jax.process_count()) not in counts:
+            n = ", ".join(sorted(counts))
+            raise RunError(
+                f"checkpoint {step} in '{self.run_dir}' was saved by {n} processes, each with "
+                f"its own data position; resume it with {n} processes (mesh.num_processes={n})"
+            )
         restored = _restore(
             self.manager,
             step,

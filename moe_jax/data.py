@@ -285,7 +285,10 @@ def train_dataset(
         return tokens[starts_B[rows, None] + offsets]  # [b, seq_len + 1]
 
     n_starts = len(tokens) - seq_len  # window start offsets 0 .. len - (seq_len + 1)
-    starts = grain.MapDataset.range(n_starts).shuffle(seed=seed % 2**32).repeat()
+    # A fresh order every epoch. Not `repeat()`: its sys.maxsize length overflows Grain's
+    # length arithmetic in `batch(1)`; 2^62 start offsets are as good as endless.
+    epochs = 2**62 // n_starts
+    starts = grain.MapDataset.range(n_starts).shuffle(seed=seed % 2**32).repeat(epochs)
     # Batch the start offsets (cheap ints) globally, then cut out this process's rows.
     return starts.batch(global_batch).map(windows)
 

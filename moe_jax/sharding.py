@@ -187,6 +187,27 @@ def with_shardings(abstract_tree, shardings):
     )
 
 
+def check_batch_split(mesh: Mesh, batch: int, process_of=None, n_processes=None) -> None:
+    """Each process feeds rows [p * B/P, (p+1) * B/P) of every batch (the data pipeline's
+    split): the mesh must place exactly those rows on that process's devices, or JAX would
+    assemble a different global batch than the one read (or none at all). `process_of` and
+    `n_processes` (default: the devices' own process and the process count) are for tests."""
+    process_of = process_of or (lambda d: d.process_index)
+    P = n_processes or jax.process_count()
+    if P == 1:
+        return
+    rows_of: dict[int, set[int]] = {}
+    for device, index in batch_sharding(mesh).devices_indices_map((batch,)).items():
+        rows_of.setdefault(process_of(device), set()).update(range(*index[0].indices(batch)))
+    b = batch // P
+    if any(rows_of.get(p) != set(range(p * b, (p + 1) * b)) for p in range(P)):
+        raise ConfigError(
+            f"mesh {dict(mesh.shape)} does not split the batch over the {P} processes, each "
+            f"holding its own block of rows; split it over them with the batch axes, e.g. "
+            f"mesh.data={P} (or -1), and keep mesh.tensor within a process"
+        )
+
+
 def global_batch(local_rows: np.ndarray, mesh: Mesh) -> jax.Array:
     """This process's rows of a batch -> the global batch array, split over the batch axes."""
     return jax.make_array_from_process_local_data(batch_sharding(mesh), local_rows)

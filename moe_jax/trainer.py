@@ -58,6 +58,7 @@ from moe_jax.metrics import MetricsWriter, compute_units, measure_peak_flops
 from moe_jax.model import Transformer
 from moe_jax.sharding import (
     BATCH_AXES,
+    check_batch_split,
     global_batch,
     make_mesh,
     state_shardings,
@@ -258,6 +259,24 @@ class GracefulStop:
         for s, handler in self._previous.items():
             signal.signal(s, handler)
 
+    def agreed(self) -> int | None:
+        """The signal every process stops on. Each process decides between the same two steps:
+        had one gone on into the next step's collectives while another began the checkpoint's
+        barrier, both would wait forever. One tiny all-gather a step, multi-process only."""
+        if jax.process_count() == 1:
+            return self.signum
+        from jax.experimental import multihost_utils
+
+        got = multihost_utils.process_allgather(np.int32(self.signum or 0))
+        return int(np.max(got)) or None
+
+
+def _wait_for_steps(state) -> None:
+    """Block until the train steps dispatched so far are done: eval and a checkpoint's copy off
+    the device would otherwise wait for them inside their own timing, and the throughput of
+    the window leave that compute time out."""
+    jax.block_until_ready(state)
+
 
 @dataclass
 class TrainResult:
@@ -310,6 +329,24 @@ def train(cfg: Config, *, stop_at: int | None = None) -> TrainResult:
             f"(sha256 {resume.fingerprint}); the data order after resuming is not the original"
         )
 
+    if resume:
+        old = resume.config
+        changed = [
+            f"{key} {a} -> {b}"
+            for key, a, b in (
+                ("train.batch_size", old.train.batch_size, t.batch_size),
+                ("train.seq_len", old.train.seq_len, t.seq_len),
+                ("seed", old.seed, cfg.seed),
+            )
+            if a != b
+        ]
+        if changed:
+            log(
+                f"warning: {', '.join(changed)} since the checkpoint: its data position counts "
+                "batches of the old shape and order, so the data after resuming does not "
+                "continue the original sequence (windows may repeat or be skipped this epoch)"
+            )
+
     e = cfg.moe
     if e.n_experts > 0 and e.top_k == 1 and e.renormalize:
         log(
@@ -319,6 +356,7 @@ def train(cfg: Config, *, stop_at: int | None = None) -> TrainResult:
         )
 
     mesh = make_mesh(cfg)
+    check_batch_split(mesh, t.batch_size)
     if mesh.size < jax.device_count():
         log(f"mesh: 1 of {jax.device_count()} devices (set mesh.data=-1 to use all)")
     else:
@@ -427,7 +465,7 @@ def _loop(
             step += 1
             window.append((step, metrics))
             if step == start + 1:  # the first step compiles: keep it out of the throughput
-                jax.block_until_ready(metrics)
+                _wait_for_steps(state)
                 log(
                     f"step {step}: compiled and ran the train step in "
                     f"{time.perf_counter() - timer:.1f} s"
@@ -437,11 +475,13 @@ def _loop(
                 timed_steps += 1
             bar.update(1)
 
-            final, stopping = step == end, stop.signum is not None
+            signum = stop.agreed()
+            final, stopping = step == end, signum is not None
             if step % t.log_every == 0 or final or stopping:
                 _check_finite(window, last_saved, cfg.run_dir)
                 m = _summarise(window)
                 window = []
+                _wait_for_steps(state)
                 elapsed = time.perf_counter() - timer - excluded
                 tok_s = timed_steps * tokens_per_step / elapsed if timed_steps else None
                 record = {
@@ -457,6 +497,7 @@ def _loop(
                 timed_steps, timer, excluded = 0, time.perf_counter(), 0.0
 
             if step % t.eval_every == 0 or final:
+                _wait_for_steps(state)
                 t0 = time.perf_counter()
                 val_loss = float(np.mean([eval_step(state["params"], b) for b in val]))
                 writer.write(
@@ -474,6 +515,7 @@ def _loop(
                 excluded += time.perf_counter() - t0
 
             if step % cfg.checkpoint.every == 0 or final or stopping:
+                _wait_for_steps(state)
                 t0 = time.perf_counter()
                 _check_finite(window, last_saved, cfg.run_dir)
                 ckpt.save(step, state["params"], state["opt_state"], it, meta)
@@ -481,10 +523,10 @@ def _loop(
                 excluded += time.perf_counter() - t0
             if stopping:  # the value the save above saw, not a later signal
                 log(
-                    f"received {signal.Signals(stop.signum).name}: stopped at step {step}; "
+                    f"received {signal.Signals(signum).name}: stopped at step {step}; "
                     f"checkpoint saved in {cfg.run_dir}, rerun the same command to resume"
                 )
-                return TrainResult(step, val_loss, unigram, stop.signum)
+                return TrainResult(step, val_loss, unigram, signum)
     return TrainResult(step, val_loss, unigram, None)
 
 

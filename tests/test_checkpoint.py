@@ -169,6 +169,21 @@ def test_cli_damaged_checkpoint_prints_only_its_one_line(tmp_path):
     assert proc.stderr.startswith("error: checkpoint 5 in")
 
 
+def test_resuming_with_another_process_count_is_refused_by_name(tmp_path, capsys):
+    """Each process saves its own data position (process_P-of-N.json)."""
+    run = tmp_path / "run"
+    _write_checkpoints(_cfg(run), steps=(2,))
+    data = run / "checkpoints" / "2" / "data"
+    for p in (0, 1):
+        (data / f"process_{p}-of-2.json").write_text((data / "process_0-of-1.json").read_text())
+    (data / "process_0-of-1.json").unlink()
+    before = _snapshot(run)
+    assert TRAIN_MAIN(["configs/tiny.yaml", *TINY_BASE, *TINY, f"run_dir={run}"]) == 2
+    err = capsys.readouterr().err
+    assert "was saved by 2 processes, each with its own data position; resume it with 2 " in err
+    assert _snapshot(run) == before
+
+
 def test_paths_that_cannot_hold_a_run_are_refused(tmp_path, capsys):
     (tmp_path / "file").write_text("precious")
     argv = ["configs/tiny.yaml", *TINY_BASE, *TINY, f"run_dir={tmp_path / 'file' / 'run'}"]

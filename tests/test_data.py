@@ -124,6 +124,15 @@ def test_windows_are_contiguous_and_each_epoch_is_a_fresh_permutation():
     assert epoch1 != epoch2 and epoch1 != list(range(33))
 
 
+def test_a_batch_of_one_walks_the_same_order():
+    tokens = np.arange(40, dtype=np.int32)
+    ones = train_iterator(tokens, seq_len=7, global_batch=1, seed=5)
+    threes = train_iterator(tokens, seq_len=7, global_batch=3, seed=5)
+    assert sum((_starts(next(ones)) for _ in range(12)), []) == sum(
+        (_starts(next(threes)) for _ in range(4)), []
+    )
+
+
 def test_same_seed_same_order_different_seed_different_order():
     tokens = np.arange(1000, dtype=np.int32)
     take = lambda seed: [

@@ -11,9 +11,11 @@ normalised update is O(lr) = 3e-3 per weight and the reordering moves it by ~1e-
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import jax
@@ -171,6 +173,56 @@ def test_two_processes_train_together_like_one(tmp_path, straight_run):
     assert info["compute_units"] == 2 and info["peak_flops"] == 2e11
 
 
+def test_sigterm_to_one_of_two_processes_stops_both_at_one_saved_step(tmp_path):
+    """Both processes must agree on the step to stop at: had one begun the checkpoint's
+    barrier while the other ran the next step's collectives, both would hang."""
+    run = tmp_path / "run"
+    port = _free_port()
+    env = os.environ | {
+        "XLA_FLAGS": os.environ["XLA_FLAGS"].replace("device_count=8", "device_count=2"),
+        "JAX_PLATFORMS": "cpu",
+    }
+    args = [*ARCH, "train.steps=1000", "checkpoint.every=1000", "train.eval_every=1000"]
+    args += ["mesh.data=2", "mesh.expert=2", f"run_dir={run}", "mesh.num_processes=2"]
+    args += [f"mesh.coordinator_address=127.0.0.1:{port}"]
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "train.py",
+                "configs/tiny.yaml",
+                *TINY_BASE,
+                *args,
+                f"mesh.process_id={i}",
+            ],  # fmt: skip
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for i in range(2)
+    ]
+    metrics = run / "metrics.jsonl"
+    deadline = time.monotonic() + 240  # a safety net against a hung child, not a timing test
+    while not (metrics.exists() and '"step": 3,' in metrics.read_text()):
+        assert all(p.poll() is None for p in procs) and time.monotonic() < deadline
+        time.sleep(0.2)
+    procs[1].send_signal(signal.SIGTERM)  # not the process that writes the metrics
+    try:
+        outs = [p.communicate(timeout=240)[0] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    assert [p.returncode for p in procs] == [128 + signal.SIGTERM] * 2, outs[0][-2000:]
+    stopped = {int(line.split("stopped at step ")[1].split(";")[0]) for line in outs[0].splitlines()
+               if "stopped at step" in line}  # fmt: skip
+    (step,) = stopped
+    assert sorted(int(p.name) for p in (run / "checkpoints").iterdir() if p.name.isdigit()) == [
+        step
+    ]
+
+
 def test_a_multi_process_run_without_a_coordinator_is_one_line(tmp_path):
     proc = subprocess.run(
         [sys.executable, "train.py", "mesh.num_processes=2", f"run_dir={tmp_path / 'run'}"],
@@ -183,3 +235,27 @@ def test_a_multi_process_run_without_a_coordinator_is_one_line(tmp_path):
     assert proc.stderr.startswith("error: cannot join the multi-process run (")
     assert "set mesh.coordinator_address" in proc.stderr and proc.stderr.count("\n") == 1
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize(
+    "mesh_overrides, ok",
+    [
+        (["mesh.data=2", "mesh.expert=4"], True),  # 8 row blocks: 0-3 on process 0
+        (["mesh.data=2", "mesh.tensor=4"], True),  # 2 row blocks, one per process
+        (["mesh.tensor=8"], False),  # every device holds every row
+        ([], False),  # all axes 1: the first device only, so process 1 feeds nothing
+    ],
+)
+def test_the_mesh_must_split_the_batch_over_the_processes(mesh_overrides, ok):
+    """With the 8 simulated devices taken as 2 processes of 4 (devices 0-3 and 4-7)."""
+    from moe_jax.config import ConfigError
+    from moe_jax.sharding import check_batch_split
+
+    cfg = tiny_config(*ARCH, "attention.n_heads=8", "attention.n_kv_heads=8", *mesh_overrides)
+    mesh = make_mesh(cfg)
+    check = lambda: check_batch_split(mesh, 8, process_of=lambda d: d.id // 4, n_processes=2)
+    if ok:
+        check()
+    else:
+        with pytest.raises(ConfigError, match="does not split the batch over the 2 processes"):
+            check()

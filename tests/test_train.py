@@ -235,6 +235,19 @@ def test_resume_equals_uninterrupted_run(runs):
     assert _evals(resumed)[6] == _evals(straight)[6] == runs["second"].val_loss
 
 
+def test_resuming_with_another_batch_shape_or_seed_warns(runs, tmp_path, capsys):
+    import shutil
+
+    run = tmp_path / "run"
+    shutil.copytree(runs["straight"], run)
+    cfg = _cfg(run, "train.eval_every=3", "checkpoint.every=4", "train.batch_size=4", "seed=2")
+    assert train(cfg, stop_at=6).step == 6  # already there: nothing trained
+    out = capsys.readouterr().out
+    assert "warning: train.batch_size 8 -> 4, seed 0 -> 2 since the checkpoint" in out
+    train(_cfg(run, "train.eval_every=3", "checkpoint.every=4"), stop_at=6)
+    assert "since the checkpoint" not in capsys.readouterr().out
+
+
 def test_same_seed_same_run_different_seed_different_run(runs):
     straight, seed1 = _losses(runs["straight"]), _losses(runs["seed1"])
     first_half = {s: v for s, v in _losses(runs["resumed"]).items() if s <= 3}
@@ -316,31 +329,46 @@ def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, monkeypatch
 
 
 def test_throughput_and_mfu_follow_the_step_clock(tmp_path, monkeypatch, capsys):
-    """tokens/s and MFU in metrics.jsonl, on a clock that moves only inside the train step
-    (0.25 s a step): the first step's compile is left out, eval and checkpoint time do not
-    count, and MFU = tokens/s x model FLOPs per token / the peak (one CPU host here).
-    Top-1 routing with renormalised weights is warned about (its router gets no gradient
-    from the LM loss)."""
+    """tokens/s and MFU in metrics.jsonl on a fake clock that models asynchronous dispatch:
+    each train step costs 0.25 s, paid only when something waits for it (the loop's own
+    waits, an eval, a checkpoint's copy off the device). Eval and checkpoints fall between
+    log steps here, so a loop that timed them before waiting would charge them the queued
+    steps and inflate the throughput. The first step's compile is left out; MFU = tokens/s x
+    model FLOPs per token / the peak (one CPU host here). Top-1 routing with renormalised
+    weights is warned about (its router gets no gradient from the LM loss)."""
     from types import SimpleNamespace
 
+    from moe_jax.checkpoint import Checkpointer
     from moe_jax.summary import train_flops_per_token
 
-    clock = [0.0]
-    monkeypatch.setattr(trainer, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
-    real = trainer.make_train_step
+    clock, pending = [0.0], [0]
 
-    def ticking(*args):
-        step_fn = real(*args)
+    def pay():  # the queued steps finish
+        clock[0] += 0.25 * pending[0]
+        pending[0] = 0
+
+    def paying(fn):
+        return lambda *a, **k: (pay(), fn(*a, **k))[1]
+
+    monkeypatch.setattr(trainer, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
+    monkeypatch.setattr(trainer, "_wait_for_steps", paying(trainer._wait_for_steps))
+    monkeypatch.setattr(Checkpointer, "save", paying(Checkpointer.save))
+    real_step, real_eval = trainer.make_train_step, trainer.make_eval_step
+
+    def queued(*args):
+        step_fn = real_step(*args)
 
         def step(state, batch):
-            clock[0] += 0.25
+            pending[0] += 1
             return step_fn(state, batch)
 
         return step
 
-    monkeypatch.setattr(trainer, "make_train_step", ticking)
-    cfg = _cfg(tmp_path / "run", "train.log_every=2", "train.eval_every=2", "moe.top_k=1")
-    train(cfg, stop_at=5)
+    monkeypatch.setattr(trainer, "make_train_step", queued)
+    monkeypatch.setattr(trainer, "make_eval_step", lambda *a: paying(real_eval(*a)))
+    over = ["train.log_every=4", "train.eval_every=3", "checkpoint.every=3", "moe.top_k=1"]
+    cfg = _cfg(tmp_path / "run", *over)
+    train(cfg, stop_at=8)
     assert "warning: moe.top_k=1 with moe.renormalize=true" in capsys.readouterr().out
     records = read_metrics(cfg.run_dir)
     (info,) = [r for r in records if r["kind"] == "info"]
@@ -348,9 +376,9 @@ def test_throughput_and_mfu_follow_the_step_clock(tmp_path, monkeypatch, capsys)
     assert info["compute_units"] == 1 and info["peak_flops"] == 1e11
     tok_s = {r["step"]: r["tokens_per_s"] for r in records if r["kind"] == "train"}
     mfu = {r["step"]: r["mfu"] for r in records if r["kind"] == "train"}
-    assert sorted(tok_s) == [2, 4, 5]
+    assert sorted(tok_s) == [4, 8]
     expected = cfg.train.batch_size * cfg.train.seq_len / 0.25
-    for step in (2, 4, 5):  # step 2's window is step 2 alone: step 1 compiled
+    for step in (4, 8):  # step 4's window: steps 2-4 (step 1 compiled)
         assert tok_s[step] == pytest.approx(expected, rel=1e-9)
         assert mfu[step] == pytest.approx(expected * info["flops_per_token"] / 1e11, rel=1e-9)
 
