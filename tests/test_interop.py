@@ -17,6 +17,7 @@ Budget: ~60 s on 2 cores (15 small XLA compiles dominate).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 
@@ -32,6 +33,7 @@ transformers = pytest.importorskip(
 
 from moe_jax.config import load_config  # noqa: E402
 from moe_jax.interop import InteropError, load_hf, save_hf  # noqa: E402
+from moe_jax.interop.convert import config_from_hf  # noqa: E402
 from moe_jax.interop.safetensors_io import TensorReader  # noqa: E402
 from moe_jax.model import Transformer  # noqa: E402
 from tests.helpers import forward, forward_cached  # noqa: E402
@@ -450,6 +452,41 @@ def test_cli_import_finetune_export(tmp_path, capsys):
     assert exported.keys() == original.keys()
     for name, tensor in original.items():  # step 0 is the imported model: bit for bit
         assert torch.equal(exported[name], tensor), name
+
+
+def test_cli_import_keeps_the_run_time_keys_of_config_yaml(tmp_path, capsys):
+    """CONFIG.yaml's max_seq_len and capacity factor win over the ones the HF config implies
+    (its context, no drops), as overrides do; export then says what capacity means there."""
+    from moe_jax.checkpoint import load_run
+    from moe_jax.interop.__main__ import main
+
+    hf_model("mixtral", seed=5, vocab_size=256).save_pretrained(tmp_path / "plain")
+    directory = tmp_path  # the byte tokenizer's 256 ids
+    yaml = tmp_path / "run.yaml"
+    yaml.write_text(
+        "model:\n  max_seq_len: 64\nmoe:\n  capacity_factor: 1.5\n"
+        "train:\n  seq_len: 32\n  batch_size: 2\n  warmup_steps: 1\ndata:\n"
+        "  embedded_max_bytes: 100000\n"
+    )
+    run, out = tmp_path / "run", tmp_path / "hf"
+    assert main(["import", str(directory / "plain"), "--out", str(run), str(yaml)]) == 0
+    cfg = load_run(run)[0]
+    assert (cfg.model.max_seq_len, cfg.moe.capacity_factor, cfg.train.seq_len) == (64, 1.5, 32)
+    capsys.readouterr()
+    assert main(["export", str(run), "--out", str(out)]) == 0
+    assert "note: transformers never drops a token" in capsys.readouterr().out
+
+
+def test_image_projection_neither_imports_nor_exports(mixtral_dir, tmp_path):
+    _, directory = mixtral_dir
+    with pytest.raises(InteropError, match="drop model.vision"):
+        load_hf(directory / "plain", load_config("configs/tiny.yaml", ["model.vision=8"]))
+    text = config_from_hf(directory / "plain")
+    cfg = dataclasses.replace(text, model=dataclasses.replace(text.model, vision=8))
+    model = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
+    with pytest.raises(InteropError, match="image projection .model.vision. has no counterpart"):
+        save_hf(cfg, model, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
 
 
 def test_cli_errors_exit_2_and_touch_nothing(tmp_path, capsys):

@@ -64,12 +64,16 @@ def _import_config(
             raise ConfigError(f"'{key}' is set by {hf_dir}/config.json and cannot be overridden")
     base = load_config(config, overrides)
     cfg, model = load_hf(hf_dir, base, device=_host_device())
-    if overrides:  # re-apply the run-time model keys the HF config may have set
-        merged = OmegaConf.merge(
-            OmegaConf.create(config_to_yaml(cfg)), OmegaConf.from_dotlist(overrides)
-        )
-        cfg = config_from_yaml(OmegaConf.to_yaml(merged))
-    return cfg, model
+    # The run-time model keys the HF config sets (max_seq_len, capacity_factor) yield to the
+    # ones CONFIG.yaml or the overrides give explicitly.
+    merged = OmegaConf.create(config_to_yaml(cfg))
+    file_cfg = OmegaConf.load(config) if config is not None else OmegaConf.create({})
+    for key in sorted(RESUMABLE_CHANGES):
+        value = OmegaConf.select(file_cfg, key, default=None)
+        if value is not None:
+            OmegaConf.update(merged, key, value)
+    merged = OmegaConf.merge(merged, OmegaConf.from_dotlist(overrides))
+    return config_from_yaml(OmegaConf.to_yaml(merged)), model
 
 
 def import_run(hf_dir: Path, out: Path, config: str | None, overrides: list[str]) -> Config:
@@ -105,10 +109,11 @@ def import_run(hf_dir: Path, out: Path, config: str | None, overrides: list[str]
     return cfg
 
 
-def export_run(run_dir: Path, out: Path, step: int | None, arch: str | None) -> str:
+def export_run(run_dir: Path, out: Path, step: int | None, arch: str | None) -> tuple[str, Config]:
+    """-> (the architecture written, the run's config)."""
     _require_empty(out)
     cfg, model, _ = load_run(run_dir, step)
-    return save_hf(cfg, model, out, architecture=arch)
+    return save_hf(cfg, model, out, architecture=arch), cfg
 
 
 def main(argv: list[str]) -> int:
@@ -140,8 +145,14 @@ def main(argv: list[str]) -> int:
             cfg = import_run(args.hf_dir, args.out, config, rest)
             print(f"imported {args.hf_dir} into {cfg.run_dir} (step 0)")
         else:
-            arch = export_run(args.run_dir, args.out, args.step, args.arch)
+            arch, cfg = export_run(args.run_dir, args.out, args.step, args.arch)
             print(f"exported {args.run_dir} as {arch} to {args.out}")
+            if cfg.moe.n_experts and cfg.moe.capacity_factor > 0:
+                print(
+                    "note: transformers never drops a token; the exported model computes what "
+                    f"this run does with moe.capacity_factor=0 (it trained with "
+                    f"{cfg.moe.capacity_factor})"
+                )
     except (InteropError, ConfigError, DataError, RunError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -327,6 +327,11 @@ def check_hf_basics(hf: HFConfig) -> None:
 
 
 def model_from_hf(hf: HFConfig, base: Config, ffn_hidden: int) -> ModelConfig:
+    if base.model.vision:
+        raise InteropError(
+            "model.vision is set, but the imported Hugging Face text models have no image "
+            "projection; drop model.vision from CONFIG.yaml and the overrides"
+        )
     return dataclasses.replace(
         base.model,
         vocab_size=hf["vocab_size"],

@@ -172,6 +172,11 @@ def load_hf(
 def pick_family(cfg: Config, architecture: str | None = None) -> tuple[Family, dict]:
     """The HF family that can represent `cfg` (the one named, or the first that fits) and
     its config.json; `InteropError` saying why each candidate does not fit otherwise."""
+    if cfg.model.vision:
+        raise InteropError(
+            "the image projection (model.vision) has no counterpart in the supported Hugging "
+            "Face text architectures; export a run without model.vision"
+        )
     if architecture is not None:
         if architecture not in FAMILIES:
             supported = ", ".join(FAMILIES)
