@@ -11,6 +11,7 @@ normalised update is O(lr) = 3e-3 per weight and the reordering moves it by ~1e-
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -133,28 +134,19 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_two_processes_train_together_like_one(tmp_path, straight_run):
-    """2 processes x 2 CPU devices (gloo collectives) form one data=2 x expert=2 mesh."""
-    multi = tmp_path / "multi"
-
+def start_two_processes(run_dir, *overrides) -> list[subprocess.Popen]:
+    """train.py as 2 processes x 2 CPU devices (gloo collectives), one data=2 x expert=2 mesh."""
     port = _free_port()
     env = os.environ | {
         # conftest's flags with 2 devices per process instead of 8
         "XLA_FLAGS": os.environ["XLA_FLAGS"].replace("device_count=8", "device_count=2"),
         "JAX_PLATFORMS": "cpu",
     }
-    args = [*ARCH, "mesh.data=2", "mesh.expert=2", f"run_dir={multi}"]
+    args = [*TINY_BASE, *ARCH, *overrides, "mesh.data=2", "mesh.expert=2", f"run_dir={run_dir}"]
     args += ["mesh.num_processes=2", f"mesh.coordinator_address=127.0.0.1:{port}"]
-    procs = [
+    return [
         subprocess.Popen(
-            [
-                sys.executable,
-                "train.py",
-                "configs/tiny.yaml",
-                *TINY_BASE,
-                *args,
-                f"mesh.process_id={i}",
-            ],
+            [sys.executable, "train.py", "configs/tiny.yaml", *args, f"mesh.process_id={i}"],
             cwd=ROOT,
             env=env,
             stdout=subprocess.PIPE,
@@ -163,6 +155,12 @@ def test_two_processes_train_together_like_one(tmp_path, straight_run):
         )
         for i in range(2)
     ]
+
+
+def test_two_processes_train_together_like_one(tmp_path, straight_run):
+    """2 processes x 2 CPU devices (gloo collectives) form one data=2 x expert=2 mesh."""
+    multi = tmp_path / "multi"
+    procs = start_two_processes(multi)
     outs = [p.communicate(timeout=240)[0] for p in procs]
     for p, out in zip(procs, outs, strict=True):
         assert p.returncode == 0, out[-3000:]
@@ -177,50 +175,23 @@ def test_sigterm_to_one_of_two_processes_stops_both_at_one_saved_step(tmp_path):
     """Both processes must agree on the step to stop at: had one begun the checkpoint's
     barrier while the other ran the next step's collectives, both would hang."""
     run = tmp_path / "run"
-    port = _free_port()
-    env = os.environ | {
-        "XLA_FLAGS": os.environ["XLA_FLAGS"].replace("device_count=8", "device_count=2"),
-        "JAX_PLATFORMS": "cpu",
-    }
-    args = [*ARCH, "train.steps=1000", "checkpoint.every=1000", "train.eval_every=1000"]
-    args += ["mesh.data=2", "mesh.expert=2", f"run_dir={run}", "mesh.num_processes=2"]
-    args += [f"mesh.coordinator_address=127.0.0.1:{port}"]
-    procs = [
-        subprocess.Popen(
-            [
-                sys.executable,
-                "train.py",
-                "configs/tiny.yaml",
-                *TINY_BASE,
-                *args,
-                f"mesh.process_id={i}",
-            ],  # fmt: skip
-            cwd=ROOT,
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for i in range(2)
-    ]
+    quiet = ["train.steps=1000", "checkpoint.every=1000", "train.eval_every=1000"]
+    procs = start_two_processes(run, *quiet)
     metrics = run / "metrics.jsonl"
     deadline = time.monotonic() + 240  # a safety net against a hung child, not a timing test
-    while not (metrics.exists() and '"step": 3,' in metrics.read_text()):
-        assert all(p.poll() is None for p in procs) and time.monotonic() < deadline
-        time.sleep(0.2)
-    procs[1].send_signal(signal.SIGTERM)  # not the process that writes the metrics
     try:
+        while not (metrics.exists() and '"step": 3,' in metrics.read_text()):
+            assert all(p.poll() is None for p in procs) and time.monotonic() < deadline
+            time.sleep(0.2)
+        procs[1].send_signal(signal.SIGTERM)  # not the process that writes the metrics
         outs = [p.communicate(timeout=240)[0] for p in procs]
     finally:
         for p in procs:
             p.kill()
     assert [p.returncode for p in procs] == [128 + signal.SIGTERM] * 2, outs[0][-2000:]
-    stopped = {int(line.split("stopped at step ")[1].split(";")[0]) for line in outs[0].splitlines()
-               if "stopped at step" in line}  # fmt: skip
-    (step,) = stopped
-    assert sorted(int(p.name) for p in (run / "checkpoints").iterdir() if p.name.isdigit()) == [
-        step
-    ]
+    (step,) = {int(n) for n in re.findall(r"stopped at step (\d+);", outs[0])}
+    saved = [int(p.name) for p in (run / "checkpoints").iterdir() if p.name.isdigit()]
+    assert saved == [step]
 
 
 def test_a_multi_process_run_without_a_coordinator_is_one_line(tmp_path):
