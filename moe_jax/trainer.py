@@ -262,7 +262,8 @@ class GracefulStop:
     def agreed(self) -> int | None:
         """The signal every process stops on. Each process decides between the same two steps:
         had one gone on into the next step's collectives while another began the checkpoint's
-        barrier, both would wait forever. One tiny all-gather a step, multi-process only."""
+        barrier, both would wait forever. One tiny all-gather a step, multi-process only; it
+        waits for the step to finish, so the host dispatches one step ahead no more."""
         if jax.process_count() == 1:
             return self.signum
         from jax.experimental import multihost_utils
