@@ -316,6 +316,8 @@ def _positive(obj: object, section: str, names: Sequence[str]) -> None:
         _require(v > 0, f"{section}.{n} must be positive, got {v}")
 
 
+# Logits divided by the temperature stay finite in float32 (|logit| < 1e30) inside this range.
+MIN_TEMPERATURE, MAX_TEMPERATURE = 1e-6, 1e6
 INT32_MAX = 2**31 - 1  # sizes and counts index int32 arrays
 SEEDS = ("seed", "sample.seed")  # PRNG keys take 32 bits: larger seeds would collide
 
@@ -458,8 +460,9 @@ def validate(cfg: Config) -> None:
     _positive(cfg.checkpoint, "checkpoint", ["every", "keep"])
     s = cfg.sample
     _require(
-        s.temperature == 0 or 1e-6 <= s.temperature <= 1e6,
-        f"sample.temperature must be 0 (greedy) or within [1e-06, 1e+06], got {s.temperature}",
+        s.temperature == 0 or MIN_TEMPERATURE <= s.temperature <= MAX_TEMPERATURE,
+        f"sample.temperature must be 0 (greedy) or within [{MIN_TEMPERATURE:g}, "
+        f"{MAX_TEMPERATURE:g}], got {s.temperature}",
     )
     _require(s.top_k >= 0, f"sample.top_k must be >= 0 (0 = off), got {s.top_k}")
     _require(0.0 < s.top_p <= 1.0, f"sample.top_p must be within (0, 1], got {s.top_p}")

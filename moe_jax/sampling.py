@@ -66,15 +66,12 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from moe_jax.config import MAX_TEMPERATURE, MIN_TEMPERATURE
 from moe_jax.model import Transformer
 from moe_jax.quantize import is_quantized, quantize_model
 
 MIN_BUCKET = 16  # shortest prompt bucket: shorter prompts are padded to this
 STOP_BUCKET = 8  # stop-token lists are padded to a multiple of this
-
-
-# Logits divided by the temperature stay finite in float32 (|logit| < 1e30) inside this range.
-MIN_TEMPERATURE, MAX_TEMPERATURE = 1e-6, 1e6
 
 
 class SamplingError(ValueError):
