@@ -44,7 +44,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     src = p.add_mutually_exclusive_group()
     src.add_argument("--prompt", help="prompt text (default: sample.prompt)")
     src.add_argument("--prompt-file", type=Path, help="read the prompt from this UTF-8 file")
-    p.add_argument("--num-samples", type=int, default=1, help="samples of the prompt (a batch)")
+    p.add_argument(
+        "--num-samples", type=int, help="samples of the prompt, one batch (sample.batch_size)"
+    )
     p.add_argument("--max-new-tokens", type=int, help="tokens to generate per sample")
     p.add_argument("--temperature", type=float, help="0 = greedy")
     p.add_argument("--top-k", type=int, help="keep the k most likely tokens; 0 = off")
@@ -96,7 +98,7 @@ class Streamer:
 def main(argv: list[str]) -> int:
     args = parse_args(argv)
     try:
-        if args.num_samples < 1:
+        if args.num_samples is not None and args.num_samples < 1:
             raise SamplingError(f"--num-samples must be >= 1, got {args.num_samples}")
         if args.quantize is not None:
             check_quantization(args.quantize)  # before the (slow) load
@@ -104,12 +106,13 @@ def main(argv: list[str]) -> int:
         if args.quantize is not None:
             model = quantize_model(model, args.quantize)
         s = cfg.sample
+        num_samples = args.num_samples if args.num_samples is not None else s.batch_size
         prompt = read_prompt(args, s.prompt)
         ids = tokenizer.encode(prompt).tolist()
         sampler = Sampler(model)
-        streamer = Streamer(tokenizer, prompt) if args.num_samples == 1 else None
+        streamer = Streamer(tokenizer, prompt) if num_samples == 1 else None
         out = sampler.generate(
-            [ids] * args.num_samples,
+            [ids] * num_samples,
             args.max_new_tokens if args.max_new_tokens is not None else s.max_new_tokens,
             temperature=args.temperature if args.temperature is not None else s.temperature,
             top_k=args.top_k if args.top_k is not None else s.top_k,

@@ -139,6 +139,12 @@ class MeshConfig:
     fsdp: int = 1
     expert: int = 1
     tensor: int = 1
+    # Multi-slice (TPU slices, or GPU hosts, joined by the data-center network): the data axis
+    # spans `slices` slices, each holding data/slices of it; the other axes stay in a slice.
+    slices: int = 1
+    # Let a mesh axis take part of a physical torus axis (e.g. fsdp=8 x expert=8 on v5p-128's
+    # 4x4x4): jax refuses such layouts by default, as their collectives may share links.
+    split_physical_axes: bool = False
     # multi-host (jax.distributed): on with `distributed` or when a coordinator / more than one
     # process is given; unset fields come from JAX_COORDINATOR_ADDRESS or the cluster's env
     distributed: bool = False
@@ -162,6 +168,10 @@ class SampleConfig:
     top_k: int = 0  # 0 = off
     top_p: float = 1.0  # 1.0 = off
     seed: int = 0
+    # Rows and prompt length of a batch: sample.py's --num-samples sets batch_size (its prompt
+    # sets the length); `moe_jax.aot --step decode` compiles for both.
+    batch_size: int = 1
+    prompt_len: int = 128
 
 
 @dataclass(frozen=True)
@@ -411,6 +421,7 @@ def validate(cfg: Config) -> None:
         sum(getattr(mesh, ax) == -1 for ax in ("data", "fsdp", "expert", "tensor")) <= 1,
         "at most one mesh axis may be -1",
     )
+    _require(mesh.slices >= 1, f"mesh.slices must be >= 1, got {mesh.slices}")
     _require(
         mesh.num_processes >= 0,
         f"mesh.num_processes must be >= 0 (0 = from the environment), got {mesh.num_processes}",
@@ -466,6 +477,4 @@ def validate(cfg: Config) -> None:
     )
     _require(s.top_k >= 0, f"sample.top_k must be >= 0 (0 = off), got {s.top_k}")
     _require(0.0 < s.top_p <= 1.0, f"sample.top_p must be within (0, 1], got {s.top_p}")
-    _require(
-        s.max_new_tokens > 0, f"sample.max_new_tokens must be positive, got {s.max_new_tokens}"
-    )
+    _positive(s, "sample", ["max_new_tokens", "batch_size", "prompt_len"])

@@ -65,6 +65,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from moe_jax.config import MAX_TEMPERATURE, MIN_TEMPERATURE
 from moe_jax.model import Transformer
@@ -142,7 +144,18 @@ def unstack_blocks(tree, n: int) -> list:
     re-stacks them at each model call: slice(stack(...)) folds back to the block itself at
     compile time, and no copy is left.
     """
-    return [jax.tree.map(lambda a, b=b: a[b], tree) for b in range(n)]
+    return [jax.tree.map(lambda a, b=b: _block(a, b), tree) for b in range(n)]
+
+
+def _block(a, b: int):
+    """Block b of a stacked array; of an abstract one (compiling for other devices, see
+    `moe_jax.aot`), its shape and the sharding of its other axes."""
+    if not isinstance(a, jax.ShapeDtypeStruct):
+        return a[b]
+    sharding = a.sharding
+    if isinstance(sharding, NamedSharding):
+        sharding = NamedSharding(sharding.mesh, P(*tuple(sharding.spec)[1:]))
+    return jax.ShapeDtypeStruct(a.shape[1:], a.dtype, sharding=sharding)
 
 
 def stack_blocks(blocks: list):
@@ -323,10 +336,18 @@ class Sampler:
             self._listener = None
         return Generation(out_BN, np.sum(out_BN >= 0, axis=1).astype(np.int32), int(steps))
 
-    def lower(self, prompts, max_new_tokens: int, **kw) -> jax.stages.Lowered:
+    def lower(self, prompts, max_new_tokens: int, *, sharding=None, **kw) -> jax.stages.Lowered:
         """The program `generate(prompts, max_new_tokens, **kw)` runs, lowered and not run:
-        for reading its HLO or its compiled memory (`.compile().memory_analysis()`)."""
+        for reading its HLO or its compiled memory (`.compile().memory_analysis()`).
+
+        `sharding`: give the prompts and sampling values as abstract arrays with this sharding
+        instead of arrays on this host's device (the sampler's params are then abstract too:
+        compiling for a TPU slice or GPU cluster from this machine, see `moe_jax.aot`)."""
         args, statics = self._inputs(prompts, max_new_tokens, **kw)
+        if sharding is not None:
+            params, blocks, *rest = args
+            as_abstract = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding)
+            args = (params, blocks, *(as_abstract(a) for a in rest))
         return self.compiled.lower(*args, **statics, stream=False)
 
     def _inputs(

@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.experimental import mesh_utils
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -108,17 +109,60 @@ def _check_divisible(cfg: Config, sizes: dict[str, int]) -> None:
 
 def make_mesh(cfg: Config, devices: list | None = None) -> Mesh:
     """The device mesh of `cfg.mesh`. All axes 1 means one device (the first); any other
-    shape must use every device (of every process)."""
+    shape must use every device (of every process).
+
+    The devices are laid out by jax's mesh utilities, which follow the physical interconnect:
+    on a TPU torus each mesh axis gets whole torus axes (or, with `mesh.split_physical_axes`,
+    parts of them), and with `mesh.slices` > 1 the data axis runs across the slices (TPU
+    slices, or hosts where devices name no slice) so that only its collectives cross the
+    data-center network."""
     devices = list(devices if devices is not None else jax.devices())
-    if all(getattr(cfg.mesh, ax) == 1 for ax in MESH_AXES):
+    if all(getattr(cfg.mesh, ax) == 1 for ax in MESH_AXES) and cfg.mesh.slices == 1:
         devices = devices[:1]
     sizes = mesh_shape(cfg, len(devices))
-    return jax.make_mesh(
-        tuple(sizes[ax] for ax in MESH_AXES),
-        MESH_AXES,
-        axis_types=(AxisType.Auto,) * len(MESH_AXES),
-        devices=devices,
-    )
+    shape = tuple(sizes[ax] for ax in MESH_AXES)
+    split, slices = cfg.mesh.split_physical_axes, cfg.mesh.slices
+    try:
+        if slices > 1:
+            if sizes["data"] % slices:
+                raise ConfigError(
+                    f"mesh.data ({sizes['data']}) must be divisible by mesh.slices ({slices}): "
+                    "the data axis is the one that spans the slices"
+                )
+            per_slice = (sizes["data"] // slices, *shape[1:])
+            array = mesh_utils.create_hybrid_device_mesh(
+                per_slice,
+                (slices, 1, 1, 1),
+                devices,
+                # GPUs (and CPUs) name no slices: each host (process) is one
+                process_is_granule=len({getattr(d, "slice_index", 0) for d in devices}) == 1,
+                allow_split_physical_axes=split,
+            )
+        else:
+            array = mesh_utils.create_device_mesh(shape, devices, allow_split_physical_axes=split)
+    except (ValueError, NotImplementedError, AssertionError) as e:
+        raise _mesh_error(cfg, sizes, e) from None
+    return Mesh(array, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
+
+
+def _mesh_error(cfg: Config, sizes: dict[str, int], e: Exception) -> ConfigError:
+    shape = " x ".join(f"{ax}={v}" for ax, v in sizes.items())
+    detail = " ".join(str(e).split())
+    if isinstance(e, ConfigError):
+        return e
+    if "allow_split_physical_axes" in detail or "split" in detail.lower():
+        return ConfigError(
+            f"mesh {shape} does not map onto the devices' physical axes without splitting one "
+            "between two mesh axes; set mesh.split_physical_axes=true (collectives of the two "
+            "axes may then share links), or choose axis sizes that are products of the torus's"
+        )
+    if cfg.mesh.slices > 1:
+        return ConfigError(
+            f"mesh {shape} cannot span mesh.slices={cfg.mesh.slices} ({detail[:200]}); the "
+            "devices must come in that many equal slices (or hosts), each holding "
+            "mesh.data/slices x fsdp x expert x tensor of them"
+        )
+    return ConfigError(f"mesh {shape} cannot be laid out over the devices: {detail[:300]}")
 
 
 def init_distributed(cfg: Config) -> None:
@@ -187,30 +231,65 @@ def with_shardings(abstract_tree, shardings):
     )
 
 
+def _row_blocks(mesh: Mesh, batch: int, process_of) -> tuple[dict, dict]:
+    """-> (first rows of the row blocks each process's devices hold, ascending; the processes
+    holding each block)."""
+    blocks: dict[int, set[int]] = {}
+    holders: dict[int, set[int]] = {}
+    for device, index in batch_sharding(mesh).devices_indices_map((batch,)).items():
+        start, p = index[0].start or 0, process_of(device)
+        blocks.setdefault(p, set()).add(start)
+        holders.setdefault(start, set()).add(p)
+    return {p: sorted(b) for p, b in blocks.items()}, holders
+
+
 def check_batch_split(mesh: Mesh, batch: int, process_of=None, n_processes=None) -> None:
-    """Each process feeds rows [p * B/P, (p+1) * B/P) of every batch (the data pipeline's
-    split): the mesh must place exactly those rows on that process's devices, or JAX would
-    assemble a different global batch than the one read (or none at all). `process_of` and
-    `n_processes` (default: the devices' own process and the process count) are for tests."""
+    """Each process feeds B/P rows of every batch (the data pipeline's split) into the row
+    blocks its devices hold (`global_batch`): every process must hold as many blocks as the
+    others, and no block may sit on two processes' devices, whose rows would disagree. On a
+    TPU torus the blocks of one host are seldom adjacent rows, and need not be. `process_of`
+    and `n_processes` (default: the devices' own process and the process count) are for
+    tests and for compiling for other machines (`moe_jax.aot`)."""
     process_of = process_of or (lambda d: d.process_index)
     P = n_processes or jax.process_count()
     if P == 1:
         return
-    rows_of: dict[int, set[int]] = {}
-    for device, index in batch_sharding(mesh).devices_indices_map((batch,)).items():
-        rows_of.setdefault(process_of(device), set()).update(range(*index[0].indices(batch)))
-    b = batch // P
-    if any(rows_of.get(p) != set(range(p * b, (p + 1) * b)) for p in range(P)):
+    blocks, holders = _row_blocks(mesh, batch, process_of)
+    counts = {len(blocks.get(p, ())) for p in range(P)}
+    if len(counts) > 1 or 0 in counts or any(len(h) > 1 for h in holders.values()):
         raise ConfigError(
             f"mesh {dict(mesh.shape)} does not split the batch over the {P} processes, each "
-            f"holding its own block of rows; split it over them with the batch axes, e.g. "
+            f"holding its own rows; split it over them with the batch axes, e.g. "
             f"mesh.data={P} (or -1), and keep mesh.tensor within a process"
         )
 
 
 def global_batch(local_rows: np.ndarray, mesh: Mesh) -> jax.Array:
-    """This process's rows of a batch -> the global batch array, split over the batch axes."""
-    return jax.make_array_from_process_local_data(batch_sharding(mesh), local_rows)
+    """This process's rows of a batch -> the global batch array, split over the batch axes.
+
+    The process's devices hold some row blocks of the global batch (`check_batch_split`),
+    not always adjacent ones; its rows fill them in order. Which global row a window lands
+    on changes nothing a step computes: each device's block is still a run of the process's
+    stream, and the loss is a mean over rows."""
+    sharding = batch_sharding(mesh)
+    if jax.process_count() == 1:
+        return jax.make_array_from_process_local_data(sharding, local_rows)
+    shape = (local_rows.shape[0] * jax.process_count(), *local_rows.shape[1:])
+    index_of = sharding.addressable_devices_indices_map(shape)
+    shards = [
+        jax.device_put(local_rows[rows], device)
+        for device, rows in local_blocks(index_of, local_rows.shape[0]).items()
+    ]
+    return jax.make_array_from_single_device_arrays(shape, sharding, shards)
+
+
+def local_blocks(index_of: dict, n_local: int) -> dict:
+    """device -> the slice of this process's `n_local` rows it holds: the process's row
+    blocks (by their global index, `index_of`) take its rows in order."""
+    starts = sorted({index[0].start or 0 for index in index_of.values()})
+    size = n_local // len(starts)
+    first = {device: starts.index(index[0].start or 0) * size for device, index in index_of.items()}
+    return {device: slice(row, row + size) for device, row in first.items()}
 
 
 def create_sharded(make: Callable[[], nnx.Module], mesh: Mesh | None) -> nnx.Module:

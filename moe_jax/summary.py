@@ -126,6 +126,19 @@ def train_flops_per_token(cfg: Config, seq_len: int | None = None) -> int:
     return 6 * param_breakdown(cfg).active_matmul + attention_flops_per_token(cfg, seq_len)
 
 
+def decode_flops(cfg: Config, batch: int, prompt_len: int, new_tokens: int) -> int:
+    """Model FLOPs of sampling `new_tokens` after a `prompt_len` prompt, `batch` rows: the
+    prefill's tokens and the `new_tokens - 1` fed back (the last is sampled, never fed), each
+    `2 * N` for the matmuls, plus QK^T and AV forward (4 * n_layers * n_heads * head_dim per
+    key): over all `prompt_len` keys in the prefill (the training convention), over the keys
+    written so far in decode."""
+    per_key = 4 * cfg.model.n_layers * cfg.attention.n_heads * cfg.head_dim
+    fed = new_tokens - 1
+    tokens = prompt_len + fed
+    keys = prompt_len * prompt_len + fed * prompt_len + fed * (fed + 1) // 2
+    return batch * (2 * param_breakdown(cfg).active_matmul * tokens + per_key * keys)
+
+
 # ----------------------------------------------------------------------------- CLI
 
 

@@ -253,6 +253,9 @@ VALIDATION_CASES = {
         ["sample.max_new_tokens=0"],
         "sample.max_new_tokens must be positive, got 0",
     ),
+    "sample_batch": (["sample.batch_size=0"], "sample.batch_size must be positive, got 0"),
+    "prompt_len": (["sample.prompt_len=-2"], "sample.prompt_len must be positive, got -2"),
+    "slices": (["mesh.slices=0"], "mesh.slices must be >= 1, got 0"),
     # numbers out of range anywhere: NaN and infinities, ints beyond int32, seeds beyond 32 bits
     "nan_capacity": (["moe.capacity_factor=nan"], "moe.capacity_factor must be a finite number"),
     "inf_temperature": (["sample.temperature=inf"], "sample.temperature must be a finite number"),

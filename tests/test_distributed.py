@@ -84,8 +84,11 @@ def test_train_step_on_a_mesh_equals_single_device(single_device, mesh_name):
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
     for k in ("ce", "lb_loss", "z_loss", "expert_load", "grad_norm"):
         np.testing.assert_allclose(metrics[k], ref_metrics[k], rtol=1e-5, atol=1e-7, err_msg=k)
+    # Adam divides each gradient by its own RMS: where a gradient is near 0, summation-order
+    # noise is amplified up to the step size (lr 3e-3 a step here), so the params after two
+    # steps are compared to 1/60 of it; the losses and gradient norms above are the tight check.
     for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(ref_params), strict=True):
-        np.testing.assert_allclose(a, b, atol=1e-5)
+        np.testing.assert_allclose(a, b, atol=5e-5)
 
 
 def _losses(run_dir):
@@ -230,3 +233,31 @@ def test_the_mesh_must_split_the_batch_over_the_processes(mesh_overrides, ok):
     else:
         with pytest.raises(ConfigError, match="does not split the batch over the 2 processes"):
             check()
+
+
+def test_a_process_fills_the_row_blocks_its_devices_hold_in_order():
+    """On a TPU torus one host's devices hold row blocks that are not adjacent (here blocks
+    0, 2, 5 and 7 of 8, with the tensor axis pairing devices on one block): the process's
+    rows fill them in order, replicas alike."""
+    from moe_jax.sharding import local_blocks
+
+    block = lambda i: (slice(4 * i, 4 * (i + 1)), slice(None))
+    index_of = {"d0": block(5), "d1": block(0), "d2": block(7), "d3": block(2), "d4": block(0)}
+    assert local_blocks(index_of, 16) == {
+        "d1": slice(0, 4),
+        "d4": slice(0, 4),
+        "d3": slice(4, 8),
+        "d0": slice(8, 12),
+        "d2": slice(12, 16),
+    }
+
+
+def test_a_torus_mesh_whose_hosts_hold_scattered_rows_splits_the_batch():
+    """Devices in an order where process 0 (devices 0-3) holds row blocks 0, 2, 4, 6."""
+    from jax.sharding import Mesh
+
+    from moe_jax.sharding import MESH_AXES, check_batch_split
+
+    order = np.array(jax.devices())[[0, 4, 1, 5, 2, 6, 3, 7]].reshape(1, 8, 1, 1)
+    mesh = Mesh(order, MESH_AXES)
+    check_batch_split(mesh, 8, process_of=lambda d: d.id // 4, n_processes=2)

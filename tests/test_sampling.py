@@ -350,7 +350,9 @@ def run_dir(tmp_path_factory):
     optimizer, data position and a char tokenizer), holding the initial params: training a
     step would add a ~10 s compile and change nothing that sample.py does."""
     run = tmp_path_factory.mktemp("sample_cli") / "run"
-    cfg = tiny_config(*KINDS["base"], "data.tokenizer=char", f"run_dir={run}")
+    cfg = tiny_config(
+        *KINDS["base"], "data.tokenizer=char", "sample.batch_size=3", f"run_dir={run}"
+    )
     tokenizer = CharTokenizer.from_text(CORPUS)
     _, state = init_state(cfg, make_optimizer(cfg.train))
     batches = train_iterator(tokenizer.encode(CORPUS * 4), 16, 4, cfg.seed)
@@ -363,7 +365,7 @@ def run_dir(tmp_path_factory):
 
 def test_cli_streams_one_sample_and_batches_several(run_dir, capsys):
     flags = ["--run", str(run_dir), "--prompt", "the ", "--max-new-tokens", "9"]
-    assert SAMPLE_MAIN([*flags, "--temperature", "0"]) == 0
+    assert SAMPLE_MAIN([*flags, "--temperature", "0", "--num-samples", "1"]) == 0
     streamed = capsys.readouterr().out
     assert streamed.startswith("the ") and len(streamed) == len("the ") + 9 + 1  # 1 char/token
     # The model's vocabulary is 256 but only the alphabet's ids are sampled (random params).
@@ -372,6 +374,10 @@ def test_cli_streams_one_sample_and_batches_several(run_dir, capsys):
     assert SAMPLE_MAIN([*flags, "--temperature", "0", "--num-samples", "2"]) == 0
     texts = capsys.readouterr().out.split("-" * 40)
     assert [t.strip("\n") for t in texts] == [streamed.strip("\n")] * 2
+    # Without the flag, the run's sample.batch_size (3 here) is the number of samples.
+    assert SAMPLE_MAIN([*flags, "--temperature", "0"]) == 0
+    texts = capsys.readouterr().out.split("-" * 40)
+    assert [t.strip("\n") for t in texts] == [streamed.strip("\n")] * 3
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,421 @@
+"""Compile the real train or decode step for a TPU slice or GPU cluster on this CPU, and say
+what it needs per device: memory, FLOPs, collectives.
+
+    python -m moe_jax.aot configs/mixtral_8x7b.yaml --topology v5p-128 mesh.fsdp=-1 \
+        train.batch_size=64
+    python -m moe_jax.aot configs/mixtral_8x7b.yaml --topology h100:8x8 mesh.fsdp=8 \
+        mesh.expert=8 --max-batch
+    python -m moe_jax.aot configs/qwen3_30b_a3b.yaml --topology h100:1x4 --step decode \
+        mesh.fsdp=4
+
+Needs the `aot` extra (libtpu and the jax CUDA plugin, compile-only: `pip install -e '.[aot]'`).
+Nothing runs and nothing model-sized is allocated here: the mesh is laid over compile-only
+devices (`moe_jax.topology`), the train state is described by shapes and shardings, and the
+program compiled is exactly the one `train.py` runs (`trainer.make_train_step` over
+`trainer.init_state`), or with `--step decode` the sampler's prefill + decode program
+(`sampling.Sampler`) for `sample.batch_size` rows of `sample.prompt_len` prompt tokens and
+`sample.max_new_tokens` new ones, with the weights laid out over the mesh like the training
+state's (the sampler itself is not yet mesh-aware: its program is partitioned by the compiler
+from those layouts).
+
+It prints a table and, last, one JSON line: topology, devices, hbm_bytes_per_device, fits,
+per-device bytes {arguments, outputs, aliased, temps, host_temps, peak} (peak is the
+compiler's `peak_memory_in_bytes`, which accounts for buffer lifetimes; arguments + temps
+overstates it), flops_per_device (matmul FLOPs of the compiled program, loops counted by their
+trip counts: `moe_jax.hlo`), model_flops_per_device (the MFU formula), collectives
+{op: {count, bytes}} per step, compile_s. Exit 0: it compiles and fits; 1: it does not fit
+(one line says by how much); 2: bad input.
+
+`--max-batch` finds the largest batch that fits: rows per batch shard 1, 2, 4, ... until one
+does not fit, then bisection between the last two, printing each probe.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import json
+import math
+import os
+import re
+import resource
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+
+GIB = 1 << 30
+MAX_ROWS_PER_SHARD = 1 << 16  # --max-batch stops doubling here
+
+
+class DoesNotFit(Exception):
+    """The program needs more memory per device than the device has."""
+
+    def __init__(self, needed: float | None, hbm: int, kind: str, what: str):
+        self.needed, self.hbm, self.kind, self.what = needed, hbm, kind, what
+        needs = f"needs {needed / GIB:.1f} GiB" if needed else "needs more memory"
+        super().__init__(
+            f"does not fit: {needs} per {what}, a {kind} {what} has {hbm / GIB:.2f} GiB"
+        )
+
+
+@contextlib.contextmanager
+def captured_stderr(keep: bool):
+    """Hold what native code (libtpu, XLA) writes to fd 2 while compiling; `keep` passes it
+    through. The text is in the yielded list once the block ends."""
+    if keep:
+        yield []
+        return
+    sys.stderr.flush()
+    saved = os.dup(2)
+    out: list[str] = []
+    with tempfile.TemporaryFile(mode="w+b") as f:
+        os.dup2(f.fileno(), 2)
+        try:
+            yield out
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            f.seek(0)
+            out.append(f.read().decode(errors="replace"))
+
+
+# ----------------------------------------------------------------------------- programs
+
+
+def lower_train(cfg, mesh):
+    """The train step `train.py` runs, lowered for `mesh` from shapes alone."""
+    import jax
+    import jax.numpy as jnp
+
+    from moe_jax.sharding import batch_sharding
+    from moe_jax.trainer import init_state, make_optimizer, make_train_step
+
+    tx = make_optimizer(cfg.train)
+    graphdef, state = init_state(cfg, tx, abstract=True, mesh=mesh)
+    step = make_train_step(cfg, graphdef, tx, jax.tree.map(lambda a: a.sharding, state))
+    tokens = jax.ShapeDtypeStruct(
+        (cfg.train.batch_size, cfg.train.seq_len + 1), jnp.int32, sharding=batch_sharding(mesh)
+    )
+    with jax.set_mesh(mesh):
+        return step.lower(state, tokens)
+
+
+def lower_decode(cfg, mesh):
+    """The sampler's prefill + decode program for `cfg.sample`, weights laid out over `mesh`."""
+    from flax import nnx
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from moe_jax.model import Transformer
+    from moe_jax.sampling import Sampler
+    from moe_jax.sharding import state_shardings, with_shardings
+
+    abstract = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
+    graphdef, params = nnx.split(abstract, nnx.Param)
+    params = with_shardings(params, state_shardings(params, mesh))
+    sampler = Sampler(nnx.merge(graphdef, params))
+    s = cfg.sample
+    prompts = [[0] * s.prompt_len] * s.batch_size
+    return sampler.lower(
+        prompts,
+        s.max_new_tokens,
+        sharding=NamedSharding(mesh, P()),
+        temperature=s.temperature,
+        top_k=s.top_k,
+        top_p=s.top_p,
+    )
+
+
+# ----------------------------------------------------------------------------- one compile
+
+
+def _oom_bytes(message: str) -> float | None:
+    """What libtpu says the program needs, from its RESOURCE_EXHAUSTED message."""
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+    for pattern in (
+        r"Used ([\d.]+)([KMGT])i?B? of [\d.]+[KMGT]i?B? hbm",
+        r"\(([\d.]+)([KMGT])\) exceeds available HBM",
+        r"requires? ([\d.]+)([KMGT])i?B?",
+    ):
+        m = re.search(pattern, message)
+        if m:
+            return float(m.group(1)) * units[m.group(2)]
+    return None
+
+
+def compile_step(cfg, topo, step: str, verbose: bool = False, hlo_path: str | None = None):
+    """Compile `step` ("train" | "decode") of `cfg` for `topo`. -> report dict.
+    Raises DoesNotFit, or ConfigError / SamplingError for a config the step cannot take."""
+    from moe_jax import hlo
+    from moe_jax.sharding import make_mesh, mesh_shape
+    from moe_jax.summary import decode_flops, train_flops_per_token
+
+    mesh = make_mesh(cfg, list(topo.devices))
+    if mesh.size != topo.n_devices:
+        from moe_jax.config import ConfigError
+
+        raise ConfigError(
+            f"the mesh uses {mesh.size} of the {topo.n_devices} devices of {topo.name}; set one "
+            "axis to -1 (e.g. mesh.fsdp=-1) to use them all"
+        )
+    if step == "train":
+        from moe_jax.sharding import check_batch_split
+
+        # Each host feeds its own rows: the mesh must put them on its devices (train.py's check).
+        check_batch_split(mesh, cfg.train.batch_size, lambda d: d.process_index, topo.n_hosts)
+    mesh_shape(cfg, topo.n_devices)  # the divisibility checks train.py makes
+    kind = topo.devices[0].device_kind
+    what = "chip" if topo.platform == "tpu" else "GPU"
+    t0 = time.perf_counter()
+    with captured_stderr(verbose) as native:
+        try:
+            lowered = lower_train(cfg, mesh) if step == "train" else lower_decode(cfg, mesh)
+            compiled = lowered.compile()
+        except Exception as e:
+            text = str(e)
+            if "RESOURCE_EXHAUSTED" in text or "Ran out of memory" in text:
+                raise DoesNotFit(_oom_bytes(text), topo.hbm_bytes, kind, what) from None
+            raise
+    compile_s = time.perf_counter() - t0
+    del native
+    mem = compiled.memory_analysis()
+    text = compiled.as_text()
+    if hlo_path:
+        with open(hlo_path, "w") as f:
+            f.write(text)
+    s = cfg.sample
+    analysis = hlo.analyze(text, unknown_trips=max(s.max_new_tokens - 1, 1))
+    if step == "train":
+        tokens = cfg.train.batch_size * cfg.train.seq_len
+        model_flops = train_flops_per_token(cfg) * tokens
+        rows = cfg.train.batch_size
+    else:
+        model_flops = decode_flops(cfg, s.batch_size, s.prompt_len, s.max_new_tokens)
+        rows = s.batch_size
+    peak = mem.peak_memory_in_bytes
+    report = {
+        "topology": topo.name,
+        "step": step,
+        "devices": topo.n_devices,
+        "device_kind": kind,
+        "hosts": topo.n_hosts,
+        "mesh": dict(mesh.shape),
+        "batch": rows,
+        "batch_per_device": rows / topo.n_devices,
+        "seq_len": cfg.train.seq_len if step == "train" else s.prompt_len + s.max_new_tokens,
+        "hbm_bytes_per_device": topo.hbm_bytes,
+        "fits": peak <= topo.hbm_bytes,
+        "bytes": {
+            "arguments": mem.argument_size_in_bytes,
+            "outputs": mem.output_size_in_bytes,
+            "aliased": mem.alias_size_in_bytes,
+            "temps": mem.temp_size_in_bytes,
+            "host_temps": mem.host_temp_size_in_bytes,
+            "peak": peak,
+        },
+        "flops_per_device": analysis.flops,
+        "model_flops_per_device": model_flops / topo.n_devices,
+        "collectives": hlo.collectives_json(analysis.collectives),
+        "conditionals": analysis.count("conditional"),
+        "loops_of_unknown_trip_count": analysis.unknown_trip_loops,
+        "compile_s": round(compile_s, 1),
+    }
+    if not report["fits"]:  # the GPU compiler does not check; libtpu would have refused
+        raise DoesNotFit(peak, topo.hbm_bytes, kind, what)
+    return report
+
+
+# ----------------------------------------------------------------------------- reports
+
+
+def _gib(n: float) -> str:
+    return f"{n / GIB:8.2f}"
+
+
+def format_report(r: dict, config_name: str) -> str:
+    b = r["bytes"]
+    mesh = " x ".join(f"{k} {v}" for k, v in r["mesh"].items())
+    lines = [
+        f"{config_name}: {r['step']} step on {r['topology']} ({r['devices']} x {r['device_kind']}, "
+        f"{r['hosts']} host(s)), compiled in {r['compile_s']:.1f} s",
+        f"mesh {mesh}; batch {r['batch']} ({r['batch_per_device']:g} per device) x "
+        f"{r['seq_len']} tokens",
+        "",
+        "per device              GiB",
+    ]
+    for key in ("arguments", "outputs", "aliased", "temps", "host_temps"):
+        lines.append(f"  {key.replace('_', ' '):<16}{_gib(b[key])}")
+    verdict = "fits" if r["fits"] else "does not fit"
+    lines.append(
+        f"  {'peak':<16}{_gib(b['peak'])}   of {r['hbm_bytes_per_device'] / GIB:.2f} HBM: {verdict}"
+    )
+    compiled, model = r["flops_per_device"], r["model_flops_per_device"]
+    lines += [
+        "",
+        f"FLOPs per device: compiled {compiled:.4g}, model {model:.4g} "
+        f"(compiled / model {compiled / model if model else 0:.3f})",
+        "",
+        "collectives per device per step   count        GiB",
+    ]
+    for op, c in r["collectives"].items():
+        lines.append(f"  {op:<28}{c['count']:>9}{c['bytes'] / GIB:>11.3f}")
+    if not r["collectives"]:
+        lines.append("  (none)")
+    extra = []
+    if r["conditionals"]:
+        extra.append(f"{r['conditionals']} conditionals executed per step")
+    if r["loops_of_unknown_trip_count"]:
+        extra.append(
+            f"{r['loops_of_unknown_trip_count']} loop(s) counted at sample.max_new_tokens - 1 "
+            "iterations (the decode loop's most)"
+        )
+    if "host_peak_rss_bytes" in r:
+        extra.append(f"host peak RSS {r['host_peak_rss_bytes'] / GIB:.2f} GiB")
+    if extra:
+        lines += ["", "; ".join(extra)]
+    return "\n".join(lines)
+
+
+def _host_peak_rss() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+
+
+# ----------------------------------------------------------------------------- max batch
+
+
+def _with_batch(cfg, step: str, rows_per_shard: int, n_shards: int):
+    if step == "train":
+        t = cfg.train
+        return dataclasses.replace(
+            cfg, train=dataclasses.replace(t, batch_size=rows_per_shard * n_shards * t.grad_accum)
+        )
+    return dataclasses.replace(
+        cfg, sample=dataclasses.replace(cfg.sample, batch_size=rows_per_shard)
+    )
+
+
+def max_batch(cfg, topo, step: str, verbose: bool, log) -> tuple[dict | None, DoesNotFit | None]:
+    """Largest batch that fits: doubling, then bisection. Training batches step by the batch
+    shards (data x fsdp x expert, times train.grad_accum); decode batches by one row.
+    -> (report of the largest that fits or None, the smallest refusal seen)."""
+    from moe_jax.sharding import BATCH_AXES, mesh_shape
+
+    n_shards = 1
+    if step == "train":  # the batch shards, whatever batch the config names
+        any_batch = dataclasses.replace(cfg.train, batch_size=cfg.train.grad_accum << 20)
+        sizes = mesh_shape(dataclasses.replace(cfg, train=any_batch), topo.n_devices)
+        n_shards = math.prod(sizes[a] for a in BATCH_AXES)
+    best, refusal = None, None
+    fits_at, fails_at = 0, None
+
+    def probe(k: int) -> bool:
+        nonlocal best, refusal
+        probe_cfg = _with_batch(cfg, step, k, n_shards)
+        rows = probe_cfg.train.batch_size if step == "train" else k
+        try:
+            r = compile_step(probe_cfg, topo, step, verbose)
+        except DoesNotFit as e:
+            refusal = e
+            log(f"probe: batch {rows} ({rows / topo.n_devices:g} per device): {e}")
+            return False
+        best = r
+        log(
+            f"probe: batch {rows} ({rows / topo.n_devices:g} per device): peak "
+            f"{r['bytes']['peak'] / GIB:.2f} GiB, temps {r['bytes']['temps'] / GIB:.2f} GiB: fits "
+            f"({r['compile_s']:.0f} s)"
+        )
+        return True
+
+    k = 1
+    while k <= MAX_ROWS_PER_SHARD:
+        if probe(k):
+            fits_at, k = k, 2 * k
+        else:
+            fails_at = k
+            break
+    if fails_at is None:
+        return best, refusal
+    while fails_at - fits_at > 1 and fits_at:
+        mid = (fits_at + fails_at) // 2
+        if probe(mid):
+            fits_at = mid
+        else:
+            fails_at = mid
+    if best is not None and fits_at and best["batch"] != _rows(cfg, step, fits_at, n_shards):
+        probe(fits_at)  # the report is of the largest that fits
+    return (best if fits_at else None), refusal
+
+
+def _rows(cfg, step, k, n_shards):
+    return k * n_shards * cfg.train.grad_accum if step == "train" else k
+
+
+# ----------------------------------------------------------------------------- CLI
+
+
+def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, str | None, list[str]]:
+    p = argparse.ArgumentParser(
+        prog="python -m moe_jax.aot",
+        description="Compile the train or decode step for a TPU slice or GPU cluster on this "
+        "CPU and report per-device memory, FLOPs and collectives.",
+        epilog="Exit status: 0 compiles and fits, 1 does not fit, 2 bad input.",
+    )
+    p.add_argument("config", nargs="?", help="YAML config (default configs/tiny.yaml)")
+    p.add_argument("overrides", nargs="*", help="section.key=value config overrides")
+    p.add_argument("--topology", required=True, help="e.g. v5p-128, v6e-256, h100:8x8")
+    p.add_argument("--step", choices=("train", "decode"), default="train")
+    p.add_argument("--max-batch", action="store_true", help="find the largest batch that fits")
+    p.add_argument("--hlo", metavar="FILE", help="write the optimised HLO text here")
+    p.add_argument("--verbose", action="store_true", help="pass the compilers' own logs through")
+    args = p.parse_intermixed_args(argv)
+    items = ([args.config] if args.config else []) + list(args.overrides)
+    path = "configs/tiny.yaml"
+    if items and "=" not in items[0]:
+        path = items.pop(0)
+    return args, path, items
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args, path, overrides = parse_args(sys.argv[1:] if argv is None else argv)
+    from moe_jax.config import ConfigError, load_config
+
+    try:
+        cfg = load_config(path, overrides)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    # Compile-only: this machine's CPU is the only device anything runs on. JAX's CUDA plugin
+    # registers its compile-only topology only when the CPU is the chosen platform.
+    os.environ["JAX_PLATFORMS"] = "cpu"
+    with captured_stderr(args.verbose):  # the plugins' start-up logs
+        from moe_jax.sampling import SamplingError
+        from moe_jax.topology import TopologyError, get_topology
+
+    log = lambda msg: print(msg, flush=True)
+    try:
+        with captured_stderr(args.verbose):
+            topo = get_topology(args.topology, cfg.mesh.slices)
+        if args.max_batch:
+            report, refusal = max_batch(cfg, topo, args.step, args.verbose, log)
+            if report is None:
+                raise refusal or DoesNotFit(None, topo.hbm_bytes, "", "device")
+            report["max_batch"] = True
+        else:
+            report = compile_step(cfg, topo, args.step, args.verbose, args.hlo)
+    except (ConfigError, TopologyError, SamplingError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except DoesNotFit as e:
+        print(str(e))
+        return 1
+    report["host_peak_rss_bytes"] = _host_peak_rss()
+    print(format_report(report, path))
+    print(json.dumps(report))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

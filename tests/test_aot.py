@@ -1,0 +1,238 @@
+"""`moe_jax.aot`: compiling the real steps for TPU slices and GPU clusters on this CPU.
+
+Needs the `aot` extra (libtpu and the jax CUDA plugin, compile-only); CI installs it. The
+figures are checked against values worked out by hand on toy programs (exact: they are
+integer counts of bytes and multiply-adds), the step's FLOPs against 6 N T on a dense model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from moe_jax import aot, hlo
+from moe_jax.config import ConfigError
+from moe_jax.sharding import make_mesh
+from moe_jax.summary import param_breakdown
+from moe_jax.topology import TopologyError, get_topology, torus_3d
+from tests.helpers import tiny_config
+
+pytest.importorskip("libtpu", reason="the `aot` extra (libtpu) is not installed")
+pytest.importorskip(
+    "jax_plugins.xla_cuda12", reason="the `aot` extra (jax CUDA plugin) is not installed"
+)
+
+TOPOLOGIES = ["v5p-8", "h100:1x4"]
+
+
+def _toy_matmul(name: str):
+    """x [1024, 2048] @ w [2048, 512] with the contracted dim split over 4 devices, the
+    result replicated: each device multiplies its [1024, 512] x [512, 512] blocks and one
+    all-reduce of the [1024, 512] f32 partial sums adds them."""
+    topo = get_topology(name)
+    mesh = Mesh(np.array(topo.devices), ("x",))
+    x = jax.ShapeDtypeStruct((1024, 2048), jnp.float32, sharding=NamedSharding(mesh, P(None, "x")))
+    w = jax.ShapeDtypeStruct((2048, 512), jnp.float32, sharding=NamedSharding(mesh, P("x", None)))
+    out = NamedSharding(mesh, P())
+    return jax.jit(lambda x, w: x @ w, out_shardings=out).lower(x, w).compile()
+
+
+@pytest.mark.parametrize("name", TOPOLOGIES)
+def test_figures_of_a_sharded_matmul_equal_the_hand_count(name):
+    compiled = _toy_matmul(name)
+    mem = compiled.memory_analysis()
+    assert mem.argument_size_in_bytes == (1024 * 512 + 512 * 512) * 4
+    assert mem.output_size_in_bytes == 1024 * 512 * 4
+    a = hlo.analyze(compiled.as_text())
+    assert a.flops == 2 * 1024 * 512 * 512
+    assert hlo.collectives_json(a.collectives) == {
+        "all-reduce": {"count": 1, "bytes": 1024 * 512 * 4}
+    }
+
+
+@pytest.mark.parametrize("name", TOPOLOGIES)
+def test_a_scanned_loop_counts_its_trips(name):
+    """The layer scan's body runs L times: XLA's cost analysis counts it once."""
+    topo = get_topology(name)
+    mesh = Mesh(np.array(topo.devices), ("x",))
+    L, B, D = 6, 256, 512
+    xs = jax.ShapeDtypeStruct((B, D), jnp.float32, sharding=NamedSharding(mesh, P("x")))
+    ws = jax.ShapeDtypeStruct((L, D, D), jnp.float32, sharding=NamedSharding(mesh, P()))
+
+    def f(x, ws):
+        def layer(h, w):
+            return jnp.tanh(h @ w) + jax.lax.psum(0.0, ()), None
+
+        return jax.lax.scan(layer, x, ws)[0].sum()
+
+    compiled = jax.jit(jax.grad(f, argnums=1)).lower(xs, ws).compile()
+    a = hlo.analyze(compiled.as_text())
+    # forward h @ w, backward dh = g @ w^T and dw = h^T @ g per layer, on B/4 rows per device
+    assert a.flops == 3 * L * 2 * (B // 4) * D * D
+    assert a.unknown_trip_loops == 0
+    # dw is summed over the 4 devices' rows: one all-reduce of [L, D, D] f32 (or L of [D, D])
+    assert a.collectives["all-reduce"].bytes == L * D * D * 4
+
+
+def _dense_cfg(*overrides):
+    """A dense model whose matmuls dwarf its attention and elementwise work."""
+    return tiny_config(
+        "moe.n_experts=0",
+        "model.d_model=256",
+        "model.ffn_hidden=1024",
+        "model.vocab_size=1024",
+        "model.n_layers=4",
+        "attention.nope_interval=0",
+        "attention.n_heads=4",
+        "attention.n_kv_heads=4",
+        "train.seq_len=32",
+        "train.batch_size=16",
+        "mesh.data=4",
+        *overrides,
+    )
+
+
+@pytest.mark.parametrize("scan", [False, True])
+def test_train_step_flops_equal_6NT(scan):
+    """Compiled matmul FLOPs of the train step against 6 N T (+ attention's, tiny here):
+    within 2%, the attention blocks' and the loss's small matmuls. Scanned and unrolled
+    must agree, which the loop's trip count makes so."""
+    cfg = _dense_cfg(f"model.scan_layers={str(scan).lower()}")
+    topo = get_topology("v5p-8")
+    r = aot.compile_step(cfg, topo, "train")
+    N = param_breakdown(cfg).active_matmul
+    T = cfg.train.batch_size * cfg.train.seq_len
+    assert r["flops_per_device"] * 4 == pytest.approx(6 * N * T, rel=0.02)
+    assert r["flops_per_device"] / r["model_flops_per_device"] == pytest.approx(1.0, rel=0.02)
+    assert r["loops_of_unknown_trip_count"] == 0
+
+
+@pytest.mark.parametrize("name", TOPOLOGIES)
+@pytest.mark.parametrize("step", ["train", "decode"])
+def test_tiny_expert_parallel_steps_compile(name, step):
+    cfg = tiny_config("mesh.data=2", "mesh.expert=2", "sample.batch_size=2", "sample.prompt_len=8")
+    cfg = dataclasses.replace(cfg, sample=dataclasses.replace(cfg.sample, max_new_tokens=4))
+    r = aot.compile_step(cfg, get_topology(name), step)
+    assert r["fits"] and r["devices"] == 4 and r["mesh"]["expert"] == 2
+    b = r["bytes"]
+    assert 0 < b["peak"] <= r["hbm_bytes_per_device"]
+    assert b["arguments"] > 0 and b["temps"] > 0
+    if step == "train":
+        assert b["aliased"] > 0  # the donated train state is updated in place
+        # the expert-parallel dispatch and return, per MoE layer, forward and backward
+        assert r["collectives"]["all-to-all"]["count"] >= 2 * 2 * 2
+        # the model formula counts attention over every key; the blocked causal attention
+        # skips the masked blocks (below 1), capacity 1.25 pads the experts (above)
+        assert 0.8 <= r["flops_per_device"] / r["model_flops_per_device"] < 1.5
+        assert r["loops_of_unknown_trip_count"] == 0
+    else:
+        assert r["loops_of_unknown_trip_count"] == 1  # the stop-token loop, counted at 3 steps
+
+
+def test_max_batch_doubles_then_bisects(monkeypatch):
+    """Probes 1, 2, 4, 8, 16 rows per shard, then bisects to the largest that fits (12)."""
+    probed = []
+
+    def fake_compile(cfg, topo, step, verbose=False, hlo_path=None):
+        rows = cfg.train.batch_size
+        probed.append(rows)
+        if rows > 12 * 4:
+            raise aot.DoesNotFit(rows * 1e9, topo.hbm_bytes, "TPU v5", "chip")
+        return {"batch": rows, "bytes": {"peak": rows, "temps": rows}, "compile_s": 0.0}
+
+    monkeypatch.setattr(aot, "compile_step", fake_compile)
+    cfg = tiny_config("mesh.data=4")
+    topo = dataclasses.replace(get_topology("v5p-8"))
+    best, refusal = aot.max_batch(cfg, topo, "train", False, lambda msg: None)
+    assert [p // 4 for p in probed] == [1, 2, 4, 8, 16, 12, 14, 13]
+    assert best["batch"] == 12 * 4
+    assert refusal is not None
+
+
+def test_meshes_that_split_torus_axes_or_span_slices():
+    topo = get_topology("v5p-128")
+    assert (topo.n_devices, topo.n_hosts, topo.shape) == (64, 16, "4x4x4")
+    split = ("mesh.fsdp=8", "mesh.expert=8", "moe.n_experts=8", "train.batch_size=64")
+    with pytest.raises(ConfigError, match="mesh.split_physical_axes=true"):
+        make_mesh(tiny_config(*split), list(topo.devices))
+    mesh = make_mesh(tiny_config(*split, "mesh.split_physical_axes=true"), list(topo.devices))
+    assert dict(mesh.shape) == {"data": 1, "fsdp": 8, "expert": 8, "tensor": 1}
+    assert {d.id for d in mesh.devices.flat} == {d.id for d in topo.devices}
+
+    # two v5p-8 slices: the data axis crosses them, everything else stays inside one
+    two = get_topology("v5p-8", num_slices=2)
+    mesh = make_mesh(tiny_config("mesh.data=2", "mesh.fsdp=4", "mesh.slices=2"), list(two.devices))
+    assert [{d.slice_index for d in row.flat} for row in mesh.devices] == [{0}, {1}]
+    # GPUs name no slices: hosts are the units
+    gpus = get_topology("h100:2x4")
+    mesh = make_mesh(tiny_config("mesh.data=2", "mesh.fsdp=4", "mesh.slices=2"), list(gpus.devices))
+    assert [{d.process_index for d in row.flat} for row in mesh.devices] == [{0}, {1}]
+    with pytest.raises(ConfigError, match="mesh.slices"):
+        make_mesh(tiny_config("mesh.data=1", "mesh.fsdp=8", "mesh.slices=2"), list(gpus.devices))
+
+
+def test_topology_names():
+    assert torus_3d(64) == ((4, 4, 4), (True, True, True))
+    assert torus_3d(1024)[0] == (8, 8, 16)  # v5p-2048, the squarest with sides of 4s
+    assert torus_3d(192)[0] == (4, 4, 12)
+    assert get_topology("v6e-256").n_devices == 256
+    assert get_topology("v4-8").devices[0].device_kind == "TPU v4"
+    assert get_topology("h100:4x8").n_hosts == 4
+    for bad in ("v5p-12", "v5e-2", "h100:1x9", "a100:1x8", "tpu"):
+        with pytest.raises(TopologyError, match="valid: v4-N"):
+            get_topology(bad)
+
+
+def _cli(*args):
+    return subprocess.run(
+        [sys.executable, "-m", "moe_jax.aot", *args], capture_output=True, text=True, timeout=300
+    )
+
+
+def test_cli_reports_json_and_refuses_what_does_not_fit():
+    ok = _cli("configs/tiny.yaml", "--topology", "v5e-4", "mesh.data=4")
+    assert ok.returncode == 0, ok.stderr
+    report = json.loads(ok.stdout.strip().splitlines()[-1])
+    assert report["topology"] == "v5e-4" and report["fits"] is True
+    assert set(report["bytes"]) == {
+        "arguments",
+        "outputs",
+        "aliased",
+        "temps",
+        "host_temps",
+        "peak",
+    }
+    assert report["host_peak_rss_bytes"] < 4 << 30  # nothing model-sized on the host
+    assert "per device" in ok.stdout and ok.stderr == ""
+
+    # 1 G embedding parameters with their Adam moments: 16 GiB of state on a 15.75 GiB chip
+    big = _cli("--topology", "v5e-1", "model.vocab_size=1048576", "model.d_model=1024")
+    assert big.returncode == 1, big.stderr
+    assert big.stderr == ""
+    (line,) = big.stdout.strip().splitlines()
+    assert line.startswith("does not fit: needs ")
+    assert line.endswith("per chip, a TPU v5 lite chip has 15.75 GiB")
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (("--topology", "v5p-7"), "unknown topology 'v5p-7'"),
+        (("--topology", "v5p-8", "mesh.expert=3"), "moe.n_experts (4) must be divisible"),
+        (("--topology", "v5p-8"), "the mesh uses 1 of the 4 devices"),
+        (("--topology", "v5p-8", "mesh.data=4", "model.bogus=1"), "unknown config key"),
+    ],
+)
+def test_cli_bad_input_is_one_line_and_exit_2(args, message):
+    r = _cli(*args)
+    assert r.returncode == 2
+    assert message in r.stderr and r.stderr.count("\n") == 1 and "Traceback" not in r.stderr
