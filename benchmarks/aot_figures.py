@@ -81,7 +81,9 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.strip().splitlines()[0])
     p.add_argument("--only", nargs="*", help="MODEL:TOPOLOGY pairs (default: all)")
     p.add_argument("--out", type=Path, help="JSON lines of the results, appended as they come")
-    p.add_argument("overrides", nargs="*", help="extra section.key=value for every pair")
+    p.add_argument(
+        "overrides", nargs="*", help="for every pair: section.key=value, or after -- aot flags"
+    )
     args = p.parse_args(argv)
     pairs = [(m, t) for t in TOPOLOGIES for m in CONFIGS]
     if args.only:

@@ -297,7 +297,9 @@ def _with_batch(cfg, step: str, rows_per_shard: int, n_shards: int):
     )
 
 
-def max_batch(cfg, topo, step: str, verbose: bool, log) -> tuple[dict | None, DoesNotFit | None]:
+def max_batch(
+    cfg, topo, step: str, verbose: bool, log, limit: int = MAX_ROWS_PER_SHARD
+) -> tuple[dict | None, DoesNotFit | None]:
     """Largest batch that fits: doubling, then bisection. Training batches step by the batch
     shards (data x fsdp x expert, times train.grad_accum); decode batches by one row.
     -> (report of the largest that fits or None, the smallest refusal seen)."""
@@ -330,7 +332,7 @@ def max_batch(cfg, topo, step: str, verbose: bool, log) -> tuple[dict | None, Do
         return True
 
     k = 1
-    while k <= MAX_ROWS_PER_SHARD:
+    while k <= limit:
         if probe(k):
             fits_at, k = k, 2 * k
         else:
@@ -368,6 +370,12 @@ def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, str | None, lis
     p.add_argument("--topology", required=True, help="e.g. v5p-128, v6e-256, h100:8x8")
     p.add_argument("--step", choices=("train", "decode"), default="train")
     p.add_argument("--max-batch", action="store_true", help="find the largest batch that fits")
+    p.add_argument(
+        "--max-rows",
+        type=int,
+        default=MAX_ROWS_PER_SHARD,
+        help="--max-batch tries at most this many rows per batch shard",
+    )
     p.add_argument("--hlo", metavar="FILE", help="write the optimised HLO text here")
     p.add_argument("--verbose", action="store_true", help="pass the compilers' own logs through")
     args = p.parse_intermixed_args(argv)
@@ -399,7 +407,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         with captured_stderr(args.verbose):
             topo = get_topology(args.topology, cfg.mesh.slices)
         if args.max_batch:
-            report, refusal = max_batch(cfg, topo, args.step, args.verbose, log)
+            report, refusal = max_batch(cfg, topo, args.step, args.verbose, log, args.max_rows)
             if report is None:
                 raise refusal or DoesNotFit(None, topo.hbm_bytes, "", "device")
             report["max_batch"] = True

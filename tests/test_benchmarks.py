@@ -175,3 +175,24 @@ def test_bad_arguments_get_one_line_and_exit_2(script, args, named):
     proc = run(script, *args)
     assert proc.returncode == 2
     assert named in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_aot_figures_runs_a_pair_and_keeps_its_result(tmp_path, monkeypatch):
+    """One pair end to end on a shrunk model (2 layers of the shipped Mixtral shapes would
+    take minutes; the tiny model's compile takes seconds): the row is derived from the
+    report, and a rerun takes the kept result instead of compiling again."""
+    pytest.importorskip("libtpu", reason="the `aot` extra (libtpu) is not installed")
+    import aot_figures
+
+    monkeypatch.setitem(aot_figures.CONFIGS, "mixtral", ("configs/tiny.yaml", 2))
+    out = tmp_path / "figures.jsonl"
+    args = ["--only", "mixtral:v5p-8", "--out", str(out), "--", "--max-rows=2"]
+    monkeypatch.setattr(aot_figures, "TOPOLOGIES", ("v5p-8",))
+    assert aot_figures.main(args) == 0
+    (kept,) = [json.loads(line) for line in out.read_text().splitlines()]
+    report = kept["report"]
+    assert kept["exit"] == 0 and report["max_batch"] and report["fits"]
+    row = aot_figures.row(kept)
+    assert f"{report['batch_per_device']:g}" in row and "all-to-all" in row
+    assert aot_figures.main(args) == 0  # kept: no second compile
+    assert len(out.read_text().splitlines()) == 1
