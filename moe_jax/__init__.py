@@ -1,10 +1,10 @@
 """moe_jax: a JAX/Flax NNX framework for decoder-only Mixture-of-Experts language models."""
 
 import importlib.util
-import os
 import re
 import sys
-import tempfile
+
+from moe_jax.runtime import held_stderr
 
 __version__ = "0.1.0"
 
@@ -18,18 +18,8 @@ def _import_jax_without_driver_noise() -> None:
     and test would otherwise open with six lines saying that this machine has no GPU."""
     if "jax" in sys.modules or importlib.util.find_spec("jax_cuda12_plugin") is None:
         return
-    sys.stderr.flush()
-    saved = os.dup(2)
-    with tempfile.TemporaryFile(mode="w+b") as held:
-        os.dup2(held.fileno(), 2)
-        try:
-            import jax  # noqa: F401
-        finally:
-            os.dup2(saved, 2)
-            os.close(saved)
-            held.seek(0)
-            text = held.read().decode(errors="replace")
-    sys.stderr.write("".join(s for s in text.splitlines(True) if not _NO_DRIVER_NOISE.search(s)))
+    with held_stderr(lambda line: not _NO_DRIVER_NOISE.search(line)):
+        import jax  # noqa: F401
 
 
 _import_jax_without_driver_noise()

@@ -41,7 +41,6 @@ import os
 import re
 import resource
 import sys
-import tempfile
 import time
 from collections.abc import Sequence
 
@@ -60,26 +59,11 @@ class DoesNotFit(Exception):
         )
 
 
-@contextlib.contextmanager
-def captured_stderr(keep: bool):
-    """Hold what native code (libtpu, XLA) writes to fd 2 while compiling; `keep` passes it
-    through. The text is in the yielded list once the block ends."""
-    if keep:
-        yield []
-        return
-    sys.stderr.flush()
-    saved = os.dup(2)
-    out: list[str] = []
-    with tempfile.TemporaryFile(mode="w+b") as f:
-        os.dup2(f.fileno(), 2)
-        try:
-            yield out
-        finally:
-            sys.stderr.flush()
-            os.dup2(saved, 2)
-            os.close(saved)
-            f.seek(0)
-            out.append(f.read().decode(errors="replace"))
+def quiet(verbose: bool):
+    """The compilers' own logs: passed through with --verbose, else held back."""
+    from moe_jax.runtime import held_stderr
+
+    return contextlib.nullcontext() if verbose else held_stderr()
 
 
 # ----------------------------------------------------------------------------- programs
@@ -150,7 +134,7 @@ def compile_step(cfg, topo, step: str, verbose: bool = False, hlo_path: str | No
     """Compile `step` ("train" | "decode") of `cfg` for `topo`. -> report dict.
     Raises DoesNotFit, or ConfigError / SamplingError for a config the step cannot take."""
     from moe_jax import hlo
-    from moe_jax.sharding import make_mesh, mesh_shape
+    from moe_jax.sharding import make_mesh
     from moe_jax.summary import decode_flops, train_flops_per_token
 
     mesh = make_mesh(cfg, list(topo.devices))
@@ -166,11 +150,10 @@ def compile_step(cfg, topo, step: str, verbose: bool = False, hlo_path: str | No
 
         # Each host feeds its own rows: the mesh must put them on its devices (train.py's check).
         check_batch_split(mesh, cfg.train.batch_size, lambda d: d.process_index, topo.n_hosts)
-    mesh_shape(cfg, topo.n_devices)  # the divisibility checks train.py makes
     kind = topo.devices[0].device_kind
     what = "chip" if topo.platform == "tpu" else "GPU"
     t0 = time.perf_counter()
-    with captured_stderr(verbose) as native:
+    with quiet(verbose):
         try:
             lowered = lower_train(cfg, mesh) if step == "train" else lower_decode(cfg, mesh)
             compiled = lowered.compile()
@@ -180,7 +163,6 @@ def compile_step(cfg, topo, step: str, verbose: bool = False, hlo_path: str | No
                 raise DoesNotFit(_oom_bytes(text), topo.hbm_bytes, kind, what) from None
             raise
     compile_s = time.perf_counter() - t0
-    del native
     mem = compiled.memory_analysis()
     text = compiled.as_text()
     if hlo_path:
@@ -398,13 +380,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     # Compile-only: this machine's CPU is the only device anything runs on. JAX's CUDA plugin
     # registers its compile-only topology only when the CPU is the chosen platform.
     os.environ["JAX_PLATFORMS"] = "cpu"
-    with captured_stderr(args.verbose):  # the plugins' start-up logs
+    with quiet(args.verbose):  # the plugins' start-up logs
         from moe_jax.sampling import SamplingError
         from moe_jax.topology import TopologyError, get_topology
 
     log = lambda msg: print(msg, flush=True)
     try:
-        with captured_stderr(args.verbose):
+        with quiet(args.verbose):
             topo = get_topology(args.topology, cfg.mesh.slices)
         if args.max_batch:
             report, refusal = max_batch(cfg, topo, args.step, args.verbose, log, args.max_rows)

@@ -15,9 +15,12 @@ first thing: it restarts the interpreter once with the tunable added to `GLIBC_T
 
 from __future__ import annotations
 
+import contextlib
 import os
 import platform
 import sys
+import tempfile
+from collections.abc import Callable
 
 TUNABLE = "glibc.malloc.hugetlb=1"
 
@@ -40,3 +43,22 @@ def reexec_with_hugepages() -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os.execv(sys.executable, [sys.executable, *sys.orig_argv[1:]])
+
+
+@contextlib.contextmanager
+def held_stderr(keep_line: Callable[[str], bool] = lambda line: False):
+    """Hold what native code (libtpu, XLA, the CUDA plugin) writes to fd 2 inside the block,
+    then write back only the lines `keep_line` accepts (by default none)."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile(mode="w+b") as held:
+        os.dup2(held.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            held.seek(0)
+            text = held.read().decode(errors="replace")
+            sys.stderr.write("".join(line for line in text.splitlines(True) if keep_line(line)))
