@@ -194,8 +194,15 @@ def test_logits_and_validation_perplexity_match_float(trained):
     logits = np.stack([forward(model, jnp.asarray(b[:, :-1]))[0] for b in val])
     qlogits = np.stack([forward(qmodel, jnp.asarray(b[:, :-1]))[0] for b in val])
     # Weight errors of at most 1/254 of each channel's largest weight, through 2 layers and
-    # the head, move the logits (std ~2.6 here) by ~0.02 at most (0.024 measured): 0.1 allowed.
-    np.testing.assert_allclose(qlogits, logits, atol=0.1, rtol=0)
+    # the head, move the logits (std ~2.6 here) by ~0.02 (0.024 at most in most runs): 0.1
+    # allowed. A routing decision within that perturbation of a tie flips, though: a top-2
+    # pick, or a capacity drop near the boundary (drops go in sequence order, so one flip
+    # can move later tokens' drops). Such a position's logits move wholesale (0.37 seen, at 3
+    # of 2048 positions in one CI run). So at most 0.5% of the positions may be off by more
+    # than 0.1, and the typical and mean errors stay small.
+    position_err = np.abs(qlogits - logits).max(axis=-1)  # [N, B, T]
+    assert np.mean(position_err > 0.1) <= 0.005, np.sort(position_err.ravel())[-10:]
+    assert np.median(position_err) < 0.05, np.median(position_err)
     assert np.mean(np.abs(qlogits - logits)) < 0.01  # 0.004 measured
 
     targets = np.stack(val)[..., 1:]
