@@ -2,9 +2,15 @@
 
     python -m moe_jax.plot RUN_DIR [--out DIR]
 
-writes DIR/loss.png (train loss and cross-entropy, validation loss, the validation unigram
-baseline) and DIR/expert_load.png (per MoE layer, the fraction of top-k assignments each
-expert received over training; a balanced router is a flat 1/E), DIR defaulting to RUN_DIR.
+writes into DIR (default: RUN_DIR)
+    loss.png         train cross-entropy, validation loss and the validation unigram baseline;
+                     below, on its own scale, the rest of the train loss (loss - cross-entropy:
+                     the router's aux losses and the logit z-loss), which is too small to tell
+                     the two loss curves apart on one axis
+    expert_load.png  per MoE layer, the fraction of top-k assignments each expert received over
+                     training (a balanced router is a flat 1/E)
+    dropped.png      per MoE layer, the percentage of top-k assignments dropped by capacity
+The `*_figure` functions return the matplotlib figures (None when there is nothing to show).
 """
 
 from __future__ import annotations
@@ -18,18 +24,27 @@ import matplotlib
 matplotlib.use("Agg")  # files only: no display needed
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
+from matplotlib.figure import Figure  # noqa: E402
 
 from moe_jax.metrics import METRICS_FILE, read_metrics  # noqa: E402
 
 
-def plot_loss(records: list[dict], out: Path) -> Path:
+def _moe_layer_names(records: list[dict], n_layers: int) -> list[str]:
+    """'layer N' (1-based, as in the docs) of each logged MoE layer."""
+    infos = [r for r in records if r["kind"] == "info"]
+    ids = infos[-1]["moe_layers"] if infos else list(range(n_layers))
+    return [f"layer {i + 1}" for i in ids]
+
+
+def loss_figure(records: list[dict]) -> Figure:
     train = [r for r in records if r["kind"] == "train"]
     evals = [r for r in records if r["kind"] == "eval"]
     infos = [r for r in records if r["kind"] == "info"]
-    fig, ax = plt.subplots(figsize=(8, 5))
     steps = [r["step"] for r in train]
-    ax.plot(steps, [r["loss"] for r in train], label="train loss (CE + aux)", lw=1)
-    ax.plot(steps, [r["ce"] for r in train], label="train cross-entropy", lw=1, alpha=0.7)
+    fig, (ax, ax_aux) = plt.subplots(
+        2, 1, figsize=(8, 6.5), sharex=True, gridspec_kw={"height_ratios": [3, 1]}
+    )
+    ax.plot(steps, [r["ce"] for r in train], label="train cross-entropy", lw=1)
     if evals:
         ax.plot(
             [r["step"] for r in evals],
@@ -44,18 +59,20 @@ def plot_loss(records: list[dict], out: Path) -> Path:
             ls="--",
             label="validation unigram entropy",
         )
-    ax.set_xlabel("step")
     ax.set_ylabel("nats / token")
     ax.set_title("loss")
-    ax.grid(alpha=0.3)
     ax.legend()
-    path = out / "loss.png"
-    fig.savefig(path, dpi=120, bbox_inches="tight")
-    plt.close(fig)
-    return path
+    aux = [r["loss"] - r["ce"] for r in train]
+    ax_aux.plot(steps, aux, color="tab:red", lw=1, label="train loss - cross-entropy")
+    ax_aux.set_ylabel("aux losses")
+    ax_aux.set_xlabel("step")
+    ax_aux.legend()
+    for a in (ax, ax_aux):
+        a.grid(alpha=0.3)
+    return fig
 
 
-def plot_expert_load(records: list[dict], out: Path) -> Path | None:
+def expert_load_figure(records: list[dict]) -> Figure | None:
     """One heatmap per MoE layer: experts (rows) x logged steps (columns), colour = load."""
     train = [r for r in records if r["kind"] == "train" and np.size(r["expert_load"])]
     if not train:
@@ -63,8 +80,7 @@ def plot_expert_load(records: list[dict], out: Path) -> Path | None:
     steps = np.array([r["step"] for r in train])
     load_SLE = np.array([r["expert_load"] for r in train])  # [logged steps, MoE layers, E]
     n_layers, n_experts = load_SLE.shape[1:]
-    infos = [r for r in records if r["kind"] == "info"]
-    layer_ids = infos[-1]["moe_layers"] if infos else list(range(n_layers))
+    names = _moe_layer_names(records, n_layers)
     fig, axes = plt.subplots(
         n_layers, 1, figsize=(9, 1.2 + 0.35 * n_experts * n_layers), sharex=True, squeeze=False
     )
@@ -78,16 +94,32 @@ def plot_expert_load(records: list[dict], out: Path) -> Path | None:
             vmax=float(load_SLE.max()),
             extent=(steps[0], steps[-1], n_experts - 0.5, -0.5),
         )
-        ax.set_ylabel(f"layer {layer_ids[layer] + 1}\nexpert")  # 1-based, as in the docs
+        ax.set_ylabel(f"{names[layer]}\nexpert")
     axes[-1, 0].set_xlabel("step")
     fig.colorbar(
         image, ax=axes[:, 0].tolist(), label=f"fraction of assignments (even = {1 / n_experts:.3f})"
     )
     fig.suptitle("expert load")
-    path = out / "expert_load.png"
-    fig.savefig(path, dpi=120, bbox_inches="tight")
-    plt.close(fig)
-    return path
+    return fig
+
+
+def dropped_figure(records: list[dict]) -> Figure | None:
+    """One line per MoE layer: the percentage of its top-k assignments dropped by capacity."""
+    train = [r for r in records if r["kind"] == "train" and np.size(r["dropped_frac"])]
+    if not train:
+        return None
+    steps = [r["step"] for r in train]
+    dropped_SL = 100 * np.array([r["dropped_frac"] for r in train])  # [logged steps, MoE layers]
+    fig, ax = plt.subplots(figsize=(8, 4))
+    names = _moe_layer_names(records, dropped_SL.shape[1])
+    for name, dropped_S in zip(names, dropped_SL.T, strict=True):
+        ax.plot(steps, dropped_S, lw=1, label=name)
+    ax.set_xlabel("step")
+    ax.set_ylabel("% of assignments")
+    ax.set_title("dropped by expert capacity (moe.capacity_factor)")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    return fig
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -120,9 +152,16 @@ def main(argv: list[str] | None = None) -> int:
         reason = "a file of that name is in the way" if out.is_file() else e.strerror
         print(f"error: cannot create --out '{out}' ({reason}); choose a directory", file=sys.stderr)
         return 2
-    for path in (plot_loss(records, out), plot_expert_load(records, out)):
-        if path is not None:
-            print(path)
+    for name, make in (
+        ("loss.png", loss_figure),
+        ("expert_load.png", expert_load_figure),
+        ("dropped.png", dropped_figure),
+    ):
+        fig = make(records)
+        if fig is not None:
+            fig.savefig(out / name, dpi=120, bbox_inches="tight")
+            plt.close(fig)
+            print(out / name)
     return 0
 
 

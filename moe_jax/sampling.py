@@ -35,9 +35,9 @@ unrolled here whatever `model.scan_layers` says, and the stacked layer blocks ar
 (see `unstack_blocks`). The KV cache has `bucket + max_new_tokens` slots; each step attends
 over all of them under the position mask.
 
-An int8 model (`moe_jax.quantize`) runs the same program: its weights enter as int8 values
+An int8 model (`moe_jax.model.int8`) runs the same program: its weights enter as int8 values
 and scales, and each layer's are dequantised inside the loop in that layer's turn (XLA would
-otherwise hoist them out of the loop as float copies; see `moe_jax.quantize.after`).
+otherwise hoist them out of the loop as float copies; see `moe_jax.model.int8.after`).
 
 Streaming (`on_token`) calls back to the host from inside the compiled loop
 (`jax.debug.callback`, ordered) rather than running the loop in chunks from Python: the
@@ -70,7 +70,7 @@ from jax.sharding import PartitionSpec as P
 
 from moe_jax.config import MAX_TEMPERATURE, MIN_TEMPERATURE
 from moe_jax.model import Transformer
-from moe_jax.quantize import is_quantized, quantize_model
+from moe_jax.model.int8 import is_quantized, quantize_model
 
 MIN_BUCKET = 16  # shortest prompt bucket: shorter prompts are padded to this
 STOP_BUCKET = 8  # stop-token lists are padded to a multiple of this

@@ -19,7 +19,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import shutil
+import stat
 
 import jax.numpy as jnp
 import numpy as np
@@ -419,6 +421,25 @@ def test_export_never_overwrites(tmp_path):
     with pytest.raises(InteropError, match="not empty"):
         save_hf(cfg, nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0))), tmp_path)
     assert [p.name for p in tmp_path.iterdir()] == ["keep.txt"]
+
+
+@pytest.mark.parametrize(
+    "umask, dir_mode, file_mode", [(0o022, 0o755, 0o644), (0o077, 0o700, 0o600)]
+)
+def test_export_modes_follow_the_umask(mixtral_dir, tmp_path, umask, dir_mode, file_mode):
+    """Like anything else the user writes, so that others can read an export under umask 022
+    (tempfile.mkdtemp makes directories 700, and safetensors 0.8 its files 600)."""
+    _, directory = mixtral_dir
+    cfg, model = load_hf(directory / "plain")
+    out = tmp_path / "out"
+    previous = os.umask(umask)
+    try:
+        save_hf(cfg, model, out, max_shard_bytes=100_000)  # several shards and an index
+    finally:
+        os.umask(previous)
+    modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in out.iterdir()}
+    assert stat.S_IMODE(out.stat().st_mode) == dir_mode
+    assert len(modes) > 3 and set(modes.values()) == {file_mode}, modes
 
 
 # ----------------------------------------------------------------------------- CLI

@@ -12,14 +12,13 @@ from __future__ import annotations
 import dataclasses
 import json
 import shutil
-import tempfile
 from pathlib import Path
 
 import jax
 import numpy as np
 from flax import nnx
 
-from moe_jax.checkpoint import make_dir
+from moe_jax.checkpoint import make_temp_sibling
 from moe_jax.config import Config, ConfigError, validate
 from moe_jax.interop import llama, llama4, mixtral, qwen3
 from moe_jax.interop.common import Family, HFConfig, Source, top_rules
@@ -226,8 +225,7 @@ def save_hf(
         where = ".".join(map(str, diff[0]))
         raise InteropError(f"the params do not match the config (first difference at {where})")
 
-    make_dir(out.parent, "the output directory's parent")
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    tmp = make_temp_sibling(out)
     try:
         writer = ShardWriter(tmp, max_shard_bytes)
         for name_prefix, rule, paths, block in _placements(cfg, family):

@@ -15,6 +15,7 @@ memory is written in per-layer pieces.
 from __future__ import annotations
 
 import json
+import os
 import struct
 from pathlib import Path
 
@@ -25,6 +26,13 @@ from safetensors.numpy import save_file
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 _FLOAT_DTYPES = ("F64", "F32", "F16")  # dtypes the NumPy API reads itself
+
+
+def _new_file_mode() -> int:
+    """The mode `open()` gives a new file: 0o666 less the umask (which only os.umask reads)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    return 0o666 & ~umask
 
 
 class InteropError(ValueError):
@@ -138,6 +146,9 @@ class ShardWriter:
     def _flush(self) -> None:
         path = self.directory / f"shard-{len(self._shards):05d}.tmp"
         save_file(self._pending, path, metadata={"format": "pt"})
+        # safetensors 0.8 writes through a temporary file of mode 600 and keeps that mode
+        # (safetensors issue #782): give the shard the umask's, like config.json and the index.
+        os.chmod(path, _new_file_mode())
         self._shards.append((path, list(self._pending)))
         self._pending, self._pending_bytes = {}, 0
 

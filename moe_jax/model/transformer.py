@@ -39,9 +39,9 @@ from flax import nnx
 from moe_jax.config import Config
 from moe_jax.model.attention import ATTENTION_OUT, Attention, KVCache
 from moe_jax.model.filled_rows import SAVED_NAMES
+from moe_jax.model.int8 import after
 from moe_jax.model.moe import MoE, SwiGLU
 from moe_jax.model.norm import RMSNorm
-from moe_jax.quantize import after
 from moe_jax.sharding import param
 
 

@@ -1,0 +1,86 @@
+"""The package's import structure: no import cycle among moe_jax modules, the model apart from
+the tools built on it, and every module importable on its own.
+
+A cycle works or breaks depending on which of its modules is imported first, and one closed
+by an import inside a function is the same circle, only deferred; so the graph below holds
+every import of a module, wherever it is written. Read with `ast`, nothing is imported.
+"""
+
+from __future__ import annotations
+
+import ast
+import graphlib
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+MODULES = {_module_name(p): p for p in sorted((ROOT / "moe_jax").rglob("*.py"))}
+
+
+def imports(name: str) -> set[str]:
+    """The moe_jax modules that module `name` imports, at its top or in a function."""
+    found = set()
+    for node in ast.walk(ast.parse(MODULES[name].read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            assert node.level == 0, f"{name}: relative import"  # the package uses none
+            # `from package import name`: the package's own code, unless every name is a
+            # submodule (its package is then a parent, which is set up before any child)
+            names = {f"{node.module}.{alias.name}" for alias in node.names}
+            submodules = names & MODULES.keys()
+            found |= submodules if submodules == names else submodules | {node.module}
+    return {m for m in found if m in MODULES and m != name}
+
+
+def test_no_module_imports_itself_back():
+    graph = {name: imports(name) for name in MODULES}
+    assert graph["moe_jax.checkpoint"] and graph["moe_jax.quantize"]  # the walk sees imports
+    try:
+        graphlib.TopologicalSorter(graph).prepare()
+    except graphlib.CycleError as e:
+        pytest.fail(f"import cycle: {' -> '.join(e.args[1])}")
+
+
+def test_the_model_imports_only_the_config_and_sharding():
+    """The model is what checkpoints, quantisation, interop and training are built on."""
+    allowed = {"moe_jax.config", "moe_jax.sharding"}
+    for name in MODULES:
+        if name.startswith("moe_jax.model"):
+            outside = {m for m in imports(name) if not m.startswith("moe_jax.model")}
+            assert outside <= allowed, f"{name} imports {sorted(outside - allowed)}"
+
+
+def test_every_module_imports_on_its_own():
+    """One interpreter, every moe_jax module dropped from sys.modules before each import, so
+    that each is imported first (jax and the other libraries stay loaded: seconds, not a
+    minute)."""
+    script = """
+import importlib, sys
+for name in sys.argv[1:]:
+    for loaded in [m for m in sys.modules if m == "moe_jax" or m.startswith("moe_jax.")]:
+        del sys.modules[loaded]
+    try:
+        importlib.import_module(name)
+    except Exception as e:
+        print(f"{name}: {type(e).__name__}: {e}")
+"""
+    proc = subprocess.run(
+        [sys.executable, "-c", script, *MODULES],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout == ""
