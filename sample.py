@@ -14,24 +14,33 @@ import argparse
 import sys
 from pathlib import Path
 
-from moe_jax.runtime import reexec_with_hugepages
+from moe_jax.runtime import import_jax, reexec_with_hugepages
 
 if __name__ == "__main__":  # first: a glibc tunable is read only when a process starts
     reexec_with_hugepages()
 
 import numpy as np  # noqa: E402
 
-from moe_jax.checkpoint import RunError, load_run  # noqa: E402
-from moe_jax.data import DataError  # noqa: E402
-from moe_jax.quantize import (  # noqa: E402
-    QUANTIZATIONS,
-    QuantizeError,
-    check_quantization,
-    quantize_model,
-)
-from moe_jax.sampling import Sampler, SamplingError  # noqa: E402
+from moe_jax.config import MAX_TEMPERATURE, MIN_TEMPERATURE  # noqa: E402
 
 SEPARATOR = "\n" + "-" * 40 + "\n"
+# Each sampling flag's own range: (argparse dest, test, rule), checked before jax is imported.
+FLAG_RULES = (
+    ("num_samples", lambda v: v >= 1, "must be >= 1"),
+    ("max_new_tokens", lambda v: v >= 1, "must be >= 1"),
+    (
+        "temperature",
+        lambda v: v == 0 or MIN_TEMPERATURE <= v <= MAX_TEMPERATURE,
+        f"must be 0 (greedy) or within [{MIN_TEMPERATURE:g}, {MAX_TEMPERATURE:g}]",
+    ),
+    ("top_k", lambda v: v >= 0, "must be >= 0 (0 = off)"),
+    ("top_p", lambda v: 0 < v <= 1, "must be within (0, 1] (1 = off)"),
+    ("seed", lambda v: 0 <= v < 2**32, "must be within [0, 2^32)"),  # a PRNG key's 32 bits
+)
+
+
+class FlagError(ValueError):
+    """A flag's value that no run can use; the message names the flag."""
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -55,20 +64,31 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument(
         "--quantize",
         metavar="MODE",
-        help=f"quantise the weights after loading: {', '.join(QUANTIZATIONS)} (a run written by "
-        "`python -m moe_jax.quantize` is int8 already)",
+        help="quantise the weights after loading, e.g. int8 (a run written by `python -m "
+        "moe_jax.quantize` is int8 already)",
     )
     return p.parse_args(argv)
 
 
-def read_prompt(args: argparse.Namespace, default: str) -> str:
+def checked_prompt(args: argparse.Namespace) -> str | None:
+    """The prompt the flags give (None: the run's sample.prompt), after checking every flag's
+    value: all of it before jax is imported and the run loaded, which take seconds."""
+    for dest, ok, rule in FLAG_RULES:
+        value = getattr(args, dest)
+        if value is not None and not ok(value):
+            raise FlagError(f"--{dest.replace('_', '-')} {rule}, got {value}")
     if args.prompt_file is None:
-        return default if args.prompt is None else args.prompt
-    try:
-        return args.prompt_file.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as e:
-        reason = e.strerror if isinstance(e, OSError) else "not valid UTF-8"
-        raise SamplingError(f"cannot read prompt file '{args.prompt_file}': {reason}") from None
+        prompt, flag = args.prompt, "--prompt"
+    else:
+        flag = f"--prompt-file '{args.prompt_file}'"
+        try:
+            prompt = args.prompt_file.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            reason = e.strerror if isinstance(e, OSError) else "not valid UTF-8"
+            raise FlagError(f"cannot read {flag}: {reason}") from None
+    if prompt == "":
+        raise FlagError(f"{flag} is empty; give at least one character (e.g. a newline)")
+    return prompt
 
 
 class Streamer:
@@ -98,8 +118,22 @@ class Streamer:
 def main(argv: list[str]) -> int:
     args = parse_args(argv)
     try:
-        if args.num_samples is not None and args.num_samples < 1:
-            raise SamplingError(f"--num-samples must be >= 1, got {args.num_samples}")
+        prompt = checked_prompt(args)
+    except FlagError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    import_jax()
+    return sample(args, prompt)
+
+
+def sample(args: argparse.Namespace, prompt: str | None) -> int:
+    """Load the run and print its samples (the flags are checked)."""
+    from moe_jax.checkpoint import RunError, load_run
+    from moe_jax.data import DataError
+    from moe_jax.quantize import QuantizeError, check_quantization, quantize_model
+    from moe_jax.sampling import Sampler, SamplingError
+
+    try:
         if args.quantize is not None:
             check_quantization(args.quantize)  # before the (slow) load
         cfg, model, tokenizer = load_run(args.run, args.step)
@@ -107,13 +141,20 @@ def main(argv: list[str]) -> int:
             model = quantize_model(model, args.quantize)
         s = cfg.sample
         num_samples = args.num_samples if args.num_samples is not None else s.batch_size
-        prompt = read_prompt(args, s.prompt)
+        new_tokens = s.max_new_tokens if args.max_new_tokens is None else args.max_new_tokens
+        prompt = s.prompt if prompt is None else prompt
         ids = tokenizer.encode(prompt).tolist()
+        if len(ids) + new_tokens > cfg.model.max_seq_len:  # as the Sampler would, in flags
+            raise SamplingError(
+                f"the prompt's {len(ids)} tokens + --max-new-tokens {new_tokens} exceed the "
+                f"model's context (model.max_seq_len={cfg.model.max_seq_len}); shorten the "
+                "prompt or lower --max-new-tokens"
+            )
         sampler = Sampler(model)
         streamer = Streamer(tokenizer, prompt) if num_samples == 1 else None
         out = sampler.generate(
             [ids] * num_samples,
-            args.max_new_tokens if args.max_new_tokens is not None else s.max_new_tokens,
+            new_tokens,
             temperature=args.temperature if args.temperature is not None else s.temperature,
             top_k=args.top_k if args.top_k is not None else s.top_k,
             top_p=args.top_p if args.top_p is not None else s.top_p,

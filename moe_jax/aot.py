@@ -37,7 +37,6 @@ import contextlib
 import dataclasses
 import json
 import math
-import os
 import re
 import resource
 import sys
@@ -377,9 +376,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    # Compile-only: this machine's CPU is the only device anything runs on. JAX's CUDA plugin
-    # registers its compile-only topology only when the CPU is the chosen platform.
-    os.environ["JAX_PLATFORMS"] = "cpu"
+    # Compile-only: this machine's CPU is the only device anything runs on (also on a TPU or
+    # GPU host). JAX's CUDA plugin offers its compile-only topology only when the CPU is the
+    # chosen platform. `python -m` has imported jax quietly already (moe_jax/__init__.py).
+    import jax
+
+    jax.config.update("jax_platforms", "cpu")
     with quiet(args.verbose):  # the plugins' start-up logs
         from moe_jax.sampling import SamplingError
         from moe_jax.topology import TopologyError, get_topology

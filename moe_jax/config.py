@@ -23,6 +23,7 @@ from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
 DTYPES = ("float32", "bfloat16")
 REMAT_POLICIES = ("none", "dots", "full")
+DEFAULT_WARMUP_STEPS = 50  # train.warmup_steps=null: this many, at most a tenth of the run
 
 
 class ConfigError(ValueError):
@@ -118,7 +119,9 @@ class TrainConfig:
     grad_accum: int = 1  # micro-batches per step; batch_size must divide by it
     lr: float = 3e-3
     min_lr_ratio: float = 0.1
-    warmup_steps: int = 50
+    # Steps of linear warmup to lr; None: DEFAULT_WARMUP_STEPS, at most a tenth of the run
+    # (see `warmup`), so that any train.steps works and a short run is not mostly warmup
+    warmup_steps: int | None = None
     weight_decay: float = 0.1
     decay_embeddings: bool = False
     b1: float = 0.9
@@ -131,6 +134,16 @@ class TrainConfig:
     log_every: int = 10
     peak_flops: float = 0.0  # FLOP/s of one device (one host on CPU) for MFU; 0 = measure
     tensorboard: bool = True  # TensorBoard event files in RUN_DIR/tb (JSONL is always written)
+    # Resume from this saved step instead of the latest (e.g. when the latest is damaged); the
+    # checkpoints after it are moved to RUN_DIR/superseded. 0 = the latest. A one-off override.
+    resume_step: int = 0
+
+    @property
+    def warmup(self) -> int:
+        """The warmup steps in effect: warmup_steps, or min(DEFAULT_WARMUP_STEPS, steps // 10)."""
+        if self.warmup_steps is not None:
+            return self.warmup_steps
+        return min(DEFAULT_WARMUP_STEPS, self.steps // 10)
 
 
 @dataclass(frozen=True)
@@ -447,8 +460,18 @@ def validate(cfg: Config) -> None:
         t.seq_len <= m.max_seq_len,
         f"train.seq_len ({t.seq_len}) exceeds model.max_seq_len ({m.max_seq_len})",
     )
-    _require(0 <= t.warmup_steps <= t.steps, "train.warmup_steps must be within [0, train.steps]")
+    if t.warmup_steps is not None:
+        _require(t.warmup_steps >= 0, f"train.warmup_steps must be >= 0, got {t.warmup_steps}")
+        _require(
+            t.warmup_steps <= t.steps,
+            f"train.warmup_steps ({t.warmup_steps}) exceeds train.steps ({t.steps}); set it to "
+            f"at most {t.steps}, or to null for the default, min({DEFAULT_WARMUP_STEPS}, "
+            "train.steps // 10)",
+        )
     _require(0.0 <= t.min_lr_ratio <= 1.0, "train.min_lr_ratio must be within [0, 1]")
+    _require(
+        t.resume_step >= 0, f"train.resume_step must be >= 0 (0 = the latest), got {t.resume_step}"
+    )
     _require(
         0.0 < cfg.data.val_fraction < 1.0,
         f"data.val_fraction must be within (0, 1), got {cfg.data.val_fraction}",

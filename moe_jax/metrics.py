@@ -9,28 +9,41 @@ MFU = achieved model FLOP/s / the job's peak FLOP/s, where model FLOPs per token
 `moe_jax.summary.train_flops_per_token` (active experts only). The peak of one compute unit is
 either `train.peak_flops` or, when that is 0, measured once at start-up with a large jitted
 matmul (the most a dense fp32 kernel reaches on it); the job's peak is that times
-`compute_units()`.
+`compute_units()`: accelerators, or hosts on CPU.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import socket
 import time
+import zlib
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import multihost_utils
 
 METRICS_FILE = "metrics.jsonl"
 
 
 def measure_peak_flops(n: int = 2048, repeats: int = 5) -> float:
     """FLOP/s of the fastest of `repeats` jitted fp32 [n, n] @ [n, n] matmuls on one device.
-    Call it outside `jax.set_mesh`: under a mesh the matmul runs replicated on every device."""
+    Call it outside `jax.set_mesh`: under a mesh the matmul runs replicated on every device.
+
+    Every process of a multi-process run calls it and gets process 0's figure, measured while
+    the others wait: processes sharing a host would each time only a share of its cores."""
     if not jax.sharding.get_abstract_mesh().empty:
         raise RuntimeError("measure_peak_flops() under a mesh would time every device at once")
+    if jax.process_count() > 1:
+        mine = _matmul_flops(n, repeats) if jax.process_index() == 0 else 0.0
+        return float(multihost_utils.broadcast_one_to_all(np.float32(mine)))
+    return _matmul_flops(n, repeats)
+
+
+def _matmul_flops(n: int, repeats: int) -> float:
     a = jnp.ones((n, n), jnp.float32)
     matmul = jax.jit(jnp.dot)
     matmul(a, a).block_until_ready()  # compile and warm up
@@ -43,10 +56,16 @@ def measure_peak_flops(n: int = 2048, repeats: int = 5) -> float:
 
 
 def compute_units() -> int:
-    """How many peaks the job has: every accelerator is one, but the CPU devices of a process
-    (many of them when simulated with --xla_force_host_platform_device_count) share that
-    host's cores, which one matmul already keeps busy, so a CPU job has one per process."""
-    return jax.process_count() if jax.default_backend() == "cpu" else jax.device_count()
+    """How many peaks the job has: every accelerator is one, but the CPU devices of a host
+    (many of them when simulated with --xla_force_host_platform_device_count, of one or more
+    processes) share its cores, which one matmul already keeps busy, so a CPU job has one per
+    host. Hosts are told apart by name (gathered from every process, which must all call it)."""
+    if jax.default_backend() != "cpu":
+        return jax.device_count()
+    if jax.process_count() == 1:
+        return 1
+    name = np.uint32(zlib.crc32(socket.gethostname().encode()))
+    return len(np.unique(multihost_utils.process_allgather(name)))
 
 
 def _jsonable(v):

@@ -19,6 +19,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from moe_jax.config import Config, ConfigError
+from moe_jax.runtime import drop_gloo_noise
 
 MESH_AXES = ("data", "fsdp", "expert", "tensor")
 BATCH_AXES = ("data", "fsdp", "expert")  # the batch is split over all of these
@@ -175,8 +176,8 @@ def init_distributed(cfg: Config) -> None:
     m = cfg.mesh
     if not (m.distributed or m.coordinator_address or m.num_processes > 1):
         return
-    if jax.config.jax_platforms in (None, "", "cpu"):
-        # XLA:CPU needs a collectives backend to reduce across processes.
+    gloo = jax.config.jax_platforms in (None, "", "cpu")
+    if gloo:  # XLA:CPU needs a collectives backend to reduce across processes
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
     try:
         jax.distributed.initialize(
@@ -191,6 +192,8 @@ def init_distributed(cfg: Config) -> None:
             "(host:port of process 0), mesh.num_processes and mesh.process_id, or run under "
             "a cluster manager JAX detects (SLURM, Open MPI)"
         ) from None
+    if gloo:
+        drop_gloo_noise()
 
 
 def n_batch_shards(mesh: Mesh | None = None) -> int:

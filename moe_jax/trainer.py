@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import math
 import signal
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -51,7 +52,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from tqdm import tqdm
 
-from moe_jax.checkpoint import Checkpointer, inspect_run
+from moe_jax.checkpoint import Checkpointer, RunError, inspect_run, no_space
 from moe_jax.config import Config, TrainConfig
 from moe_jax.data import eval_batches, load_data, train_iterator
 from moe_jax.metrics import MetricsWriter, compute_units, measure_peak_flops
@@ -79,11 +80,11 @@ def lr_schedule(t: TrainConfig) -> Callable[[jax.Array], jax.Array]:
 
     def schedule(step):
         s = jnp.asarray(step, jnp.float32)
-        warm = t.lr * (s + 1) / max(t.warmup_steps, 1)
-        progress = jnp.clip((s - t.warmup_steps) / max(t.steps - t.warmup_steps, 1), 0.0, 1.0)
+        warm = t.lr * (s + 1) / max(t.warmup, 1)
+        progress = jnp.clip((s - t.warmup) / max(t.steps - t.warmup, 1), 0.0, 1.0)
         cosine = 0.5 * (1 + jnp.cos(jnp.pi * progress))
         decayed = t.lr * (t.min_lr_ratio + (1 - t.min_lr_ratio) * cosine)
-        return jnp.where(s < t.warmup_steps, warm, decayed)
+        return jnp.where(s < t.warmup, warm, decayed)
 
     return schedule
 
@@ -308,13 +309,26 @@ def _summarise(window: list[tuple[int, dict]]) -> dict:
 
 def train(cfg: Config, *, stop_at: int | None = None) -> TrainResult:
     """Train `cfg` in `cfg.run_dir` to step `cfg.train.steps` (resuming from its latest
-    checkpoint), or stop with a checkpoint after step `stop_at` (to split a run into jobs).
+    checkpoint, or `train.resume_step`), or stop with a checkpoint after step `stop_at` (to
+    split a run into jobs).
 
-    Raises DataError / RunError (bad input, nothing written) or TrainingError (divergence).
+    Raises DataError / RunError (bad input or a run dir in use, nothing written),
+    TrainingError (divergence) or SaveError (a checkpoint could not be written).
     """
     t = cfg.train
     is_main = jax.process_index() == 0
-    log = tqdm.write if is_main else (lambda msg: None)
+    prefix = f"[process {jax.process_index()}/{jax.process_count()}] "
+
+    def log(msg: str, others: str | None = None) -> None:
+        """Process 0 prints the run's lines; the other processes print `others`, a short line
+        where process 0 reports progress. Each host of a cluster usually has a log of its own,
+        and one that stays silent cannot be told from one that hangs; but the metrics are the
+        same on every process, so repeating them would only be noise."""
+        if is_main:
+            tqdm.write(msg)
+        elif others is not None:
+            tqdm.write(prefix + others)
+        sys.stdout.flush()  # a log file shows the line now, not a buffer later
 
     resume = inspect_run(cfg)  # read-only; refuses an incompatible run dir
     data = load_data(cfg, resume.tokenizer if resume else None)
@@ -373,8 +387,17 @@ def train(cfg: Config, *, stop_at: int | None = None) -> TrainResult:
         jax.process_count(),
         cfg.data.num_workers,
     )
-    ckpt = Checkpointer(cfg)
+    # Locks the run dir: from here on no other run writes to it. With train.resume_step in
+    # effect, the checkpoints after that step are moved to RUN_DIR/superseded.
+    going_back = resume is not None and resume.step == t.resume_step
+    ckpt = Checkpointer(cfg, supersede_after=resume.step if going_back else None)
     try:
+        expected = resume.step if resume else None
+        if ckpt.latest_step() != expected:  # another run saved in it since `inspect_run`
+            raise RunError(
+                f"run_dir '{cfg.run_dir}' changed while this run was starting (another run "
+                f"saved checkpoint {ckpt.latest_step()} in it); rerun the same command"
+            )
         if resume:  # onto this run's mesh, whatever mesh saved it
             params, opt_state = ckpt.restore(
                 resume.step, abstract_state["params"], abstract_state["opt_state"], it
@@ -393,6 +416,10 @@ def train(cfg: Config, *, stop_at: int | None = None) -> TrainResult:
         peak = t.peak_flops or measure_peak_flops()
         with jax.set_mesh(mesh):
             return _loop(cfg, mesh, graphdef, tx, state, it, data, ckpt, resume, stop_at, log, peak)
+    except OSError as e:  # the disk filled up under the metrics too: one line for both
+        if not no_space(e):
+            raise
+        raise ckpt.save_error(e) from None
     finally:
         ckpt.close()  # waits for an async save in flight, so it is never lost
 
@@ -405,7 +432,8 @@ def _loop(
     end = t.steps if stop_at is None else min(stop_at, t.steps)
     unigram = data.val_unigram_entropy
     if start >= end:
-        log(f"{cfg.run_dir} is already at step {start} (asked for {end}); nothing to do")
+        msg = f"{cfg.run_dir} is already at step {start} (asked for {end}); nothing to do"
+        log(msg, others=msg)
         return TrainResult(start, None, unigram, None)
 
     total, active = param_counts(cfg)
@@ -413,8 +441,11 @@ def _loop(
     units = compute_units()
     peak = unit_peak * units
     peak_src = "train.peak_flops" if t.peak_flops else "measured jnp.dot peak"
+    on_cpu = jax.default_backend() == "cpu"
     if units > 1:
-        peak_src += f" x {units} " + ("hosts" if jax.default_backend() == "cpu" else "devices")
+        peak_src += f" x {units} " + ("hosts" if on_cpu else "devices")
+    if on_cpu and jax.process_count() > units:  # processes that share a host share its peak
+        peak_src += f", {jax.process_count()} processes on {units} host" + "s" * (units > 1)
     tokens_per_step = t.batch_size * t.seq_len
     log(
         f"model: {total:,} params ({active:,} active/token), "
@@ -467,10 +498,9 @@ def _loop(
             window.append((step, metrics))
             if step == start + 1:  # the first step compiles: keep it out of the throughput
                 _wait_for_steps(state)
-                log(
-                    f"step {step}: compiled and ran the train step in "
-                    f"{time.perf_counter() - timer:.1f} s"
-                )
+                seconds = time.perf_counter() - timer
+                msg = f"step {step}: compiled and ran the train step in {seconds:.1f} s"
+                log(msg, others=msg)
                 timer, excluded = time.perf_counter(), 0.0
             else:
                 timed_steps += 1
@@ -494,7 +524,7 @@ def _loop(
                 }
                 writer.write(record)
                 bar.set_postfix(loss=f"{m['loss']:.3f}", refresh=False)
-                log(_format_train(record, end))
+                log(_format_train(record, end), others=f"step {step}/{end}")
                 timed_steps, timer, excluded = 0, time.perf_counter(), 0.0
 
             if step % t.eval_every == 0 or final:
@@ -523,10 +553,11 @@ def _loop(
                 last_saved = step
                 excluded += time.perf_counter() - t0
             if stopping:  # the value the save above saw, not a later signal
-                log(
+                msg = (
                     f"received {signal.Signals(signum).name}: stopped at step {step}; "
                     f"checkpoint saved in {cfg.run_dir}, rerun the same command to resume"
                 )
+                log(msg, others=msg)
                 return TrainResult(step, val_loss, unigram, signum)
     return TrainResult(step, val_loss, unigram, None)
 

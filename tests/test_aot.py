@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import subprocess
 import sys
 
@@ -192,10 +193,25 @@ def test_topology_names():
             get_topology(bad)
 
 
-def _cli(*args):
+def _cli(*args, env=None):
     return subprocess.run(
-        [sys.executable, "-m", "moe_jax.aot", *args], capture_output=True, text=True, timeout=300
+        [sys.executable, "-m", "moe_jax.aot", *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
     )
+
+
+def test_cli_needs_no_platform_setting():
+    """As a user runs it: without JAX_PLATFORMS (the tests set it to cpu), libtpu and the CUDA
+    plugin must not try to start, and the GPU topology must be found (it is offered only with
+    the CPU as the platform). The mesh error comes after the topology is built."""
+    env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
+    r = _cli("--topology", "h100:1x4", "mesh.expert=3", env=env)
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.startswith("error: moe.n_experts (4) must be divisible"), r.stderr
+    assert r.stderr.count("\n") == 1
 
 
 def test_cli_reports_json_and_refuses_what_does_not_fit():

@@ -1,10 +1,14 @@
 """Orbax checkpoints and run directories: exact round trip (params, optimizer, data position,
 config, tokenizer), keep-last-K, a crash mid-save keeping the previous checkpoint, load_run and
-its errors, and refusing run directories that cannot be continued, with nothing touched.
-No train step is compiled here; budget: ~15 s (two short subprocesses)."""
+its errors, and refusing run directories that cannot be continued, with nothing touched; a
+full disk mid-save as one error line, and resuming from an earlier checkpoint than the latest.
+Two tests compile the tiny train step (the same program as tests/test_train.py's, cached);
+budget: ~30 s (three short subprocesses)."""
 
 from __future__ import annotations
 
+import errno
+import os
 import re
 import runpy
 import subprocess
@@ -20,6 +24,7 @@ from flax import nnx
 from moe_jax.checkpoint import (
     Checkpointer,
     RunError,
+    SaveError,
     incompatible_keys,
     inspect_run,
     load_run,
@@ -27,8 +32,9 @@ from moe_jax.checkpoint import (
     write_inference_run,
 )
 from moe_jax.data import ByteTokenizer, train_iterator
+from moe_jax.metrics import read_metrics
 from moe_jax.model import Transformer
-from moe_jax.trainer import init_state, make_optimizer
+from moe_jax.trainer import init_state, make_optimizer, train
 from tests.helpers import TINY_BASE
 from tests.test_train import TINY, _cfg, subprocess_env
 
@@ -44,13 +50,15 @@ def _write_checkpoints(cfg, steps=(3,)):
     it = train_iterator(TOKENS, cfg.train.seq_len, cfg.train.batch_size, cfg.seed)
     ckpt = Checkpointer(cfg)
     done = 0
-    for step in steps:
-        for _ in range(step - done):
-            next(it)
-        done = step
-        meta = {"config": cfg, "tokenizer": ByteTokenizer(), "fingerprint": "f00d"}
-        ckpt.save(step, state["params"], state["opt_state"], it, meta)
-    ckpt.close()
+    try:
+        for step in steps:
+            for _ in range(step - done):
+                next(it)
+            done = step
+            meta = {"config": cfg, "tokenizer": ByteTokenizer(), "fingerprint": "f00d"}
+            ckpt.save(step, state["params"], state["opt_state"], it, meta)
+    finally:
+        ckpt.close()
     return state, it
 
 
@@ -139,8 +147,14 @@ def test_a_damaged_checkpoint_is_named_with_the_fix_and_nothing_touched(tmp_path
     _write_checkpoints(cfg, steps=(2, 5))
     _damage(run, 5, how)
     before = _snapshot(run)
-    fix = r"checkpoint 5 in '.*run' is damaged and cannot be read \(.*\); use an earlier one "
-    fix += r"\(saved steps: \[2, 5\]\): --step 2 to sample"
+    what = {
+        "params": r"array '[\w.]+' of its params cannot be read \(NOT_FOUND\)",
+        "meta": r"'.*run/checkpoints/5/meta/metadata' cannot be read \(JSONDecodeError: .*\)",
+        "data": r"'.*run/checkpoints/5/data/process_0-of-1.json' cannot be read \(JSONDe.*\)",
+    }[how]
+    fix = rf"checkpoint 5 in '.*run' is damaged: {what}; use an earlier checkpoint \(saved "
+    fix += r"steps: \[2, 5\]\): --step 2 to sample, quantise or export it, train.resume_step=2 "
+    fix += r"to resume training from it \(the later ones are moved to superseded/ in the run\)$"
     if how != "data":  # sampling reads params and meta only
         with pytest.raises(RunError, match=fix):
             load_run(run)
@@ -321,3 +335,123 @@ def test_crash_mid_save_keeps_the_previous_checkpoint(tmp_path):
     _assert_trees_equal(nnx.state(model, nnx.Param), state["params"])
     Checkpointer(cfg).close()  # opening the run for training clears the unfinished save
     assert sorted(p.name for p in ckpt_dir.iterdir() if not p.name.startswith("_")) == ["1"]
+
+
+def _fill_the_disk_at(step: int, setattr=setattr, tensorstore: bool = False) -> None:
+    """Make the save of checkpoint `step` fail with ENOSPC, in Orbax's background threads: in
+    the metadata files it writes from Python (TensorStore writes the arrays, in C++, and
+    reports ENOSPC as the ValueError that `tensorstore=True` raises instead)."""
+    from orbax.checkpoint._src.path import async_path
+
+    write_text = async_path.write_text
+
+    async def full_disk(path, text):
+        if f"/{step}.orbax-checkpoint-tmp" in str(path):
+            if tensorstore:
+                raise ValueError(
+                    f'RESOURCE_EXHAUSTED: Error writing local file "{path}": Failed to write '
+                    "6999 bytes to file 9: No space left on device [os_error_code='28']"
+                )
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+        return await write_text(path, text)
+
+    setattr(async_path, "write_text", full_disk)
+
+
+NO_SPACE = (
+    r"no space left on the device of '{run}' \(checkpoint 4 takes about 0\.\d MiB\); free space "
+    r"there and rerun the same command: it resumes from checkpoint 2, the last complete one"
+)
+
+
+@pytest.mark.parametrize("async_save, tensorstore", [(True, False), (False, True)])
+def test_a_full_disk_fails_the_save_in_one_error_and_keeps_the_previous_one(
+    tmp_path, monkeypatch, async_save, tensorstore
+):
+    run = tmp_path / "run"
+    cfg = _cfg(run, f"checkpoint.async_save={async_save}")
+    _fill_the_disk_at(4, monkeypatch.setattr, tensorstore)
+    with pytest.raises(SaveError, match=NO_SPACE.format(run=re.escape(str(run)))):
+        _write_checkpoints(cfg, steps=(2, 4))  # async: raised when closing, which waits for it
+    assert inspect_run(cfg).step == 2
+    load_run(run)  # checkpoint 2 is whole
+    assert not (run / "train.lock").exists()  # closed all the same
+
+
+def test_a_full_disk_under_the_metrics_is_the_same_one_error(tmp_path, monkeypatch):
+    """The metrics writers fill the same disk (and, after a failed save, may raise again as
+    they close): their ENOSPC is the same one line."""
+    from moe_jax.metrics import MetricsWriter
+
+    def full_disk(self, record):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(MetricsWriter, "write", full_disk)
+    run = tmp_path / "run"
+    with pytest.raises(SaveError) as e:
+        train(_cfg(run), stop_at=2)  # the first record is written before the first step
+    assert str(e.value) == (
+        f"no space left on the device of '{run}'; free space there and rerun the same "
+        "command: no checkpoint is complete yet, so it starts again from step 0"
+    )
+
+
+FULL_DISK_SCRIPT = """
+import runpy, sys
+sys.path.insert(0, {root!r})
+from moe_jax.runtime import import_jax
+import_jax()  # as train.py does, before this test module imports jax
+from tests.test_checkpoint import _fill_the_disk_at
+_fill_the_disk_at(4)
+sys.exit(runpy.run_path({train!r})["main"]({argv!r}))
+"""
+
+
+def test_cli_full_disk_is_one_line_and_the_run_resumes_after(tmp_path):
+    """A full disk while the async save of step 4 runs: Orbax logs each failed write with its
+    traceback, and Python prints the coroutines it abandons at exit; what is left is one line,
+    and the next run resumes from checkpoint 2."""
+    run = tmp_path / "run"
+    argv = ["configs/tiny.yaml", *TINY_BASE, *TINY, "checkpoint.every=2", f"run_dir={run}"]
+    script = FULL_DISK_SCRIPT.format(root=str(ROOT), train=str(ROOT / "train.py"), argv=argv)
+    proc = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=300,
+        env=subprocess_env(),
+    )
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert re.fullmatch("error: " + NO_SPACE.format(run=re.escape(str(run))) + "\n", proc.stderr)
+    assert sorted(p.name for p in (run / "checkpoints").glob("[0-9]*")) == [
+        "2",
+        "4.orbax-checkpoint-tmp",
+    ]
+    assert train(_cfg(run, "checkpoint.every=2"), stop_at=4).step == 4
+    assert sorted(p.name for p in (run / "checkpoints").glob("[0-9]*")) == ["2", "4"]
+
+
+def test_training_resumes_from_an_earlier_checkpoint_than_a_damaged_latest(tmp_path, capsys):
+    run = tmp_path / "run"
+    _write_checkpoints(_cfg(run), steps=(2, 5))
+    _damage(run, 5, "params")
+    assert TRAIN_MAIN(["configs/tiny.yaml", *TINY_BASE, *TINY, f"run_dir={run}"]) == 2
+    assert "train.resume_step=2 to resume training from it" in capsys.readouterr().err
+    damaged = _snapshot(run / "checkpoints" / "5")
+
+    with pytest.raises(RunError, match=r"resume_step=3, but .* no checkpoint for step 3 \(saved"):
+        train(_cfg(run, "train.resume_step=3"), stop_at=4)
+    assert train(_cfg(run, "train.resume_step=2"), stop_at=3).step == 3
+    assert [r["step"] for r in read_metrics(run) if r["kind"] == "train"] == [3]  # from 2
+    assert sorted(p.name for p in (run / "checkpoints").glob("[0-9]*")) == ["2", "3"]
+    moved = {
+        p.relative_to(run / "superseded" / "5"): v
+        for p, v in _snapshot(run / "superseded" / "5").items()
+    }
+    assert moved == {p.relative_to(run / "checkpoints" / "5"): v for p, v in damaged.items()}
+    # The same command again (as after a SIGTERM) goes on from 3, not back to 2.
+    assert train(_cfg(run, "train.resume_step=2"), stop_at=4).step == 4
+    assert [r["step"] for r in read_metrics(run) if r["kind"] == "train"] == [3, 4]
+    assert sorted(p.name for p in (run / "checkpoints").glob("[0-9]*")) == ["3", "4"]  # keep 2
+    assert sorted(p.name for p in (run / "superseded").iterdir()) == ["5"]

@@ -237,7 +237,12 @@ VALIDATION_CASES = {
         ["train.seq_len=1024"],
         "train.seq_len (1024) exceeds model.max_seq_len (512)",
     ),
-    "warmup": (["train.warmup_steps=601"], "train.warmup_steps must be within [0, train.steps]"),
+    "warmup": (
+        ["train.steps=10", "train.warmup_steps=50"],
+        "train.warmup_steps (50) exceeds train.steps (10); set it to at most 10, or to null for "
+        "the default, min(50, train.steps // 10)",
+    ),
+    "negative_warmup": (["train.warmup_steps=-1"], "train.warmup_steps must be >= 0, got -1"),
     "min_lr_ratio": (["train.min_lr_ratio=1.5"], "train.min_lr_ratio must be within [0, 1]"),
     "val_fraction": (["data.val_fraction=1.0"], "data.val_fraction must be within (0, 1), got 1.0"),
     # checkpoint, sampling
@@ -295,6 +300,19 @@ def test_valid_edge_cases_load(overrides):
     load_config(TINY, overrides)
 
 
+@pytest.mark.parametrize(
+    "overrides, warmup",
+    [
+        (["train.steps=10"], 1),  # a short run: a tenth of it
+        (["train.steps=3"], 0),
+        (["train.steps=5000"], 50),  # a long one: the default's 50 steps
+        (["train.steps=10", "train.warmup_steps=10"], 10),  # set: as given
+    ],
+)
+def test_default_warmup_scales_with_a_short_run(overrides, warmup):
+    assert load_config(TINY, overrides).train.warmup == warmup
+
+
 # ----------------------------------------------------------------------------- loading
 
 
@@ -349,6 +367,32 @@ def test_config_is_frozen():
 
 
 # ----------------------------------------------------------------------------- CLI
+
+
+def run_importing(*argv: str) -> tuple[int, list[str], set[str]]:
+    """`python -X importtime ARGV` from the repository root: (exit status, stderr lines other
+    than the import times, top-level packages the process imported)."""
+    proc = subprocess.run(
+        [sys.executable, "-X", "importtime", *argv],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    lines = proc.stderr.splitlines()
+    imported = [line.split("|")[-1].strip() for line in lines if line.startswith("import time:")]
+    err = [line for line in lines if not line.startswith("import time:")]
+    return proc.returncode, err, {name.split(".")[0] for name in imported}
+
+
+def test_train_cli_bad_config_fails_before_importing_jax():
+    """A mistake costs a fraction of a second, not jax's import (seconds)."""
+    code, err, modules = run_importing("train.py", "train.steps=10", "train.warmup_steps=20")
+    assert code == 2 and err == [
+        "error: train.warmup_steps (20) exceeds train.steps (10); set it to at most 10, or to "
+        "null for the default, min(50, train.steps // 10)"
+    ]
+    assert "omegaconf" in modules and not {"jax", "flax", "orbax"} & modules
 
 
 def run_summary(*args: str) -> subprocess.CompletedProcess:

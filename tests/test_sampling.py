@@ -31,6 +31,7 @@ from moe_jax.sampling import (
 from moe_jax.sharding import make_mesh, state_shardings
 from moe_jax.trainer import init_state, make_optimizer
 from tests.helpers import forward, tiny_config
+from tests.test_config import run_importing
 
 MARGIN = 1e-4
 N_NEW = 12
@@ -386,9 +387,11 @@ def test_cli_streams_one_sample_and_batches_several(run_dir, capsys):
         (["--run", "{tmp}/missing"], "run directory '{tmp}/missing' does not exist"),
         (["--run", "{tmp}"], "no checkpoint in '{tmp}'"),
         (["--run", "{run}", "--prompt", "the fox!?"], "not in the char tokenizer's vocabulary"),
-        (["--run", "{run}", "--max-new-tokens", "600"], "exceeds the model's context"),
-        (["--run", "{run}", "--prompt-file", "{tmp}/none.txt"], "cannot read prompt file"),
-        (["--run", "{run}", "--num-samples", "0"], "--num-samples must be >= 1"),
+        (
+            ["--run", "{run}", "--max-new-tokens", "600"],
+            "the prompt's 1 tokens + --max-new-tokens 600 exceed the model's context "
+            "(model.max_seq_len=512); shorten the prompt or lower --max-new-tokens",
+        ),
     ],
 )
 def test_cli_bad_input_is_one_line_and_exit_2(run_dir, tmp_path, capsys, flags, message):
@@ -398,3 +401,34 @@ def test_cli_bad_input_is_one_line_and_exit_2(run_dir, tmp_path, capsys, flags, 
     assert captured.err.startswith("error: ") and captured.err.count("\n") == 1
     assert fill(message) in captured.err
     assert captured.out == ""
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--num-samples", "0"], "--num-samples must be >= 1, got 0"),
+        (["--max-new-tokens", "0"], "--max-new-tokens must be >= 1, got 0"),
+        (["--temperature", "-1"], "--temperature must be 0 (greedy) or within [1e-06, 1e+06]"),
+        (["--temperature", "nan"], "--temperature must be 0 (greedy) or within"),
+        (["--top-k", "-1"], "--top-k must be >= 0 (0 = off), got -1"),
+        (["--top-p", "1.5"], "--top-p must be within (0, 1] (1 = off), got 1.5"),
+        (["--seed", "-1"], "--seed must be within [0, 2^32), got -1"),
+        (["--prompt", ""], "--prompt is empty; give at least one character"),
+        (["--prompt-file", "{tmp}/none.txt"], "cannot read --prompt-file '{tmp}/none.txt'"),
+    ],
+)
+def test_cli_bad_flag_is_named_before_the_run_is_read(tmp_path, capsys, flags, message):
+    """The run directory does not exist: the flag's error comes first, nothing is loaded."""
+    fill = lambda s: s.format(tmp=tmp_path)
+    assert SAMPLE_MAIN(["--run", str(tmp_path / "missing"), *map(fill, flags)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {fill(message)}") and err.count("\n") == 1
+
+
+def test_cli_bad_flag_fails_before_importing_jax(tmp_path):
+    """A mistake costs a fraction of a second, not jax's import (seconds): run sample.py as a
+    user would, with `-X importtime` listing every module the process imported."""
+    argv = ["sample.py", "--run", str(tmp_path), "--top-p", "0"]
+    code, err, modules = run_importing(*argv)
+    assert (code, err) == (2, ["error: --top-p must be within (0, 1] (1 = off), got 0.0"])
+    assert "numpy" in modules and not {"jax", "flax", "orbax"} & modules

@@ -1,0 +1,270 @@
+"""Every command in README.md works as written, so that the README stays true.
+
+The commands are read from README.md itself (no second copy here): each line of its ```bash
+blocks (comments dropped, `\\` continuations joined, split at `&&`) and each inline code span
+that starts with `python `. They run in a temporary directory (holding a link to configs/),
+in README order, so that later commands find the runs that earlier ones wrote (sample.py and
+quantize use the default run, export the RoPE run ...).
+
+What runs, and how, to fit the budget (measured: ~65 s of CPU time for the whole file, ~45 s
+in this process and ~20 s in two child processes):
+- train.py, sample.py and the `python -m moe_jax.*` tools (summary, plot, quantize, interop)
+  run for real, in this process through `runpy` (no interpreter start-up per command, and one
+  compile serves the commands that share a program): train.py with FAST_TRAIN appended (3
+  steps of a smaller model), sample.py with FAST_SAMPLE. An `XLA_FLAGS=...device_count=N`
+  prefix is checked against this process's devices (conftest's 8) instead of being applied,
+  and MOE_JAX_HUGEPAGES=0 keeps the CLIs from restarting this process. Each train.py command
+  must log its last step: one that resumed another's finished run would train nothing.
+- The two-process commands (`mesh.num_processes=2`, one of them in the background) run for
+  real as two processes with 2 CPU devices each, on a free port instead of the README's.
+- `python -m moe_jax.aot` compiles full-size models for minutes (tests/test_aot.py covers
+  compiling): its command line is parsed, its config loaded with the overrides and its
+  topology name checked to be one it knows.
+- The "real cluster" line (`mesh.distributed=true`) needs a cluster: its config is loaded.
+- `HF_DIR` (a placeholder) is the Hugging Face directory the README's own export line
+  writes; the commands that name it run last.
+- `curl` downloads, and tests never do: the file it would fetch is copied from LOCAL_COPIES,
+  or stood in for by README.md's own text where this machine has no copy.
+- Not run: the install lines (`python3 -m venv`, `. .venv/bin/activate`, `pip`) and the
+  test suite's own lines (`ruff`, `pytest`).
+A command this file does not know how to run fails `test_every_readme_command_is_known`.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import runpy
+import shlex
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import jax
+
+from moe_jax import aot
+from moe_jax.config import Config, load_config
+from moe_jax.topology import TopologyError, get_topology
+from tests.conftest import FAST_COMPILE
+from tests.helpers import TINY_BASE
+from tests.test_distributed import _free_port
+
+ROOT = Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
+FAST_TRAIN = [  # 3 steps of a smaller model: the README's architecture costs the compiles
+    *TINY_BASE,
+    "model.n_layers=2",
+    "train.steps=3",
+    "train.batch_size=8",  # divides over the README's 8-device and 2 x 2 meshes
+    "train.seq_len=32",
+    "train.eval_every=3",
+    "train.eval_batches=1",
+    "train.log_every=1",
+    "train.peak_flops=1e11",  # skips the start-up matmul measurement
+    "checkpoint.every=3",
+    "data.embedded_max_bytes=200000",
+]
+LAST_STEP = "step 3/3 |"  # what a train.py run with FAST_TRAIN logs last
+FAST_SAMPLE = ["--max-new-tokens", "8"]
+SHAKESPEARE_URL = (
+    "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
+)
+LOCAL_COPIES = {SHAKESPEARE_URL: ROOT.parent / "shared/data/tinyshakespeare.txt"}
+TOOLS = ("moe_jax.summary", "moe_jax.plot", "moe_jax.quantize", "moe_jax.interop")
+DEVICE_COUNT = re.compile(r"--xla_force_host_platform_device_count=(\d+)")
+COORDINATOR_PORT = re.compile(r"^(mesh\.coordinator_address=.*:)\d+$")
+
+
+@dataclass
+class Command:
+    words: list[str]
+    env: dict[str, str]  # from `export` lines before it in its block and `NAME=value` prefixes
+    background: bool  # ends in `&`
+
+    def __str__(self) -> str:
+        return shlex.join(self.words)
+
+    @property
+    def kind(self) -> str:
+        """How this file runs it (see the module doc)."""
+        w = self.words
+        if w[0] in (".", "source", "pip", "ruff", "pytest") or w[:3] == ["python3", "-m", "venv"]:
+            return "not run"
+        if w[0] == "curl":
+            return "download"
+        if w[0] != "python" or len(w) < 2:
+            return "unknown"
+        if w[1] == "train.py":
+            if "mesh.distributed=true" in w:
+                return "cluster"
+            return "processes" if any(a.startswith("mesh.num_processes=") for a in w) else "run"
+        module = w[2] if w[1] == "-m" and len(w) > 2 else None
+        if w[1] == "sample.py" or module in TOOLS:
+            return "run"
+        return "aot" if module == "moe_jax.aot" else "unknown"
+
+
+def _shell_line(line: str, exported: dict[str, str]) -> list[Command]:
+    """The commands of one shell line; an `export` adds to `exported` (its block's)."""
+    lexer = shlex.shlex(line, posix=True, punctuation_chars=True)
+    lexer.whitespace_split = True
+    commands, words = [], []
+    for token in [*lexer, "&&"]:
+        if token not in ("&&", "&"):
+            words.append(token)
+            continue
+        env = dict(exported)
+        while words and re.fullmatch(r"[A-Za-z_]\w*=.*", words[0]):
+            name, _, value = words.pop(0).partition("=")
+            env[name] = value
+        if words[:1] == ["export"]:
+            exported.update(word.split("=", 1) for word in words[1:])
+        elif words:
+            commands.append(Command(words, env, background=token == "&"))
+        words = []
+    return commands
+
+
+def readme_commands() -> list[Command]:
+    text = README.read_text(encoding="utf-8")
+    commands = []
+    for block in re.findall(r"^```bash\n(.*?)^```", text, re.S | re.M):
+        exported = {}
+        for line in block.replace("\\\n", " ").splitlines():
+            commands += _shell_line(line, exported)
+    for span in re.findall(r"`(python [^`]+)`", text):
+        commands += _shell_line(span, {})
+    return commands
+
+
+def test_every_readme_command_is_known():
+    commands = readme_commands()
+    unknown = [str(c) for c in commands if c.kind == "unknown"]
+    assert not unknown, f"tests/test_readme_commands.py cannot run these yet: {unknown}"
+    assert "python train.py" in map(str, commands)  # the parse finds the README's commands
+
+
+def _train_config(cmd: Command, monkeypatch) -> Config:
+    """The config a `python train.py [CONFIG.yaml] [key=value ...]` command trains."""
+    monkeypatch.chdir(ROOT)
+    args = cmd.words[2:]
+    path = args.pop(0) if args and "=" not in args[0] else "configs/tiny.yaml"
+    return load_config(path, args)
+
+
+def test_each_readme_training_has_its_own_run_dir(monkeypatch):
+    """A train.py command on another one's run directory resumes that run, and does nothing
+    where that run is finished; the processes of one multi-process run share theirs."""
+    runs = {}
+    for cmd in readme_commands():
+        if cmd.words[:2] == ["python", "train.py"]:
+            one_run = re.sub(r" mesh\.process_id=\d+", "", str(cmd))
+            runs.setdefault(_train_config(cmd, monkeypatch).run_dir, set()).add(one_run)
+    shared = {run: cmds for run, cmds in runs.items() if len(cmds) > 1}
+    assert not shared, f"train.py commands that share a run directory: {shared}"
+
+
+# ----------------------------------------------------------------------------- run for real
+
+
+def _download(cmd: Command, workdir: Path) -> None:
+    """What the download would fetch, from LOCAL_COPIES (or a stand-in text)."""
+    (url,) = [w for w in cmd.words if w.startswith("https://")]
+    assert url in LOCAL_COPIES, f"no local copy of {url} for `{cmd}`: add one to LOCAL_COPIES"
+    out = workdir / cmd.words[cmd.words.index("-o") + 1]
+    out.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(LOCAL_COPIES[url] if LOCAL_COPIES[url].is_file() else README, out)
+
+
+def _run_in_process(cmd: Command, hf_dir: str, monkeypatch) -> int:
+    """`cmd`'s exit status, run as `python ...` would run it, in this process."""
+    for name, value in cmd.env.items():
+        devices = DEVICE_COUNT.fullmatch(value) if name == "XLA_FLAGS" else None
+        assert devices, f"`{cmd}`: this file cannot apply {name}={value} in-process"
+        assert int(devices[1]) == jax.device_count(), f"`{cmd}` asks for {value}"
+    words = [hf_dir if w == "HF_DIR" else w for w in cmd.words]
+    if words[1] == "train.py":
+        words += FAST_TRAIN
+    elif words[1] == "sample.py" and "--help" not in words:
+        words += FAST_SAMPLE
+    if words[1] == "-m":
+        package = importlib.util.find_spec(words[2]).submodule_search_locations is not None
+        main = f"{words[2]}.__main__" if package else words[2]
+        monkeypatch.delitem(sys.modules, main, raising=False)  # run fresh, as `python -m` does
+        monkeypatch.setattr(sys, "argv", [words[2], *words[3:]])
+        run = lambda: runpy.run_module(words[2], run_name="__main__", alter_sys=True)
+    else:
+        monkeypatch.setattr(sys, "argv", words[1:])
+        run = lambda: runpy.run_path(str(ROOT / words[1]), run_name="__main__")
+    try:
+        run()
+    except SystemExit as e:
+        return e.code if isinstance(e.code, int) else int(e.code is not None)
+    return 0
+
+
+def test_readme_commands_run(tmp_path, monkeypatch, capsys):
+    commands = readme_commands()
+    (export,) = [c for c in commands if c.words[2:4] == ["moe_jax.interop", "export"]]
+    hf_dir = export.words[export.words.index("--out") + 1]
+    (tmp_path / "configs").symlink_to(ROOT / "configs")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("MOE_JAX_HUGEPAGES", "0")  # no re-exec of this process
+    todo = [c for c in commands if c.kind in ("run", "download")]
+    done = set()
+    for cmd in sorted(todo, key=lambda c: "HF_DIR" in c.words):  # stable: README order
+        if str(cmd) in done:  # the same command again (the README repeats `python train.py`)
+            continue
+        done.add(str(cmd))
+        if cmd.kind == "download":
+            _download(cmd, tmp_path)
+            continue
+        code = _run_in_process(cmd, hf_dir, monkeypatch)
+        out = capsys.readouterr()
+        assert code == 0, f"`{cmd}` exited {code}:\n{out.out[-2000:]}\n{out.err[-2000:]}"
+        if cmd.words[1] == "train.py":  # trained, rather than found a finished run to resume
+            assert LAST_STEP in out.out, f"`{cmd}` trained no steps:\n{out.out[-2000:]}"
+
+
+def test_readme_two_process_commands_train_together(tmp_path):
+    """Both at once, 2 CPU devices each, as the README's shell would start them."""
+    commands = [c for c in readme_commands() if c.kind == "processes"]
+    assert [c.background for c in commands] == [True, False]
+    port = _free_port()
+    procs = []
+    for cmd in commands:
+        env = os.environ | cmd.env
+        env["XLA_FLAGS"] = f"{env['XLA_FLAGS']} {FAST_COMPILE}"
+        words = [COORDINATOR_PORT.sub(rf"\g<1>{port}", w) for w in cmd.words]
+        argv = [sys.executable, str(ROOT / words[1]), *words[2:], *FAST_TRAIN]
+        pipes = dict(stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        procs.append(subprocess.Popen(argv, cwd=tmp_path, env=env, **pipes))
+    try:
+        outs = [p.communicate(timeout=300)[0] for p in procs]  # a safety net against a hang
+    finally:
+        for p in procs:
+            p.kill()
+    tails = "\n".join(out[-3000:] for out in outs)  # one process's failure stops the other
+    for cmd, p in zip(commands, procs, strict=True):
+        assert p.returncode == 0, f"`{cmd}` exited {p.returncode}:\n{tails}"
+    assert "over 4 devices, 2 process" in outs[0] and LAST_STEP in outs[0]
+
+
+# ----------------------------------------------------------------------------- checked only
+
+
+def test_readme_aot_and_cluster_commands_load(monkeypatch):
+    monkeypatch.chdir(ROOT)
+    commands = readme_commands()
+    for cmd in [c for c in commands if c.kind == "aot"]:
+        args, path, overrides = aot.parse_args(cmd.words[3:])
+        cfg = load_config(path, overrides)
+        try:
+            get_topology(args.topology, cfg.mesh.slices)
+        except TopologyError as e:  # without the `aot` extra: the name is known, no compiler
+            assert not str(e).startswith("unknown topology"), f"`{cmd}`: {e}"
+    for cmd in [c for c in commands if c.kind == "cluster"]:
+        _train_config(cmd, monkeypatch)
