@@ -5,7 +5,7 @@
     python benchmarks/profile_step.py --set model.scan_layers=true --trace-dir /tmp/trace
 
 Profiles the train step as `train.py` runs it (train_throughput.real_train_step: the
-config's mesh, one device by default, and `moe_jax.trainer.make_train_step`). Before tracing, the
+config's mesh, one device by default, and `moe_jax.train_step.make_train_step`). Before tracing, the
 model's parts are wrapped in `jax.named_scope`s (attention core, projections, RoPE, norms,
 router, dispatch, experts, combine, aux statistics, loss) by patching them from outside: the
 scopes only rename HLO ops, the computation is unchanged. Each XLA op the CPU runtime executed
@@ -48,7 +48,7 @@ import moe_jax.model.attention as attention_mod
 import moe_jax.model.moe as moe_mod
 import moe_jax.model.norm as norm_mod
 import moe_jax.model.transformer as transformer_mod
-import moe_jax.trainer as trainer_mod
+import moe_jax.train_step as train_step_mod
 from moe_jax.config import ConfigError
 from moe_jax.metrics import measure_peak_flops
 from moe_jax.runtime import reexec_with_hugepages
@@ -74,7 +74,7 @@ SCOPES = {
     "norm": (norm_mod.RMSNorm, "__call__"),
     "aux": (transformer_mod.Transformer, "_aux"),
     "embed_head": (transformer_mod.Transformer, "__call__"),
-    "loss": (trainer_mod, "loss_fn"),
+    "loss": (train_step_mod, "loss_fn"),
 }
 
 

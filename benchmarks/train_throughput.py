@@ -5,7 +5,7 @@
     python benchmarks/train_throughput.py --no-peer --set moe.capacity_factor=2.0
 
 Ours is exactly what `train.py` runs: the config's mesh (one device unless `--set mesh.*`),
-`moe_jax.trainer.init_state` + `make_train_step` on it (AdamW with clipping and weight-decay
+`moe_jax.train_step.init_state` + `make_train_step` on it (AdamW with clipping and weight-decay
 mask, aux losses, donated state), on random byte windows [B, T+1]. The peer is the
 `transformers` model of the same architecture (benchmarks/common.py builds its config from
 ours), random init, torch CPU float32 on `torch.set_num_threads(2)`,
@@ -61,7 +61,7 @@ def real_train_step(cfg, n_batches: int = 4):
     import jax
 
     from moe_jax.sharding import global_batch, make_mesh
-    from moe_jax.trainer import init_state, make_optimizer, make_train_step
+    from moe_jax.train_step import init_state, make_optimizer, make_train_step
 
     tx = make_optimizer(cfg.train)
     mesh = make_mesh(cfg)

@@ -11,8 +11,8 @@ what it needs per device: memory, FLOPs, collectives.
 Needs the `aot` extra (libtpu and the jax CUDA plugin, compile-only: `pip install -e '.[aot]'`).
 Nothing runs and nothing model-sized is allocated here: the mesh is laid over compile-only
 devices (`moe_jax.topology`), the train state is described by shapes and shardings, and the
-program compiled is exactly the one `train.py` runs (`trainer.make_train_step` over
-`trainer.init_state`), or with `--step decode` the sampler's prefill + decode program
+program compiled is exactly the one `train.py` runs (`train_step.make_train_step`
+over `train_step.init_state`), or with `--step decode` the sampler's prefill + decode program
 (`sampling.Sampler`) for `sample.batch_size` rows of `sample.prompt_len` prompt tokens and
 `sample.max_new_tokens` new ones, with the weights laid out over the mesh like the training
 state's (the sampler itself is not yet mesh-aware: its program is partitioned by the compiler
@@ -74,7 +74,7 @@ def lower_train(cfg, mesh):
     import jax.numpy as jnp
 
     from moe_jax.sharding import batch_sharding
-    from moe_jax.trainer import init_state, make_optimizer, make_train_step
+    from moe_jax.train_step import init_state, make_optimizer, make_train_step
 
     tx = make_optimizer(cfg.train)
     graphdef, state = init_state(cfg, tx, abstract=True, mesh=mesh)

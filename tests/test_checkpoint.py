@@ -34,7 +34,8 @@ from moe_jax.checkpoint import (
 from moe_jax.data import ByteTokenizer, train_iterator
 from moe_jax.metrics import read_metrics
 from moe_jax.model import Transformer
-from moe_jax.trainer import init_state, make_optimizer, train
+from moe_jax.train_step import init_state, make_optimizer
+from moe_jax.trainer import train
 from tests.helpers import TINY_BASE
 from tests.test_train import TINY, _cfg, subprocess_env
 

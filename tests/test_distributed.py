@@ -27,7 +27,8 @@ from flax import nnx
 from moe_jax.checkpoint import load_run
 from moe_jax.metrics import read_metrics
 from moe_jax.sharding import global_batch, make_mesh
-from moe_jax.trainer import init_state, make_optimizer, make_train_step, train
+from moe_jax.train_step import init_state, make_optimizer, make_train_step
+from moe_jax.trainer import train
 from tests.helpers import TINY_BASE, tiny_config
 
 ROOT = Path(__file__).resolve().parents[1]

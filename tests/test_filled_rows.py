@@ -99,7 +99,7 @@ def scanned_train_grad_hlo(monkeypatch, unrolled: bool):
     from flax import nnx
 
     from moe_jax.model import Transformer
-    from moe_jax.trainer import loss_fn
+    from moe_jax.train_step import loss_fn
 
     one_expert_at_a_time(monkeypatch, unrolled)
     over = ["moe.interleave_step=1", "attention.nope_interval=0", "model.scan_layers=true"]

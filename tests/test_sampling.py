@@ -29,7 +29,7 @@ from moe_jax.sampling import (
     sample_tokens,
 )
 from moe_jax.sharding import make_mesh, state_shardings
-from moe_jax.trainer import init_state, make_optimizer
+from moe_jax.train_step import init_state, make_optimizer
 from tests.helpers import forward, tiny_config
 from tests.test_config import run_importing
 

@@ -27,16 +27,16 @@ from moe_jax import trainer
 from moe_jax.checkpoint import inspect_run, load_run
 from moe_jax.metrics import read_metrics
 from moe_jax.plot import main as plot_main
-from moe_jax.trainer import (
-    TrainingError,
+from moe_jax.train_step import (
+    clip_by_global_norm,
     compute_grads,
     decay_mask,
     init_state,
     loss_fn,
     lr_schedule,
     make_optimizer,
-    train,
 )
+from moe_jax.trainer import TrainingError, train
 from tests.helpers import tiny_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -141,13 +141,13 @@ def test_clip_by_global_norm_equals_optax_and_zero_turns_it_off(scale):
     keys = jax.random.split(jax.random.key(0), 3)
     grads = {"w": jax.random.normal(keys[0], (64, 32)), "b": jax.random.normal(keys[1], (32,))}
     grads = jax.tree.map(lambda g: g * scale / optax.tree.norm(grads), grads)  # norm = scale
-    ours, state = trainer.clip_by_global_norm(1.0).update(grads, optax.EmptyState())
+    ours, state = clip_by_global_norm(1.0).update(grads, optax.EmptyState())
     want, _ = optax.clip_by_global_norm(1.0).update(grads, optax.EmptyState())
     assert state == optax.clip_by_global_norm(1.0).init(grads)  # checkpoints keep their layout
     assert float(optax.tree.norm(ours)) == pytest.approx(min(scale, 1.0), rel=1e-6)
     for name in grads:  # (g / n) * c against g * (c / n): a few ulps of float32 apart
         np.testing.assert_allclose(ours[name], want[name], rtol=1e-6, atol=0)
-    off, _ = trainer.clip_by_global_norm(0.0).update(grads, optax.EmptyState())
+    off, _ = clip_by_global_norm(0.0).update(grads, optax.EmptyState())
     assert all(off[n] is grads[n] for n in grads)
 
 

@@ -36,7 +36,7 @@ from moe_jax.data import DataError, load_data, train_iterator
 from moe_jax.interop.convert import FAMILIES, load_hf, save_hf
 from moe_jax.interop.safetensors_io import InteropError
 from moe_jax.model import Transformer
-from moe_jax.trainer import make_optimizer
+from moe_jax.train_step import make_optimizer
 
 
 def _require_empty(out: Path) -> None:
