@@ -7,9 +7,10 @@ between two checkpoints are superseded by the rerun. TensorBoard event files go 
 
 MFU = achieved model FLOP/s / the job's peak FLOP/s, where model FLOPs per token come from
 `moe_jax.summary.train_flops_per_token` (active experts only). The peak of one compute unit is
-either `train.peak_flops` or, when that is 0, measured once at start-up with a large jitted
-matmul (the most a dense fp32 kernel reaches on it); the job's peak is that times
-`compute_units()`: accelerators, or hosts on CPU.
+`train.peak_flops`, or when that is 0: on a TPU or GPU the chip's dense bf16 peak
+(`BF16_PEAK_FLOPS`, the vendors' figures, as MaxText and the papers quote MFU), on CPU one
+measured at start-up with a large jitted matmul (the most a dense fp32 kernel reaches on it).
+The job's peak is that times `compute_units()`: accelerators, or hosts on CPU.
 """
 
 from __future__ import annotations
@@ -27,6 +28,35 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 METRICS_FILE = "metrics.jsonl"
+
+# Dense bf16 matmul FLOP/s of one device by the start of jax's `device_kind`, the first match
+# wins (vendors' data sheets; H100 and H200 SXM without sparsity).
+BF16_PEAK_FLOPS = (
+    ("TPU v4", 275e12),
+    ("TPU v5 lite", 197e12),  # v5e
+    ("TPU v5", 459e12),  # v5p
+    ("TPU v6 lite", 918e12),  # v6e
+    ("NVIDIA H100 PCIe", 756e12),
+    ("NVIDIA H100", 989e12),
+    ("NVIDIA H200", 989e12),
+)
+
+
+def chip_peak_flops(device_kind: str) -> float | None:
+    """The bf16 peak of an accelerator of this kind, or None for a kind not in the table."""
+    return next((peak for kind, peak in BF16_PEAK_FLOPS if device_kind.startswith(kind)), None)
+
+
+def unit_peak_flops(configured: float) -> tuple[float, str]:
+    """-> (peak FLOP/s of one compute unit, where it comes from): `configured` if set, else
+    the accelerator's bf16 peak from the table, else (CPU, or a chip the table lacks) measured.
+    Call it outside `jax.set_mesh` (see measure_peak_flops)."""
+    if configured:
+        return configured, "train.peak_flops"
+    kind = jax.devices()[0].device_kind
+    if jax.default_backend() != "cpu" and (peak := chip_peak_flops(kind)):
+        return peak, f"bf16 peak of a {kind}"
+    return measure_peak_flops(), "measured jnp.dot peak"
 
 
 def measure_peak_flops(n: int = 2048, repeats: int = 5) -> float:

@@ -29,7 +29,7 @@ from tqdm import tqdm
 from moe_jax.checkpoint import Checkpointer, RunError, inspect_run, no_space
 from moe_jax.config import Config
 from moe_jax.data import eval_batches, load_data, train_iterator
-from moe_jax.metrics import MetricsWriter, compute_units, measure_peak_flops
+from moe_jax.metrics import MetricsWriter, compute_units, unit_peak_flops
 from moe_jax.sharding import check_batch_split, global_batch, make_mesh
 from moe_jax.summary import param_counts, train_flops_per_token
 from moe_jax.train_step import init_state, make_eval_step, make_optimizer, make_train_step
@@ -218,8 +218,8 @@ def train(cfg: Config, *, stop_at: int | None = None) -> TrainResult:
             log(f"resumed from {cfg.run_dir} at step {resume.step}")
         else:
             _, state = init_state(cfg, tx, mesh=mesh)
-        # Outside the mesh: under it, the test matmul would run replicated on every device.
-        peak = t.peak_flops or measure_peak_flops()
+        # Outside the mesh: under it, a measured matmul would run replicated on every device.
+        peak = unit_peak_flops(t.peak_flops)
         with jax.set_mesh(mesh):
             return _loop(cfg, mesh, graphdef, tx, state, it, data, ckpt, resume, stop_at, log, peak)
     except OSError as e:  # the disk filled up under the metrics too: one line for both
@@ -233,6 +233,7 @@ def train(cfg: Config, *, stop_at: int | None = None) -> TrainResult:
 def _loop(
     cfg, mesh, graphdef, tx, state, it, data, ckpt, resume, stop_at, log, unit_peak
 ) -> TrainResult:
+    """The steps from `resume` (or 0) to the end; `unit_peak` = (FLOP/s, its source)."""
     t = cfg.train
     start = resume.step if resume else 0
     end = t.steps if stop_at is None else min(stop_at, t.steps)
@@ -245,8 +246,7 @@ def _loop(
     total, active = param_counts(cfg)
     flops_per_token = train_flops_per_token(cfg)
     units = compute_units()
-    peak = unit_peak * units
-    peak_src = "train.peak_flops" if t.peak_flops else "measured jnp.dot peak"
+    peak, peak_src = unit_peak[0] * units, unit_peak[1]
     on_cpu = jax.default_backend() == "cpu"
     if units > 1:
         peak_src += f" x {units} " + ("hosts" if on_cpu else "devices")

@@ -22,6 +22,7 @@ from jax.sharding import PartitionSpec as P
 
 from moe_jax import aot, hlo
 from moe_jax.config import ConfigError
+from moe_jax.metrics import chip_peak_flops
 from moe_jax.sharding import make_mesh
 from moe_jax.summary import param_breakdown
 from moe_jax.topology import TopologyError, get_topology, torus_3d
@@ -179,6 +180,23 @@ def test_meshes_that_split_torus_axes_or_span_slices():
     assert [{d.process_index for d in row.flat} for row in mesh.devices] == [{0}, {1}]
     with pytest.raises(ConfigError, match="mesh.slices"):
         make_mesh(tiny_config("mesh.data=1", "mesh.fsdp=8", "mesh.slices=2"), list(gpus.devices))
+
+
+@pytest.mark.parametrize(
+    "name, peak",
+    [
+        ("v4-8", 275e12),
+        ("v5e-4", 197e12),
+        ("v5p-8", 459e12),
+        ("v6e-4", 918e12),
+        ("h100:1x1", 989e12),
+        ("h200:1x1", 989e12),
+    ],
+)
+def test_every_chip_we_compile_for_has_its_bf16_peak_for_mfu(name, peak):
+    """MFU on an accelerator is against the chip's bf16 peak, looked up by jax's device_kind
+    (the names below are the compile-only devices'; the table matches by their start)."""
+    assert chip_peak_flops(get_topology(name).devices[0].device_kind) == peak
 
 
 def test_topology_names():

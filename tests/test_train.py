@@ -15,6 +15,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import jax
 import jax.numpy as jnp
@@ -336,7 +337,6 @@ def test_throughput_and_mfu_follow_the_step_clock(tmp_path, monkeypatch, capsys)
     steps and inflate the throughput. The first step's compile is left out; MFU = tokens/s x
     model FLOPs per token / the peak (one CPU host here). Top-1 routing with renormalised
     weights is warned about (its router gets no gradient from the LM loss)."""
-    from types import SimpleNamespace
 
     from moe_jax.checkpoint import Checkpointer
     from moe_jax.summary import train_flops_per_token
@@ -428,3 +428,19 @@ def test_learns_tinyshakespeare_well_below_the_unigram_entropy(tmp_path):
     # The validation text's char unigram entropy is 3.35 nats; having learned spelling and
     # spacing, the model is ~1 nat below it here (2.30 measured), 0.8 is demanded.
     assert result.val_loss < result.val_unigram_entropy - 0.8
+
+
+def test_mfu_peak_is_the_chips_bf16_peak_on_an_accelerator_measured_on_cpu(monkeypatch):
+    from moe_jax import metrics
+
+    monkeypatch.setattr(metrics, "measure_peak_flops", lambda: 3e11)
+    assert metrics.unit_peak_flops(5e10) == (5e10, "train.peak_flops")
+    assert metrics.unit_peak_flops(0.0) == (3e11, "measured jnp.dot peak")  # this CPU
+    # As on a v5p host: the table's figure, not a measured fp32 matmul.
+    v5p = SimpleNamespace(device_kind="TPU v5")
+    monkeypatch.setattr(metrics.jax, "default_backend", lambda: "tpu")
+    monkeypatch.setattr(metrics.jax, "devices", lambda: [v5p])
+    assert metrics.unit_peak_flops(0.0) == (459e12, "bf16 peak of a TPU v5")
+    # A chip the table does not know is measured.
+    v5p.device_kind = "TPU v99"
+    assert metrics.unit_peak_flops(0.0) == (3e11, "measured jnp.dot peak")
