@@ -27,7 +27,15 @@ BATCH_AXES = ("data", "fsdp", "expert")  # the batch is split over all of these
 LOGICAL_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     ("batch", ("data", "fsdp", "expert")),
     ("vocab", "tensor"),
-    ("embed", "fsdp"),
+    # ZeRO-3: every weight is split over each batch axis that does not split it already
+    # (`data` replicates): a non-expert weight's model dim over fsdp x expert; an expert
+    # weight (its experts split over `expert`) over fsdp, on its minor dim: the down
+    # projection's model dim, the gate/up projections' hidden dim after tensor's split.
+    # XLA:TPU turns the reduce-scatter of a gradient along a non-minor dim into an all-reduce
+    # of the whole gradient and a slice (seen for Mixtral's [1, 4096, 14336]).
+    ("embed", ("fsdp", "expert")),
+    ("expert_embed", "fsdp"),
+    ("expert_mlp_fsdp", ("tensor", "fsdp")),
     ("heads", "tensor"),
     ("kv_heads", "tensor"),
     ("head_dim", None),
@@ -88,7 +96,6 @@ def _check_divisible(cfg: Config, sizes: dict[str, int]) -> None:
         ("attention.n_heads", a.n_heads, "tensor"),
         ("attention.n_kv_heads", a.n_kv_heads, "tensor"),
         ("model.vocab_size", m.vocab_size, "tensor"),
-        ("model.d_model", m.d_model, "fsdp"),
     ]
     if any(not cfg.is_moe(i) for i in range(m.n_layers)):
         checks.append(("model.ffn_hidden", m.ffn_hidden, "tensor"))
@@ -99,6 +106,17 @@ def _check_divisible(cfg: Config, sizes: dict[str, int]) -> None:
     for key, value, ax in checks:
         if value % sizes[ax]:
             raise ConfigError(f"{key} ({value}) must be divisible by mesh.{ax} ({sizes[ax]})")
+    # ZeRO's splits (LOGICAL_RULES: "embed", "expert_mlp_fsdp") over two axes at once
+    products = [("model.d_model", m.d_model, ("fsdp", "expert"))]
+    if e.n_experts > 0:
+        products.append(("moe.expert_hidden", e.expert_hidden, ("tensor", "fsdp")))
+    for key, value, axes in products:
+        n = math.prod(sizes[ax] for ax in axes)
+        if value % n:
+            raise ConfigError(
+                f"{key} ({value}) must be divisible by mesh.{'*'.join(axes)} ({n}), the axes "
+                "the weights split it over"
+            )
     n_batch = math.prod(sizes[ax] for ax in BATCH_AXES)
     micro = t.batch_size // t.grad_accum
     if micro % n_batch:

@@ -163,7 +163,13 @@ def test_max_batch_doubles_then_bisects(monkeypatch):
 def test_meshes_that_split_torus_axes_or_span_slices():
     topo = get_topology("v5p-128")
     assert (topo.n_devices, topo.n_hosts, topo.shape) == (64, 16, "4x4x4")
-    split = ("mesh.fsdp=8", "mesh.expert=8", "moe.n_experts=8", "train.batch_size=64")
+    split = (
+        "mesh.fsdp=8",
+        "mesh.expert=8",
+        "moe.n_experts=8",
+        "train.batch_size=64",
+        "model.d_model=64",
+    )
     with pytest.raises(ConfigError, match="mesh.split_physical_axes=true"):
         make_mesh(tiny_config(*split), list(topo.devices))
     mesh = make_mesh(tiny_config(*split, "mesh.split_physical_axes=true"), list(topo.devices))

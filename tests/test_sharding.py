@@ -169,11 +169,49 @@ def test_mesh_validation_messages():
         make_mesh(tiny_config("mesh.data=8", "train.batch_size=4"))
     mesh = make_mesh(tiny_config("mesh.data=-1", "mesh.expert=2"))
     assert dict(mesh.shape) == {"data": 4, "fsdp": 1, "expert": 2, "tensor": 1}
+    # ZeRO splits a dim over two axes at once: each alone divides it, their product does not
+    with pytest.raises(
+        ConfigError,
+        match=r"model.d_model \(132\) must be divisible by "
+        r"mesh.fsdp\*expert \(8\)",
+    ):
+        make_mesh(
+            tiny_config(
+                "mesh.fsdp=2", "mesh.expert=4", "model.d_model=132", "attention.head_dim=32"
+            )
+        )
+    with pytest.raises(
+        ConfigError,
+        match=r"moe.expert_hidden \(36\) must be divisible by "
+        r"mesh.tensor\*fsdp \(8\)",
+    ):
+        make_mesh(tiny_config("mesh.tensor=2", "mesh.fsdp=4", "moe.expert_hidden=36"))
 
 
 def test_params_are_created_sharded():
     cfg, mesh, _, sharded = moe_pair(MESHES["fsdp2_expert2_tensor2"])
     w = sharded.experts.w_gate[...]
-    assert w.sharding.spec == P("expert", "fsdp", "tensor")
+    assert w.sharding.spec == P("expert", None, ("tensor", "fsdp"))
     # Each device holds 1/8 of the expert tensor: it was never materialised whole on one device.
-    assert w.addressable_shards[0].data.shape == (4, 16, 8)
+    assert w.addressable_shards[0].data.shape == (4, 32, 4)
+
+
+def _result_shapes(hlo: str, op: str) -> list[tuple[int, ...]]:
+    """The result shapes of every `op` in the HLO (a tuple result gives each of its parts)."""
+    shapes = []
+    for line in re.findall(rf"^\s*%[\w.\-]+ = (.*?) {op}(?:-start)?\(", hlo, re.M):
+        for dims in re.findall(r"\w+\[([\d,]*)\]", line):
+            shapes.append(tuple(int(d) for d in dims.split(",") if d))
+    return shapes
+
+
+def test_expert_weight_gradients_leave_as_reduce_scatters_over_fsdp():
+    """Each fsdp shard keeps its slice of the expert weights' gradient: one reduce-scatter of
+    the local experts' [E_loc, D, F_loc] gradient per weight, along its minor dim (the weights
+    are gathered inside the expert shard_map, whose transpose that is), never an all-reduce of
+    it (a gather outside left one, of the whole gradient, then sliced)."""
+    hlo = compiled_hlo(MESHES["fsdp2_expert2_tensor2"], "moe.capacity_factor=1.25", grad=True)
+    full = {(4, 32, 8), (4, 8, 32)}  # w_gate / w_up and w_down per device before the scatter
+    assert not full & set(_result_shapes(hlo, "all-reduce")), "expert gradients all-reduced"
+    scattered = _result_shapes(hlo, "reduce-scatter")
+    assert scattered.count((4, 32, 4)) == 2 and scattered.count((4, 8, 16)) == 1, scattered

@@ -136,14 +136,15 @@ class Experts(nnx.Module):
         E, D, F = cfg.moe.n_experts, cfg.model.d_model, cfg.moe.expert_hidden
         init = nnx.initializers.normal(cfg.model.init_std)
         self.dtype = jnp.dtype(cfg.model.dtype)
-        self.w_gate = param(rngs, init, (E, D, F), ("expert", "embed", "expert_mlp"))
-        self.w_up = param(rngs, init, (E, D, F), ("expert", "embed", "expert_mlp"))
-        self.w_down = param(rngs, init, (E, F, D), ("expert", "expert_mlp", "embed"))
+        # fsdp splits each weight's minor dim (see sharding.LOGICAL_RULES)
+        self.w_gate = param(rngs, init, (E, D, F), ("expert", None, "expert_mlp_fsdp"))
+        self.w_up = param(rngs, init, (E, D, F), ("expert", None, "expert_mlp_fsdp"))
+        self.w_down = param(rngs, init, (E, F, D), ("expert", "expert_mlp", "expert_embed"))
         if cfg.moe.expert_bias:
             zeros = nnx.initializers.zeros
             self.gate_bias = param(rngs, zeros, (E, F), ("expert", "expert_mlp"))
             self.up_bias = param(rngs, zeros, (E, F), ("expert", "expert_mlp"))
-            self.down_bias = param(rngs, zeros, (E, D), ("expert", "embed"))
+            self.down_bias = param(rngs, zeros, (E, D), ("expert", "expert_embed"))
 
     def weights(self) -> dict[str, jax.Array]:
         return {n: getattr(self, n)[...] for n in EXPERT_PARAMS if hasattr(self, n)}
@@ -316,13 +317,19 @@ class MoE(nnx.Module):
         # so replication stays inferable (and see batch_axes below).
         ex = "expert" if ep > 1 else None
         tp = "tensor" if mesh.shape["tensor"] > 1 else None
+        fs = "fsdp" if mesh.shape["fsdp"] > 1 else None
+        # The weights come in as stored, their minor dim split over `fsdp` too, and are
+        # gathered inside, in the compute dtype: the gather's transpose then sends each fsdp
+        # shard's gradient out as one reduce-scatter, where a gather outside the shard_map left
+        # an all-reduce of the whole fp32 gradient, sliced afterwards. (name: spec, fsdp dim)
+        tp_fs = tuple(a for a in (tp, fs) if a) or None
         expert_specs = {
-            "w_gate": P(ex, None, tp),
-            "w_up": P(ex, None, tp),
-            "w_down": P(ex, tp, None),
-            "gate_bias": P(ex, tp),
-            "up_bias": P(ex, tp),
-            "down_bias": P(ex, None),
+            "w_gate": (P(ex, None, tp_fs), 2),
+            "w_up": (P(ex, None, tp_fs), 2),
+            "w_down": (P(ex, tp, fs), 2),
+            "gate_bias": (P(ex, tp), None),
+            "up_bias": (P(ex, tp), None),
+            "down_bias": (P(ex, fs), 1),
         }
         weights = self.experts.weights()
         router, bias = self._router_params()
@@ -331,15 +338,27 @@ class MoE(nnx.Module):
         # one-device all-reduce as a full copy of each layer's expert gradients (0.1 s a step
         # at medium with 32 experts).
         batch_axes = tuple(ax for ax in BATCH_AXES if mesh.shape[ax] > 1)
-        replica_axes = tuple(ax for ax in ("data", "fsdp") if mesh.shape[ax] > 1)
+        data_axes = ("data",) if mesh.shape["data"] > 1 else ()
         to_owner = (lambda a: jax.lax.all_to_all(a, "expert", 0, 0)) if ep > 1 else (lambda a: a)
 
+        def gathered(name, a):
+            """In the compute dtype, the model dim whole again: varying over fsdp then."""
+            a, axis = a.astype(self.dtype), expert_specs[name][1]
+            if fs is None or axis is None:
+                return a
+            return jax.lax.all_gather(a, fs, axis=axis, tiled=True)
+
         def local(x_bTD, router, bias, w):
-            # The weights are the same on every data/fsdp shard; their gradient is summed over
-            # those shards where they turn varying. Done here, that is one all-reduce of the
-            # [E_loc, D, F] gradients, not one per expert inside the expert map's backward loop.
-            if replica_axes:
-                w = jax.lax.pcast(w, replica_axes, to="varying")
+            # The gathered weights vary over fsdp (the gather's transpose is the reduce-scatter);
+            # over `data`, and the biases without a model dim over fsdp too, they are the same
+            # on every shard, and their gradient is summed over those axes where they turn
+            # varying. Done here, that is one collective per weight, not one per expert inside
+            # the expert map's backward loop.
+            w = {n: gathered(n, a) for n, a in w.items()}
+            for n, a in w.items():
+                same = data_axes + ((fs,) if fs and expert_specs[n][1] is None else ())
+                if same:
+                    w[n] = jax.lax.pcast(a, same, to="varying")
             b, T, _ = x_bTD.shape
             wts, _, slot, _, cap, sums = self._route_group(x_bTD, router, bias)
             buf = self._dispatch(x_bTD, slot, wts, cap)  # [E * C, D], all experts
@@ -360,7 +379,7 @@ class MoE(nnx.Module):
         y_BTD, sums = jax.shard_map(
             local,
             mesh=mesh,
-            in_specs=(x_spec, P(), P(), {n: expert_specs[n] for n in weights}),
+            in_specs=(x_spec, P(), P(), {n: expert_specs[n][0] for n in weights}),
             out_specs=(x_spec, P()),
         )(x_BTD, router, bias, weights)
         B, T, _ = x_BTD.shape
