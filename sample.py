@@ -14,7 +14,9 @@ import argparse
 import sys
 from pathlib import Path
 
-from moe_jax.runtime import import_jax, reexec_with_hugepages
+DEFER_JAX_IMPORT = True  # see moe_jax/__init__.py: jax only once the input is checked
+
+from moe_jax.runtime import import_jax, reexec_with_hugepages  # noqa: E402
 
 if __name__ == "__main__":  # first: a glibc tunable is read only when a process starts
     reexec_with_hugepages()

@@ -27,6 +27,9 @@ os.environ["XLA_FLAGS"] = (
 ).strip()
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from moe_jax.runtime import import_jax  # noqa: E402
+
+import_jax()  # before this file's own jax import: without the CUDA plugin's no-driver lines
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 

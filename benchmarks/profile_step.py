@@ -40,19 +40,22 @@ import sys
 import tempfile
 import time
 
-import jax
-from common import STYLES, bench_config, count, machine
-from train_throughput import real_train_step
+from moe_jax.runtime import import_jax
 
-import moe_jax.model.attention as attention_mod
-import moe_jax.model.moe as moe_mod
-import moe_jax.model.norm as norm_mod
-import moe_jax.model.transformer as transformer_mod
-import moe_jax.train_step as train_step_mod
-from moe_jax.config import ConfigError
-from moe_jax.metrics import measure_peak_flops
-from moe_jax.runtime import reexec_with_hugepages
-from moe_jax.summary import train_flops_per_token
+import_jax()  # before this file's own jax import: without the CUDA plugin's no-driver lines
+import jax  # noqa: E402
+from common import STYLES, bench_config, count, machine  # noqa: E402
+from train_throughput import real_train_step  # noqa: E402
+
+import moe_jax.model.attention as attention_mod  # noqa: E402
+import moe_jax.model.moe as moe_mod  # noqa: E402
+import moe_jax.model.norm as norm_mod  # noqa: E402
+import moe_jax.model.transformer as transformer_mod  # noqa: E402
+import moe_jax.train_step as train_step_mod  # noqa: E402
+from moe_jax.config import ConfigError  # noqa: E402
+from moe_jax.metrics import measure_peak_flops  # noqa: E402
+from moe_jax.runtime import reexec_with_hugepages  # noqa: E402
+from moe_jax.summary import train_flops_per_token  # noqa: E402
 
 # Scope name -> (owner, attribute) wrapped in jax.named_scope(scope). An op is charged to the
 # innermost scope in its name (see `_part`).

@@ -6,8 +6,9 @@ from moe_jax.runtime import import_jax
 
 __version__ = "0.1.0"
 
-# Importing the package does not import jax: train.py and sample.py check their input first
-# and then call import_jax(). `python -m moe_jax.X` modules import jax at their top, so for
-# them (sys.argv[0] is "-m" while Python finds X) it is done here, without the no-driver lines.
-if sys.argv[:1] == ["-m"]:
+# jax is imported here, without the CUDA plugin's no-driver lines, for every entry point
+# (`python -m moe_jax.X`, the benchmarks, notebooks, the tests) but train.py and sample.py:
+# they check their input before the import, which takes seconds, and then call import_jax()
+# themselves; `DEFER_JAX_IMPORT = True` above their first moe_jax import says so.
+if not getattr(sys.modules.get("__main__"), "DEFER_JAX_IMPORT", False):
     import_jax()
