@@ -83,9 +83,9 @@ import orbax.checkpoint as ocp
 from flax import nnx
 
 from moe_jax.config import Config, ConfigError, config_from_yaml, config_to_yaml
-from moe_jax.data import DataError, Tokenizer, tokenizer_from_dict
 from moe_jax.model import Transformer
 from moe_jax.model.int8 import QUANTIZATIONS, quantize_model
+from moe_jax.tokenizer import DataError, Tokenizer, tokenizer_from_dict
 
 CONFIG_FILE = "config.yaml"
 CHECKPOINT_DIR = "checkpoints"

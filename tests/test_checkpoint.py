@@ -31,9 +31,10 @@ from moe_jax.checkpoint import (
     on_device,
     write_inference_run,
 )
-from moe_jax.data import ByteTokenizer, train_iterator
+from moe_jax.data import train_iterator
 from moe_jax.metrics import read_metrics
 from moe_jax.model import Transformer
+from moe_jax.tokenizer import ByteTokenizer
 from moe_jax.train_step import init_state, make_optimizer
 from moe_jax.trainer import train
 from tests.helpers import TINY_BASE

@@ -12,16 +12,14 @@ import numpy as np
 import pytest
 
 from moe_jax.data import (
-    ByteTokenizer,
-    CharTokenizer,
     DataError,
     embedded_sources,
     eval_batches,
     load_data,
-    tokenizer_from_dict,
     train_dataset,
     train_iterator,
 )
+from moe_jax.tokenizer import ByteTokenizer, CharTokenizer, tokenizer_from_dict
 from tests.helpers import tiny_config
 
 SHAKESPEARE = Path(__file__).resolve().parents[2] / "shared/data/tinyshakespeare.txt"

@@ -19,7 +19,7 @@ import pytest
 from flax import nnx
 
 from moe_jax.checkpoint import Checkpointer
-from moe_jax.data import CharTokenizer, train_iterator
+from moe_jax.data import train_iterator
 from moe_jax.model import Transformer
 from moe_jax.sampling import (
     Mode,
@@ -29,6 +29,7 @@ from moe_jax.sampling import (
     sample_tokens,
 )
 from moe_jax.sharding import make_mesh, state_shardings
+from moe_jax.tokenizer import CharTokenizer
 from moe_jax.train_step import init_state, make_optimizer
 from tests.helpers import forward, tiny_config
 from tests.test_config import run_importing
