@@ -3,11 +3,23 @@
     python sample.py --run runs/tiny                              # latest checkpoint
     python sample.py --run runs/tiny --prompt "def " --max-new-tokens 300 --temperature 0.7
     python sample.py --run runs/tiny --prompt-file prompt.txt --num-samples 4 --top-k 40 --seed 1
-    python sample.py --run runs/tiny --quantize int8              # int8 weights (moe_jax.quantize)
+    python sample.py --run runs/imported --chat --prompt "Hi!"    # through the chat template
+    python sample.py --run runs/tiny sample.weights=int8          # int8 weights (moe_jax.weights)
+    python sample.py --run runs/mixtral mesh.expert=2 model.dtype=bfloat16   # over 2 devices
 
-Defaults for the sampling flags come from the run's saved config (its `sample` section). One
+Defaults for the sampling flags come from the run's saved config (its `sample` section), with
+`section.key=value` overrides of the mesh, the compute dtype and the sample section (as
+train.py takes them). A mesh of more than one device restores each weight straight onto its
+shard and generates expert/tensor/fsdp-parallel (moe_jax.sampling). One
 sample streams to the terminal as it is decoded; several are decoded as one batch in one
 compiled program and printed one after the other. The output includes the prompt.
+
+Tokens: a prompt is encoded with the special tokens the run's tokenizer adds to a sequence
+(e.g. a BOS first, as transformers' `tokenizer(text)` does); `--chat` renders it as a user
+message through the tokenizer's chat template instead, which writes its own special tokens.
+A sample ends at the tokenizer's end-of-sequence token, where it has one (Hugging Face and
+SentencePiece tokenizers; `--ignore-eos` generates on). Text is decoded from all the tokens
+so far, so tokens that are parts of a character or a word print as the whole.
 """
 
 import argparse
@@ -64,10 +76,21 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--top-p", type=float, help="nucleus: keep the top mass p; 1 = off")
     p.add_argument("--seed", type=int, help="same seed, same text")
     p.add_argument(
-        "--quantize",
-        metavar="MODE",
-        help="quantise the weights after loading, e.g. int8 (a run written by `python -m "
-        "moe_jax.quantize` is int8 already)",
+        "--chat",
+        action="store_true",
+        help="render the prompt as a user message through the tokenizer's chat template",
+    )
+    p.add_argument(
+        "--ignore-eos",
+        action="store_true",
+        help="do not stop at the tokenizer's end-of-sequence token",
+    )
+    p.add_argument(
+        "overrides",
+        nargs="*",
+        metavar="section.key=value",
+        help="mesh.*, model.dtype and sample.* overrides of the run's config, e.g. "
+        "mesh.expert=2 sample.weights=int8 (auto | float32 | bfloat16 | int8)",
     )
     return p.parse_args(argv)
 
@@ -93,15 +116,23 @@ def checked_prompt(args: argparse.Namespace) -> str | None:
     return prompt
 
 
+def continuation(tokenizer, prompt_ids: list[int], ids: list[int]) -> str:
+    """The text `ids` add after the prompt: decoded together with the prompt's tokens, since
+    alone a token may decode otherwise (SentencePiece drops the space that starts a text)."""
+    head, whole = tokenizer.decode(prompt_ids), tokenizer.decode([*prompt_ids, *ids])
+    return whole[len(head) :] if whole.startswith(head) else tokenizer.decode(ids)
+
+
 class Streamer:
     """Prints the prompt, then one sequence's text as its tokens arrive from the compiled loop.
 
-    A byte token may end inside a multi-byte character, which decodes to U+FFFD until its last
-    byte comes, so a trailing U+FFFD is held back until the next token (or the end) settles it.
+    A token may end inside a multi-byte character (a byte, a byte-level BPE piece), which
+    decodes to U+FFFD until its last byte comes, so trailing U+FFFDs are held back until the
+    next token (or the end) settles them.
     """
 
-    def __init__(self, tokenizer, prompt: str):
-        self.tokenizer, self.ids = tokenizer, []
+    def __init__(self, tokenizer, prompt: str, prompt_ids: list[int]):
+        self.tokenizer, self.prompt_ids, self.ids = tokenizer, prompt_ids, []
         self.pending, self.shown = prompt, 0  # the prompt goes out with the first token
 
     def __call__(self, step: int, tokens_B: np.ndarray) -> None:
@@ -110,8 +141,8 @@ class Streamer:
             self.flush(final=False)
 
     def flush(self, final: bool = True) -> None:
-        text = self.tokenizer.decode(self.ids)
-        end = len(text) if final or not text.endswith("\ufffd") else len(text) - 1
+        text = continuation(self.tokenizer, self.prompt_ids, self.ids)
+        end = len(text) if final else len(text.rstrip("\ufffd"))
         sys.stdout.write(self.pending + text[self.shown : end])
         sys.stdout.flush()
         self.pending, self.shown = "", max(end, self.shown)
@@ -119,9 +150,12 @@ class Streamer:
 
 def main(argv: list[str]) -> int:
     args = parse_args(argv)
+    from moe_jax.config import Config, ConfigError, sampling_config
+
     try:
         prompt = checked_prompt(args)
-    except FlagError as e:
+        sampling_config(Config(), args.overrides)  # keys and values, before the slow imports
+    except (FlagError, ConfigError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     import_jax()
@@ -130,30 +164,32 @@ def main(argv: list[str]) -> int:
 
 def sample(args: argparse.Namespace, prompt: str | None) -> int:
     """Load the run and print its samples (the flags are checked)."""
-    from moe_jax.checkpoint import RunError, load_run
+    from moe_jax.checkpoint import RunError, read_run_meta
+    from moe_jax.config import ConfigError
     from moe_jax.data import DataError
-    from moe_jax.quantize import QuantizeError, check_quantization, quantize_model
-    from moe_jax.sampling import Sampler, SamplingError
+    from moe_jax.sampling import SamplingError, load_sampler
 
     try:
-        if args.quantize is not None:
-            check_quantization(args.quantize)  # before the (slow) load
-        cfg, model, tokenizer = load_run(args.run, args.step)
-        if args.quantize is not None:
-            model = quantize_model(model, args.quantize)
+        if args.chat:  # a tokenizer without a chat template is refused before the weights load
+            saved = read_run_meta(args.run, args.step)["tokenizer"]
+            if saved.chat_template is None:
+                saved.apply_chat_template([])  # DataError, naming the fix
+        cfg, sampler, tokenizer = load_sampler(args.run, args.overrides, args.step)
         s = cfg.sample
         num_samples = args.num_samples if args.num_samples is not None else s.batch_size
         new_tokens = s.max_new_tokens if args.max_new_tokens is None else args.max_new_tokens
         prompt = s.prompt if prompt is None else prompt
-        ids = tokenizer.encode(prompt).tolist()
+        if args.chat:  # the template writes the special tokens
+            prompt = tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
+        ids = tokenizer.encode(prompt, add_special_tokens=not args.chat).tolist()
+        stop = [] if args.ignore_eos or tokenizer.eos_id is None else [tokenizer.eos_id]
         if len(ids) + new_tokens > cfg.model.max_seq_len:  # as the Sampler would, in flags
             raise SamplingError(
                 f"the prompt's {len(ids)} tokens + --max-new-tokens {new_tokens} exceed the "
                 f"model's context (model.max_seq_len={cfg.model.max_seq_len}); shorten the "
                 "prompt or lower --max-new-tokens"
             )
-        sampler = Sampler(model)
-        streamer = Streamer(tokenizer, prompt) if num_samples == 1 else None
+        streamer = Streamer(tokenizer, prompt, ids) if num_samples == 1 else None
         out = sampler.generate(
             [ids] * num_samples,
             new_tokens,
@@ -161,17 +197,18 @@ def sample(args: argparse.Namespace, prompt: str | None) -> int:
             top_k=args.top_k if args.top_k is not None else s.top_k,
             top_p=args.top_p if args.top_p is not None else s.top_p,
             seed=args.seed if args.seed is not None else s.seed,
+            stop_tokens=stop,
             vocab_size=tokenizer.vocab_size,
             on_token=streamer,
         )
-    except (RunError, DataError, SamplingError, QuantizeError) as e:
+    except (RunError, ConfigError, DataError, SamplingError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if streamer is not None:
         streamer.flush()
         print()
     else:
-        texts = [prompt + tokenizer.decode(seq) for seq in out.sequences()]
+        texts = [prompt + continuation(tokenizer, ids, seq) for seq in out.sequences()]
         print(SEPARATOR.join(texts))
     return 0
 

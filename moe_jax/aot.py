@@ -92,14 +92,14 @@ def lower_decode(cfg, mesh):
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    from moe_jax.model import Transformer
     from moe_jax.sampling import Sampler
-    from moe_jax.sharding import state_shardings, with_shardings
+    from moe_jax.sharding import INFERENCE_RULES, state_shardings, with_shardings
+    from moe_jax.weights import abstract_model, weights_kind
 
-    abstract = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
+    abstract = abstract_model(cfg, weights_kind(cfg))
     graphdef, params = nnx.split(abstract, nnx.Param)
-    params = with_shardings(params, state_shardings(params, mesh))
-    sampler = Sampler(nnx.merge(graphdef, params))
+    params = with_shardings(params, state_shardings(params, mesh, INFERENCE_RULES))
+    sampler = Sampler(nnx.merge(graphdef, params), mesh=mesh)
     s = cfg.sample
     prompts = [[0] * s.prompt_len] * s.batch_size
     return sampler.lower(
@@ -136,7 +136,7 @@ def compile_step(cfg, topo, step: str, verbose: bool = False, hlo_path: str | No
     from moe_jax.sharding import make_mesh
     from moe_jax.summary import decode_flops, train_flops_per_token
 
-    mesh = make_mesh(cfg, list(topo.devices))
+    mesh = make_mesh(cfg, list(topo.devices), inference=step == "decode")
     if mesh.size != topo.n_devices:
         from moe_jax.config import ConfigError
 

@@ -25,6 +25,10 @@ Public API:
 Layout of a run directory:
 
     RUN_DIR/config.yaml           the config the run was started with (marks a run directory)
+    RUN_DIR/tokenizer/            a file tokenizer's files (tokenizer.json or tokenizer.model and
+                                  its config files), written before the first checkpoint; each
+                                  checkpoint's meta records their SHA-256s, checked on loading,
+                                  so the run directory is self-contained (copy or move it whole)
     RUN_DIR/checkpoints/<step>/   one Orbax checkpoint per saved step, items:
         params/     the model's nnx.Param state        (Orbax PyTree, sharded arrays)
         opt_state/  the optax state                     (Orbax PyTree)
@@ -83,15 +87,18 @@ import orbax.checkpoint as ocp
 from flax import nnx
 
 from moe_jax.config import Config, ConfigError, config_from_yaml, config_to_yaml
-from moe_jax.model import Transformer
-from moe_jax.model.int8 import QUANTIZATIONS, quantize_model
+from moe_jax.model.int8 import QUANTIZATIONS
+from moe_jax.sharding import INFERENCE_RULES, state_shardings
 from moe_jax.tokenizer import DataError, Tokenizer, tokenizer_from_dict
+from moe_jax.tokenizer.files import SavedFilesError, holds, write_files
+from moe_jax.weights import WeightsDoNotFit, abstract_model, check_fits, to_kind, weights_kind
 
 CONFIG_FILE = "config.yaml"
 CHECKPOINT_DIR = "checkpoints"
 UNFINISHED_GLOB = "*.orbax-checkpoint-tmp*"  # Orbax's name for a checkpoint being written
 SUPERSEDED_DIR = "superseded"  # where train.resume_step moves the checkpoints after its step
 LOCK_FILE = "train.lock"
+TOKENIZER_DIR = "tokenizer"  # a file tokenizer's files (moe_jax/tokenizer/files.py)
 ITEMS = ("params", "opt_state", "data", "meta")
 
 # Architecture keys that may change when resuming: none of them changes the parameters' shapes
@@ -259,7 +266,9 @@ def _read_meta(manager: ocp.CheckpointManager, step: int, run_dir: Path) -> dict
     meta = _restore(manager, step, run_dir, meta=ocp.args.JsonRestore()).meta
     try:
         meta["config"] = config_from_yaml(meta["config"])
-        meta["tokenizer"] = tokenizer_from_dict(meta["tokenizer"])
+        meta["tokenizer"] = tokenizer_from_dict(meta["tokenizer"], run_dir / TOKENIZER_DIR)
+    except SavedFilesError as e:
+        raise RunError(f"checkpoint {step} in '{run_dir}': {e}") from None
     except (ConfigError, DataError, KeyError) as e:
         raise RunError(
             f"checkpoint {step} in '{run_dir}' has an unreadable config or tokenizer ({e}); "
@@ -372,25 +381,75 @@ def read_run_meta(run_dir: str | Path, step: int | None = None) -> dict:
     return _read_meta(manager, step, run_dir) | {"step": step}
 
 
-def load_run(run_dir: str | Path, step: int | None = None) -> tuple[Config, nnx.Module, Tokenizer]:
-    """(config, Transformer with the checkpoint's params on the host, tokenizer)."""
+def load_run(
+    run_dir: str | Path,
+    step: int | None = None,
+    *,
+    cfg: Config | None = None,
+    mesh: jax.sharding.Mesh | None = None,
+    weights: str = "float32",
+) -> tuple[Config, nnx.Module, Tokenizer]:
+    """(config, Transformer with the checkpoint's params, tokenizer).
+
+    `cfg`: the run's config with inference-time changes (mesh, model.dtype, sample.*; see
+    `config.sampling_config`), else the saved one. `mesh`: restore each weight straight onto it,
+    sharded by `sharding.INFERENCE_RULES` (no device or host ever holds a whole copy),
+    else onto the first device. `weights`: the form to restore the weights in
+    (`moe_jax.weights`: float32, bfloat16, int8, auto); a run written by `moe_jax.quantize`
+    is int8 whatever it says. Float weights are cast as they are read; int8 of a float run is
+    quantised after a float restore (bf16 where the compute is), which holds both forms for
+    a moment. RunError before anything is read if the weights would not fit the devices."""
     run_dir = Path(run_dir)
     manager, step = _open_run(run_dir, step)
     meta = _read_meta(manager, step, run_dir)
-    cfg = meta["config"]
-    build = lambda: Transformer(cfg, rngs=nnx.Rngs(0))
-    if meta.get("quantization"):
-        mode = meta["quantization"]
-        if mode not in QUANTIZATIONS:
-            raise RunError(
-                f"checkpoint {step} in '{run_dir}' is quantised as '{mode}', which this "
-                "version of moe_jax does not know"
-            )
-        build = lambda: quantize_model(Transformer(cfg, rngs=nnx.Rngs(0)), mode)
-    graphdef, abstract_params = nnx.split(nnx.eval_shape(build), nnx.Param)
-    target = on_device(abstract_params, jax.devices()[0])
+    saved = meta["config"]
+    if cfg is None:
+        cfg = saved
+    elif changed := incompatible_keys(saved, cfg):
+        raise RunError(
+            f"{', '.join(changed)} differ(s) from the run's saved config; a run's architecture "
+            "is fixed by its checkpoint"
+        )
+    quantized = meta.get("quantization")
+    if quantized and quantized not in QUANTIZATIONS:
+        raise RunError(
+            f"checkpoint {step} in '{run_dir}' is quantised as '{quantized}', which this "
+            "version of moe_jax does not know"
+        )
+    kind = weights_kind(cfg, weights)
+    # What is restored: int8 runs as int8; a float run in float, quantised afterwards.
+    restore_kind = "bfloat16" if kind == "int8" and cfg.model.dtype == "bfloat16" else kind
+    restore_kind = "float32" if restore_kind == "int8" else restore_kind
+    graphdef, abstract_params = nnx.split(abstract_model(cfg, restore_kind, quantized), nnx.Param)
+    if mesh is None:
+        target = on_device(abstract_params, jax.devices()[0])
+    else:
+        shardings = state_shardings(abstract_params, mesh, INFERENCE_RULES)
+        target = jax.tree.map(
+            lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+            abstract_params,
+            shardings,
+        )
+    try:
+        check_fits(target, also=kind if kind == "int8" and not quantized else None)
+    except WeightsDoNotFit as e:
+        raise RunError(f"run '{run_dir}': {e}") from None
     restored = _restore(manager, step, run_dir, params=ocp.args.StandardRestore(target))
-    return cfg, nnx.merge(graphdef, restored.params), meta["tokenizer"]
+    model = nnx.merge(graphdef, restored.params)
+    if kind == "int8" and not quantized:
+        model = to_kind(model, "int8")
+    return cfg, model, meta["tokenizer"]
+
+
+def restore_params(run_dir: str | Path, step: int | None, target):
+    """A checkpoint's params (latest or `step`) restored into `target`: abstract arrays with
+    the shardings (and dtypes) to restore onto. Read-only, like `load_run`."""
+    run_dir = Path(run_dir)
+    manager, step = _open_run(run_dir, step)
+    try:
+        return _restore(manager, step, run_dir, params=ocp.args.StandardRestore(target)).params
+    finally:
+        manager.close()
 
 
 def on_device(abstract_tree, device: jax.Device):
@@ -416,6 +475,7 @@ def write_inference_run(out_dir: str | Path, step: int, params, meta: dict) -> N
     try:
         comment = f"# {meta['quantization']} copy of {meta['source']}: inference only\n"
         (tmp / CONFIG_FILE).write_text(comment + config_to_yaml(meta["config"]), encoding="utf-8")
+        keep_tokenizer_files(tmp, meta["tokenizer"], checkpointed=False)
         meta = meta | {
             "step": step,
             "config": config_to_yaml(meta["config"]),
@@ -433,6 +493,27 @@ def write_inference_run(out_dir: str | Path, step: int, params, meta: dict) -> N
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def keep_tokenizer_files(run_dir: Path, tokenizer: Tokenizer, checkpointed: bool) -> None:
+    """Write a file tokenizer's files to RUN_DIR/tokenizer (atomically) unless they are there
+    already. Other files there are left by a start with another tokenizer that saved no
+    checkpoint (replaced), or, if the run has checkpoints (`checkpointed`), were changed under
+    it (RunError: they are what those checkpoints need)."""
+    if not tokenizer.files:
+        return
+    target = run_dir / TOKENIZER_DIR
+    if holds(target, tokenizer.files):
+        return
+    if target.exists():
+        if checkpointed:
+            raise RunError(
+                f"'{target}' holds other files than the tokenizer this run trains with, and the "
+                "run's checkpoints need them; put the original files back, or train in a new "
+                "run_dir"
+            )
+        shutil.rmtree(target)
+    write_files(tokenizer.files, target)
 
 
 def make_dir(path: Path, what: str) -> None:
@@ -626,17 +707,22 @@ class Checkpointer:
     def save(self, step: int, params, opt_state, data_iterator, meta: dict) -> None:
         """Start saving `step` (returns once arrays are copied off the device when async).
 
-        meta: JSON-able dict with at least "config" (a Config) and "tokenizer" (a Tokenizer).
+        meta: JSON-able dict with at least "config" (a Config) and "tokenizer" (a Tokenizer;
+        a file tokenizer's files go to RUN_DIR/tokenizer first, see `keep_tokenizer_files`).
         """
+        tokenizer = meta["tokenizer"]
         meta = meta | {
             "step": step,
             "config": config_to_yaml(meta["config"]),
-            "tokenizer": meta["tokenizer"].to_dict(),
+            "tokenizer": tokenizer.to_dict(),
         }
         self.wait()  # Orbax would wait here too: a failure of the previous save is its own
         self._saving = step
         self._bytes = sum(x.nbytes for x in jax.tree.leaves((params, opt_state)))
         try:
+            if jax.process_index() == 0:  # the run's own files are process 0's to write
+                checkpointed = self.manager.latest_step() is not None
+                keep_tokenizer_files(self.run_dir, tokenizer, checkpointed)
             self.manager.save(
                 step,
                 args=ocp.args.Composite(
@@ -647,6 +733,8 @@ class Checkpointer:
                 ),
                 force=True,
             )
+        except RunError:
+            raise
         except Exception as e:
             raise self.save_error(e) from None
 

@@ -105,10 +105,47 @@ class MoEConfig:
 @dataclass(frozen=True)
 class DataConfig:
     path: str | None = None  # text file(s) or glob(s), comma separated; None: embedded corpus
-    tokenizer: str = "byte"  # byte | char
+    # byte | char | PATH: a directory with tokenizer.json (Hugging Face) or tokenizer.model
+    # (SentencePiece), or such a file; a run keeps a copy of its files (RUN_DIR/tokenizer/)
+    tokenizer: str = "byte"
     val_fraction: float = 0.1
     num_workers: int = 0  # Grain prefetch threads; 0 = batches are cut in the main thread
     embedded_max_bytes: int = 4_000_000  # cap on the embedded (stdlib sources) corpus
+    # Prepared datasets (`python -m moe_jax.prepare`; data.path=DIR trains on one) mixed by
+    # weight, instead of data.path: "DIR:WEIGHT,DIR:WEIGHT,..." (weights > 0, any scale)
+    mixture: str | None = None
+    # Packing of prepared data (text files are one stream without documents): documents are
+    # packed back to back into windows. document_mask: attention and the loss stay within a
+    # document (the batch carries segment ids); false: a window is one sequence, as text.
+    document_mask: bool = True
+    # Positions restart at 0 at every document start in a window (RoPE, chunked attention and
+    # NoPE temperature see each document as if it began the window); needs document_mask.
+    document_positions: bool = True
+    # Supervised fine-tuning from JSONL files (data.path; moe_jax/finetune.py): none |
+    # prompt_completion (lines {"prompt": ..., "completion": ...}; the loss covers the
+    # completion and an EOS) | chat (lines {"messages": [{"role": ..., "content": ...}, ...]},
+    # rendered with the tokenizer's chat template; the loss covers the assistant turns).
+    # Examples are packed whole into windows of train.seq_len+1 tokens (needs document_mask);
+    # the last val_fraction of the examples (at least one) is the validation split.
+    sft: str = "none"
+
+    @property
+    def mixture_entries(self) -> list[tuple[str, float]]:
+        """data.mixture as (dir, weight) pairs; ConfigError names a malformed entry."""
+        entries = []
+        for item in (self.mixture or "").split(","):
+            path, sep, weight = item.strip().rpartition(":")
+            try:
+                w = float(weight)
+            except ValueError:
+                w = None
+            if not sep or not path.strip() or w is None or not (math.isfinite(w) and w > 0):
+                raise ConfigError(
+                    f"data.mixture entry '{item.strip()}' is not DIR:WEIGHT with a positive "
+                    'weight; write data.mixture="DIR:WEIGHT,DIR:WEIGHT"'
+                )
+            entries.append((path.strip(), w))
+        return entries
 
 
 @dataclass(frozen=True)
@@ -129,6 +166,10 @@ class TrainConfig:
     eps: float = 1e-8
     clip_norm: float = 1.0  # gradient clipping by global norm; 0 = off
     logit_z_loss: float = 0.0
+    # Positions per chunk of the output head in the loss (moe_jax/loss.py): the [B, T, V]
+    # float32 logits are never held whole, for one more head matmul in the backward; must
+    # divide train.seq_len. 0 = all positions at once.
+    loss_chunk: int = 0
     eval_every: int = 100
     eval_batches: int = 8
     log_every: int = 10
@@ -185,6 +226,9 @@ class SampleConfig:
     # sets the length); `moe_jax.aot --step decode` compiles for both.
     batch_size: int = 1
     prompt_len: int = 128
+    # Form of the weights when sampling (moe_jax/weights.py): auto (bfloat16 if model.dtype is
+    # bfloat16, else float32: no result changes) | float32 | bfloat16 | int8 (per channel)
+    weights: str = "auto"
 
 
 @dataclass(frozen=True)
@@ -199,6 +243,14 @@ class Config:
     sample: SampleConfig = field(default_factory=SampleConfig)
     run_dir: str = "runs/tiny"
     seed: int = 0
+    # Start a new run from the params of another run directory (trained, or imported with
+    # `moe_jax.interop import`): its latest checkpoint, or init_step; a fresh optimizer state,
+    # data position and step 0. The source is only read. Its architecture (model, attention,
+    # moe, data.tokenizer) must be this config's: start from its config, `train.py
+    # SRC/config.yaml init_from=SRC run_dir=NEW ...`. Its tokenizer is the new run's. Ignored
+    # once run_dir has checkpoints of its own (it resumes them).
+    init_from: str | None = None
+    init_step: int | None = None  # the source's checkpoint to start from; None: its latest
 
     # Derived architecture facts, used by the model, the summary and the tests.
     @property
@@ -271,6 +323,17 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -
             cfg = OmegaConf.merge(cfg, file_cfg)
         except OmegaConfBaseException as e:
             raise _explain(e, str(path)) from None
+    cfg = _merge_overrides(cfg, overrides)
+    try:
+        result = OmegaConf.to_object(cfg)
+    except OmegaConfBaseException as e:
+        raise _explain(e, "config") from None
+    validate(result)
+    return result
+
+
+def _merge_overrides(cfg, overrides: Sequence[str]):
+    """An OmegaConf config <- `key.sub=value` overrides, each checked against the schema."""
     for item in overrides:
         key, sep, _ = item.partition("=")
         if not sep or not key:
@@ -285,6 +348,25 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -
                 f"override '{item}' has a value that is not valid YAML ({detail}); put the "
                 f"value in double quotes inside the argument: '{key}=\"...\"'"
             ) from None
+    return cfg
+
+
+# What sampling may change in a run's saved config: where and how it runs, not what the
+# weights mean (the mesh, the compute dtype, the sample section).
+SAMPLING_OVERRIDES = ("mesh.", "sample.", "model.dtype=")
+
+
+def sampling_config(saved: Config, overrides: Sequence[str]) -> Config:
+    """A run's saved config <- sampling overrides (SAMPLING_OVERRIDES only), validated. Call
+    with `saved=Config()` to check overrides before a run is read."""
+    for item in overrides:
+        if not item.startswith(SAMPLING_OVERRIDES):
+            key = item.partition("=")[0]
+            raise ConfigError(
+                f"'{key}' cannot be set when sampling: the run's checkpoint fixes it; set "
+                "mesh.*, model.dtype or sample.* (e.g. mesh.expert=2 sample.weights=int8)"
+            )
+    cfg = _merge_overrides(OmegaConf.structured(saved), overrides)
     try:
         result = OmegaConf.to_object(cfg)
     except OmegaConfBaseException as e:
@@ -342,7 +424,9 @@ def _positive(obj: object, section: str, names: Sequence[str]) -> None:
 # Logits divided by the temperature stay finite in float32 (|logit| < 1e30) inside this range.
 MIN_TEMPERATURE, MAX_TEMPERATURE = 1e-6, 1e6
 INT32_MAX = 2**31 - 1  # sizes and counts index int32 arrays
+WEIGHT_KINDS = ("auto", "float32", "bfloat16", "int8")  # sample.weights (moe_jax/weights.py)
 SEEDS = ("seed", "sample.seed")  # PRNG keys take 32 bits: larger seeds would collide
+SFT_FORMATS = ("none", "prompt_completion", "chat")  # data.sft (moe_jax/finetune.py)
 
 
 def _numbers_in_range(obj: object, prefix: str = "") -> None:
@@ -377,7 +461,13 @@ def validate(cfg: Config) -> None:
     _one_of(a.rope_scaling.type, ("none", "linear", "llama3"), "attention.rope_scaling.type")
     _one_of(e.score, ("softmax", "sigmoid"), "moe.score")
     _one_of(e.route_scale, ("output", "input"), "moe.route_scale")
-    _one_of(cfg.data.tokenizer, ("byte", "char"), "data.tokenizer")
+    # A path is read (and its existence checked) when a run starts: a saved config keeps the
+    # path it was started with, and a moved run reads its own copy of the files.
+    _require(
+        cfg.data.tokenizer.strip() != "",
+        "data.tokenizer is empty; use byte, char, or the path of a tokenizer.json / "
+        "tokenizer.model file or of a directory holding one",
+    )
 
     _require(
         a.n_heads % a.n_kv_heads == 0,
@@ -460,6 +550,10 @@ def validate(cfg: Config) -> None:
         t.seq_len <= m.max_seq_len,
         f"train.seq_len ({t.seq_len}) exceeds model.max_seq_len ({m.max_seq_len})",
     )
+    _require(
+        t.loss_chunk >= 0 and (t.loss_chunk == 0 or t.seq_len % t.loss_chunk == 0),
+        f"train.loss_chunk ({t.loss_chunk}) must be 0 (off) or divide train.seq_len ({t.seq_len})",
+    )
     if t.warmup_steps is not None:
         _require(t.warmup_steps >= 0, f"train.warmup_steps must be >= 0, got {t.warmup_steps}")
         _require(
@@ -491,6 +585,43 @@ def validate(cfg: Config) -> None:
         cfg.data.num_workers >= 0, f"data.num_workers must be >= 0, got {cfg.data.num_workers}"
     )
     _positive(cfg.data, "data", ["embedded_max_bytes"])
+    if cfg.data.mixture is not None:
+        _require(
+            cfg.data.path is None,
+            "data.mixture and data.path are both set; train on one prepared dataset with "
+            "data.path=DIR or on several with data.mixture, and set the other to null",
+        )
+        paths = [path for path, _ in cfg.data.mixture_entries]  # ConfigError if malformed
+        _require(
+            len(set(paths)) == len(paths),
+            f"data.mixture names a directory twice ({cfg.data.mixture}); give each one entry "
+            "with the sum of its weights",
+        )
+    _require(
+        cfg.data.document_mask or not cfg.data.document_positions,
+        "data.document_positions=true needs data.document_mask=true: positions that restart "
+        "while attention crosses documents give an earlier document's keys later positions "
+        "than the query; set data.document_positions=false too",
+    )
+    _one_of(cfg.data.sft, SFT_FORMATS, "data.sft")
+    if cfg.data.sft != "none":
+        _require(
+            cfg.data.path is not None and cfg.data.mixture is None,
+            f"data.sft={cfg.data.sft} reads JSONL files: name them with data.path (and set "
+            "data.mixture to null)",
+        )
+        _require(
+            cfg.data.document_mask,
+            f"data.sft={cfg.data.sft} packs several examples into a window, which needs "
+            "data.document_mask=true to keep them apart",
+        )
+    if cfg.init_step is not None:
+        _require(cfg.init_from is not None, "init_step is set but init_from is not; set both")
+        _require(cfg.init_step >= 0, f"init_step must be >= 0, got {cfg.init_step}")
+    _require(
+        cfg.init_from is None or cfg.init_from.strip() != "",
+        "init_from is empty; name the run directory to start from, or set it to null",
+    )
     _positive(cfg.checkpoint, "checkpoint", ["every", "keep"])
     s = cfg.sample
     _require(
@@ -499,5 +630,6 @@ def validate(cfg: Config) -> None:
         f"{MAX_TEMPERATURE:g}], got {s.temperature}",
     )
     _require(s.top_k >= 0, f"sample.top_k must be >= 0 (0 = off), got {s.top_k}")
+    _one_of(s.weights, WEIGHT_KINDS, "sample.weights")
     _require(0.0 < s.top_p <= 1.0, f"sample.top_p must be within (0, 1], got {s.top_p}")
     _positive(s, "sample", ["max_new_tokens", "batch_size", "prompt_len"])

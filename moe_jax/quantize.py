@@ -1,7 +1,7 @@
 """int8 copies of run directories, for inference.
 
     python -m moe_jax.quantize RUN_DIR --out RUN_DIR_INT8 [--step N]
-    python sample.py --run RUN_DIR_INT8       # or: python sample.py --run RUN_DIR --quantize int8
+    python sample.py --run RUN_DIR_INT8   # or: python sample.py --run RUN_DIR sample.weights=int8
     qmodel = quantize_model(model)            # in Python: a new Transformer, `model` unchanged
 
 The quantised model itself (which weights, the scheme, how it runs) is moe_jax/model/int8.py;

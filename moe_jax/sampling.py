@@ -1,5 +1,6 @@
 """Text generation: prefill + KV-cache decode in one compiled program.
 
+    cfg, sampler, tok = load_sampler("runs/x", ["mesh.expert=2"])   # a run, sharded
     sampler = Sampler(model)                       # splits the params once; keep it around
     out = sampler.generate([ids_a, ids_b], max_new_tokens=100, temperature=0.8, top_k=40)
     out.sequences()                                # generated ids per prompt, stop token included
@@ -35,6 +36,16 @@ unrolled here whatever `model.scan_layers` says, and the stacked layer blocks ar
 (see `unstack_blocks`). The KV cache has `bucket + max_new_tokens` slots; each step attends
 over all of them under the position mask.
 
+Under a mesh (`Sampler(model, mesh=mesh)`, the params sharded by `sharding.INFERENCE_RULES`,
+as `checkpoint.load_run(mesh=...)` restores them) the same program runs sharded: the MoE
+layers take the expert-parallel path, whose tokens move to the experts and back (a batch the
+batch axes do not divide, e.g. one sequence, runs replicated: each device runs its own
+experts and the outputs are summed), attention's heads and the experts' hidden dims split
+over `tensor`, weights split over `fsdp` are gathered as each layer runs, and the KV cache is
+split over the batch and kv-head axes (`shard_cache`). No weight is gathered across `expert`,
+so decoding reads each device's own weights once per step. `consume=True` lets the sampler
+take the model's stacked weights, freeing each once split, so they are held once.
+
 An int8 model (`moe_jax.model.int8`) runs the same program: its weights enter as int8 values
 and scales, and each layer's are dequantised inside the loop in that layer's turn (XLA would
 otherwise hoist them out of the loop as float copies; see `moe_jax.model.int8.after`).
@@ -44,7 +55,8 @@ Streaming (`on_token`) calls back to the host from inside the compiled loop
 stream is the batch program plus one callback per step, so the default path and the streamed
 one are the same code, there is no second (resumable) program, and each token shows the moment
 it is sampled. The callback syncs with the host every step, which costs nothing that matters
-on CPU or for text a person reads; batches compile without it.
+on CPU or for text a person reads; batches compile without it. JAX orders callbacks on one
+device only; under a mesh they are unordered and the host puts the steps back in order.
 
 Sampling rules, applied in this order to each row's logits: temperature (0 = greedy argmax),
 top-k (keep the k most likely; 0 = off), top-p (keep the smallest most-likely set whose mass
@@ -55,6 +67,7 @@ same text, and row r's draws do not depend on the batch size.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 from collections.abc import Callable, Sequence
@@ -65,12 +78,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import NamedSharding
+from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from moe_jax.config import MAX_TEMPERATURE, MIN_TEMPERATURE
 from moe_jax.model import Transformer
 from moe_jax.model.int8 import is_quantized, quantize_model
+from moe_jax.sharding import BATCH_AXES
 
 MIN_BUCKET = 16  # shortest prompt bucket: shorter prompts are padded to this
 STOP_BUCKET = 8  # stop-token lists are padded to a multiple of this
@@ -158,6 +172,18 @@ def _block(a, b: int):
     return jax.ShapeDtypeStruct(a.shape[1:], a.dtype, sharding=sharding)
 
 
+def _unstack_consuming(tree, n: int) -> list:
+    """`unstack_blocks`, one stacked array at a time, each deleted once split."""
+    leaves, treedef = jax.tree.flatten(tree)
+    per_leaf = []
+    for i, a in enumerate(leaves):
+        per_leaf.append([_block(a, b) for b in range(n)])
+        leaves[i] = None
+        if isinstance(a, jax.Array):
+            a.delete()
+    return [jax.tree.unflatten(treedef, [parts[b] for parts in per_leaf]) for b in range(n)]
+
+
 def stack_blocks(blocks: list):
     return jax.tree.map(lambda *a: jnp.stack(a), *blocks) if blocks else []
 
@@ -195,11 +221,14 @@ def _generate(
         return nnx.merge(graphdef, full)
 
     def unstacked(cache):
+        cache = shard_cache(cache)
         return {"blocks": unstack_blocks(cache["blocks"], len(param_blocks)), "tail": cache["tail"]}
 
-    def run_model(tokens_BT, positions_BT, cache):
+    def run_model(tokens_BT, positions_BT, cache, logits_at_B=None):
         stacked = {"blocks": stack_blocks(cache["blocks"]), "tail": cache["tail"]}
-        logits_BTV, _, new = merged()(tokens_BT, positions=positions_BT, cache=stacked)
+        logits_BTV, _, new = merged()(
+            tokens_BT, positions=positions_BT, cache=stacked, logits_at=logits_at_B
+        )
         return logits_BTV, unstacked(new)
 
     def pick(logits_BV, step):
@@ -213,14 +242,15 @@ def _generate(
 
     def emit(step, out_tok_B):
         if stream:
-            jax.debug.callback(emit_host, step, out_tok_B, ordered=True)
+            one_device = jax.sharding.get_abstract_mesh().empty
+            jax.debug.callback(emit_host, step, out_tok_B, ordered=one_device)
 
     # Prefill: the first new token comes from each row's own last prompt position.
     cache = unstacked(merged().init_cache(B, P + N))
     positions_BP = jnp.broadcast_to(jnp.arange(P, dtype=jnp.int32), (B, P))
-    logits_BPV, cache = run_model(prompt_BP, positions_BP, cache)
-    last_BV = jnp.take_along_axis(logits_BPV, (prompt_len_B - 1)[:, None, None], axis=1)[:, 0]
-    tok_B = pick(last_BV, 0)
+    # The head only at each row's last prompt position: [B, 1, V], not [B, P, V].
+    logits_B1V, cache = run_model(prompt_BP, positions_BP, cache, prompt_len_B - 1)
+    tok_B = pick(logits_B1V[:, 0], 0)
     emit(0, tok_B)
     out_BN = jnp.full((B, N), -1, jnp.int32).at[:, 0].set(tok_B)
 
@@ -247,6 +277,29 @@ def _generate(
 # ----------------------------------------------------------------------------- the API
 
 
+def shard_cache(cache: dict) -> dict:
+    """The KV cache split over the mesh set by `jax.set_mesh` (if any): rows over the batch
+    axes, kv heads over `tensor`, each where it divides (decode is bound by reading the
+    weights and this cache, so neither may sit whole on every device)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return cache
+
+    def one(a):  # [..., B, S, K, hd]
+        B, K = a.shape[-4], a.shape[-2]
+        rows = tuple(ax for ax in BATCH_AXES if mesh.shape[ax] > 1)
+        n_rows = math.prod(mesh.shape[ax] for ax in rows)
+        spec = (
+            rows if rows and B % n_rows == 0 else None,
+            None,
+            "tensor" if K % mesh.shape["tensor"] == 0 else None,
+            None,
+        )
+        return jax.lax.with_sharding_constraint(a, P(*(None,) * (a.ndim - 4), *spec))
+
+    return jax.tree.map(one, cache)
+
+
 def _pad_stops(stop_tokens: Sequence[int]) -> np.ndarray:
     """Stop ids padded with -1 (never sampled) to a multiple of STOP_BUCKET: one program serves
     every request with up to STOP_BUCKET stop tokens, none included."""
@@ -265,9 +318,17 @@ class Sampler:
     """Generation from one model's parameters: split once, programs compiled and cached per
     sampler (so keep one Sampler per model rather than one per call)."""
 
-    def __init__(self, model: Transformer):
+    def __init__(self, model: Transformer, *, mesh: Mesh | None = None, consume: bool = False):
+        """`mesh`: generate under it (params sharded over it, e.g. by `load_run(mesh=...)`):
+        the MoE layers route through the expert-parallel path and the KV cache is split over
+        the batch and kv-head axes. Without it, a mesh set by the caller (`jax.set_mesh`)
+        applies. `consume`: take `model`'s arrays instead of copying its stacked layer blocks
+        (see `unstack_blocks`), freeing each stacked weight once split, so that the weights
+        are held once (with the largest weight's size spare while splitting); `model` is
+        unusable afterwards."""
         cfg = model.cfg
         self.cfg = cfg
+        self.mesh = mesh
         # The same graph with no capacity drops and unrolled layers (see the module
         # docstring); only static attributes change, so the trained params plug straight in.
         infer_cfg = dataclasses.replace(
@@ -280,22 +341,39 @@ class Sampler:
             build = lambda: quantize_model(Transformer(infer_cfg, rngs=nnx.Rngs(0)))
         self.graphdef, _ = nnx.split(nnx.eval_shape(build), nnx.Param)
         # The stacked layer blocks are split once here, so that no program slices them
-        # (see `unstack_blocks`): this holds a copy of them while `model` lives too.
+        # (see `unstack_blocks`): this holds a copy of them while `model` lives too, unless
+        # `consume` frees each stacked array as soon as it is split.
         params = nnx.state(model, nnx.Param)
         self.params = jax.tree.map(lambda a: a, params)  # a shallow copy to pop from
         blocks = self.params.pop("blocks") if model.n_blocks else None
-        self.param_blocks = unstack_blocks(blocks, model.n_blocks) if blocks else []
+        if not blocks:
+            self.param_blocks = []
+        elif consume:
+            self.param_blocks = _unstack_consuming(blocks, model.n_blocks)
+        else:
+            self.param_blocks = unstack_blocks(blocks, model.n_blocks)
         # One jitted function per sampler: the graph is bound, not hashed at every call.
         self.compiled = jax.jit(
             partial(_generate, self.graphdef, self._emit),
             static_argnames=("max_new_tokens", "mode", "stream"),
         )
         self._listener: Callable[[int, np.ndarray], None] | None = None
+        self._pending: dict[int, np.ndarray] = {}  # streamed steps not yet handed on
+        self._next_step = 0
+
+    def _on_mesh(self):
+        """The context the programs trace in: `self.mesh` set, or the caller's."""
+        return jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext()
 
     def _emit(self, step, tokens_B) -> None:
-        """Host side of the streaming callback: hand the step's tokens to the listener."""
-        if self._listener is not None:
-            self._listener(int(step), np.asarray(tokens_B))
+        """Host side of the streaming callback: hand the steps' tokens to the listener in
+        step order (unordered callbacks, under a mesh, may arrive out of it)."""
+        if self._listener is None:
+            return
+        self._pending[int(step)] = np.asarray(tokens_B)
+        while self._next_step in self._pending:
+            self._listener(self._next_step, self._pending.pop(self._next_step))
+            self._next_step += 1
 
     def inference_model(self) -> Transformer:
         """The model exactly as generation runs it (no capacity drops), for references."""
@@ -328,9 +406,13 @@ class Sampler:
         args, statics = self._inputs(
             prompts, max_new_tokens, temperature, top_k, top_p, seed, stop_tokens, vocab_size
         )
-        self._listener = on_token
+        if self.mesh is not None:  # prompts and sampling values replicated over the mesh
+            params, blocks, *rest = args
+            args = (params, blocks, *jax.device_put(rest, NamedSharding(self.mesh, P())))
+        self._listener, self._pending, self._next_step = on_token, {}, 0
         try:
-            out_BN, steps = self.compiled(*args, **statics, stream=on_token is not None)
+            with self._on_mesh():
+                out_BN, steps = self.compiled(*args, **statics, stream=on_token is not None)
             out_BN = np.asarray(out_BN)  # waits for the program (and its callbacks) to finish
         finally:
             self._listener = None
@@ -348,7 +430,8 @@ class Sampler:
             params, blocks, *rest = args
             as_abstract = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding)
             args = (params, blocks, *(as_abstract(a) for a in rest))
-        return self.compiled.lower(*args, **statics, stream=False)
+        with self._on_mesh():
+            return self.compiled.lower(*args, **statics, stream=False)
 
     def _inputs(
         self,
@@ -427,6 +510,22 @@ class Sampler:
         if not 0 < top_p <= 1:
             raise SamplingError(f"top_p must be within (0, 1] (1 = off), got {top_p}")
         return lengths
+
+
+def load_sampler(run_dir, overrides: Sequence[str] = (), step: int | None = None):
+    """-> (config, Sampler, tokenizer) of a run's checkpoint (default: the latest), restored
+    onto the mesh its config names after `overrides` (mesh.*, model.dtype, sample.*, as
+    sample.py takes them): sharded, in the `sample.weights` form, held once. ConfigError /
+    RunError (a mesh that does not divide the model, weights that do not fit) name the fix."""
+    from moe_jax.checkpoint import load_run, read_run_meta
+    from moe_jax.config import sampling_config
+    from moe_jax.sharding import MESH_AXES, make_mesh
+
+    cfg = sampling_config(read_run_meta(run_dir, step)["config"], overrides)
+    one_device = all(getattr(cfg.mesh, ax) == 1 for ax in MESH_AXES)
+    mesh = None if one_device else make_mesh(cfg, inference=True)
+    cfg, model, tokenizer = load_run(run_dir, step, cfg=cfg, mesh=mesh, weights=cfg.sample.weights)
+    return cfg, Sampler(model, mesh=mesh, consume=True), tokenizer
 
 
 def generate(model: Transformer, prompts: Sequence[Sequence[int]], max_new_tokens: int, **kw):

@@ -44,6 +44,11 @@ LOGICAL_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     ("expert_mlp", "tensor"),
     ("layers", None),
 )
+# Sampling reads every weight at every decode step, so a weight split over an axis that does
+# not split its compute is gathered at every step: there the non-expert weights' model dim is
+# split over fsdp only (a sampling mesh with fsdp > 1 gathers them, memory for bandwidth), never
+# over `expert`, whose devices each run the same tokens through those weights.
+INFERENCE_RULES = tuple((k, "fsdp" if k == "embed" else v) for k, v in LOGICAL_RULES)
 
 
 def param(
@@ -67,8 +72,9 @@ def param(
 # ----------------------------------------------------------------------------- the mesh
 
 
-def mesh_shape(cfg: Config, n_devices: int) -> dict[str, int]:
-    """Resolve `-1` and check the mesh against the devices and the model's shapes."""
+def mesh_shape(cfg: Config, n_devices: int, inference: bool = False) -> dict[str, int]:
+    """Resolve `-1` and check the mesh against the devices and the model's shapes (for
+    training, or with `inference` for sampling: INFERENCE_RULES, no train batch)."""
     sizes = {ax: getattr(cfg.mesh, ax) for ax in MESH_AXES}
     known = math.prod(v for v in sizes.values() if v != -1)
     for ax, v in sizes.items():
@@ -85,11 +91,11 @@ def mesh_shape(cfg: Config, n_devices: int) -> dict[str, int]:
             f"mesh {shape} has {total} devices but {n_devices} are available; "
             "make the product of mesh.data/fsdp/expert/tensor equal the device count (or use -1)"
         )
-    _check_divisible(cfg, sizes)
+    _check_divisible(cfg, sizes, inference)
     return sizes
 
 
-def _check_divisible(cfg: Config, sizes: dict[str, int]) -> None:
+def _check_divisible(cfg: Config, sizes: dict[str, int], inference: bool) -> None:
     m, a, e, t = cfg.model, cfg.attention, cfg.moe, cfg.train
     checks = [
         ("moe.n_experts", e.n_experts, "expert"),
@@ -107,7 +113,7 @@ def _check_divisible(cfg: Config, sizes: dict[str, int]) -> None:
         if value % sizes[ax]:
             raise ConfigError(f"{key} ({value}) must be divisible by mesh.{ax} ({sizes[ax]})")
     # ZeRO's splits (LOGICAL_RULES: "embed", "expert_mlp_fsdp") over two axes at once
-    products = [("model.d_model", m.d_model, ("fsdp", "expert"))]
+    products = [("model.d_model", m.d_model, ("fsdp",) if inference else ("fsdp", "expert"))]
     if e.n_experts > 0:
         products.append(("moe.expert_hidden", e.expert_hidden, ("tensor", "fsdp")))
     for key, value, axes in products:
@@ -117,6 +123,8 @@ def _check_divisible(cfg: Config, sizes: dict[str, int]) -> None:
                 f"{key} ({value}) must be divisible by mesh.{'*'.join(axes)} ({n}), the axes "
                 "the weights split it over"
             )
+    if inference:  # a sampling batch that does not divide runs replicated
+        return
     n_batch = math.prod(sizes[ax] for ax in BATCH_AXES)
     micro = t.batch_size // t.grad_accum
     if micro % n_batch:
@@ -126,9 +134,10 @@ def _check_divisible(cfg: Config, sizes: dict[str, int]) -> None:
         )
 
 
-def make_mesh(cfg: Config, devices: list | None = None) -> Mesh:
+def make_mesh(cfg: Config, devices: list | None = None, inference: bool = False) -> Mesh:
     """The device mesh of `cfg.mesh`. All axes 1 means one device (the first); any other
-    shape must use every device (of every process).
+    shape must use every device (of every process). `inference`: a mesh for sampling, checked
+    against INFERENCE_RULES and no training batch.
 
     The devices are laid out by jax's mesh utilities, which follow the physical interconnect:
     on a TPU torus each mesh axis gets whole torus axes (or, with `mesh.split_physical_axes`,
@@ -138,7 +147,7 @@ def make_mesh(cfg: Config, devices: list | None = None) -> Mesh:
     devices = list(devices if devices is not None else jax.devices())
     if all(getattr(cfg.mesh, ax) == 1 for ax in MESH_AXES) and cfg.mesh.slices == 1:
         devices = devices[:1]
-    sizes = mesh_shape(cfg, len(devices))
+    sizes = mesh_shape(cfg, len(devices), inference)
     shape = tuple(sizes[ax] for ax in MESH_AXES)
     split, slices = cfg.mesh.split_physical_axes, cfg.mesh.slices
     try:
@@ -227,19 +236,28 @@ def batch_sharding(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, P(BATCH_AXES))
 
 
-def logical_to_spec(axes: tuple[str | None, ...]) -> P:
-    rules = dict(LOGICAL_RULES)
+def logical_to_spec(axes: tuple[str | None, ...], rules=LOGICAL_RULES) -> P:
+    rules = dict(rules)
     return P(*(rules.get(a) if a is not None else None for a in axes))
 
 
-def state_shardings(tree, mesh: Mesh):
+def state_shardings(tree, mesh: Mesh, rules=LOGICAL_RULES):
     """NamedShardings mirroring `tree`: Variables by their logical `out_sharding` axes (an
-    optimizer state built from params carries them too), any other array replicated."""
+    optimizer state built from params carries them too), any other array replicated.
+    `rules`: LOGICAL_RULES (training) or INFERENCE_RULES (sampling)."""
 
     def one(x):
         if isinstance(x, nnx.Variable):
             axes = x.get_metadata().get("out_sharding")
-            return x.replace(NamedSharding(mesh, logical_to_spec(tuple(axes)) if axes else P()))
+            spec = logical_to_spec(tuple(axes), rules) if axes else P()
+            value = x.get_raw_value()
+            if isinstance(value, dict):  # an int8 weight's {"q", "scale"} (moe_jax.model.int8)
+                # scales keep size-1 contracted axes, which split over nothing
+                unsplit = lambda a: P(
+                    *(ax if n > 1 else None for ax, n in zip(spec, a.shape, strict=True))
+                )
+                return x.replace({k: NamedSharding(mesh, unsplit(a)) for k, a in value.items()})
+            return x.replace(NamedSharding(mesh, spec))
         return NamedSharding(mesh, P())
 
     return jax.tree.map(one, tree, is_leaf=lambda x: isinstance(x, nnx.Variable))

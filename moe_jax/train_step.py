@@ -5,22 +5,32 @@ eval steps, and the train state they work on. `moe_jax.trainer` runs them in its
     tx = make_optimizer(cfg.train)
     graphdef, state = init_state(cfg, tx, mesh=mesh)
     step = make_train_step(cfg, graphdef, tx, state_sharding)
-    state, metrics = step(state, tokens_BT1)
+    state, metrics = step(state, batch)    # batch: tokens [B, T+1], or a dict (below)
 
 The train state is a plain pytree `{"step", "params", "opt_state"}`: `params` is the model's
 `nnx.Param` state from `nnx.split(model, nnx.Param)` and the model is rebuilt from it with
 `nnx.merge` inside the jitted step (at trace time, so it costs nothing per step). The step is
 one pure function, jitted once, with the state donated so XLA updates it in place.
 
-Loss = mean next-token cross-entropy (fp32) + the MoE aux loss the model returns
-(lb_loss_weight * load balance + z_loss_weight * router z-loss) + optionally
-`train.logit_z_loss * mean(logsumexp(logits)^2)` (PaLM's output-logit z-loss).
+A batch is a plain int32 array [B, T+1] of token windows (inputs [:, :-1], targets [:, 1:]),
+or a dict of int32 [B, T+1] arrays: "tokens", and optionally "segments" (document ids, 0 for
+padding: attention stays inside each document, and target t+1 counts only if segments[t+1]
+== segments[t] != 0), "positions" (restarting at 0 at each document; default 0..T-1) and
+"loss_mask" (1 for targets to learn, e.g. a completion but not its prompt; applied to [:, 1:]
+together with the segment rule). See `split_batch`.
 
-Gradient accumulation: the batch [B, T+1] is split into `grad_accum` micro-batches of B/A rows
-that a `lax.scan` runs one after another (memory of one micro-batch), and the gradients are
-averaged. Cross-entropy and z-losses are per-token means, so this equals the full batch; the
-load-balance loss is a product of batch means and MoE capacity is per routing group, so for
-those the micro-batch is the unit, as in every accumulation scheme.
+Loss = cross-entropy (fp32) averaged over the counted targets + the MoE aux loss the model
+returns (lb_loss_weight * load balance + z_loss_weight * router z-loss) + optionally
+`train.logit_z_loss * mean(logsumexp(logits)^2)` over the counted targets (PaLM's
+output-logit z-loss).
+
+Gradient accumulation: the batch is split into `grad_accum` micro-batches of B/A rows that a
+`lax.scan` runs one after another (memory of one micro-batch), and their gradients are
+summed. Each micro-batch's cross-entropy and logit z-loss are sums divided by the whole
+batch's count of targets, so the accumulated loss and gradient equal the full batch's even
+when the micro-batches count different numbers of targets. The MoE aux losses are averaged
+over the micro-batches: the load-balance loss is a product of batch means and MoE capacity is
+per routing group, so for those the micro-batch is the unit, as in every accumulation scheme.
 
 Optimizer: AdamW (b1, b2, eps from the config) with decoupled weight decay on matmul weights
 only (not on norm scales, biases, or the embedding unless `train.decay_embeddings`), after
@@ -41,6 +51,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from moe_jax.config import Config, TrainConfig
+from moe_jax.loss import head_statistics
 from moe_jax.model import Transformer
 from moe_jax.sharding import BATCH_AXES, state_shardings, with_shardings
 
@@ -112,53 +123,118 @@ def make_optimizer(t: TrainConfig) -> optax.GradientTransformation:
 # ----------------------------------------------------------------------------- steps
 
 
-def loss_fn(params, graphdef: nnx.GraphDef, tokens_BT1: jax.Array, logit_z_loss: float):
-    """-> (loss, metrics) for one batch of windows [B, T+1] (inputs [:, :-1], targets [:, 1:])."""
+Batch = jax.Array | dict[str, jax.Array]
+BATCH_KEYS = ("tokens", "segments", "positions", "loss_mask")
+
+
+def split_batch(batch: Batch) -> tuple[dict, jax.Array, jax.Array]:
+    """-> (model inputs: tokens, positions and segments [B, T] as given; targets [B, T];
+    float32 weights [B, T], 1 where a target counts in the loss, else 0)."""
+    if not isinstance(batch, dict):
+        batch = {"tokens": batch}
+    if "tokens" not in batch or not set(batch) <= set(BATCH_KEYS):
+        raise ValueError(
+            f"a batch dict holds 'tokens' and optionally 'segments', 'positions', 'loss_mask'; "
+            f"got {sorted(batch)}"
+        )
+    tokens_BT1 = batch["tokens"]
+    inputs = {"tokens": tokens_BT1[:, :-1]}
+    inputs |= {k: batch[k][:, :-1] for k in ("positions", "segments") if k in batch}
+    counted_BT = jnp.ones(tokens_BT1[:, 1:].shape, bool)
+    if "segments" in batch:  # no target across a document boundary, none on padding
+        seg_BT1 = batch["segments"]
+        counted_BT = (seg_BT1[:, 1:] == seg_BT1[:, :-1]) & (seg_BT1[:, :-1] != 0)
+    if "loss_mask" in batch:
+        counted_BT &= batch["loss_mask"][:, 1:] != 0
+    return inputs, tokens_BT1[:, 1:], counted_BT.astype(jnp.float32)
+
+
+def n_targets(batch: Batch) -> jax.Array:
+    """The number of targets the batch counts in its loss (float32 scalar)."""
+    return jnp.sum(split_batch(batch)[2])
+
+
+def loss_fn(
+    params, graphdef: nnx.GraphDef, batch: Batch, logit_z_loss: float, total=None, n_micro=1
+):
+    """-> (loss, metrics) for one batch: the mean over its counted targets.
+
+    As one of `n_micro` micro-batches, the sums are divided by `total`, the whole batch's count
+    of targets, and the aux loss by n_micro, so that the micro-batches' losses add up to the whole
+    batch's. Metrics: "ce" and "logit_z" (means over the batch's counted targets), their sums
+    ("ce_sum", "logit_z_sum") and count ("n_targets"), and the aux statistics."""
     model = nnx.merge(graphdef, params)
-    logits_BTV, aux = model(tokens_BT1[:, :-1])
-    targets_BT = tokens_BT1[:, 1:]
-    logz_BT = jax.nn.logsumexp(logits_BTV, axis=-1)
-    target_logit_BT = jnp.take_along_axis(logits_BTV, targets_BT[..., None], axis=-1)[..., 0]
-    ce = jnp.mean(logz_BT - target_logit_BT)
-    logit_z = jnp.mean(logz_BT**2)
-    loss = ce + aux["aux_loss"] + logit_z_loss * logit_z
-    metrics = {"ce": ce, "logit_z": logit_z}
+    inputs, targets_BT, weights_BT = split_batch(batch)
+    x_BTD, aux = model(
+        inputs["tokens"],
+        positions=inputs.get("positions"),
+        segments=inputs.get("segments"),
+        head=False,
+    )
+    # Never the whole [B, T, V] logits with train.loss_chunk (see moe_jax/loss.py)
+    chunk = model.cfg.train.loss_chunk
+    logz_BT, target_logit_BT = head_statistics(model.logits, x_BTD, targets_BT, chunk)
+    count = jnp.sum(weights_BT)
+    ce_sum = jnp.sum((logz_BT - target_logit_BT) * weights_BT)
+    logit_z_sum = jnp.sum(logz_BT**2 * weights_BT)
+    # A batch that counts no target has no CE (0, not 0/0); the aux loss still trains.
+    denom = jnp.maximum(count if total is None else total, 1.0)
+    loss = (ce_sum + logit_z_loss * logit_z_sum) / denom + aux["aux_loss"] / n_micro
+    metrics = {"ce_sum": ce_sum, "logit_z_sum": logit_z_sum, "n_targets": count}
+    metrics |= {
+        "ce": ce_sum / jnp.maximum(count, 1.0),
+        "logit_z": logit_z_sum / jnp.maximum(count, 1.0),
+    }
     metrics |= {k: aux[k] for k in ("aux_loss", "lb_loss", "z_loss", "expert_load", "dropped_frac")}
     return loss, metrics
 
 
-def compute_grads(params, graphdef: nnx.GraphDef, tokens_BT1: jax.Array, t: TrainConfig):
-    """-> (grads, metrics) of the batch, accumulated over `t.grad_accum` micro-batches."""
+def compute_grads(params, graphdef: nnx.GraphDef, batch: Batch, t: TrainConfig):
+    """-> (grads, metrics) of the batch, accumulated over `t.grad_accum` micro-batches.
+
+    Metrics: "loss", "ce" and "logit_z" (means over the batch's counted targets), "n_targets"
+    (their number), and the MoE aux statistics (means over the micro-batches)."""
     A = t.grad_accum
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
-    B, T1 = tokens_BT1.shape
+    total = n_targets(batch)
     # Micro-batch a takes rows a, a+A, a+2A, ...: each device's contiguous block of the batch
     # splits into A local micro-batches, so accumulation moves no data between devices.
-    micro_ABT1 = tokens_BT1.reshape(B // A, A, T1).swapaxes(0, 1)
+    micro = lambda a_BT1: a_BT1.reshape(a_BT1.shape[0] // A, A, -1).swapaxes(0, 1)
+    micro_A = jax.tree.map(micro, batch)
     if not jax.sharding.get_abstract_mesh().empty:
-        micro_ABT1 = jax.lax.with_sharding_constraint(micro_ABT1, P(None, BATCH_AXES))
+        micro_A = jax.lax.with_sharding_constraint(micro_A, P(None, BATCH_AXES))
 
-    def accumulate(grads_sum, micro_BT1):
-        (loss, metrics), grads = grad_fn(params, graphdef, micro_BT1, t.logit_z_loss)
+    def accumulate(grads_sum, micro_batch):
+        (loss, metrics), grads = grad_fn(params, graphdef, micro_batch, t.logit_z_loss, total, A)
         return jax.tree.map(jnp.add, grads_sum, grads), metrics | {"loss": loss}
 
     zeros = jax.tree.map(jnp.zeros_like, params)
-    grads_sum, metrics_A = jax.lax.scan(accumulate, zeros, micro_ABT1)
-    grads = jax.tree.map(lambda g: g / A, grads_sum)
-    metrics = jax.tree.map(lambda m: jnp.mean(m, axis=0), metrics_A)  # micro-batches: equal size
+    grads, metrics_A = jax.lax.scan(accumulate, zeros, micro_A)
+    sums = {k: jnp.sum(metrics_A.pop(k), axis=0) for k in ("loss", "ce_sum", "logit_z_sum")}
+    for k in ("ce", "logit_z", "n_targets"):  # per micro-batch: replaced by the whole batch's
+        del metrics_A[k]
+    metrics = jax.tree.map(lambda m: jnp.mean(m, axis=0), metrics_A)  # the aux statistics
+    denom = jnp.maximum(total, 1.0)
+    metrics |= {
+        "loss": sums["loss"],
+        "ce": sums["ce_sum"] / denom,
+        "logit_z": sums["logit_z_sum"] / denom,
+        "n_targets": total,
+    }
     return grads, metrics
 
 
 def make_train_step(
     cfg: Config, graphdef: nnx.GraphDef, tx: optax.GradientTransformation, state_sharding=None
 ):
-    """Jitted `(state, tokens_BT1) -> (new state, metrics)`; `state` is donated and, with
-    `state_sharding`, keeps that layout (metrics come back replicated)."""
+    """Jitted `(state, batch) -> (new state, metrics)`; `state` is donated and, with
+    `state_sharding`, keeps that layout (metrics come back replicated). The batch (an array or
+    a dict of arrays, see the module doc) keeps the sharding it comes with."""
     schedule = lr_schedule(cfg.train)
 
-    def train_step(state, tokens_BT1):
+    def train_step(state, batch):
         params = state["params"]
-        grads, metrics = compute_grads(params, graphdef, tokens_BT1, cfg.train)
+        grads, metrics = compute_grads(params, graphdef, batch, cfg.train)
         metrics["grad_norm"] = optax.tree.norm(grads)  # before clipping
         metrics["lr"] = schedule(state["step"])
         updates, opt_state = tx.update(grads, state["opt_state"], params)
@@ -175,12 +251,14 @@ def make_train_step(
     return jax.jit(train_step, donate_argnums=0, out_shardings=(state_sharding, replicated))
 
 
-def make_eval_step(graphdef: nnx.GraphDef):
-    """Jitted `(params, tokens_BT1) -> mean next-token cross-entropy`."""
+def make_eval_step(graphdef: nnx.GraphDef, sums: bool = False):
+    """Jitted `(params, batch) -> mean cross-entropy over the batch's counted targets`; with
+    `sums`, -> `(sum of their cross-entropies, their number)` instead, for an exact mean over
+    batches that count different numbers of targets."""
 
-    def eval_step(params, tokens_BT1):
-        _, metrics = loss_fn(params, graphdef, tokens_BT1, 0.0)
-        return metrics["ce"]
+    def eval_step(params, batch):
+        _, metrics = loss_fn(params, graphdef, batch, 0.0)
+        return (metrics["ce_sum"], metrics["n_targets"]) if sums else metrics["ce"]
 
     return jax.jit(eval_step)
 

@@ -28,7 +28,7 @@ from tqdm import tqdm
 
 from moe_jax.checkpoint import Checkpointer, RunError, inspect_run, no_space
 from moe_jax.config import Config
-from moe_jax.data import eval_batches, load_data, train_iterator
+from moe_jax.finetune import init_source, load_run_data, start_state
 from moe_jax.metrics import MetricsWriter, compute_units, unit_peak_flops
 from moe_jax.sharding import check_batch_split, global_batch, make_mesh
 from moe_jax.summary import param_counts, train_flops_per_token
@@ -86,6 +86,12 @@ def _wait_for_steps(state) -> None:
     jax.block_until_ready(state)
 
 
+def _on_mesh(batch, mesh):
+    """This process's rows of a batch (an array, or a dict of arrays: tokens, segments, ...)
+    -> the global batch, split over the mesh's batch axes."""
+    return jax.tree.map(lambda rows: global_batch(rows, mesh), batch)
+
+
 @dataclass
 class TrainResult:
     step: int  # the step the run stopped at
@@ -137,12 +143,14 @@ def train(cfg: Config, *, stop_at: int | None = None) -> TrainResult:
         sys.stdout.flush()  # a log file shows the line now, not a buffer later
 
     resume = inspect_run(cfg)  # read-only; refuses an incompatible run dir
-    data = load_data(cfg, resume.tokenizer if resume else None)
+    # init_from: the run a new one starts from (read-only; None when run_dir resumes its own)
+    source = init_source(cfg, resume.step if resume else None, log)
+    data = load_run_data(cfg, resume.tokenizer if resume else source.tokenizer if source else None)
     unigram = data.val_unigram_entropy
     log(f"data: {data.description} (sha256 {data.fingerprint}), tokenizer {data.tokenizer.kind}")
     log(
-        f"data: {len(data.train):,} train / {len(data.val):,} val tokens; validation unigram "
-        f"entropy {unigram:.3f} nats/token (the baseline a model must beat)"
+        f"data: {data.n_train_tokens:,} train / {data.n_val_tokens:,} val tokens; validation "
+        f"unigram entropy {unigram:.3f} nats/token (the baseline a model must beat)"
     )
     if resume and resume.fingerprint and resume.fingerprint != data.fingerprint:
         log(
@@ -184,15 +192,10 @@ def train(cfg: Config, *, stop_at: int | None = None) -> TrainResult:
         log(f"mesh: {dict(mesh.shape)} over {mesh.size} devices, {jax.process_count()} process(es)")
     tx = make_optimizer(t)
     graphdef, abstract_state = init_state(cfg, tx, abstract=True, mesh=mesh)
-    it = train_iterator(
-        data.train,
-        t.seq_len,
-        t.batch_size,
-        cfg.seed,
-        jax.process_index(),
-        jax.process_count(),
-        cfg.data.num_workers,
-    )
+    # Before the run dir is opened, so that a source checkpoint that cannot be read leaves
+    # nothing written.
+    state = start_state(source, abstract_state, tx) if source else None
+    it = data.train_iterator(cfg, jax.process_index(), jax.process_count())
     # Locks the run dir: from here on no other run writes to it. With train.resume_step in
     # effect, the checkpoints after that step are moved to RUN_DIR/superseded.
     going_back = resume is not None and resume.step == t.resume_step
@@ -216,6 +219,11 @@ def train(cfg: Config, *, stop_at: int | None = None) -> TrainResult:
                 "opt_state": opt_state,
             }
             log(f"resumed from {cfg.run_dir} at step {resume.step}")
+        elif source:
+            log(
+                f"initialised from {source.run_dir} step {source.step}: its params, a new "
+                "optimizer state, step 0"
+            )
         else:
             _, state = init_state(cfg, tx, mesh=mesh)
         # Outside the mesh: under it, a measured matmul would run replicated on every device.
@@ -258,13 +266,14 @@ def _loop(
         f"{flops_per_token / 1e6:.1f} MFLOP/token train; peak {peak / 1e9:.0f} GFLOP/s "
         f"({peak_src})"
     )
-    val = eval_batches(
-        data.val, t.seq_len, t.batch_size, t.eval_batches, jax.process_index(), jax.process_count()
-    )
-    val = [global_batch(b, mesh) for b in val]
+    val = [
+        _on_mesh(b, mesh) for b in data.eval_batches(cfg, jax.process_index(), jax.process_count())
+    ]
     state_sharding = jax.tree.map(lambda a: a.sharding, state)
     train_step = make_train_step(cfg, graphdef, tx, state_sharding)
-    eval_step = make_eval_step(graphdef)
+    # Sums and counts: packed batches count different numbers of targets, so the validation
+    # loss is their total over the total count, not a mean of the batches' means.
+    eval_step = make_eval_step(graphdef, True)  # sums=True
     meta = {"config": cfg, "tokenizer": data.tokenizer, "fingerprint": data.fingerprint}
 
     last_saved = resume.step if resume else None
@@ -299,7 +308,7 @@ def _loop(
         )
         step = start
         while step < end:
-            state, metrics = train_step(state, global_batch(next(it), mesh))
+            state, metrics = train_step(state, _on_mesh(next(it), mesh))
             step += 1
             window.append((step, metrics))
             if step == start + 1:  # the first step compiles: keep it out of the throughput
@@ -336,7 +345,10 @@ def _loop(
             if step % t.eval_every == 0 or final:
                 _wait_for_steps(state)
                 t0 = time.perf_counter()
-                val_loss = float(np.mean([eval_step(state["params"], b) for b in val]))
+                ce_sum, count = np.sum(
+                    jax.device_get([eval_step(state["params"], b) for b in val]), 0, np.float64
+                )
+                val_loss = float(ce_sum / max(count, 1.0))
                 writer.write(
                     {
                         "kind": "eval",

@@ -140,6 +140,28 @@ def test_tiny_expert_parallel_steps_compile(name, step):
         assert r["loops_of_unknown_trip_count"] == 1  # the stop-token loop, counted at 3 steps
 
 
+@pytest.mark.parametrize("name, batch", [("h100:1x4", 1), ("v5p-8", 4)])
+def test_expert_parallel_decode_moves_tokens_not_weights(name, batch):
+    """Decoding on an expert-parallel mesh: batch 4 splits over the 4 `expert` shards
+    (all_to_all of tokens), batch 1 runs replicated (each device its own experts, one
+    all-reduce of the [1, 1, D] output per layer). Either way every weight stays where it is:
+    all collectives of the prefill and 3 decode steps move under 10% of one device's weight
+    bytes (gathering the attention weights, or the picked experts, each step moves more)."""
+    cfg = tiny_config(
+        "mesh.expert=4",
+        f"sample.batch_size={batch}",
+        "sample.prompt_len=8",
+        "model.d_model=256",
+        "moe.expert_hidden=512",
+        "model.dtype=bfloat16",
+    )
+    cfg = dataclasses.replace(cfg, sample=dataclasses.replace(cfg.sample, max_new_tokens=4))
+    r = aot.compile_step(cfg, get_topology(name), "decode")
+    moved = sum(c["bytes"] for c in r["collectives"].values())
+    assert moved < 0.1 * r["bytes"]["arguments"]
+    assert ("all-to-all" in r["collectives"]) == (batch == 4)
+
+
 def test_max_batch_doubles_then_bisects(monkeypatch):
     """Probes 1, 2, 4, 8, 16 rows per shard, then bisects to the largest that fits (12)."""
     probed = []

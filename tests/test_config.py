@@ -148,8 +148,8 @@ VALIDATION_CASES = {
         "moe.route_scale='both' is not supported; use one of output, input",
     ),
     "tokenizer": (
-        ["data.tokenizer=bpe"],
-        "data.tokenizer='bpe' is not supported; use one of byte, char",
+        ['data.tokenizer=" "'],
+        "data.tokenizer is empty; use byte, char, or the path of a tokenizer.json",
     ),
     # attention shapes
     "gqa_divisible": (

@@ -12,7 +12,9 @@ Qwen3 with tied embeddings and an all-layer sliding window.
 
 Tolerance: the issue's 1e-4 absolute on logits of O(1) (std ~0.8). Both sides compute the
 same float32 math in different orders; measured differences are ~1e-6.
-Budget: ~60 s on 2 cores (15 small XLA compiles dominate).
+Budget: ~60 s on 2 cores (15 small XLA compiles dominate); the CLI test that carries a
+tokenizer (import -> sample.py with text and --chat against transformers' `generate` ->
+export) adds ~5 s, one sampling program.
 """
 
 from __future__ import annotations
@@ -20,8 +22,10 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import runpy
 import shutil
 import stat
+from pathlib import Path
 
 import jax.numpy as jnp
 import numpy as np
@@ -39,6 +43,9 @@ from moe_jax.interop.convert import config_from_hf  # noqa: E402
 from moe_jax.interop.safetensors_io import TensorReader  # noqa: E402
 from moe_jax.model import Transformer  # noqa: E402
 from tests.helpers import forward, forward_cached  # noqa: E402
+from tests.test_tokenizer import SHAKESPEARE, write_bpe  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
 
 TOL = 1e-4
 V = 128
@@ -531,3 +538,83 @@ def test_cli_errors_exit_2_and_touch_nothing(tmp_path, capsys):
         assert err.startswith("error: ") and message in err and err.count("\n") == 1
     assert not (tmp_path / "new").exists()
     assert [p.name for p in (tmp_path / "full").iterdir()] == ["keep.txt"]
+
+
+@pytest.mark.skipif(not SHAKESPEARE.is_file(), reason=f"{SHAKESPEARE} not present")
+def test_cli_import_carries_the_tokenizer_to_sample_and_export(tmp_path, capsys):
+    """The HF directory's tokenizer files come into the run (RUN_DIR/tokenizer), so sample.py
+    continues a text prompt, and a --chat one through the chat template, exactly as
+    transformers' greedy `generate` does with the same model and files; export writes the
+    files back; an explicit data.tokenizer=byte leaves them out (and --chat is refused)."""
+    from moe_jax.interop.__main__ import main
+
+    sample = runpy.run_path(str(ROOT / "sample.py"))["main"]
+    hf_dir, run, out = tmp_path / "hf", tmp_path / "run", tmp_path / "export"
+    model = hf_model("llama", seed=3, vocab_size=300)  # the BPE's 300 ids
+    model.save_pretrained(hf_dir)
+    write_bpe(hf_dir)
+    (hf_dir / "special_tokens_map.json").write_text('{"pad_token": "<|endoftext|>"}')
+    files = ["special_tokens_map.json", "tokenizer.json", "tokenizer_config.json"]
+    run_args = ["train.batch_size=2", "train.seq_len=16", "data.embedded_max_bytes=100000"]
+    assert main(["import", str(hf_dir), "--out", str(run), *run_args]) == 0
+    assert sorted(p.name for p in (run / "tokenizer").iterdir()) == files
+    assert all((run / "tokenizer" / f).read_bytes() == (hf_dir / f).read_bytes() for f in files)
+
+    ref = transformers.PreTrainedTokenizerFast.from_pretrained(hf_dir)
+    as_chat = lambda tok, prompt: tok.apply_chat_template(
+        [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
+    )
+    n_new = 8
+    # 36 and 38 tokens: both in the 64-token prompt bucket, so one compiled program.
+    for prompt, chat in [
+        ("First Citizen:\nBefore we proceed any further", False),
+        ("Speak, speak.", True),
+    ]:
+        text = as_chat(ref, prompt) if chat else prompt
+        encoded = ref(text, add_special_tokens=not chat, return_tensors="pt")
+        with torch.no_grad():
+            generated = model.generate(
+                **encoded, max_new_tokens=n_new, do_sample=False, eos_token_id=ref.eos_token_id,
+                pad_token_id=ref.eos_token_id,
+            )[0, encoded["input_ids"].shape[1] :]  # fmt: skip
+        flags = ["--run", str(run), "--prompt", prompt, "--temperature", "0", "--num-samples", "1"]
+        capsys.readouterr()
+        assert sample([*flags, "--max-new-tokens", str(n_new), *["--chat"] * chat]) == 0
+        assert (
+            capsys.readouterr().out == text + ref.decode(generated, skip_special_tokens=True) + "\n"
+        )
+
+    assert main(["export", str(run), "--out", str(out)]) == 0
+    assert all((out / f).read_bytes() == (hf_dir / f).read_bytes() for f in files)
+    config = json.loads((out / "config.json").read_text())
+    assert (config["bos_token_id"], config["eos_token_id"]) == (ref.bos_token_id, ref.eos_token_id)
+    exported = transformers.PreTrainedTokenizerFast.from_pretrained(out)
+    assert as_chat(exported, prompt) == text
+
+    byte_run = tmp_path / "byte"
+    assert (
+        main(["import", str(hf_dir), "--out", str(byte_run), *run_args, "data.tokenizer=byte"]) == 0
+    )
+    assert not (byte_run / "tokenizer").exists()
+    capsys.readouterr()
+    assert sample(["--run", str(byte_run), "--chat", "--prompt", "hi"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: the byte tokenizer has no chat template") and err.count("\n") == 1
+
+
+@pytest.mark.skipif(not SHAKESPEARE.is_file(), reason=f"{SHAKESPEARE} not present")
+def test_cli_import_refuses_a_tokenizer_larger_than_the_embedding(tmp_path, capsys):
+    from moe_jax.interop.__main__ import main
+
+    hf_dir = tmp_path / "hf"
+    hf_model("llama", vocab_size=V).save_pretrained(hf_dir)
+    write_bpe(hf_dir)  # 300 ids > V
+    capsys.readouterr()
+    assert main(["import", str(hf_dir), "--out", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err
+    assert err == (
+        f"error: the tokenizer in '{hf_dir}' has 300 tokens but the model's embedding {V} "
+        "(vocab_size in config.json); fix the directory, or import it with another tokenizer "
+        "(data.tokenizer=byte)\n"
+    )
+    assert not (tmp_path / "run").exists()

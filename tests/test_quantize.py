@@ -273,7 +273,7 @@ def test_sample_cli_on_an_int8_run_equals_quantize_on_load(trained, capsys):
     flags = ["--prompt", "def ", "--max-new-tokens", "12", "--temperature", "0"]
     assert SAMPLE_MAIN(["--run", str(run_int8), *flags]) == 0
     from_run = capsys.readouterr().out
-    assert SAMPLE_MAIN(["--run", str(run), "--quantize", "int8", *flags]) == 0
+    assert SAMPLE_MAIN(["--run", str(run), "sample.weights=int8", *flags]) == 0
     assert capsys.readouterr().out == from_run and from_run.startswith("def ")
 
 
@@ -298,18 +298,3 @@ def test_quantize_cli_bad_input_is_one_line_exit_2_nothing_written(
     assert err.startswith("error: ") and err.count("\n") == 1 and fill(message) in err
     assert not (tmp_path / "x").exists()
     assert sorted(p.relative_to(run_int8) for p in run_int8.rglob("*")) == before
-
-
-@pytest.mark.parametrize(
-    "flags, message",
-    [
-        (["--run", "{run}", "--quantize", "int4"], "unknown quantization 'int4'; use one of: int8"),
-        (["--run", "{run_int8}", "--quantize", "int8"], "the model is already int8"),
-    ],
-)
-def test_sample_cli_bad_quantize_is_one_line_exit_2(trained, capsys, flags, message):
-    run, run_int8 = trained
-    assert SAMPLE_MAIN([f.format(run=run, run_int8=run_int8) for f in flags]) == 2
-    captured = capsys.readouterr()
-    assert captured.err.startswith("error: ") and captured.err.count("\n") == 1
-    assert message in captured.err and captured.out == ""

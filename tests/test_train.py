@@ -8,6 +8,7 @@ compile it once. About a minute on 2 idle cores.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -27,6 +28,7 @@ from flax import nnx
 from moe_jax import trainer
 from moe_jax.checkpoint import inspect_run, load_run
 from moe_jax.metrics import read_metrics
+from moe_jax.model import Transformer
 from moe_jax.plot import main as plot_main
 from moe_jax.train_step import (
     clip_by_global_norm,
@@ -166,6 +168,33 @@ def test_loss_is_next_token_cross_entropy_plus_aux():
     np.testing.assert_allclose(
         loss, ce + float(aux["aux_loss"]) + 0.01 * np.mean(logz**2), rtol=1e-5
     )
+
+
+def test_chunked_loss_equals_the_full_logits_loss_values_and_gradients():
+    """train.loss_chunk=4 (4 chunks of 16 positions) against 0, with a loss mask and the logit
+    z-loss: the same float32 per-token statistics, the head's gradient summed over the chunks
+    (rtol 1e-5: summation order). The step's program then holds [B, 4, V] logits, never
+    [B, 16, V], nor the 4 chunks' logits stacked for the backward (checked in its StableHLO)."""
+    cfg = _cfg("unused")
+    _, state = init_state(cfg, make_optimizer(cfg.train))
+    tokens = jax.random.randint(jax.random.key(1), (3, 17), 0, 256, jnp.int32)
+    mask = jnp.broadcast_to(jnp.arange(17) % 3 != 0, tokens.shape).astype(jnp.int32)
+    batch = {"tokens": tokens, "loss_mask": mask}
+    grad = jax.jit(jax.value_and_grad(loss_fn, has_aux=True), static_argnums=(1, 3))
+    results = {}
+    for chunk in (0, 4):
+        chunked = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, loss_chunk=chunk))
+        graphdef = nnx.graphdef(nnx.eval_shape(lambda c=chunked: Transformer(c, rngs=nnx.Rngs(0))))
+        results[chunk] = grad(state["params"], graphdef, batch, 0.01)
+        text = grad.lower(state["params"], graphdef, batch, 0.01).as_text()
+        assert ("tensor<3x16x256xf32>" in text) == (chunk == 0)
+        assert "tensor<4x3x4x256xf32>" not in text  # chunks' logits kept for the backward
+    (loss0, m0), g0 = results[0]
+    (loss4, m4), g4 = results[4]
+    np.testing.assert_allclose(loss4, loss0, rtol=1e-6)
+    np.testing.assert_allclose(m4["ce"], m0["ce"], rtol=1e-6)
+    for a, b in zip(jax.tree.leaves(g4), jax.tree.leaves(g0), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
 
 
 def test_grad_accumulation_4x2_equals_1x8():

@@ -8,11 +8,15 @@ defaults) and the overrides set everything else (train, data, mesh, ...) plus th
 model keys (model.dtype, model.scan_layers, model.max_seq_len, moe.capacity_factor, aux-loss
 weights). RUN_DIR gets a step-0 checkpoint: fine-tune it with
 `python train.py RUN_DIR/config.yaml [overrides]` (fresh optimizer, data from the start) or
-sample from it. moe_jax tokenizes with its own `data.tokenizer` (byte or char), not the HF
-tokenizer, whose files are not read.
+sample from it. The HF directory's tokenizer (tokenizer.json or tokenizer.model, with
+tokenizer_config.json, special_tokens_map.json and chat_template.jinja/.json where present) is
+copied into RUN_DIR/tokenizer/ and is the run's tokenizer (`data.tokenizer` names that copy),
+so `python sample.py --run RUN_DIR --prompt "..."` takes text, and `--chat` renders it
+through the chat template; a `data.tokenizer=...` override picks another tokenizer instead.
 
 export: writes the run's latest (or --step) checkpoint as float32 safetensors + config.json
-for the first HF architecture that represents its config exactly (or --arch).
+for the first HF architecture that represents its config exactly (or --arch), and the run's
+tokenizer files, if it has any (a byte or char tokenizer has none).
 
 Errors (unsupported architecture or setting, missing tensor, existing non-empty --out) print
 one `error: ...` line and exit 2; nothing existing is overwritten.
@@ -30,12 +34,21 @@ import jax
 from flax import nnx
 from omegaconf import OmegaConf
 
-from moe_jax.checkpoint import RESUMABLE_CHANGES, Checkpointer, RunError, load_run
+from moe_jax.checkpoint import (
+    RESUMABLE_CHANGES,
+    TOKENIZER_DIR,
+    Checkpointer,
+    RunError,
+    load_run,
+)
 from moe_jax.config import Config, ConfigError, config_from_yaml, config_to_yaml, load_config
-from moe_jax.data import DataError, load_data, train_iterator
+from moe_jax.data import DataError
+from moe_jax.finetune import load_run_data
 from moe_jax.interop.convert import FAMILIES, load_hf, save_hf
 from moe_jax.interop.safetensors_io import InteropError
 from moe_jax.model import Transformer
+from moe_jax.tokenizer import Tokenizer, load_tokenizer
+from moe_jax.tokenizer.files import HF_FILE, SP_FILE
 from moe_jax.train_step import make_optimizer
 
 
@@ -76,18 +89,39 @@ def _import_config(
     return config_from_yaml(OmegaConf.to_yaml(merged)), model
 
 
+def _hf_tokenizer(hf_dir: Path, cfg: Config, overrides: list[str]) -> Tokenizer | None:
+    """The HF directory's tokenizer, or None where it has none or the overrides name
+    `data.tokenizer`. Refused if it has more tokens than the model's embedding."""
+    if any(item.partition("=")[0] == "data.tokenizer" for item in overrides):
+        return None
+    if not ((hf_dir / HF_FILE).is_file() or (hf_dir / SP_FILE).is_file()):
+        return None
+    tokenizer = load_tokenizer(str(hf_dir))
+    if tokenizer.vocab_size > cfg.model.vocab_size:
+        raise InteropError(
+            f"the tokenizer in '{hf_dir}' has {tokenizer.vocab_size} tokens but the model's "
+            f"embedding {cfg.model.vocab_size} (vocab_size in config.json); fix the directory, "
+            "or import it with another tokenizer (data.tokenizer=byte)"
+        )
+    return tokenizer
+
+
 def import_run(hf_dir: Path, out: Path, config: str | None, overrides: list[str]) -> Config:
-    """Import HF_DIR into a new run directory `out` holding a step-0 checkpoint."""
+    """Import HF_DIR into a new run directory `out` holding a step-0 checkpoint, and the HF
+    tokenizer's files (see the module doc)."""
     _require_empty(out)
     cfg, model = _import_config(hf_dir, config, overrides)
+    tokenizer = _hf_tokenizer(hf_dir, cfg, overrides)
+    if tokenizer is not None:  # the run's own copy, written with its checkpoint
+        cfg = dataclasses.replace(
+            cfg, data=dataclasses.replace(cfg.data, tokenizer=str(out / TOKENIZER_DIR))
+        )
     cfg = dataclasses.replace(cfg, run_dir=str(out))
-    data = load_data(cfg)  # the run's tokenizer and data position, as train.py would start them
+    # The run's tokenizer and data position, as train.py would start them.
+    data = load_run_data(cfg, tokenizer)
     params = nnx.state(model, nnx.Param)
     opt_state = make_optimizer(cfg.train).init(params)
-    it = train_iterator(
-        data.train, cfg.train.seq_len, cfg.train.batch_size, cfg.seed,
-        num_threads=cfg.data.num_workers,
-    )  # fmt: skip
+    it = data.train_iterator(cfg)
     meta = {"config": cfg, "tokenizer": data.tokenizer, "fingerprint": data.fingerprint}
     existed = out.exists()  # and then empty
     try:
@@ -112,8 +146,8 @@ def import_run(hf_dir: Path, out: Path, config: str | None, overrides: list[str]
 def export_run(run_dir: Path, out: Path, step: int | None, arch: str | None) -> tuple[str, Config]:
     """-> (the architecture written, the run's config)."""
     _require_empty(out)
-    cfg, model, _ = load_run(run_dir, step)
-    return save_hf(cfg, model, out, architecture=arch), cfg
+    cfg, model, tokenizer = load_run(run_dir, step)
+    return save_hf(cfg, model, out, architecture=arch, tokenizer=tokenizer), cfg
 
 
 def main(argv: list[str]) -> int:

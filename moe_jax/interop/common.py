@@ -282,8 +282,8 @@ def common_hf_config(cfg: Config, architecture: str, model_type: str) -> dict:
         "initializer_range": m.init_std,
         "rope_parameters": rope_to_hf(a),
         "attention_dropout": 0.0,
-        # Our tokenizers have no special tokens; None keeps transformers from stopping
-        # generation at a class-default id that means nothing to this vocabulary.
+        # None keeps transformers from stopping generation at a class-default id that means
+        # nothing to this vocabulary; `save_hf` sets the ids of a tokenizer that has them.
         "bos_token_id": None,
         "eos_token_id": None,
         "pad_token_id": None,

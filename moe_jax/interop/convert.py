@@ -24,6 +24,7 @@ from moe_jax.interop import llama, llama4, mixtral, qwen3
 from moe_jax.interop.common import Family, HFConfig, Source, top_rules
 from moe_jax.interop.safetensors_io import InteropError, ShardWriter, TensorReader
 from moe_jax.model import Transformer
+from moe_jax.tokenizer import Tokenizer
 
 FAMILIES: dict[str, Family] = {
     f.architecture: f for f in (llama4.FAMILY, mixtral.FAMILY, qwen3.MOE, llama.FAMILY, qwen3.DENSE)
@@ -198,19 +199,24 @@ def save_hf(
     *,
     architecture: str | None = None,
     max_shard_bytes: int = DEFAULT_SHARD_BYTES,
+    tokenizer: Tokenizer | None = None,
 ) -> str:
     """Write a directory that `transformers` loads with `AutoModelForCausalLM.from_pretrained`.
 
     `model_or_params`: a `Transformer` or its `nnx.State` of params. The family is
     `architecture` or the first that represents `cfg` exactly (else `InteropError`); float32
-    weights in `save_pretrained`'s layout and file names. `directory` must not exist or be
-    empty; it is written through a temporary sibling and renamed at the end, so a failure
-    leaves nothing behind. Returns the architecture written.
+    weights in `save_pretrained`'s layout and file names; with a `tokenizer` that has files
+    (Hugging Face, SentencePiece), those files beside them and its BOS / EOS ids in
+    config.json (where generation stops). `directory` must not exist or be empty; it is
+    written through a temporary sibling and renamed at the end, so a failure leaves nothing
+    behind. Returns the architecture written.
     """
     out = Path(directory)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise InteropError(f"'{out}' exists and is not empty; choose a new output directory")
     family, hf_config = pick_family(cfg, architecture)
+    if tokenizer is not None and tokenizer.files:
+        hf_config |= {"bos_token_id": tokenizer.bos_id, "eos_token_id": tokenizer.eos_id}
     params = (
         nnx.state(model_or_params, nnx.Param)
         if isinstance(model_or_params, nnx.Module)
@@ -234,6 +240,8 @@ def save_hf(
                 writer.add(name_prefix + name, tensor)
         writer.close()
         (tmp / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
+        for name, data in (tokenizer.files if tokenizer is not None else {}).items():
+            (tmp / name).write_bytes(data)
         if out.exists():
             out.rmdir()
         tmp.rename(out)

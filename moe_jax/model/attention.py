@@ -1,13 +1,20 @@
 """Grouped-query attention with RoPE/NoPE, QK-norm, chunked-local and sliding-window masks.
 
-Masks are built from absolute positions (query positions vs key positions), never from array
-indices, so the same code serves training (keys = the queries' own tokens) and KV-cache
-decoding (keys = the whole cache, written at the queries' positions): slots not yet written
-always sit at positions after the query and are masked causally.
+RoPE, chunks and NoPE temperature tuning use the tokens' positions. With a KV cache
+(prefill, decoding) the causal mask and the sliding window come from positions too: the keys
+are the whole cache, written at the queries' positions, and slots not yet written always sit
+at positions after the query. Segments are not taken there (one document per row).
 
-Without a cache (training, full forwards) positions must increase along each row, as for any
-causal model. The queries are then cut into blocks, and a block attends only to the keys up to
-its last query (and, with a sliding window, from its first query's window start): that skips
+Without a cache (training, full forwards) the keys are the queries' own tokens, and the
+causal mask and the window come from their order in the row, not from their positions, so
+positions may restart at every document of a packed row (within a document the two agree).
+`segments_BT` (document ids, 0 for padding) keeps attention inside each document: query t
+sees key s only if segments[t] == segments[s] (padding sees only padding, so no row of the
+softmax is empty; nothing counted reads it). Positions restarted without segments let the
+documents of a row see each other, as some recipes want.
+
+The queries are also cut into blocks, and a block attends only to the keys up to its last
+query (and, with a sliding window, from its first query's window start): that skips
 about half of the logits, and each block's [T_blk, S_blk] logits stay in cache instead of one
 [B, H, T, S] array going through memory several times. A block's backward
 (`block_attention`, written by hand) recomputes its probabilities from q and k for the same
@@ -38,16 +45,33 @@ ATTENTION_OUT = "attention_out"
 
 
 def attention_mask(
-    q_pos_BT: jax.Array, k_pos_BS: jax.Array, *, chunk_size: int = 0, window: int = 0
+    q_pos_BT: jax.Array,
+    k_pos_BS: jax.Array,
+    *,
+    chunk_size: int = 0,
+    window: int = 0,
+    order: tuple[jax.Array, jax.Array] | None = None,
+    segments: tuple[jax.Array, jax.Array] | None = None,
 ) -> jax.Array:
-    """Boolean [B, T, S]: causal, optionally restricted to the query's chunk or a window."""
+    """Boolean [B, T, S]: causal, optionally restricted to the query's chunk or a window.
+
+    Causal and windowed by position, or with `order` = (q_idx_T, k_idx_S), the tokens'
+    indices in the row, by index (self-attention, where positions may restart per document);
+    chunks always by position. `segments` = (q_seg_BT, k_seg_BS) further keeps each query to
+    keys of its own segment."""
     q = q_pos_BT[:, :, None]
     k = k_pos_BS[:, None, :]
-    mask = k <= q
+    # Causality and the window by position, or by index in the row ([1, T, S]).
+    q_ord, k_ord = (q, k) if order is None else (order[0][None, :, None], order[1][None, None, :])
+    mask = k_ord <= q_ord
     if window > 0:
-        mask &= q - k < window
+        mask &= q_ord - k_ord < window
+    mask = jnp.broadcast_to(mask, (q.shape[0], q.shape[1], k.shape[2]))
     if chunk_size > 0:
         mask &= (q // chunk_size) == (k // chunk_size)
+    if segments is not None:
+        q_seg_BT, k_seg_BS = segments
+        mask &= q_seg_BT[:, :, None] == k_seg_BS[:, None, :]
     return mask
 
 
@@ -135,8 +159,17 @@ class Attention(nnx.Module):
         return y
 
     def __call__(
-        self, x_BTD: jax.Array, positions_BT: jax.Array, cache: KVCache | None = None
+        self,
+        x_BTD: jax.Array,
+        positions_BT: jax.Array,
+        cache: KVCache | None = None,
+        segments_BT: jax.Array | None = None,
     ) -> tuple[jax.Array, KVCache | None]:
+        if cache is not None and segments_BT is not None:
+            raise ValueError(
+                "segments are for forwards without a KV cache (training, scoring); a cached "
+                "prefill or decode takes one document per row: drop segments or the cache"
+            )
         q_BTHD = self._project(x_BTD, "q")
         k_BTKD = self._project(x_BTD, "k")
         v_BTKD = self._project(x_BTD, "v")
@@ -154,7 +187,7 @@ class Attention(nnx.Module):
             q_BTHD = (q_BTHD * scale_BT[:, :, None, None]).astype(q_BTHD.dtype)
 
         if cache is None:
-            out_BTHD = self._blocked(q_BTHD, k_BTKD, v_BTKD, positions_BT)
+            out_BTHD = self._blocked(q_BTHD, k_BTKD, v_BTKD, positions_BT, segments_BT)
         else:
             start_B = positions_BT[:, 0]
             cache = {
@@ -175,10 +208,17 @@ class Attention(nnx.Module):
             y_BTD = y_BTD + self.o_bias[...].astype(self.dtype)
         return y_BTD, cache
 
-    def _mask(self, q_pos_BT, k_pos_BS):
-        return attention_mask(q_pos_BT, k_pos_BS, chunk_size=self.chunk_size, window=self.window)
+    def _mask(self, q_pos_BT, k_pos_BS, order=None, segments=None):
+        return attention_mask(
+            q_pos_BT,
+            k_pos_BS,
+            chunk_size=self.chunk_size,
+            window=self.window,
+            order=order,
+            segments=segments,
+        )
 
-    def _blocked(self, q_BTHD, k_BTKD, v_BTKD, positions_BT) -> jax.Array:
+    def _blocked(self, q_BTHD, k_BTKD, v_BTKD, positions_BT, segments_BT=None) -> jax.Array:
         """Self-attention over the call's own tokens, one query block at a time.
 
         q, k and v are cut into the query blocks' chunks with one `lax.split` each, and a block
@@ -188,7 +228,7 @@ class Attention(nnx.Module):
         whole sequence each came back padded to full length and were added up (8 full-size
         arrays per tensor and layer). Heads are laid out [B, K, G * T, hd] (the G query heads
         sharing a key/value head stacked as rows) so every matmul of `block_attention` is a
-        plain batched matmul."""
+        plain batched matmul. Causality comes from the tokens' indices (see the module doc)."""
         B, T, H, hd = q_BTHD.shape
         K = self.n_kv_heads
         blocks = query_blocks(T, self.window)
@@ -197,16 +237,22 @@ class Attention(nnx.Module):
         q_parts, k_parts, v_parts, pos_parts = (
             jax.lax.split(a, sizes, axis=1) for a in (q_BTKGD, k_BTKD, v_BTKD, positions_BT)
         )
+        seg_parts = None if segments_BT is None else jax.lax.split(segments_BT, sizes, axis=1)
         seen = lambda parts, first, last: (
             parts[last] if first == last else jnp.concatenate(parts[first : last + 1], axis=1)
         )
         heads_first = lambda a: a.transpose(0, 2, 1, 3)  # [B, S, K, hd] -> [B, K, S, hd]
         outs = []
-        for i, (_, _, k_lo, _) in enumerate(blocks):
+        for i, (q_lo, q_hi, k_lo, _) in enumerate(blocks):
             first = k_lo // sizes[0]  # every chunk but the last has sizes[0] positions
             Tq = sizes[i]
             q_BKMD = q_parts[i].transpose(0, 2, 3, 1, 4).reshape(B, K, -1, hd)
-            mask_BTS = self._mask(pos_parts[i], seen(pos_parts, first, i))
+            mask_BTS = self._mask(
+                pos_parts[i],
+                seen(pos_parts, first, i),
+                order=(jnp.arange(q_lo, q_hi), jnp.arange(first * sizes[0], q_hi)),
+                segments=None if seg_parts is None else (seg_parts[i], seen(seg_parts, first, i)),
+            )
             out_BKMD = block_attention(
                 q_BKMD,
                 heads_first(seen(k_parts, first, i)),

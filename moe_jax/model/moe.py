@@ -21,9 +21,14 @@ Semantics (DESIGN.md):
   expert, the local experts run (hidden dim split over `tensor`, partial sums psum-ed), and a
   second `all_to_all` brings the results home. Expert
   weights never move. Aux statistics are psum-ed over the batch axes, so they are global.
-- Aux losses over all tokens of the call: Switch load balance `E * sum_e f_e * P_e` with f_e the
-  fraction of top-k assignments to e and P_e the mean router probability (softmax; for sigmoid
-  the per-token normalised sigmoid), and router z-loss `mean(logsumexp(logits)^2)`.
+- Padding (`valid_BT` False, from segment 0 of a packed batch) is not routed: it takes no
+  slot of any expert's capacity, its output is 0 (plus the shared expert's), and it counts
+  in no statistic. Capacity stays sized by the group's token count, padding included, so
+  shapes do not depend on the data.
+- Aux losses over all (valid) tokens of the call: Switch load balance `E * sum_e f_e * P_e`
+  with f_e the fraction of top-k assignments to e and P_e the mean router probability
+  (softmax; for sigmoid the per-token normalised sigmoid), and router z-loss
+  `mean(logsumexp(logits)^2)`.
 """
 
 from __future__ import annotations
@@ -68,14 +73,19 @@ def route(logits_TE: jax.Array, cfg: MoEConfig) -> tuple[jax.Array, jax.Array, j
     return weights_TK, experts_TK, probs_TE
 
 
-def assign_slots(experts_BTK: jax.Array, n_experts: int, cap: int) -> tuple[jax.Array, jax.Array]:
+def assign_slots(
+    experts_BTK: jax.Array, n_experts: int, cap: int, valid_BT: jax.Array | None = None
+) -> tuple[jax.Array, jax.Array]:
     """Slot of every assignment in a flat [E * C] buffer for one routing group.
 
-    experts_BTK: expert ids of the group's B rows x T positions x K choices.
+    experts_BTK: expert ids of the group's B rows x T positions x K choices; `valid_BT`
+    (optional): False for tokens not to route (padding), which take no slot.
     Returns slot_BTK (E * C where dropped, i.e. out of range) and keep_BTK.
     """
     B, T, K = experts_BTK.shape
     n = B * T * K
+    if valid_BT is not None:  # queue padding at a virtual expert E past the real ones
+        experts_BTK = jnp.where(valid_BT[..., None], experts_BTK, n_experts)
     # Priority of each assignment: choice rank first, then position, then row.
     k_idx = jnp.arange(K)[None, None, :]
     t_idx = jnp.arange(T)[None, :, None]
@@ -84,11 +94,11 @@ def assign_slots(experts_BTK: jax.Array, n_experts: int, cap: int) -> tuple[jax.
     key = (experts_BTK * n + priority_BTK).reshape(-1)  # unique keys: sort by expert, priority
     order = jnp.argsort(key)
     sorted_experts = experts_BTK.reshape(-1)[order]
-    counts_E = jnp.bincount(sorted_experts, length=n_experts)
+    counts_E = jnp.bincount(sorted_experts, length=n_experts + 1)
     starts_E = jnp.cumsum(counts_E) - counts_E
     rank_sorted = jnp.arange(n) - starts_E[sorted_experts]  # position within its expert's queue
     rank = jnp.zeros(n, rank_sorted.dtype).at[order].set(rank_sorted).reshape(B, T, K)
-    keep_BTK = rank < cap
+    keep_BTK = (rank < cap) & (experts_BTK < n_experts)
     slot_BTK = jnp.where(keep_BTK, experts_BTK * cap + rank, n_experts * cap)
     return slot_BTK, keep_BTK
 
@@ -159,11 +169,15 @@ def swiglu_rows(x_CD, w: dict, dtype) -> jax.Array:
     return jnp.matmul(jax.nn.silu(gate_CF) * up_CF, w["w_down"].astype(dtype))
 
 
-def expert_swiglu(x_ESCD, w: dict, dtype, filled_ES=None, reduce_axis: str | None = None):
+def expert_swiglu(
+    x_ESCD, w: dict, dtype, filled_ES=None, reduce_axis: str | None = None, sum_partials=True
+):
     """Each expert's SwiGLU on its buffer: E experts x S segments (routing groups) x C slots.
     A segment is filled from the front, `filled_ES` rows (None: any may be full); outputs of
     empty slots are never read. With `reduce_axis`, `w` holds a shard of the hidden dim
-    (tensor parallelism) and the partial down-projections are summed over that axis.
+    (tensor parallelism) and the partial down-projections are summed over that axis, or, with
+    `sum_partials=False`, returned unsummed for the caller to sum later on fewer rows (the
+    down-projection bias then comes from the axis' first shard only).
 
     Big buffers (training) run one expert at a time on the filled rows of each segment only
     (`filled_rows`): an expert's [C, F] intermediates then stay in the CPU cache instead of
@@ -205,10 +219,15 @@ def expert_swiglu(x_ESCD, w: dict, dtype, filled_ES=None, reduce_axis: str | Non
         y_ESCD = y_ESCD.reshape(E, S, C, D)
     else:
         y_ESCD = swiglu_rows(x_ESCD.reshape(E, S * C, D), w_in, dtype).reshape(E, S, C, D)
-    if reduce_axis is not None:
-        y_ESCD = jax.lax.psum(y_ESCD, reduce_axis)
     if "down_bias" in w:
-        y_ESCD = y_ESCD + w["down_bias"].astype(dtype)[:, None, None, :]
+        bias = w["down_bias"].astype(dtype)
+        if reduce_axis is not None and not sum_partials:  # added once in the later sum
+            bias = bias * (jax.lax.axis_index(reduce_axis) == 0).astype(dtype)
+        elif reduce_axis is not None:
+            y_ESCD = jax.lax.psum(y_ESCD, reduce_axis)
+        y_ESCD = y_ESCD + bias[:, None, None, :]
+    elif reduce_axis is not None and sum_partials:
+        y_ESCD = jax.lax.psum(y_ESCD, reduce_axis)
     return y_ESCD
 
 
@@ -248,35 +267,52 @@ class MoE(nnx.Module):
             logits = logits + self.router_bias[...]
         return logits
 
-    def __call__(self, x_BTD: jax.Array, n_groups: int = 1) -> tuple[jax.Array, dict]:
-        """x_BTD -> (y_BTD, stats). Without a mesh the batch is routed in `n_groups` groups."""
+    def __call__(
+        self, x_BTD: jax.Array, n_groups: int = 1, valid_BT: jax.Array | None = None
+    ) -> tuple[jax.Array, dict]:
+        """x_BTD -> (y_BTD, stats). Without a mesh the batch is routed in `n_groups` groups.
+        `valid_BT` (bool, optional): False marks padding, which is not routed."""
         mesh = jax.sharding.get_abstract_mesh()
-        if not mesh.empty and x_BTD.shape[0] % n_batch_shards(mesh) == 0:
-            y_BTD, stats = self._expert_parallel(x_BTD, mesh)
-        else:
-            y_BTD, stats = self._local(x_BTD, n_groups)
+        if mesh.empty:
+            y_BTD, stats = self._local(x_BTD, n_groups, valid_BT)
+        else:  # rows split over the batch axes, or (a batch they do not divide) replicated
+            replicated = x_BTD.shape[0] % n_batch_shards(mesh) != 0
+            y_BTD, stats = self._expert_parallel(x_BTD, mesh, valid_BT, replicated)
         if hasattr(self, "shared"):
             y_BTD = y_BTD + self.shared(x_BTD)
         return y_BTD.astype(x_BTD.dtype), stats
 
-    def _route_group(self, x_bTD, router, router_bias):
-        """Route one group: (w_bTK, slot_bTK, keep_bTK, capacity, stat sums over the group)."""
+    def _route_group(self, x_bTD, router, router_bias, valid_bT=None):
+        """Route one group: (w_bTK, slot_bTK, keep_bTK, capacity, stat sums over the group).
+        With `valid_bT`, the sums are over the valid tokens and count them ("tokens")."""
         m = self.cfg
         b, T, _ = x_bTD.shape
         logits_bTE = x_bTD.astype(jnp.float32) @ router + router_bias
         weights_bTK, experts_bTK, probs_bTE = route(logits_bTE, m)
         cap = capacity(b * T, m)
-        slot_bTK, keep_bTK = assign_slots(experts_bTK, m.n_experts, cap)
+        slot_bTK, keep_bTK = assign_slots(experts_bTK, m.n_experts, cap, valid_bT)
+        load_bTKE = jax.nn.one_hot(experts_bTK, m.n_experts, dtype=jnp.float32)
+        z_bT = jax.nn.logsumexp(logits_bTE, axis=-1) ** 2
+        if valid_bT is not None:  # padding counts in no statistic
+            w_bT = valid_bT.astype(jnp.float32)
+            load_bTKE = load_bTKE * w_bT[..., None, None]
+            probs_bTE = probs_bTE * w_bT[..., None]
+            z_bT = z_bT * w_bT
         sums = {
-            "load": jnp.sum(jax.nn.one_hot(experts_bTK, m.n_experts, dtype=jnp.float32), (0, 1, 2)),
+            "load": jnp.sum(load_bTKE, (0, 1, 2)),
             "prob": jnp.sum(probs_bTE, axis=(0, 1)),
-            "z": jnp.sum(jax.nn.logsumexp(logits_bTE, axis=-1) ** 2),
+            "z": jnp.sum(z_bT),
             "kept": jnp.sum(keep_bTK.astype(jnp.float32)),
         }
+        if valid_bT is not None:
+            sums["tokens"] = jnp.sum(w_bT)
         return weights_bTK.astype(self.dtype), experts_bTK, slot_bTK, keep_bTK, cap, sums
 
     def _stats(self, sums: dict, n_tokens: int) -> dict:
-        """Global aux losses and metrics from summed per-group statistics."""
+        """Global aux losses and metrics from summed per-group statistics, per token: the
+        call's `n_tokens`, or the valid tokens counted in sums["tokens"] (at least 1)."""
+        if "tokens" in sums:
+            n_tokens = jnp.maximum(sums["tokens"], 1.0)
         E, K = self.cfg.n_experts, self.cfg.top_k
         load_E = sums["load"] / (n_tokens * K)
         return {
@@ -290,15 +326,16 @@ class MoE(nnx.Module):
         bias = self.router_bias[...] if hasattr(self, "router_bias") else jnp.zeros(())
         return self.router[...], bias
 
-    def _local(self, x_BTD: jax.Array, n_groups: int) -> tuple[jax.Array, dict]:
+    def _local(self, x_BTD: jax.Array, n_groups: int, valid_BT) -> tuple[jax.Array, dict]:
         B, T, D = x_BTD.shape
         G, K, E = n_groups, self.cfg.top_k, self.cfg.n_experts
         assert B % G == 0, f"batch {B} does not split into {G} routing groups"
         split = lambda a: a.reshape(G, B // G, *a.shape[1:])
         router, bias = self._router_params()
+        valid_GbT = None if valid_BT is None else split(valid_BT)
         w, experts, slot, keep, cap, sums = jax.vmap(
-            self._route_group, in_axes=(0, None, None), out_axes=(0, 0, 0, 0, None, 0)
-        )(split(x_BTD), router, bias)
+            self._route_group, in_axes=(0, None, None, 0), out_axes=(0, 0, 0, 0, None, 0)
+        )(split(x_BTD), router, bias, valid_GbT)
         sums = jax.tree.map(lambda a: jnp.sum(a, axis=0), sums)
         merge = lambda a: a.reshape(B, *a.shape[2:])
         if B * T * K < E:
@@ -309,7 +346,13 @@ class MoE(nnx.Module):
             y_BTD = merge(self._buffered(split(x_BTD), slot, w, cap))
         return y_BTD, self._stats(sums, B * T)
 
-    def _expert_parallel(self, x_BTD: jax.Array, mesh) -> tuple[jax.Array, dict]:
+    def _expert_parallel(
+        self, x_BTD: jax.Array, mesh, valid_BT, replicated: bool = False
+    ) -> tuple[jax.Array, dict]:
+        """The MoE layer inside `shard_map`: tokens move, expert weights stay. `replicated`
+        (a batch the batch axes do not split, e.g. decoding one sequence): every device
+        routes all the tokens, runs them through its own experts only and the partial outputs
+        are summed over `expert`, so no all_to_all and no weight leaves its device."""
         E, D = self.cfg.n_experts, x_BTD.shape[-1]
         ep = mesh.shape["expert"]
         E_loc = E // ep
@@ -337,8 +380,8 @@ class MoE(nnx.Module):
         # would still make JAX sum the weights' gradient over it, and XLA:CPU runs that
         # one-device all-reduce as a full copy of each layer's expert gradients (0.1 s a step
         # at medium with 32 experts).
-        batch_axes = tuple(ax for ax in BATCH_AXES if mesh.shape[ax] > 1)
-        data_axes = ("data",) if mesh.shape["data"] > 1 else ()
+        batch_axes = () if replicated else tuple(ax for ax in BATCH_AXES if mesh.shape[ax] > 1)
+        data_axes = ("data",) if mesh.shape["data"] > 1 and not replicated else ()
         to_owner = (lambda a: jax.lax.all_to_all(a, "expert", 0, 0)) if ep > 1 else (lambda a: a)
 
         def gathered(name, a):
@@ -346,9 +389,11 @@ class MoE(nnx.Module):
             a, axis = a.astype(self.dtype), expert_specs[name][1]
             if fs is None or axis is None:
                 return a
-            return jax.lax.all_gather(a, fs, axis=axis, tiled=True)
+            # Replicated tokens make every fsdp shard's output the same: gathered invariant.
+            to = "invarying" if replicated else "varying"
+            return jax.lax.all_gather(a, fs, axis=axis, tiled=True, to=to)
 
-        def local(x_bTD, router, bias, w):
+        def local(x_bTD, router, bias, w, *valid):
             # The gathered weights vary over fsdp (the gather's transpose is the reduce-scatter);
             # over `data`, and the biases without a model dim over fsdp too, they are the same
             # on every shard, and their gradient is summed over those axes where they turn
@@ -356,11 +401,14 @@ class MoE(nnx.Module):
             # the expert map's backward loop.
             w = {n: gathered(n, a) for n, a in w.items()}
             for n, a in w.items():
-                same = data_axes + ((fs,) if fs and expert_specs[n][1] is None else ())
+                no_fs_dim = fs and expert_specs[n][1] is None and not replicated
+                same = data_axes + ((fs,) if no_fs_dim else ())
                 if same:
                     w[n] = jax.lax.pcast(a, same, to="varying")
             b, T, _ = x_bTD.shape
-            wts, _, slot, _, cap, sums = self._route_group(x_bTD, router, bias)
+            wts, experts, slot, keep, cap, sums = self._route_group(x_bTD, router, bias, *valid)
+            if replicated:
+                return self._own_experts(x_bTD, w, wts, experts, slot, keep, cap, ep, tp), sums
             buf = self._dispatch(x_bTD, slot, wts, cap)  # [E * C, D], all experts
             # Send expert e's slots (and how many are filled) to the shard that owns e:
             # [ep, E_loc, ...] -> by source shard.
@@ -376,14 +424,43 @@ class MoE(nnx.Module):
             return y_bTD, sums
 
         x_spec = P(batch_axes or None, None, None)
+        valid = () if valid_BT is None else (valid_BT,)  # split like the tokens
         y_BTD, sums = jax.shard_map(
             local,
             mesh=mesh,
-            in_specs=(x_spec, P(), P(), {n: expert_specs[n][0] for n in weights}),
+            in_specs=(x_spec, P(), P(), {n: expert_specs[n][0] for n in weights})
+            + (P(batch_axes or None, None),) * len(valid),
             out_specs=(x_spec, P()),
-        )(x_BTD, router, bias, weights)
+        )(x_BTD, router, bias, weights, *valid)
         B, T, _ = x_BTD.shape
         return y_BTD, self._stats(sums, B * T)
+
+    def _own_experts(self, x_bTD, w, wts, experts, slot, keep, cap, ep, tp) -> jax.Array:
+        """Inside the replicated expert-parallel map: this device's experts' share of every
+        token's output, summed over `expert` (and the hidden dim's partials over `tensor`)."""
+        E, D = self.cfg.n_experts, x_bTD.shape[-1]
+        E_loc = E // ep
+        first = jax.lax.axis_index("expert") * E_loc if ep > 1 else 0
+        b, T, K = experts.shape
+        if b * T * K < E:  # few tokens (decoding): read only the picked experts' weights
+            mine = (experts >= first) & (experts < first + E_loc)
+            local = jnp.clip(experts - first, 0, E_loc - 1)
+            y_bTD = self._gathered(x_bTD, local, wts, keep & mine, w, reduce_axis=tp)
+        else:
+            buf = self._dispatch(x_bTD, slot, wts, cap).reshape(E, cap, D)
+            buf = jax.lax.dynamic_slice_in_dim(buf, first, E_loc)[:, None]  # [E_loc, 1, C, D]
+            filled = jax.lax.dynamic_slice_in_dim(filled_slots(slot, E, cap), first, E_loc)
+            # The tensor shards' partial sums are added after the combine: on the [b, T, D]
+            # output, not the E_loc x C buffer rows (E_loc times fewer bytes, dropless).
+            y_eSCD = expert_swiglu(
+                buf, w, self.dtype, filled[:, None], reduce_axis=tp, sum_partials=False
+            )
+            own = slot - first * cap
+            own = jnp.where((own >= 0) & (own < E_loc * cap), own, E_loc * cap)  # else reads 0
+            y_bTD = self._combine(y_eSCD.reshape(E_loc * cap, D), own, wts)
+            if tp is not None:
+                y_bTD = jax.lax.psum(y_bTD, tp)
+        return jax.lax.psum(y_bTD, "expert") if ep > 1 else y_bTD
 
     def _dispatch(self, x_bTD, slot_bTK, w_bTK, cap: int) -> jax.Array:
         """Tokens into the flat [E * C, D] buffers (input-scaled for route_scale="input")."""
@@ -416,10 +493,18 @@ class MoE(nnx.Module):
         y_GSD = y_EGCD.transpose(1, 0, 2, 3).reshape(G, E * cap, D)
         return jax.vmap(self._combine)(y_GSD, slot_GbTK, w_GbTK)
 
-    def _gathered(self, x_BTD, experts_BTK, w_BTK, keep_BTK) -> jax.Array:
-        """Every assignment through its own expert's gathered weights: [B, T, K, D, F] reads."""
+    def _gathered(
+        self, x_BTD, experts_BTK, w_BTK, keep_BTK, weights=None, reduce_axis=None
+    ) -> jax.Array:
+        """Every assignment through its own expert's gathered weights: [B, T, K, D, F] reads.
+        `weights`: expert weight arrays to gather from (default: the module's own, whose int8
+        gather reads only the picked rows); `reduce_axis`: they hold a shard of the hidden dim
+        (tensor parallelism), and the partial down projections are summed over it."""
         ex, dt = self.experts, self.dtype
-        pick = lambda name: getattr(ex, name)[experts_BTK].astype(dt) if hasattr(ex, name) else 0
+        if weights is None:
+            pick = lambda n: getattr(ex, n)[experts_BTK].astype(dt) if hasattr(ex, n) else 0
+        else:
+            pick = lambda n: weights[n][experts_BTK].astype(dt) if n in weights else 0
         if self.cfg.route_scale == "input":
             x_BTKD = x_BTD[:, :, None, :] * w_BTK[..., None]
         else:
@@ -427,6 +512,8 @@ class MoE(nnx.Module):
         gate = jnp.einsum("btkd,btkdf->btkf", x_BTKD, pick("w_gate")) + pick("gate_bias")
         up = jnp.einsum("btkd,btkdf->btkf", x_BTKD, pick("w_up")) + pick("up_bias")
         y_BTKD = jnp.einsum("btkf,btkfd->btkd", jax.nn.silu(gate) * up, pick("w_down"))
+        if reduce_axis is not None:
+            y_BTKD = jax.lax.psum(y_BTKD, reduce_axis)
         y_BTKD = y_BTKD + pick("down_bias")
         if self.cfg.route_scale == "output":
             y_BTKD = y_BTKD * w_BTK[..., None]

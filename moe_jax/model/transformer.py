@@ -13,6 +13,9 @@ nothing, so the config accepts remat only with the scan.
 
     logits_BTV, aux = model(tokens_BT)
     logits_BTV, aux, cache = model(tokens_BT, positions=positions_BT, cache=cache)
+    logits_BTV, aux = model(tokens_BT, positions=positions_BT, segments=segments_BT)  # packed
+    logits_B1V, aux = model(tokens_BT, logits_at=index_B)      # one position per row
+    x_BTD, aux = model(tokens_BT, head=False); model.logits(x_BTD)   # the head applied later
     logits_BTV, aux = model(tokens_BT, images=images_BND, image_mask=mask_BT)   # model.vision > 0
 
 Image inputs (`model.vision` = d_vision > 0): precomputed image embeddings [B, N, d_vision] go
@@ -23,6 +26,12 @@ row must mark exactly N positions. Shapes are checked at trace time and the coun
 mask is concrete; under jit a traced mask cannot be checked, and a row marking fewer positions
 drops its last embeddings while one marking more repeats its last. The images enter before the
 first layer, so they work with `cache=` (prefill) and the layer scan alike.
+
+Packed rows (no cache): `segments` [B, T] int32 numbers the documents of each row (0 for
+padding) and `positions` restart at 0 at each document; attention never crosses a document
+(see `attention.py`), and padding tokens take no MoE expert capacity and count in no aux
+statistic (see `moe.py`). `logits_at` [B] int32 computes the final norm and the head at one
+position per row only (`logits`): the last prompt token of a prefill, without [B, T, V].
 
 `aux`: "aux_loss" (weighted lb + z losses, add it to the LM loss), "lb_loss" and "z_loss"
 (unweighted means over MoE layers), "expert_load" [n_moe_layers, E] (fraction of top-k
@@ -57,12 +66,13 @@ class DecoderLayer(nnx.Module):
         else:
             self.ffn = SwiGLU(D, cfg.model.ffn_hidden, cfg, rngs=rngs)
 
-    def __call__(self, x_BTD, positions_BT, cache: KVCache | None, n_groups: int):
+    def __call__(self, x_BTD, positions_BT, cache: KVCache | None, n_groups: int, segments_BT):
         layer = after(x_BTD, self)  # int8 weights are dequantised in this layer's turn
-        h, cache = layer.attn(layer.attn_norm(x_BTD), positions_BT, cache)
+        h, cache = layer.attn(layer.attn_norm(x_BTD), positions_BT, cache, segments_BT)
         x_BTD = x_BTD + h
         if self.is_moe:
-            h, stats = layer.ffn(layer.ffn_norm(x_BTD), n_groups)
+            valid_BT = None if segments_BT is None else segments_BT != 0
+            h, stats = layer.ffn(layer.ffn_norm(x_BTD), n_groups, valid_BT)
         else:
             h, stats = layer.ffn(layer.ffn_norm(x_BTD)), None
         return x_BTD + h, cache, stats
@@ -74,10 +84,11 @@ class Block(nnx.Module):
     def __init__(self, cfg: Config, *, rngs: nnx.Rngs):
         self.layers = nnx.List([DecoderLayer(cfg, j, rngs=rngs) for j in range(cfg.layer_period)])
 
-    def __call__(self, x_BTD, positions_BT, caches, n_groups: int):
+    def __call__(self, x_BTD, positions_BT, caches, n_groups: int, segments_BT):
         new_caches, all_stats = [], []
         for j, layer in enumerate(self.layers):
-            x_BTD, c, stats = layer(x_BTD, positions_BT, caches[j] if caches else None, n_groups)
+            cache = caches[j] if caches else None
+            x_BTD, c, stats = layer(x_BTD, positions_BT, cache, n_groups, segments_BT)
             new_caches.append(c)
             all_stats.append(stats)
         return x_BTD, new_caches, all_stats
@@ -133,10 +144,13 @@ class Transformer(nnx.Module):
         tokens_BT: jax.Array,
         *,
         positions: jax.Array | None = None,
+        segments: jax.Array | None = None,
         cache: dict | None = None,
         n_groups: int = 1,
         images: jax.Array | None = None,
         image_mask: jax.Array | None = None,
+        logits_at: jax.Array | None = None,
+        head: bool = True,
     ):
         B, T = tokens_BT.shape
         if positions is None:
@@ -149,21 +163,32 @@ class Transformer(nnx.Module):
         block_stats, new_block_caches = [], []
         if self.n_blocks:
             x_BTD, new_block_caches, block_stats = self._run_blocks(
-                x_BTD, positions, cache["blocks"] if cache else None, n_groups
+                x_BTD, positions, cache["blocks"] if cache else None, n_groups, segments
             )
         tail_stats, new_tail_caches = [], []
         for i, layer in enumerate(self.tail):
-            x_BTD, c, stats = layer(x_BTD, positions, cache["tail"][i] if cache else None, n_groups)
+            c = cache["tail"][i] if cache else None
+            x_BTD, c, stats = layer(x_BTD, positions, c, n_groups, segments)
             new_tail_caches.append(c)
             tail_stats.append(stats)
 
-        x_BTD = self.final_norm(x_BTD)
-        head = embedding.T if self.cfg.model.tie_embeddings else after(x_BTD, self.head)[...]
-        logits_BTV = (x_BTD @ head.astype(self.dtype)).astype(jnp.float32)
+        if logits_at is not None:  # [B, 1, D]: the one position per row asked for
+            x_BTD = jnp.take_along_axis(x_BTD, logits_at[:, None, None], axis=1)
+        # head=False: the last layer's output [B, T, D] instead, for `logits` in chunks
+        logits_BTV = self.logits(x_BTD) if head else x_BTD
         aux = self._aux(block_stats, tail_stats)
         if cache is None:
             return logits_BTV, aux
         return logits_BTV, aux, {"blocks": new_block_caches, "tail": new_tail_caches}
+
+    def logits(self, x_BTD: jax.Array) -> jax.Array:
+        """Final norm and head: the last layer's output [B, T, D] -> float32 logits [B, T, V]."""
+        x_BTD = self.final_norm(x_BTD)
+        if self.cfg.model.tie_embeddings:
+            head = self.embed.embedding[...].T
+        else:
+            head = after(x_BTD, self.head)[...]
+        return (x_BTD @ head.astype(self.dtype)).astype(jnp.float32)
 
     def _insert_images(self, x_BTD, images_BND, mask_BT) -> jax.Array:
         """The projected image embeddings in place of the token embeddings the mask marks."""
@@ -178,14 +203,14 @@ class Transformer(nnx.Module):
         img_BTD = jnp.take_along_axis(img_BND, slot_BT[..., None], axis=1)
         return jnp.where(mask_BT[..., None], img_BTD, x_BTD)
 
-    def _run_blocks(self, x_BTD, positions_BT, caches, n_groups):
+    def _run_blocks(self, x_BTD, positions_BT, caches, n_groups, segments_BT):
         """Apply the stacked blocks; stats come back stacked [n_blocks, ...] per block layer."""
         graphdef, state = nnx.split(self.blocks)
 
         def body(x, xs):
             block_state, block_caches = xs
             block = nnx.merge(graphdef, block_state)
-            x, new_caches, stats = block(x, positions_BT, block_caches, n_groups)
+            x, new_caches, stats = block(x, positions_BT, block_caches, n_groups, segments_BT)
             return x, (new_caches, stats)
 
         if self.cfg.model.scan_layers:

@@ -1,13 +1,9 @@
-"""Tokenizers: text <-> int32 token ids, and the form a run saves them in.
-
-tok = ByteTokenizer()                       # UTF-8 bytes, vocabulary 256
-ids_T = tok.encode("text"); tok.decode(ids_T)
-tokenizer_from_dict(tok.to_dict())          # the form saved in every checkpoint's meta
-"""
+"""The built-in tokenizers, which need no files: `byte` (UTF-8 bytes) and `char` (the sorted
+characters of a corpus); and DataError, the error of unusable input data."""
 
 from __future__ import annotations
 
-import json
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -16,7 +12,26 @@ class DataError(ValueError):
     """Unusable input data; the message names the problem and the fix."""
 
 
-class ByteTokenizer:
+class _Builtin:
+    """What the built-in tokenizers lack next to the file tokenizers: special tokens, a chat
+    template and files (`add_special_tokens` is accepted for the same calls, and adds none)."""
+
+    bos_id: int | None = None
+    eos_id: int | None = None
+    chat_template: str | None = None
+    files: dict[str, bytes] = {}  # nothing to keep beside the checkpoint meta (never mutated)
+
+    def encode_batch(self, texts: Sequence[str], add_special_tokens: bool = False):
+        return [self.encode(t) for t in texts]
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        raise DataError(
+            f"the {self.kind} tokenizer has no chat template; use a Hugging Face tokenizer "
+            "that has one (data.tokenizer=PATH), or prompt with plain text"
+        )
+
+
+class ByteTokenizer(_Builtin):
     """UTF-8 bytes as tokens: vocabulary 256, encodes any text."""
 
     kind = "byte"
@@ -25,7 +40,7 @@ class ByteTokenizer:
     def encode_bytes(self, raw: bytes, source: str = "text") -> np.ndarray:
         return np.frombuffer(raw, dtype=np.uint8).astype(np.int32)
 
-    def encode(self, text: str) -> np.ndarray:
+    def encode(self, text: str, add_special_tokens: bool = False) -> np.ndarray:
         return self.encode_bytes(text.encode("utf-8"))
 
     def decode(self, ids) -> str:
@@ -36,7 +51,7 @@ class ByteTokenizer:
         return {"kind": self.kind}
 
 
-class CharTokenizer:
+class CharTokenizer(_Builtin):
     """One token per character of a fixed alphabet (the sorted characters of a corpus)."""
 
     kind = "char"
@@ -53,7 +68,7 @@ class CharTokenizer:
     def encode_bytes(self, raw: bytes, source: str = "text") -> np.ndarray:
         return self.encode(decode_utf8(raw, source))
 
-    def encode(self, text: str) -> np.ndarray:
+    def encode(self, text: str, add_special_tokens: bool = False) -> np.ndarray:
         try:
             return np.fromiter((self._index[c] for c in text), np.int32, len(text))
         except KeyError:
@@ -71,23 +86,11 @@ class CharTokenizer:
         return {"kind": self.kind, "chars": self.chars}
 
 
-Tokenizer = ByteTokenizer | CharTokenizer
-
-
-def tokenizer_from_dict(d: dict) -> Tokenizer:
-    """Inverse of `tokenizer.to_dict()` (the form saved in checkpoints)."""
-    if d.get("kind") == "byte":
-        return ByteTokenizer()
-    if d.get("kind") == "char":
-        return CharTokenizer(d["chars"])
-    raise DataError(f"unknown tokenizer {json.dumps(d)[:80]}; expected kind 'byte' or 'char'")
-
-
-def decode_utf8(raw: bytes, source: str) -> str:
+def decode_utf8(raw: bytes, source: str, kind: str = "char") -> str:
     try:
         return raw.decode("utf-8")
     except UnicodeDecodeError as e:
         raise DataError(
             f"{source} is not valid UTF-8 (byte 0x{raw[e.start]:02x} at offset {e.start}); the "
-            "char tokenizer needs UTF-8 text: fix the file or use data.tokenizer=byte"
+            f"{kind} tokenizer needs UTF-8 text: fix the file or use data.tokenizer=byte"
         ) from None

@@ -1,0 +1,578 @@
+"""Prepared token datasets: `python -m moe_jax.prepare`, and the token store it writes.
+
+    python -m moe_jax.prepare books/*.txt web.jsonl wiki.parquet --tokenizer byte --out data/d1
+    python train.py data.path=data/d1                      # packs its documents into windows
+    store = TokenStore.open("data/d1")                     # memory-mapped, random access
+    store.tokens[a:b]; store.doc_starts; store.meta
+
+Inputs, each a stream of documents, read in the order given:
+- text files: one document per file, or with `--separator S` one per piece between
+  separators (e.g. `--separator '<|endoftext|>'`; read block by block, so a file of any size);
+- JSONL (`*.jsonl`, `*.ndjson`): one document per line, the string field `--field` (default
+  `text`); blank lines are skipped;
+- Parquet (`*.parquet`): one document per row, the string column `--column` (default `text`),
+  read one record batch at a time.
+Empty documents are skipped. Each document is encoded on its own, framed as the tokenizer
+frames a sequence (its special tokens, e.g. Llama's BOS), and ended by the tokenizer's
+end-of-sequence token when it has one (byte and char have none), so a model trained on packed
+windows learns where a document stops.
+
+Streaming and cores: the main process only reads (raw lines, text blocks, Parquet batches) and
+writes; chunks of about a MiB of documents go to `--workers` processes (default: every core)
+that parse, decode and tokenize them. At most two chunks a worker are in flight and results
+are written in input order, so memory stays bounded and the store does not depend on the
+number of workers. The `char` tokenizer's alphabet is the corpus's, found in a first pass.
+
+The store (a directory):
+    tokens.bin       every document's tokens back to back, in input order; dtype the smallest
+                     unsigned integer that holds the vocabulary (uint8 for bytes, else uint16
+                     or uint32), little-endian
+    documents.bin    int64 start offset of each document in tokens.bin, then the token count
+                     (documents + 1 values): the document boundaries
+    prepared.json    metadata: format, tokenizer (its saved form, kind and hash), dtype, token
+                     and document counts, inputs, and a SHA-256 fingerprint of both files
+    tokenizer/       a file tokenizer's files (as in a run directory), so the store is
+                     self-contained and `train.py` checks it against the run's tokenizer
+
+Why a memory-mapped token file and not ArrayRecord: training packs documents into windows of
+`seq_len + 1` tokens that start anywhere in the token stream and cross document boundaries.
+In one flat token file a window is one slice (a copy out of the page cache) and its segment
+ids follow from a binary search in the document index. ArrayRecord stores records (here:
+documents) in compressed chunks, so a window would decode and join every record it touches,
+and finding the record that holds token n needs an index of our own anyway. The flat file
+needs no serialisation (it is the array), is written append-only while streaming and is read
+by numpy with no extra package; what ArrayRecord adds (records of any type, compression) a
+fixed-width token stream does not need. The cost: no compression (1-4 bytes a token).
+
+Safety: the store is written into a temporary sibling directory and renamed to `--out` only
+when complete; an existing `--out` is refused. Bad input (a JSONL line that is not JSON or
+lacks the field, a Parquet file without the column, text that is not UTF-8) stops with one
+line naming the file and line, exit 2, and leaves nothing behind.
+"""
+
+from __future__ import annotations
+
+import argparse
+import codecs
+import contextlib
+import hashlib
+import json
+import multiprocessing
+import os
+import shutil
+import sys
+from collections import deque
+from collections.abc import Iterator
+from concurrent.futures import Future, ProcessPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from tqdm import tqdm
+
+from moe_jax.tokenizer import (
+    CharTokenizer,
+    DataError,
+    Tokenizer,
+    load_tokenizer,
+    tokenizer_from_dict,
+)
+from moe_jax.tokenizer.files import write_files
+
+FORMAT = "moe_jax.prepared/1"
+META_FILE = "prepared.json"
+TOKENS_FILE = "tokens.bin"
+DOCUMENTS_FILE = "documents.bin"
+TOKENIZER_DIR = "tokenizer"  # a file tokenizer's files, as in a run directory
+JSONL_SUFFIXES = (".jsonl", ".ndjson")
+PARQUET_SUFFIXES = (".parquet",)
+CHUNK_BYTES = 1 << 20  # documents per task: ~1 MiB of input, enough to amortise the IPC
+TEXT_BLOCK = 1 << 20  # text files with a separator are read in blocks of this many bytes
+
+
+# ----------------------------------------------------------------------------- tokenizers
+
+
+def tokenizer_hash(tok: Tokenizer) -> str:
+    """SHA-256 of the tokenizer's saved form (byte, char: the whole tokenizer; file tokenizers:
+    the SHA-256 of each file, as a run's checkpoints record them): equal hashes, equal ids."""
+    return hashlib.sha256(json.dumps(tok.to_dict(), sort_keys=True).encode()).hexdigest()
+
+
+def describe_tokenizer(tok: Tokenizer) -> str:
+    return f"{tok.kind} (vocabulary {tok.vocab_size}, sha256 {tokenizer_hash(tok)[:12]})"
+
+
+def store_dtype(vocab_size: int) -> np.dtype:
+    for dtype in (np.uint8, np.uint16, np.uint32):
+        if vocab_size - 1 <= np.iinfo(dtype).max:
+            return np.dtype(dtype).newbyteorder("<")
+    raise DataError(f"a vocabulary of {vocab_size} tokens does not fit 32-bit token ids")
+
+
+def encode_documents(tok: Tokenizer, texts: list[str]) -> list[np.ndarray]:
+    """Each text as one document: encoded as the tokenizer frames a sequence (its special
+    tokens, e.g. a BOS first) by its batch encoder, then ended by EOS unless it ends so."""
+    docs = tok.encode_batch(texts, add_special_tokens=True)
+    if tok.eos_id is None:
+        return docs
+    return [d if len(d) and d[-1] == tok.eos_id else np.append(d, tok.eos_id) for d in docs]
+
+
+# ----------------------------------------------------------------------------- reading inputs
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """Raw documents of one input, for a worker: `kind` says how to turn `items` into text."""
+
+    kind: str  # text | jsonl | parquet
+    source: str  # the input file, for error messages
+    first_line: int  # JSONL: line number of items[0]
+    items: list  # text: bytes; jsonl: raw lines (bytes); parquet: str
+    n_bytes: int  # input bytes the chunk covers (the progress bar's unit)
+
+
+def input_kind(path: Path) -> str:
+    name = path.name.lower()
+    if name.endswith(JSONL_SUFFIXES):
+        return "jsonl"
+    if name.endswith(PARQUET_SUFFIXES):
+        return "parquet"
+    return "text"
+
+
+def check_inputs(paths: list[Path], column: str) -> None:
+    """Fail before any work on inputs that cannot be read (Parquet: a missing column)."""
+    for p in paths:
+        if not p.is_file():
+            what = "is a directory" if p.is_dir() else "does not exist"
+            raise DataError(f"input '{p}' {what}; pass text, JSONL or Parquet files")
+        if input_kind(p) == "parquet":
+            _parquet_schema_column(p, column)
+
+
+def _parquet_schema_column(path: Path, column: str) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        schema = pq.read_schema(path)
+    except (OSError, pa.ArrowException) as e:
+        raise DataError(f"input '{path}' is not a readable Parquet file ({e})") from None
+    if column not in schema.names:
+        names = ", ".join(schema.names[:10])
+        raise DataError(
+            f"Parquet file '{path}' has no column '{column}' (columns: {names}); pass --column NAME"
+        )
+    kind = schema.field(column).type
+    if not (pa.types.is_string(kind) or pa.types.is_large_string(kind)):
+        raise DataError(
+            f"column '{column}' of Parquet file '{path}' holds {kind}, not strings; "
+            "pass --column with a text column"
+        )
+
+
+def _text_chunks(path: Path, separator: str | None) -> Iterator[Chunk]:
+    source = str(path)
+    if separator is None:  # one document: the whole file
+        raw = path.read_bytes()
+        yield Chunk("text", source, 0, [raw], len(raw))
+        return
+    # Blocks cut anywhere: split on the separator in decoded text, keep the tail for the next.
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    tail, pieces, n_bytes, offset = "", [], 0, 0
+    with open(path, "rb") as f:
+        while block := f.read(TEXT_BLOCK):
+            try:
+                text = tail + decoder.decode(block)
+            except UnicodeDecodeError as e:
+                raise _not_utf8(source, block, e, offset) from None
+            offset += len(block)
+            *done, tail = text.split(separator)
+            pieces += [d.encode("utf-8") for d in done]
+            n_bytes += len(block)
+            if n_bytes >= CHUNK_BYTES:
+                yield Chunk("text", source, 0, pieces, n_bytes)
+                pieces, n_bytes = [], 0
+        try:
+            tail += decoder.decode(b"", final=True)
+        except UnicodeDecodeError as e:
+            raise _not_utf8(source, b"", e, offset) from None
+    yield Chunk("text", source, 0, [*pieces, tail.encode("utf-8")], n_bytes)
+
+
+def _jsonl_chunks(path: Path) -> Iterator[Chunk]:
+    lines, n_bytes, first = [], 0, 1
+    with open(path, "rb") as f:
+        for number, line in enumerate(f, 1):
+            lines.append(line)
+            n_bytes += len(line)
+            if n_bytes >= CHUNK_BYTES:
+                yield Chunk("jsonl", str(path), first, lines, n_bytes)
+                lines, n_bytes, first = [], 0, number + 1
+    yield Chunk("jsonl", str(path), first, lines, n_bytes)
+
+
+def _parquet_chunks(path: Path, column: str) -> Iterator[Chunk]:
+    import pyarrow.parquet as pq
+
+    with pq.ParquetFile(path) as f:
+        size, rows = path.stat().st_size, max(f.metadata.num_rows, 1)
+        for batch in f.iter_batches(batch_size=1024, columns=[column]):
+            texts = batch.column(0).to_pylist()
+            yield Chunk("parquet", str(path), 0, texts, size * len(texts) // rows)
+
+
+def read_chunks(paths: list[Path], column: str, separator: str | None) -> Iterator[Chunk]:
+    for p in paths:
+        kind = input_kind(p)
+        if kind == "jsonl":
+            yield from _jsonl_chunks(p)
+        elif kind == "parquet":
+            yield from _parquet_chunks(p, column)
+        else:
+            yield from _text_chunks(p, separator)
+
+
+def _not_utf8(source: str, raw: bytes, e: UnicodeDecodeError, offset: int = 0) -> DataError:
+    byte = f"byte 0x{raw[e.start]:02x} " if e.start < len(raw) else ""
+    return DataError(
+        f"input '{source}' is not valid UTF-8 ({byte}at offset {offset + e.start}); "
+        "convert it to UTF-8 first"
+    )
+
+
+def chunk_texts(chunk: Chunk, field: str) -> list[str]:
+    """The chunk's documents as text, empty ones dropped; DataError names file and line."""
+    if chunk.kind == "parquet":
+        return [t for t in chunk.items if t]  # None (a null) and "" are empty documents
+    if chunk.kind == "text":
+        texts = []
+        for raw in chunk.items:
+            try:
+                texts.append(raw.decode("utf-8"))
+            except UnicodeDecodeError as e:
+                raise _not_utf8(chunk.source, raw, e) from None
+        return [t for t in texts if t]
+    texts = []
+    for number, line in enumerate(chunk.items, chunk.first_line):
+        if not line.strip():
+            continue
+        where = f"{chunk.source} line {number}"
+        try:
+            record = json.loads(line)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            detail = str(e) if isinstance(e, json.JSONDecodeError) else "not UTF-8"
+            raise DataError(f"{where} is not JSON ({detail}); fix or remove the line") from None
+        if not isinstance(record, dict) or field not in record:
+            has = f"fields: {', '.join(list(record)[:10])}" if isinstance(record, dict) else ""
+            raise DataError(
+                f"{where} has no field '{field}' ({has or 'not a JSON object'}); pass --field NAME"
+            )
+        text = record[field]
+        if not isinstance(text, str):
+            raise DataError(
+                f"{where}: field '{field}' is {type(text).__name__}, not a string; pass --field "
+                "with a text field"
+            )
+        if text:
+            texts.append(text)
+    return texts
+
+
+# ----------------------------------------------------------------------------- encoding
+
+_worker: dict = {}  # the tokenizer and settings of this worker process (set by the pool)
+
+
+def _init_worker(tok: Tokenizer, field: str, dtype: np.dtype) -> None:
+    _worker.update(tok=tok, field=field, dtype=dtype)
+
+
+def _recipe(tok: Tokenizer) -> tuple:
+    """(function, args) that rebuild `tok` in a worker: a file tokenizer from its files (the
+    libraries' objects need not pickle), byte and char from their saved form."""
+    if tok.files:
+        return type(tok), (tok.files, tok.source)
+    return tokenizer_from_dict, (tok.to_dict(),)
+
+
+def _init_pool_worker(recipe: tuple, field: str, dtype: np.dtype) -> None:
+    # HF tokenizers would start a thread pool in each worker: the workers already use the cores.
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    make, args = recipe
+    _init_worker(make(*args), field, dtype)
+
+
+def encode_chunk(chunk: Chunk) -> tuple[np.ndarray, np.ndarray]:
+    """-> (the chunk's documents' tokens back to back, each document's length)."""
+    tok, dtype = _worker["tok"], _worker["dtype"]
+    docs = encode_documents(tok, chunk_texts(chunk, _worker["field"]))
+    lengths = np.array([len(d) for d in docs], np.int64)
+    tokens = np.concatenate(docs).astype(dtype) if docs else np.zeros(0, dtype)
+    return tokens, lengths
+
+
+def _finished(value) -> Future:
+    future = Future()
+    future.set_result(value)
+    return future
+
+
+@contextlib.contextmanager
+def _encoder(tok: Tokenizer, field: str, dtype: np.dtype, workers: int):
+    """A function chunk -> Future of `encode_chunk(chunk)`: run by a pool of worker processes,
+    or in-process when `workers` is 1 (then a tokenizer's own batch parallelism is the only
+    one). A worker that dies or fails to start raises BrokenProcessPool, never hangs."""
+    if workers == 1:
+        _init_worker(tok, field, dtype)
+        yield lambda chunk: _finished(encode_chunk(chunk))
+        return
+    # Not forked from this process: once JAX runs (a notebook, the tests) it has threads, and
+    # a fork can inherit a lock some thread holds. A fork server is a fresh process that has
+    # imported this module once; the workers fork from it in milliseconds.
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload([__name__])
+    pool = ProcessPoolExecutor(
+        workers, context, initializer=_init_pool_worker, initargs=(_recipe(tok), field, dtype)
+    )
+    try:
+        yield lambda chunk: pool.submit(encode_chunk, chunk)
+    finally:
+        pool.shutdown(cancel_futures=True)
+
+
+# ----------------------------------------------------------------------------- writing
+
+
+def char_alphabet(paths: list[Path], field: str, column: str, separator: str | None) -> str:
+    """The sorted characters of the corpus (the char tokenizer's vocabulary): a first pass."""
+    chars: set[str] = set()
+    for chunk in read_chunks(paths, column, separator):
+        for text in chunk_texts(chunk, field):
+            chars.update(text)
+    if not chars:
+        raise DataError("the inputs hold no text; nothing to prepare")
+    return "".join(sorted(chars))
+
+
+def prepare(
+    inputs: list[str],
+    tok: Tokenizer,
+    out: str,
+    *,
+    field: str = "text",
+    column: str = "text",
+    separator: str | None = None,
+    workers: int = 1,
+    progress: bool = False,
+) -> dict:
+    """Tokenize `inputs` into a new store at `out` -> its metadata. DataError on bad input
+    (nothing is left on disk then)."""
+    out_dir = Path(out)
+    refuse_existing(out_dir)
+    paths = [Path(p) for p in inputs]
+    check_inputs(paths, column)
+    dtype = store_dtype(tok.vocab_size)
+    tmp = out_dir.parent / f".{out_dir.name}.tmp-{os.getpid()}"
+    new_parents = [d for d in tmp.parents if not d.exists()]  # removed again on failure
+    tmp.mkdir(parents=True)
+    try:
+        meta = _write_store(tmp, paths, tok, dtype, field, column, separator, workers, progress)
+        meta["inputs"] = [str(p) for p in paths]
+        if tok.files:  # the store is self-contained, like a run directory
+            write_files(tok.files, tmp / TOKENIZER_DIR)
+        (tmp / META_FILE).write_text(json.dumps(meta, indent=1) + "\n")
+        if out_dir.exists():  # made by someone else while this ran
+            raise DataError(f"--out '{out}' appeared while preparing; nothing written")
+        tmp.rename(out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        for d in new_parents:  # innermost first
+            d.rmdir()
+        raise
+    return meta
+
+
+def refuse_existing(out_dir: Path) -> None:
+    if out_dir.exists() or out_dir.is_symlink():
+        raise DataError(f"--out '{out_dir}' already exists; choose a new directory or remove it")
+
+
+def _write_store(tmp, paths, tok, dtype, field, column, separator, workers, progress) -> dict:
+    tokens_digest, docs_digest = hashlib.sha256(), hashlib.sha256()
+    n_tokens, n_docs = 0, 0
+    total = sum(p.stat().st_size for p in paths)
+    # disable=None: shown on a terminal only
+    bar = tqdm(
+        total=total, unit="B", unit_scale=True, desc="prepare", disable=None if progress else True
+    )
+    with (
+        open(tmp / TOKENS_FILE, "wb") as tokens_f,
+        open(tmp / DOCUMENTS_FILE, "wb") as docs_f,
+        _encoder(tok, field, dtype, workers) as submit,
+        bar,
+    ):
+
+        def write(chunk: Chunk, result) -> None:
+            nonlocal n_tokens, n_docs
+            tokens, lengths = result.result()
+            starts = (n_tokens + np.cumsum(lengths) - lengths).astype("<i8")
+            tokens.tofile(tokens_f)
+            starts.tofile(docs_f)
+            tokens_digest.update(tokens.tobytes())
+            docs_digest.update(starts.tobytes())
+            n_tokens += len(tokens)
+            n_docs += len(lengths)
+            bar.update(chunk.n_bytes)
+
+        pending: deque = deque()
+        for chunk in read_chunks(paths, column, separator):
+            pending.append((chunk, submit(chunk)))
+            if len(pending) > 2 * workers:
+                write(*pending.popleft())
+        while pending:
+            write(*pending.popleft())
+        if n_docs == 0:
+            raise DataError("the inputs hold no non-empty document; nothing to prepare")
+        np.array([n_tokens], "<i8").tofile(docs_f)
+    fingerprint = hashlib.sha256(tokens_digest.digest() + docs_digest.digest()).hexdigest()
+    return {
+        "format": FORMAT,
+        "tokenizer": tok.to_dict(),
+        "tokenizer_kind": tok.kind,
+        "tokenizer_hash": tokenizer_hash(tok),
+        "vocab_size": tok.vocab_size,
+        "bos_id": tok.bos_id,
+        "eos_id": tok.eos_id,
+        "dtype": dtype.str,
+        "tokens": n_tokens,
+        "documents": n_docs,
+        "tokens_file": TOKENS_FILE,
+        "documents_file": DOCUMENTS_FILE,
+        "fingerprint": fingerprint[:16],
+    }
+
+
+# ----------------------------------------------------------------------------- reading stores
+
+
+def is_prepared(path: str | Path) -> bool:
+    return (Path(path) / META_FILE).is_file()
+
+
+@dataclass(frozen=True)
+class TokenStore:
+    """A prepared directory, memory-mapped: `tokens` [N] and `doc_starts` [D + 1] (int64)."""
+
+    path: Path
+    meta: dict
+    tokens: np.ndarray
+    doc_starts: np.ndarray
+
+    @classmethod
+    def open(cls, path: str | Path) -> TokenStore:
+        path = Path(path)
+        if not is_prepared(path):
+            raise DataError(
+                f"'{path}' is not a prepared dataset (no {META_FILE}); make one with "
+                f"`python -m moe_jax.prepare FILES... --tokenizer SPEC --out {path}`"
+            )
+        try:
+            meta = json.loads((path / META_FILE).read_text())
+            dtype = np.dtype(meta["dtype"])
+            tokens = np.memmap(path / meta["tokens_file"], dtype, mode="r")
+            doc_starts = np.memmap(path / meta["documents_file"], "<i8", mode="r")
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise DataError(
+                f"prepared dataset '{path}' is damaged ({type(e).__name__}: {e}); prepare it again"
+            ) from None
+        if (
+            meta.get("format") != FORMAT
+            or len(tokens) != meta["tokens"]
+            or len(doc_starts) != meta["documents"] + 1
+        ):
+            raise DataError(
+                f"prepared dataset '{path}' is damaged or of another format (its files do not "
+                f"match {META_FILE}); prepare it again"
+            )
+        return cls(path, meta, tokens, doc_starts)
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        try:
+            return tokenizer_from_dict(self.meta["tokenizer"], self.path / TOKENIZER_DIR)
+        except DataError as e:
+            raise DataError(f"prepared dataset '{self.path}': {e}") from None
+
+
+# ----------------------------------------------------------------------------- CLI
+
+
+def make_tokenizer(
+    spec: str, paths: list[Path], field: str, column: str, separator: str | None
+) -> Tokenizer:
+    if spec == "char":
+        return CharTokenizer(char_alphabet(paths, field, column, separator))
+    return load_tokenizer(spec)
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(
+        prog="python -m moe_jax.prepare",
+        description="Tokenize text, JSONL and Parquet files into a prepared dataset directory "
+        "that `train.py data.path=DIR` trains on.",
+    )
+    p.add_argument("inputs", nargs="+", help="text, JSONL (*.jsonl) or Parquet (*.parquet) files")
+    p.add_argument(
+        "--tokenizer",
+        required=True,
+        help="byte, char, or a tokenizer: tokenizer.json (Hugging Face), tokenizer.model "
+        "(SentencePiece), or a directory holding one",
+    )
+    p.add_argument("--out", required=True, help="new directory for the prepared dataset")
+    p.add_argument("--field", default="text", help="JSONL: the field holding the text")
+    p.add_argument("--column", default="text", help="Parquet: the column holding the text")
+    p.add_argument(
+        "--separator",
+        help="text files: split documents at this string (default: one document per file)",
+    )
+    p.add_argument(
+        "--workers",
+        type=int,
+        default=len(os.sched_getaffinity(0)),
+        help="tokenizing processes (default: every core)",
+    )
+    args = p.parse_args(argv)
+    if args.workers < 1:
+        p.error(f"--workers must be >= 1, got {args.workers}")
+    if args.separator == "":
+        p.error("--separator must not be empty")
+    try:
+        refuse_existing(Path(args.out))  # before the char tokenizer's pass over the inputs
+        paths = [Path(i) for i in args.inputs]
+        check_inputs(paths, args.column)
+        tok = make_tokenizer(args.tokenizer, paths, args.field, args.column, args.separator)
+        meta = prepare(
+            args.inputs,
+            tok,
+            args.out,
+            field=args.field,
+            column=args.column,
+            separator=args.separator,
+            workers=args.workers,
+            progress=True,
+        )
+    except DataError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(
+        f"wrote {args.out}: {meta['documents']:,} documents, {meta['tokens']:,} tokens "
+        f"({meta['dtype']}), tokenizer {describe_tokenizer(tok)}"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

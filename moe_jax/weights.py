@@ -1,0 +1,130 @@
+"""The form a model's weights take for inference: float32, bfloat16 or int8 (`sample.weights`).
+
+    kind = weights_kind(cfg)                          # "auto" resolved: bfloat16 for a bf16 model
+    model = abstract_model(cfg, kind)                 # shapes and dtypes, nothing allocated
+    model = to_kind(model, kind)                      # a float model's weights in that form
+
+Training keeps float32 master weights; sampling them at full size in float32 needs twice the
+memory of bf16 (Mixtral-8x7B: 187 GB, where one H100 has 80). So a run is restored straight
+into the form sampling uses:
+- `bfloat16`: the matmul weights (attention, dense and expert SwiGLUs, head, token embedding,
+  vision projection) stored in bf16. The model casts each of them to its compute dtype before
+  use, so with `model.dtype=bfloat16` this changes no result at all. Norm scales, biases and
+  the router stay float32: they are tiny, and the router's logits pick the experts.
+- `int8`: per-channel int8 (`moe_jax.model.int8`), the quantised weights' float reads in the
+  compute dtype's hands as before.
+- `float32`: as trained.
+- `auto` (the default): bfloat16 when the compute dtype is bfloat16, else float32, i.e. the
+  cheapest form that changes nothing.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from moe_jax.config import Config
+from moe_jax.model import Transformer
+from moe_jax.model.int8 import CONTRACTED_AXES, Int8Param, quantize_model
+
+# Weights the model casts to its compute dtype before use (see the module doc).
+MATMUL_WEIGHTS = (*CONTRACTED_AXES, "embedding", "vision_proj")
+
+
+def weights_kind(cfg: Config, kind: str | None = None) -> str:
+    """`kind` (default: cfg.sample.weights) with "auto" resolved."""
+    kind = kind or cfg.sample.weights
+    if kind == "auto":
+        return "bfloat16" if cfg.model.dtype == "bfloat16" else "float32"
+    return kind
+
+
+def _cast_matmul_weights(model: nnx.Module, dtype) -> nnx.Module:
+    """`model` with its float matmul weights cast to `dtype` in place (abstract or concrete)."""
+    for _, module in nnx.iter_modules(model):
+        for name in MATMUL_WEIGHTS:
+            w = getattr(module, name, None)
+            if isinstance(w, nnx.Param) and not isinstance(w, Int8Param):
+                value = w.get_value()
+                if isinstance(value, jax.ShapeDtypeStruct):
+                    cast = jax.ShapeDtypeStruct(value.shape, dtype, sharding=value.sharding)
+                else:
+                    cast = value.astype(dtype)
+                w.set_value(cast)
+    return model
+
+
+def abstract_model(cfg: Config, kind: str, quantized: str | None = None) -> nnx.Module:
+    """The abstract Transformer whose params have `kind`'s dtypes (`quantized`: the run's own
+    quantisation, e.g. an int8 run written by `moe_jax.quantize`, which wins)."""
+    build = lambda: Transformer(cfg, rngs=nnx.Rngs(0))
+    if quantized or kind == "int8":
+        return nnx.eval_shape(lambda: quantize_model(build(), quantized or "int8"))
+    model = nnx.eval_shape(build)
+    return _cast_matmul_weights(model, jnp.bfloat16) if kind == "bfloat16" else model
+
+
+def to_kind(model: nnx.Module, kind: str) -> nnx.Module:
+    """A float model's weights in `kind`'s form (int8: a new model; bfloat16: cast in place)."""
+    if kind == "int8":
+        return quantize_model(model)
+    if kind == "bfloat16":
+        return _cast_matmul_weights(model, jnp.bfloat16)
+    return model
+
+
+# ----------------------------------------------------------------------------- fitting
+
+
+def device_memory(device: jax.Device) -> int | None:
+    """Bytes an accelerator can allocate (None where the runtime does not say, as on CPU)."""
+    try:
+        stats = device.memory_stats()
+    except Exception:  # some runtimes raise instead of returning None
+        return None
+    return (stats or {}).get("bytes_limit")
+
+
+def host_memory() -> int:
+    """Bytes the host can still allocate (MemAvailable), which CPU devices share."""
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    raise OSError("/proc/meminfo has no MemAvailable")
+
+
+def check_fits(target, also: str | None = None) -> None:
+    """Raise WeightsDoNotFit if restoring `target` (abstract params with their shardings)
+    needs more than a device has: per accelerator, or in all on a CPU host, whose devices
+    share its memory. `also="int8"`: the int8 copy made after a float restore counts too."""
+    need: dict = {}
+    for path, leaf in jax.tree_util.tree_flatten_with_path(target)[0]:
+        extra = 0
+        if also == "int8" and any(getattr(k, "key", None) in CONTRACTED_AXES for k in path):
+            extra = 1  # an int8 byte per element besides the float one, until it is freed
+        per_element = jnp.dtype(leaf.dtype).itemsize + extra
+        for device, index in leaf.sharding.devices_indices_map(leaf.shape).items():
+            n = 1
+            for i, size in zip(index, leaf.shape, strict=True):
+                n *= len(range(*i.indices(size)))
+            need[device] = need.get(device, 0) + n * per_element
+    device = next(iter(need))
+    if device.platform == "cpu":
+        needed, have, where = sum(need.values()), host_memory(), "this host has available"
+    else:
+        have = device_memory(device)
+        if have is None:
+            return
+        needed, where = max(need.values()), f"one {device.device_kind} has"
+    if needed > have:
+        raise WeightsDoNotFit(
+            f"the weights need {needed / 2**30:.1f} GiB per device where {where} "
+            f"{have / 2**30:.1f} GiB; shard them over more devices (mesh.expert, mesh.tensor, "
+            "mesh.fsdp) or store them smaller (sample.weights=bfloat16 or int8)"
+        )
+
+
+class WeightsDoNotFit(ValueError):
+    """The weights, in their form and sharding, need more memory than the devices have."""
