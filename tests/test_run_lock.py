@@ -110,13 +110,13 @@ def test_a_run_that_saved_while_this_one_started_is_not_resumed_from_a_stale_ste
     run = tmp_path / "run"
     cfg = _cfg(run)
     _write_checkpoints(cfg, steps=(2,))
-    real = trainer.load_data
+    real = trainer.load_run_data
 
     def load_data_while_another_run_saves(*args):
         _write_checkpoints(cfg, steps=(3,))  # another run saves step 3 and ends
         return real(*args)
 
-    monkeypatch.setattr(trainer, "load_data", load_data_while_another_run_saves)
+    monkeypatch.setattr(trainer, "load_run_data", load_data_while_another_run_saves)
     with pytest.raises(RunError, match=r"changed while this run was starting \(another run saved "):
         train(cfg, stop_at=4)
     assert inspect_run(cfg).step == 3
