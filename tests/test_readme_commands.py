@@ -8,7 +8,8 @@ quantize use the default run, export the RoPE run ...).
 
 What runs, and how, to fit the budget (measured: ~65 s of CPU time for the whole file, ~45 s
 in this process and ~20 s in two child processes):
-- train.py, sample.py and the `python -m moe_jax.*` tools (summary, plot, quantize, interop)
+- train.py, sample.py and the `python -m moe_jax.*` tools (summary, plot, quantize, interop,
+  prepare)
   run for real, in this process through `runpy` (no interpreter start-up per command, and one
   compile serves the commands that share a program): train.py with FAST_TRAIN appended (3
   steps of a smaller model), sample.py with FAST_SAMPLE. An `XLA_FLAGS=...device_count=N`
@@ -73,7 +74,13 @@ SHAKESPEARE_URL = (
     "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
 )
 LOCAL_COPIES = {SHAKESPEARE_URL: ROOT.parent / "shared/data/tinyshakespeare.txt"}
-TOOLS = ("moe_jax.summary", "moe_jax.plot", "moe_jax.quantize", "moe_jax.interop")
+TOOLS = (
+    "moe_jax.summary",
+    "moe_jax.plot",
+    "moe_jax.quantize",
+    "moe_jax.interop",
+    "moe_jax.prepare",
+)
 DEVICE_COUNT = re.compile(r"--xla_force_host_platform_device_count=(\d+)")
 COORDINATOR_PORT = re.compile(r"^(mesh\.coordinator_address=.*:)\d+$")
 
