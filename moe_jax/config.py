@@ -323,7 +323,11 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -
             cfg = OmegaConf.merge(cfg, file_cfg)
         except OmegaConfBaseException as e:
             raise _explain(e, str(path)) from None
-    cfg = _merge_overrides(cfg, overrides)
+    return _validated(_merge_overrides(cfg, overrides))
+
+
+def _validated(cfg) -> Config:
+    """The OmegaConf config as a validated Config."""
     try:
         result = OmegaConf.to_object(cfg)
     except OmegaConfBaseException as e:
@@ -366,13 +370,7 @@ def sampling_config(saved: Config, overrides: Sequence[str]) -> Config:
                 f"'{key}' cannot be set when sampling: the run's checkpoint fixes it; set "
                 "mesh.*, model.dtype or sample.* (e.g. mesh.expert=2 sample.weights=int8)"
             )
-    cfg = _merge_overrides(OmegaConf.structured(saved), overrides)
-    try:
-        result = OmegaConf.to_object(cfg)
-    except OmegaConfBaseException as e:
-        raise _explain(e, "config") from None
-    validate(result)
-    return result
+    return _validated(_merge_overrides(OmegaConf.structured(saved), overrides))
 
 
 def config_to_yaml(cfg: Config) -> str:

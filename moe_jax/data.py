@@ -189,11 +189,23 @@ def unigram_entropy(tokens: np.ndarray, vocab_size: int) -> float:
     return float(-(p * np.log(p)).sum())
 
 
+def check_split_fits(what: str, n: int, n_train: int, cfg: Config, verb: str, of="") -> None:
+    """DataError unless both splits of `n` tokens (`n_train` for training) hold a window."""
+    window, f = cfg.train.seq_len + 1, cfg.data.val_fraction
+    if min(n_train, n - n_train) < window:
+        need = math.ceil(window / min(f, 1 - f))
+        raise DataError(
+            f"{what} has {n} tokens: too short for one window of train.seq_len+1 = {window} "
+            f"tokens in both the train and the validation split (data.val_fraction={f}); "
+            f"{verb} at least {need} tokens{' ' + of if of else ''} or lower train.seq_len"
+        )
+
+
 def load_data(cfg: Config, tokenizer: Tokenizer | None = None) -> Data | PreparedData:
     """Read the corpus, tokenize it (with `tokenizer`, e.g. a run's saved one, else a new one
     of kind `data.tokenizer`) and split it; or open the prepared dataset(s) (`load_prepared`).
     Raises DataError with the fix on bad input."""
-    d, seq_len = cfg.data, cfg.train.seq_len
+    d = cfg.data
     if d.mixture is not None:
         return load_prepared(cfg, d.mixture_entries, tokenizer)
     if d.path is not None and is_prepared(d.path.strip()):
@@ -229,15 +241,7 @@ def load_data(cfg: Config, tokenizer: Tokenizer | None = None) -> Data | Prepare
 
     n_val = math.ceil(len(tokens) * d.val_fraction)
     train, val = tokens[: len(tokens) - n_val], tokens[len(tokens) - n_val :]
-    window = seq_len + 1
-    if min(len(train), len(val)) < window:
-        need = math.ceil(window / min(d.val_fraction, 1 - d.val_fraction))
-        raise DataError(
-            f"corpus ({description}) has {len(tokens)} tokens: too short for one window of "
-            f"train.seq_len+1 = {window} tokens in both the train and the validation split "
-            f"(data.val_fraction={d.val_fraction}); use at least {need} tokens of text or lower "
-            "train.seq_len"
-        )
+    check_split_fits(f"corpus ({description})", len(tokens), len(train), cfg, "use", "of text")
     return Data(
         tokenizer, train, val, f"{description}, {len(tokens):,} tokens", digest.hexdigest()[:16]
     )
@@ -473,7 +477,7 @@ def load_prepared(
     """Open the prepared dataset(s) `entries` ((dir, weight) pairs) for `cfg`; `tokenizer` is
     the run's when resuming. DataError when one is not a prepared dir, their tokenizers
     differ from each other, from the run's or from `data.tokenizer`, or one is too short."""
-    d, window = cfg.data, cfg.train.seq_len + 1
+    d = cfg.data
     stores = [TokenStore.open(path) for path, _ in entries]
     first = stores[0]
     for s in stores[1:]:
@@ -514,14 +518,7 @@ def load_prepared(
     for s, (_, weight) in zip(stores, entries, strict=True):
         n = len(s.tokens)
         split = n - math.ceil(n * d.val_fraction)
-        if min(split, n - split) < window:
-            need = math.ceil(window / min(d.val_fraction, 1 - d.val_fraction))
-            raise DataError(
-                f"prepared dataset '{s.path}' has {n} tokens: too short for one window of "
-                f"train.seq_len+1 = {window} tokens in both the train and the validation split "
-                f"(data.val_fraction={d.val_fraction}); prepare at least {need} tokens or "
-                "lower train.seq_len"
-            )
+        check_split_fits(f"prepared dataset '{s.path}'", n, split, cfg, "prepare")
         parts.append(Part(s, weight, split))
     if len(parts) == 1:
         s = parts[0].store
