@@ -53,7 +53,7 @@ from jax.sharding import PartitionSpec as P
 from moe_jax.config import Config, TrainConfig
 from moe_jax.loss import head_statistics
 from moe_jax.model import Transformer
-from moe_jax.sharding import BATCH_AXES, state_shardings, with_shardings
+from moe_jax.sharding import BATCH_AXES, logical_to_spec, state_shardings, with_shardings
 
 # ----------------------------------------------------------------------------- optimizer
 
@@ -173,7 +173,12 @@ def loss_fn(
     )
     # Never the whole [B, T, V] logits with train.loss_chunk (see moe_jax/loss.py)
     chunk = model.cfg.train.loss_chunk
-    logz_BT, target_logit_BT = head_statistics(model.logits, x_BTD, targets_BT, chunk)
+    head_DV = model.head_weight() if chunk else None
+    if chunk and not jax.sharding.get_abstract_mesh().empty:
+        # gathered here, once, whole but for `tensor`'s vocab split (the chunks' loop would
+        # gather it again every chunk)
+        head_DV = jax.lax.with_sharding_constraint(head_DV, logical_to_spec((None, "vocab")))
+    logz_BT, target_logit_BT = head_statistics(model.logits, x_BTD, targets_BT, chunk, head_DV)
     count = jnp.sum(weights_BT)
     ce_sum = jnp.sum((logz_BT - target_logit_BT) * weights_BT)
     logit_z_sum = jnp.sum(logz_BT**2 * weights_BT)

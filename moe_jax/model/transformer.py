@@ -181,14 +181,20 @@ class Transformer(nnx.Module):
             return logits_BTV, aux
         return logits_BTV, aux, {"blocks": new_block_caches, "tail": new_tail_caches}
 
-    def logits(self, x_BTD: jax.Array) -> jax.Array:
-        """Final norm and head: the last layer's output [B, T, D] -> float32 logits [B, T, V]."""
+    def logits(self, x_BTD: jax.Array, head_DV: jax.Array | None = None) -> jax.Array:
+        """Final norm and head: the last layer's output [B, T, D] -> float32 logits [B, T, V].
+        `head_DV`: the head weight as `head_weight` gave it (read once for many calls)."""
         x_BTD = self.final_norm(x_BTD)
+        if head_DV is None:
+            head_DV = self.head_weight(x_BTD)
+        return (x_BTD @ head_DV).astype(jnp.float32)
+
+    def head_weight(self, x=None) -> jax.Array:
+        """The output head [D, V] in the compute dtype (`x`: int8 weights wait for it)."""
         if self.cfg.model.tie_embeddings:
-            head = self.embed.embedding[...].T
-        else:
-            head = after(x_BTD, self.head)[...]
-        return (x_BTD @ head.astype(self.dtype)).astype(jnp.float32)
+            return self.embed.embedding[...].T.astype(self.dtype)
+        head = self.head if x is None else after(x, self.head)
+        return head[...].astype(self.dtype)
 
     def _insert_images(self, x_BTD, images_BND, mask_BT) -> jax.Array:
         """The projected image embeddings in place of the token embeddings the mask marks."""
