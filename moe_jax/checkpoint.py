@@ -77,6 +77,7 @@ import socket
 import sys
 import time
 import uuid
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -211,8 +212,15 @@ def _keep_log_record(record: logging.LogRecord) -> bool:
 
 def _quiet_orbax() -> None:
     """Installed (process-wide, once) with the first CheckpointManager, before any restore or
-    save can fail: the leftovers print from other threads as soon as one does."""
+    save can fail: the leftovers print from other threads as soon as one does. A leftover
+    coroutine of jax's array serialisation (under Orbax's writes) that is collected unawaited
+    is reported as a RuntimeWarning, not an unraisable exception: ignored too."""
     _drop_orbax_leftovers()
+    warnings.filterwarnings(
+        "ignore",
+        message=r"coroutine '[^']*(serialize|write_fragment)[^']*' was never awaited",
+        category=RuntimeWarning,
+    )
     logging.getLogger("absl").addFilter(_keep_log_record)
 
 
