@@ -425,9 +425,8 @@ def load_run(
             "version of moe_jax does not know"
         )
     kind = weights_kind(cfg, weights)
-    # What is restored: int8 runs as int8; a float run in float, quantised afterwards.
-    restore_kind = "bfloat16" if kind == "int8" and cfg.model.dtype == "bfloat16" else kind
-    restore_kind = "float32" if restore_kind == "int8" else restore_kind
+    # What is restored: int8 runs as int8; a float run as `auto` floats, quantised afterwards.
+    restore_kind = weights_kind(cfg, "auto") if kind == "int8" else kind
     graphdef, abstract_params = nnx.split(abstract_model(cfg, restore_kind, quantized), nnx.Param)
     if mesh is None:
         target = on_device(abstract_params, jax.devices()[0])

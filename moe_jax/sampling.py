@@ -148,8 +148,9 @@ def sample_tokens(
 # ----------------------------------------------------------------------------- the program
 
 
-def unstack_blocks(tree, n: int) -> list:
-    """Stacked layer blocks [n, ...] -> n per-block trees.
+def unstack_blocks(tree, n: int, consume: bool = False) -> list:
+    """Stacked layer blocks [n, ...] -> n per-block trees; `consume`: delete each stacked
+    array once split, so that at most one weight is held twice at a time.
 
     The model slices block b out of each stacked weight and cache array. XLA does not hoist
     loop-invariant slices out of a while loop (it deems them too cheap to move), and on CPU a
@@ -158,7 +159,13 @@ def unstack_blocks(tree, n: int) -> list:
     re-stacks them at each model call: slice(stack(...)) folds back to the block itself at
     compile time, and no copy is left.
     """
-    return [jax.tree.map(lambda a, b=b: _block(a, b), tree) for b in range(n)]
+    leaves, treedef = jax.tree.flatten(tree)
+    per_leaf = []
+    for a in leaves:
+        per_leaf.append([_block(a, b) for b in range(n)])
+        if consume:
+            a.delete()
+    return [jax.tree.unflatten(treedef, [parts[b] for parts in per_leaf]) for b in range(n)]
 
 
 def _block(a, b: int):
@@ -170,18 +177,6 @@ def _block(a, b: int):
     if isinstance(sharding, NamedSharding):
         sharding = NamedSharding(sharding.mesh, P(*tuple(sharding.spec)[1:]))
     return jax.ShapeDtypeStruct(a.shape[1:], a.dtype, sharding=sharding)
-
-
-def _unstack_consuming(tree, n: int) -> list:
-    """`unstack_blocks`, one stacked array at a time, each deleted once split."""
-    leaves, treedef = jax.tree.flatten(tree)
-    per_leaf = []
-    for i, a in enumerate(leaves):
-        per_leaf.append([_block(a, b) for b in range(n)])
-        leaves[i] = None
-        if isinstance(a, jax.Array):
-            a.delete()
-    return [jax.tree.unflatten(treedef, [parts[b] for parts in per_leaf]) for b in range(n)]
 
 
 def stack_blocks(blocks: list):
@@ -346,12 +341,7 @@ class Sampler:
         params = nnx.state(model, nnx.Param)
         self.params = jax.tree.map(lambda a: a, params)  # a shallow copy to pop from
         blocks = self.params.pop("blocks") if model.n_blocks else None
-        if not blocks:
-            self.param_blocks = []
-        elif consume:
-            self.param_blocks = _unstack_consuming(blocks, model.n_blocks)
-        else:
-            self.param_blocks = unstack_blocks(blocks, model.n_blocks)
+        self.param_blocks = unstack_blocks(blocks, model.n_blocks, consume) if blocks else []
         # One jitted function per sampler: the graph is bound, not hashed at every call.
         self.compiled = jax.jit(
             partial(_generate, self.graphdef, self._emit),

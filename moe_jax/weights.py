@@ -20,6 +20,8 @@ into the form sampling uses:
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -104,12 +106,9 @@ def check_fits(target, also: str | None = None) -> None:
         extra = 0
         if also == "int8" and any(getattr(k, "key", None) in CONTRACTED_AXES for k in path):
             extra = 1  # an int8 byte per element besides the float one, until it is freed
-        per_element = jnp.dtype(leaf.dtype).itemsize + extra
-        for device, index in leaf.sharding.devices_indices_map(leaf.shape).items():
-            n = 1
-            for i, size in zip(index, leaf.shape, strict=True):
-                n *= len(range(*i.indices(size)))
-            need[device] = need.get(device, 0) + n * per_element
+        shard = math.prod(leaf.sharding.shard_shape(leaf.shape))
+        for device in leaf.sharding.device_set:
+            need[device] = need.get(device, 0) + shard * (jnp.dtype(leaf.dtype).itemsize + extra)
     device = next(iter(need))
     if device.platform == "cpu":
         needed, have, where = sum(need.values()), host_memory(), "this host has available"
