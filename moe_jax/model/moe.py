@@ -414,11 +414,16 @@ class MoE(nnx.Module):
             # [ep, E_loc, ...] -> by source shard.
             buf = to_owner(buf.reshape(ep, E_loc, cap, D))
             filled = to_owner(filled_slots(slot, E, cap).reshape(ep, E_loc))
+            # The tensor shards' partial sums travel home unsummed and are added after the
+            # combine, on [b, T, D] rather than the [E_loc, ep, C, D] buffers (C k / T times
+            # fewer bytes: 2.5 at capacity 1.25 top-2, E when dropless).
             y_eSCD = expert_swiglu(
-                buf.transpose(1, 0, 2, 3), w, self.dtype, filled_ES=filled.T, reduce_axis=tp
+                buf.transpose(1, 0, 2, 3), w, self.dtype, filled.T, tp, sum_partials=False
             )
             y = to_owner(y_eSCD.transpose(1, 0, 2, 3)).reshape(E * cap, D)  # back home
             y_bTD = self._combine(y, slot, wts)
+            if tp is not None:
+                y_bTD = jax.lax.psum(y_bTD, tp)
             if batch_axes:
                 sums = jax.lax.psum(sums, batch_axes)
             return y_bTD, sums
