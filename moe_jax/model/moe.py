@@ -415,8 +415,8 @@ class MoE(nnx.Module):
             buf = to_owner(buf.reshape(ep, E_loc, cap, D))
             filled = to_owner(filled_slots(slot, E, cap).reshape(ep, E_loc))
             # The tensor shards' partial sums travel home unsummed and are added after the
-            # combine, on [b, T, D] rather than the [E_loc, ep, C, D] buffers (C k / T times
-            # fewer bytes: 2.5 at capacity 1.25 top-2, E when dropless).
+            # combine, on [b, T, D] rather than the [E_loc, ep, C, D] buffers (E C / (b T)
+            # times fewer bytes: 2.5 at capacity 1.25 top-2, E when dropless).
             y_eSCD = expert_swiglu(
                 buf.transpose(1, 0, 2, 3), w, self.dtype, filled.T, tp, sum_partials=False
             )
