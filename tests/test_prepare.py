@@ -7,6 +7,7 @@ Packing and mixing themselves are tested in test_data.py. Budget: ~25 s (three t
 from __future__ import annotations
 
 import json
+import sysconfig
 from pathlib import Path
 
 import jax
@@ -171,8 +172,9 @@ def test_bad_inputs_stop_with_one_line_and_write_nothing(tmp_path, capsys):
 def stores(tmp_path_factory, bpe_dir):
     """Two byte stores of different text (a document a line), a char store and a BPE store."""
     root = tmp_path_factory.mktemp("stores")
-    text = Path(__file__).resolve().parents[1] / "moe_jax"  # some real text: our own sources
-    py = sorted(str(p) for p in text.glob("*.py"))
+    # Some real text that does not change with this project: the standard library's sources
+    # (the embedded corpus's), 24 of them.
+    py = sorted(str(p) for p in Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))[:24]
     paths = {
         "code": prepare(py[: len(py) // 2], ByteTokenizer(), root / "code", separator="\n"),
         "more": prepare(py[len(py) // 2 :], ByteTokenizer(), root / "more", separator="\n"),
