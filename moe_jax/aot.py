@@ -132,7 +132,7 @@ def _oom_bytes(message: str) -> float | None:
 def compile_step(cfg, topo, step: str, verbose: bool = False, hlo_path: str | None = None):
     """Compile `step` ("train" | "decode") of `cfg` for `topo`. -> report dict.
     Raises DoesNotFit, or ConfigError / SamplingError for a config the step cannot take."""
-    from moe_jax import hlo
+    from moe_jax import backends, hlo
     from moe_jax.sharding import make_mesh
     from moe_jax.summary import decode_flops, train_flops_per_token
 
@@ -152,7 +152,8 @@ def compile_step(cfg, topo, step: str, verbose: bool = False, hlo_path: str | No
     kind = topo.devices[0].device_kind
     what = "chip" if topo.platform == "tpu" else "GPU"
     t0 = time.perf_counter()
-    with quiet(verbose):
+    # Traced for the target's kernels (moe_jax/backends.py), not the CPU's.
+    with quiet(verbose), backends.targeting(topo.platform):
         try:
             lowered = lower_train(cfg, mesh) if step == "train" else lower_decode(cfg, mesh)
             compiled = lowered.compile()

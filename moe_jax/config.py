@@ -21,6 +21,8 @@ import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
+from moe_jax.backends import IMPLS
+
 DTYPES = ("float32", "bfloat16")
 REMAT_POLICIES = ("none", "dots", "full")
 DEFAULT_WARMUP_STEPS = 50  # train.warmup_steps=null: this many, at most a tenth of the run
@@ -80,6 +82,9 @@ class AttentionConfig:
     sliding_window: int = 0  # attend to the last `sliding_window` positions; 0 = off
     qkv_bias: bool = False
     o_bias: bool = False
+    # Kernel (moe_jax/backends.py): auto (the backend's own) | blocked (blocked softmax with a
+    # hand-written backward, XLA:CPU's) | cudnn (GPU fused attention) | splash (TPU Pallas)
+    impl: str = "auto"
 
 
 @dataclass(frozen=True)
@@ -100,6 +105,11 @@ class MoEConfig:
     capacity_factor: float = 1.25  # <= 0: no token is ever dropped
     lb_loss_weight: float = 0.01
     z_loss_weight: float = 1e-3
+    # Expert kernel (moe_jax/backends.py): auto (the backend's own) | buckets (capacity buffers,
+    # filled rows by lax.switch: XLA:CPU's) | batched (every buffer slot in one batched matmul:
+    # GPU's) | ragged (rows sorted by expert, jax.lax.ragged_dot) | megablox (TPU Pallas
+    # grouped matmul). Every one computes the same routing and drops.
+    impl: str = "auto"
 
 
 @dataclass(frozen=True)
@@ -459,6 +469,8 @@ def validate(cfg: Config) -> None:
     _one_of(a.rope_scaling.type, ("none", "linear", "llama3"), "attention.rope_scaling.type")
     _one_of(e.score, ("softmax", "sigmoid"), "moe.score")
     _one_of(e.route_scale, ("output", "input"), "moe.route_scale")
+    _one_of(a.impl, IMPLS["attention"], "attention.impl")
+    _one_of(e.impl, IMPLS["moe"], "moe.impl")
     # A path is read (and its existence checked) when a run starts: a saved config keeps the
     # path it was started with, and a moved run reads its own copy of the files.
     _require(

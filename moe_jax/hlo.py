@@ -14,9 +14,11 @@ fusions, calls and async wrappers once.
 
 FLOPs are those of the matrix units, the work that sets a step's time: 2 x (output elements) x
 (contracted size) for every `dot`, every `convolution` (TPU writes matmuls as 1x1
-convolutions; their window and feature groups are accounted for) and every cuBLAS GEMM call on
-GPU. Elementwise work is left out; `tests/test_aot.py` checks the figure against the compiler's
-own count on a loop-free program and against 6 N T on a dense model, scanned and unrolled.
+convolutions; their window and feature groups are accounted for), every cuBLAS GEMM call on
+GPU, and every TPU Pallas/Mosaic kernel (ragged_dot, megablox, splash attention) by the FLOPs
+of its cost estimate. Elementwise work is left out; `tests/test_aot.py` checks the figure
+against the compiler's own count on a loop-free program and against 6 N T on a dense model,
+scanned and unrolled.
 
 Collective bytes per op are the size of the full (unsharded-side) array the collective works
 on, per device: an all-reduce's operand, an all-gather's result, a reduce-scatter's operand,
@@ -206,6 +208,12 @@ def _matmul_flops(inst: Instruction, types: dict[str, str]) -> float:
         return 2.0 * out_elems * contracted
     if inst.opcode == "convolution":
         return _convolution_flops(inst, lhs_dims, out[0][1])
+    if inst.opcode == "custom-call" and '"tpu_custom_call"' in inst.attrs:
+        # Pallas / Mosaic kernels (ragged_dot and megablox's grouped matmuls, splash
+        # attention) state their FLOPs in their cost estimate: for the grouped matmuls that
+        # is every row of the operand, groups or not (an upper bound where rows are unused).
+        m = re.search(r'"cost_estimate":\{"flops":"(\d+)"', inst.attrs)
+        return float(m.group(1)) if m else 0.0
     if inst.opcode == "custom-call" and any(f'"{t}"' in inst.attrs for t in GEMM_CALLS):
         m = re.search(r'"lhs_contracting_dimensions":\[([^\]]*)\]', inst.attrs)
         dims = [int(x.strip('" ')) for x in m.group(1).split(",") if x.strip()] if m else []

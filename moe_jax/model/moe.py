@@ -40,8 +40,10 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
+from moe_jax import backends
 from moe_jax.config import Config, MoEConfig
 from moe_jax.model.filled_rows import swiglu_filled
+from moe_jax.model.grouped import grouped_buffers, grouped_swiglu, inverse, sort_rows
 from moe_jax.sharding import BATCH_AXES, n_batch_shards, param
 
 EXPERT_PARAMS = ("w_gate", "w_up", "w_down", "gate_bias", "up_bias", "down_bias")
@@ -50,6 +52,7 @@ MAP_MIN_CAPACITY = 128  # expert buffers of at least this many slots run one exp
 # expert's matmuls are at least this big (rows x d_model x hidden multiply-adds).
 UNROLL_MAX_EXPERTS = 32
 UNROLL_MIN_MACS = 1 << 27
+GROUPED_IMPLS = ("ragged", "megablox")  # moe.impl values that run a grouped matmul
 
 
 def capacity(tokens_per_group: int, cfg: MoEConfig) -> int:
@@ -170,7 +173,13 @@ def swiglu_rows(x_CD, w: dict, dtype) -> jax.Array:
 
 
 def expert_swiglu(
-    x_ESCD, w: dict, dtype, filled_ES=None, reduce_axis: str | None = None, sum_partials=True
+    x_ESCD,
+    w: dict,
+    dtype,
+    filled_ES=None,
+    reduce_axis: str | None = None,
+    sum_partials=True,
+    impl: str = "buckets",
 ):
     """Each expert's SwiGLU on its buffer: E experts x S segments (routing groups) x C slots.
     A segment is filled from the front, `filled_ES` rows (None: any may be full); outputs of
@@ -185,10 +194,21 @@ def expert_swiglu(
     the capacity padding costs nothing. Big enough experts, up to UNROLL_MAX_EXPERTS of
     them, are unrolled in the trace; others run in a `lax.map`, whose compile time does not
     grow with E. Small buffers (decoding) run as batched matmuls over every slot, which
-    stream the weights in one pass (the per-expert map made batch-8 decoding ~25% slower)."""
+    stream the weights in one pass (the per-expert map made batch-8 decoding ~25% slower).
+    `impl` (moe.impl, resolved): "ragged" / "megablox" run big buffers' filled rows as one
+    grouped matmul (`grouped.grouped_buffers`); "batched" runs every slot of any buffer as
+    one batched matmul, padding included (the GPU's form, see `backends.py`)."""
     E, S, C, D = x_ESCD.shape
     w_in = {n: a for n, a in w.items() if n != "down_bias"}
-    if S * C >= MAP_MIN_CAPACITY:
+    if impl == "batched":  # every slot, one batched matmul: no conditionals
+        y_ESCD = swiglu_rows(x_ESCD.reshape(E, S * C, D), w_in, dtype).reshape(E, S, C, D)
+    elif S * C >= MAP_MIN_CAPACITY and impl in GROUPED_IMPLS:
+        if reduce_axis is not None:  # a hand-written backward again: see below
+            x_ESCD = jax.lax.pcast(x_ESCD, reduce_axis, to="varying")
+        if filled_ES is None:
+            filled_ES = jnp.full((E, S), C, jnp.int32)
+        y_ESCD = grouped_buffers(x_ESCD, w_in, dtype, filled_ES, impl)
+    elif S * C >= MAP_MIN_CAPACITY:
         if reduce_axis is not None:
             # Each tensor shard's input cotangent is a partial sum. `filled_rows`' hand-written
             # backward must return it typed like its input, so the input is made varying here
@@ -342,6 +362,11 @@ class MoE(nnx.Module):
             # Few tokens in flight (decoding): read only the picked experts' weights instead
             # of running all E experts on mostly empty buffers. Same drops as the buffers.
             y_BTD = self._gathered(x_BTD, merge(experts), merge(w), merge(keep))
+        elif self._impl() in GROUPED_IMPLS:
+            # With a capacity no expert takes more than the groups' slots: the weight gradient
+            # runs padded to them; dropless that bound is every row (ragged_dot's own).
+            bound = G * cap if self.cfg.capacity_factor > 0 else None
+            y_BTD = self._grouped(x_BTD, merge(experts), merge(w), merge(keep), bound)
         else:
             y_BTD = merge(self._buffered(split(x_BTD), slot, w, cap))
         return y_BTD, self._stats(sums, B * T)
@@ -418,7 +443,7 @@ class MoE(nnx.Module):
             # combine, on [b, T, D] rather than the [E_loc, ep, C, D] buffers (E C / (b T)
             # times fewer bytes: 2.5 at capacity 1.25 top-2, E when dropless).
             y_eSCD = expert_swiglu(
-                buf.transpose(1, 0, 2, 3), w, self.dtype, filled.T, tp, sum_partials=False
+                buf.transpose(1, 0, 2, 3), w, self.dtype, filled.T, tp, False, self._impl()
             )
             y = to_owner(y_eSCD.transpose(1, 0, 2, 3)).reshape(E * cap, D)  # back home
             y_bTD = self._combine(y, slot, wts)
@@ -457,15 +482,45 @@ class MoE(nnx.Module):
             filled = jax.lax.dynamic_slice_in_dim(filled_slots(slot, E, cap), first, E_loc)
             # The tensor shards' partial sums are added after the combine: on the [b, T, D]
             # output, not the E_loc x C buffer rows (E_loc times fewer bytes, dropless).
-            y_eSCD = expert_swiglu(
-                buf, w, self.dtype, filled[:, None], reduce_axis=tp, sum_partials=False
-            )
+            y_eSCD = expert_swiglu(buf, w, self.dtype, filled[:, None], tp, False, self._impl())
             own = slot - first * cap
             own = jnp.where((own >= 0) & (own < E_loc * cap), own, E_loc * cap)  # else reads 0
             y_bTD = self._combine(y_eSCD.reshape(E_loc * cap, D), own, wts)
             if tp is not None:
                 y_bTD = jax.lax.psum(y_bTD, tp)
         return jax.lax.psum(y_bTD, "expert") if ep > 1 else y_bTD
+
+    def _impl(self) -> str:
+        impl = backends.choose("moe", self.cfg.impl)
+        if impl == "megablox" and not jax.sharding.get_abstract_mesh().empty:
+            raise ValueError(
+                "moe.impl=megablox runs without a mesh only (jax's megablox pallas_call "
+                "declares no varying mesh axes for shard_map); use moe.impl=ragged or auto"
+            )
+        return impl
+
+    def _grouped(self, x_BTD, experts_BTK, w_BTK, keep_BTK, max_group=None) -> jax.Array:
+        """Every kept assignment through its expert as rows sorted by expert, one grouped
+        matmul per projection: no [E, C] buffers and no padding rows (`grouped.py`).
+        `max_group`: no expert has more rows (see `grouped.grouped_matmul`)."""
+        B, T, K = experts_BTK.shape
+        D = x_BTD.shape[-1]
+        order_n, sizes_E = sort_rows(
+            experts_BTK.reshape(-1), keep_BTK.reshape(-1), self.cfg.n_experts
+        )
+        expert_n = experts_BTK.reshape(-1)[order_n]
+        x_nD = x_BTD.reshape(B * T, D)[order_n // K]
+        if self.cfg.route_scale == "input":  # each assignment's own input: w * x
+            x_nD = x_nD * w_BTK.reshape(-1)[order_n][:, None]
+        w = self.experts.weights()
+        bias = w.pop("down_bias", None)
+        y_nD = grouped_swiglu(x_nD, w, sizes_E, expert_n, self.dtype, self._impl(), max_group)
+        if bias is not None:
+            y_nD = y_nD + bias.astype(self.dtype)[expert_n]
+        y_BTKD = y_nD[inverse(order_n)].reshape(B, T, K, D)
+        if self.cfg.route_scale == "output":
+            y_BTKD = y_BTKD * w_BTK[..., None]
+        return jnp.sum(jnp.where(keep_BTK[..., None], y_BTKD, 0), axis=2)
 
     def _dispatch(self, x_bTD, slot_bTK, w_bTK, cap: int) -> jax.Array:
         """Tokens into the flat [E * C, D] buffers (input-scaled for route_scale="input")."""
@@ -494,6 +549,7 @@ class MoE(nnx.Module):
             self.experts.weights(),
             self.dtype,
             filled_ES=filled_GE.T,
+            impl=self._impl(),
         )
         y_GSD = y_EGCD.transpose(1, 0, 2, 3).reshape(G, E * cap, D)
         return jax.vmap(self._combine)(y_GSD, slot_GbTK, w_GbTK)

@@ -1,0 +1,102 @@
+"""Which implementation of each kernel runs on which backend: the one place that chooses.
+
+XLA:CPU and the accelerators want different code. The CPU paths (the blocked attention with
+its hand-written backward, the experts' filled-row buckets picked by `lax.switch`) are tuned
+for XLA:CPU and measured by the CPU benchmarks; on a GPU or TPU a `lax.switch` synchronises
+or serialises, and fused kernels exist. Each choice has a config key whose value `auto`
+defers to the table below for the backend the program is compiled for:
+
+    attention.impl  blocked | cudnn | splash
+    moe.impl        buckets | batched | ragged | megablox
+
+The target backend is the one JAX runs on, or the one `targeting(...)` names while a program
+is traced for another (`moe_jax.aot` compiles TPU and GPU programs on a CPU host). The choice
+is made when the model is traced, so a run saved on one backend runs its own best path on
+another.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+
+# backend -> kernel -> the implementation `auto` picks there
+AUTO = {
+    "cpu": {"attention": "blocked", "moe": "buckets"},
+    # GPU MoE: jax 0.10.2 lowers ragged_dot on GPU to a dense [E, rows, N] product (E times
+    # the FLOPs and memory; XLA's ragged-dot flags changed nothing, compiled for H100 here),
+    # so the capacity buffers run as one batched matmul, padding included, until a grouped
+    # kernel (Pallas Mosaic GPU's ragged_dot) is measured on a GPU.
+    "gpu": {"attention": "cudnn", "moe": "batched"},
+    # TPU MoE: XLA lowers ragged_dot on TPU to its own Mosaic grouped-matmul kernel. megablox
+    # (the Pallas kernel shipped in jax) runs without a mesh only: its pallas_call declares
+    # no varying mesh axes, which the expert shard_map requires.
+    "tpu": {"attention": "splash", "moe": "ragged"},
+}
+IMPLS = {
+    "attention": ("auto", "blocked", "cudnn", "splash"),
+    "moe": ("auto", "buckets", "batched", "ragged", "megablox"),
+}
+# Kernels for one backend only (the others run everywhere). The Pallas TPU kernels also run
+# on CPU, in interpret mode (slow: for tests of their numerics).
+ONLY_ON = {"cudnn": "gpu", "splash": "tpu", "megablox": "tpu"}
+INTERPRETED_ON_CPU = ("splash", "megablox")
+
+_target: contextvars.ContextVar[str | None] = contextvars.ContextVar("target", default=None)
+
+
+def normalise(platform: str) -> str:
+    """A JAX platform name as a backend of the table: cuda/rocm -> gpu."""
+    return "gpu" if platform in ("cuda", "rocm", "gpu") else platform
+
+
+def target() -> str:
+    """The backend programs are being traced for."""
+    import jax  # here: config.py imports this module, and the CLIs check configs before jax
+
+    return _target.get() or normalise(jax.default_backend())
+
+
+@contextlib.contextmanager
+def targeting(platform: str):
+    """Trace for `platform` (e.g. a compile-only TPU topology) whatever JAX runs on."""
+    token = _target.set(normalise(platform))
+    try:
+        yield
+    finally:
+        _target.reset(token)
+
+
+def takes(impl: str, dtype=None, length: int | None = None) -> bool:
+    """Whether a fused kernel takes these operands: cuDNN attention computes in 16 bits only,
+    splash tiles the sequence by 128. Where auto's kernel does not, the CPU's path runs."""
+    import jax.numpy as jnp
+
+    if impl == "cudnn" and dtype is not None:
+        return jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16)
+    if impl == "splash" and length is not None:
+        return length % 128 == 0
+    return True
+
+
+def choose(kernel: str, impl: str, *, dtype=None, length: int | None = None) -> str:
+    """The implementation of `kernel` to trace: `impl`, or the target's own for auto (the
+    CPU's where that kernel does not take the operands' `dtype` or sequence `length`). A
+    kernel named for another backend is refused here, in one line, not by the compiler."""
+    backend = target()
+    if impl == "auto":
+        pick = AUTO.get(backend, AUTO["cpu"])[kernel]
+        return pick if takes(pick, dtype, length) else AUTO["cpu"][kernel]
+    need = ONLY_ON.get(impl)
+    on_cpu_too = backend == "cpu" and impl in INTERPRETED_ON_CPU
+    if need is not None and backend != need and not on_cpu_too:
+        raise ValueError(
+            f"{kernel} implementation '{impl}' runs on {need} only, not {backend}; "
+            f"set the {kernel} impl to auto"
+        )
+    return impl
+
+
+def interpret() -> bool:
+    """Whether Pallas kernels run interpreted (on the CPU)."""
+    return target() == "cpu"

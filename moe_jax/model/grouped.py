@@ -1,0 +1,149 @@
+"""Experts as one grouped matmul over rows sorted by expert (the accelerators' MoE kernel).
+
+The CPU path (`filled_rows`) runs each expert on its capacity buffer's filled rows, picked
+from a few static buckets by `lax.switch`: on a GPU every such conditional waits on the host,
+and a TPU serialises them. Here the routed rows are sorted by expert instead, so that expert
+e's rows are one contiguous group, and each projection is one grouped matmul whose groups are
+those runs (`jax.lax.ragged_dot`, or megablox's Pallas kernel on TPU): no conditionals, no
+padding rows computed, and the FLOPs are the routed rows' only.
+
+    y_nD = grouped_swiglu(x_nD, w, group_sizes_E, expert_n, dtype, impl)   # rows sorted
+    order_n, sizes_E = sort_rows(expert_n, keep_n, E)                         # the sort
+
+The routing and its drops are the capacity path's (`moe.assign_slots`): a dropped assignment
+is kept out of every group and reads zeros, as it reads an empty slot there.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
+
+from moe_jax import backends
+from moe_jax.model.filled_rows import SAVED_NAMES
+
+MEGABLOX_TILE = (512, 1024, 1024)  # rows, contracted, output: MaxText's default tiling
+
+
+def sort_rows(expert_n: jax.Array, keep_n: jax.Array, n_experts: int):
+    """-> (order_n, group_sizes_E): rows in expert order (kept ones first, by expert, stable),
+    and each expert's count of kept rows. Rows past sum(group_sizes) are the dropped ones."""
+    key_n = jnp.where(keep_n, expert_n, n_experts)
+    order_n = jnp.argsort(key_n, stable=True)
+    sizes_E = jnp.bincount(key_n, length=n_experts + 1)[:n_experts].astype(jnp.int32)
+    return order_n, sizes_E
+
+
+def inverse(order_n: jax.Array) -> jax.Array:
+    """The permutation that undoes `order_n` (a scatter of indices, no second sort)."""
+    n = order_n.shape[0]
+    return jnp.zeros(n, order_n.dtype).at[order_n].set(jnp.arange(n, dtype=order_n.dtype))
+
+
+def grouped_matmul(x_nK, w_EKN, sizes_E, impl: str, max_group: int | None = None) -> jax.Array:
+    """Rows in groups of sizes_E (in expert order) times their expert's [K, N] weight; rows
+    past the groups give zeros. `max_group` (static): no group has more rows, so the weight
+    gradient runs as a batched matmul over groups padded to it (`ragged_padded_grad`)."""
+    if impl == "megablox":
+        from jax.experimental.pallas.ops.tpu.megablox import gmm
+
+        n, K = x_nK.shape
+        N = w_EKN.shape[-1]
+        tm = min(MEGABLOX_TILE[0], -(-n // 8) * 8)
+        pad = -n % tm
+        tiling = (tm, min(MEGABLOX_TILE[1], K), min(MEGABLOX_TILE[2], N))
+        in_groups_n = jnp.arange(n) < jnp.sum(sizes_E)
+        x_nK = rows_only(x_nK, in_groups_n)
+        x_pad = jnp.pad(x_nK, ((0, pad), (0, 0))) if pad else x_nK
+        y = gmm(x_pad, w_EKN, sizes_E, x_nK.dtype, tiling, None, None, False, backends.interpret())
+        y = y[:n] if pad else y
+        return jnp.where(in_groups_n[:, None], y, 0)
+    if max_group is not None:
+        return ragged_padded_grad(x_nK, w_EKN, sizes_E, max_group)
+    return jax.lax.ragged_dot(x_nK, w_EKN, sizes_E)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def ragged_padded_grad(x_nK, w_EKN, sizes_E, max_group: int) -> jax.Array:
+    """`ragged_dot` whose weight gradient is a batched matmul over the groups, each padded to
+    `max_group` rows. Left to autodiff, that gradient (a ragged_dot with ragged contracting
+    dims) compiled on TPU to a dense product over every expert for every row: E_loc times the
+    FLOPs (Qwen3-30B-A3B on v5p-128: compiled/model FLOPs 1.89 for the whole step)."""
+    return jax.lax.ragged_dot(x_nK, w_EKN, sizes_E)
+
+
+def _ragged_padded_grad_fwd(x_nK, w_EKN, sizes_E, max_group):
+    return jax.lax.ragged_dot(x_nK, w_EKN, sizes_E), (x_nK, w_EKN, sizes_E)
+
+
+def _ragged_padded_grad_bwd(max_group, residuals, dy_nN):
+    x_nK, w_EKN, sizes_E = residuals
+    dx_nK = jax.lax.ragged_dot(dy_nN, jnp.swapaxes(w_EKN, 1, 2), sizes_E)
+    starts_E = jnp.cumsum(sizes_E) - sizes_E
+    rows_ER = starts_E[:, None] + jnp.arange(max_group)[None, :]
+    in_group_ER = jnp.arange(max_group)[None, :] < sizes_E[:, None]
+    rows_ER = jnp.where(in_group_ER, rows_ER, x_nK.shape[0])  # past the end: reads zeros
+    x_ERK = x_nK.at[rows_ER].get(mode="fill", fill_value=0)
+    dy_ERN = dy_nN.at[rows_ER].get(mode="fill", fill_value=0)
+    dw_EKN = jnp.einsum("erk,ern->ekn", x_ERK, dy_ERN, preferred_element_type=jnp.float32)
+    return dx_nK, dw_EKN.astype(w_EKN.dtype), None
+
+
+ragged_padded_grad.defvjp(_ragged_padded_grad_fwd, _ragged_padded_grad_bwd)
+
+
+@jax.custom_vjp
+def rows_only(x_nK, keep_n):
+    """x with the rows not kept zeroed, and their cotangent too. The megablox kernels leave
+    the rows past the groups unwritten, in their output and in the input's gradient; zeroing
+    the output (a `where`) does not reach that gradient, which held garbage (NaN when
+    interpreted)."""
+    return jnp.where(keep_n[:, None], x_nK, 0)
+
+
+def _rows_only_fwd(x_nK, keep_n):
+    return rows_only(x_nK, keep_n), keep_n
+
+
+def _rows_only_bwd(keep_n, dx_nK):
+    return jnp.where(keep_n[:, None], dx_nK, 0), None
+
+
+rows_only.defvjp(_rows_only_fwd, _rows_only_bwd)
+
+
+def grouped_swiglu(
+    x_nD, w: dict, sizes_E, expert_n, dtype, impl: str, max_group: int | None = None
+) -> jax.Array:
+    """SwiGLU of rows sorted by expert, without the down-projection bias (added by the caller
+    after any tensor-parallel sum, like `moe.swiglu_rows`). `expert_n`: each row's expert,
+    for the biases. Gate/up and the output carry `filled_rows`' checkpoint names, so
+    `model.remat=dots` keeps the same products on both paths."""
+    w = {n: a.astype(dtype) for n, a in w.items()}
+    mm = functools.partial(grouped_matmul, sizes_E=sizes_E, impl=impl, max_group=max_group)
+    x_nD = x_nD.astype(dtype)
+    gate_nF = mm(x_nD, w["w_gate"])
+    up_nF = mm(x_nD, w["w_up"])
+    if "gate_bias" in w:
+        gate_nF = gate_nF + w["gate_bias"][expert_n]
+        up_nF = up_nF + w["up_bias"][expert_n]
+    gate_nF, up_nF = checkpoint_name((gate_nF, up_nF), SAVED_NAMES[1])
+    y_nD = mm(jax.nn.silu(gate_nF) * up_nF, w["w_down"])
+    return checkpoint_name(y_nD, SAVED_NAMES[0])
+
+
+def grouped_buffers(x_ESCD, w: dict, dtype, filled_ES, impl: str) -> jax.Array:
+    """`moe.expert_swiglu`'s computation on capacity buffers (E experts x S segments x C
+    slots, each segment filled from the front) as one grouped matmul over the filled rows
+    only: the rows are compacted by expert, run, and put back (empty slots give zeros).
+    Without the down bias and any tensor-parallel sum, like `grouped_swiglu`."""
+    E, S, C, D = x_ESCD.shape
+    expert_n = jnp.repeat(jnp.arange(E), S * C)
+    filled_n = (jnp.arange(C)[None, None, :] < filled_ES[:, :, None]).reshape(-1)
+    order_n, sizes_E = sort_rows(expert_n, filled_n, E)
+    x_nD = x_ESCD.reshape(E * S * C, D)[order_n]
+    y_nD = grouped_swiglu(x_nD, w, sizes_E, expert_n[order_n], dtype, impl, max_group=S * C)
+    return y_nD[inverse(order_n)].reshape(E, S, C, D)

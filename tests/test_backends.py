@@ -1,0 +1,51 @@
+"""The one place that picks kernels by backend (`moe_jax/backends.py`) and its config keys."""
+
+import pytest
+
+from moe_jax import backends
+from moe_jax.config import ConfigError
+from tests.helpers import tiny_config
+
+
+def test_auto_picks_the_target_backends_kernels_and_targeting_nests():
+    assert backends.target() == "cpu"  # the suite runs on the CPU
+    assert backends.choose("moe", "auto") == "buckets"
+    assert backends.choose("attention", "auto") == "blocked"
+    with backends.targeting("cuda"):  # the JAX platform name of NVIDIA GPUs
+        assert backends.target() == "gpu"
+        assert backends.choose("moe", "auto") == "batched"
+        with backends.targeting("tpu"):
+            assert backends.choose("moe", "auto") == "ragged"
+            assert backends.choose("attention", "auto") == "splash"
+            assert not backends.interpret()
+        assert backends.choose("attention", "auto") == "cudnn"
+    assert backends.target() == "cpu" and backends.interpret()
+    assert backends.choose("moe", "ragged") == "ragged"  # a named impl is kept
+
+
+def test_auto_falls_back_where_the_fused_kernel_does_not_take_the_operands():
+    with backends.targeting("gpu"):  # cuDNN attention computes in 16 bits only
+        assert backends.choose("attention", "auto", dtype="bfloat16") == "cudnn"
+        assert backends.choose("attention", "auto", dtype="float32") == "blocked"
+        assert backends.choose("attention", "cudnn", dtype="float32") == "cudnn"  # it says why
+    with backends.targeting("tpu"):  # splash tiles the sequence by 128
+        assert backends.choose("attention", "auto", length=4096) == "splash"
+        assert backends.choose("attention", "auto", length=100) == "blocked"
+
+
+def test_a_kernel_for_another_backend_is_refused_in_one_line():
+    with backends.targeting("tpu"), pytest.raises(ValueError, match="runs on gpu only, not tpu"):
+        backends.choose("attention", "cudnn")
+    with backends.targeting("gpu"), pytest.raises(ValueError, match="runs on tpu only, not gpu"):
+        backends.choose("moe", "megablox")
+    with pytest.raises(ValueError, match="runs on gpu only, not cpu"):
+        backends.choose("attention", "cudnn")  # no interpreter for cuDNN
+    assert backends.choose("moe", "megablox") == "megablox"  # Pallas TPU: interpreted on CPU
+
+
+def test_impl_keys_are_validated():
+    assert tiny_config("moe.impl=ragged", "attention.impl=splash").moe.impl == "ragged"
+    with pytest.raises(ConfigError, match="moe.impl='grouped' is not supported; use one of"):
+        tiny_config("moe.impl=grouped")
+    with pytest.raises(ConfigError, match="attention.impl='flash' is not supported"):
+        tiny_config("attention.impl=flash")
