@@ -3,7 +3,8 @@
 RoPE, chunks and NoPE temperature tuning use the tokens' positions. With a KV cache
 (prefill, decoding) the causal mask and the sliding window come from positions too: the keys
 are the whole cache, written at the queries' positions, and slots not yet written always sit
-at positions after the query. Segments are not taken there (one document per row).
+at positions after the query. Segments are not taken there (one document per row). A long
+prompt attends `PREFILL_BLOCK` queries at a time, so its logits are never [B, H, T, S] at once.
 
 Without a cache (training, full forwards) the keys are the queries' own tokens, and the
 causal mask and the window come from their order in the row, not from their positions, so
@@ -20,6 +21,9 @@ about half of the logits, and each block's [T_blk, S_blk] logits stay in cache i
 (`block_attention`, written by hand) recomputes its probabilities from q and k for the same
 reason, keeping only the output and the rows' log-sum-exp. Softmax normalises after the value
 product, dividing the [T, hd] output rather than the [T, S] weights.
+
+That blocked path is the CPU's. `attention.impl` (`moe_jax.backends` picks for `auto`) puts
+the fused kernels of `attention_kernels` in its place: cuDNN's on GPU, Pallas splash on TPU.
 """
 
 from __future__ import annotations
@@ -31,7 +35,9 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
+from moe_jax import backends
 from moe_jax.config import Config
+from moe_jax.model import attention_kernels
 from moe_jax.model.norm import RMSNorm, rms_norm
 from moe_jax.model.rope import apply_rope, rope_inv_freq
 from moe_jax.sharding import param
@@ -42,6 +48,9 @@ KVCache = dict[str, jax.Array]  # {"k": [B, S, K, hd], "v": [B, S, K, hd]}
 # reruns the block's forward to recover them, and XLA merges only the logits with the
 # backward's own, not the softmax and the value product (~5% of the medium step).
 ATTENTION_OUT = "attention_out"
+# Queries attended to the KV cache at a time in a prefill: [B, H, 512, S] float32 logits per
+# block rather than [B, H, T, S] for the whole prompt.
+PREFILL_BLOCK = 512
 
 
 def attention_mask(
@@ -136,6 +145,7 @@ class Attention(nnx.Module):
         self.floor_scale, self.attn_scale = a.floor_scale, a.attn_scale
         self.chunk_size = a.chunk_size if self.use_rope else 0  # NoPE layers attend globally
         self.window = a.sliding_window
+        self.impl = a.impl  # resolved for the target backend when traced (`backends.choose`)
 
         self.wq = param(rngs, init, (D, H, hd), ("embed", "heads", "head_dim"))
         self.wk = param(rngs, init, (D, K, hd), ("embed", "kv_heads", "head_dim"))
@@ -187,26 +197,54 @@ class Attention(nnx.Module):
             q_BTHD = (q_BTHD * scale_BT[:, :, None, None]).astype(q_BTHD.dtype)
 
         if cache is None:
-            out_BTHD = self._blocked(q_BTHD, k_BTKD, v_BTKD, positions_BT, segments_BT)
+            out_BTHD = self._self_attention(q_BTHD, k_BTKD, v_BTKD, positions_BT, segments_BT)
         else:
-            start_B = positions_BT[:, 0]
-            cache = {
-                "k": write_cache(cache["k"], k_BTKD, start_B),
-                "v": write_cache(cache["v"], v_BTKD, start_B),
-            }
-            B, S = cache["k"].shape[:2]
-            k_pos_BS = jnp.broadcast_to(jnp.arange(S, dtype=positions_BT.dtype), (B, S))
-            out_BTHD = attend(
-                q_BTHD,
-                cache["k"].astype(self.dtype),
-                cache["v"].astype(self.dtype),
-                self._mask(positions_BT, k_pos_BS),
-                self.head_dim**-0.5,
-            )
+            out_BTHD, cache = self._cached(q_BTHD, k_BTKD, v_BTKD, positions_BT, cache)
         y_BTD = jnp.einsum("bthk,hkd->btd", out_BTHD, self.wo[...].astype(self.dtype))
         if hasattr(self, "o_bias"):
             y_BTD = y_BTD + self.o_bias[...].astype(self.dtype)
         return y_BTD, cache
+
+    def _self_attention(self, q_BTHD, k_BTKD, v_BTKD, positions_BT, segments_BT) -> jax.Array:
+        """Attention over the call's own tokens by the kernel chosen for the target backend."""
+        impl = backends.choose("attention", self.impl, dtype=q_BTHD.dtype, length=q_BTHD.shape[1])
+        if impl == "blocked":
+            return self._blocked(q_BTHD, k_BTKD, v_BTKD, positions_BT, segments_BT)
+        ids_BT = attention_kernels.mask_ids(positions_BT, segments_BT, self.chunk_size)
+        if impl == "cudnn":
+            return attention_kernels.cudnn(q_BTHD, k_BTKD, v_BTKD, ids_BT, window=self.window)
+        q_BTHD = q_BTHD * self.head_dim**-0.5  # as `_blocked` scales it: splash does not
+        return attention_kernels.splash(
+            q_BTHD, k_BTKD, v_BTKD, ids_BT, window=self.window, checkpoint=ATTENTION_OUT
+        )
+
+    def _cached(self, q_BTHD, k_BTKD, v_BTKD, positions_BT, cache: KVCache):
+        """Write k and v into the cache at the rows' positions, then attend to the whole cache
+        (prefill or decoding), `PREFILL_BLOCK` queries at a time."""
+        start_B = positions_BT[:, 0]
+        cache = {
+            "k": write_cache(cache["k"], k_BTKD, start_B),
+            "v": write_cache(cache["v"], v_BTKD, start_B),
+        }
+        B, S = cache["k"].shape[:2]
+        k_pos_BS = jnp.broadcast_to(jnp.arange(S, dtype=positions_BT.dtype), (B, S))
+        k_BSKD, v_BSKD = cache["k"].astype(self.dtype), cache["v"].astype(self.dtype)
+        scale = self.head_dim**-0.5
+        attend_block = lambda q, pos: attend(q, k_BSKD, v_BSKD, self._mask(pos, k_pos_BS), scale)
+        T = q_BTHD.shape[1]
+        if T <= PREFILL_BLOCK:  # decoding, a short prompt
+            return attend_block(q_BTHD, positions_BT), cache
+        # A long prompt: query blocks one after another, each with its [B, H, T_blk, S]
+        # logits, not the whole [B, H, T, S]. The last block is padded with copies of the
+        # last query (rows computed, then dropped).
+        n = -(-T // PREFILL_BLOCK)
+        pad = n * PREFILL_BLOCK - T
+        q_pad = jnp.pad(q_BTHD, ((0, 0), (0, pad), (0, 0), (0, 0)), mode="edge")
+        pos_pad = jnp.pad(positions_BT, ((0, 0), (0, pad)), mode="edge")
+        blocks = lambda a: jnp.moveaxis(a.reshape(B, n, PREFILL_BLOCK, *a.shape[2:]), 1, 0)
+        out_nBtHD = jax.lax.map(lambda qp: attend_block(*qp), (blocks(q_pad), blocks(pos_pad)))
+        out_BTHD = jnp.moveaxis(out_nBtHD, 0, 1).reshape(B, n * PREFILL_BLOCK, *q_BTHD.shape[2:])
+        return out_BTHD[:, :T], cache
 
     def _mask(self, q_pos_BT, k_pos_BS, order=None, segments=None):
         return attention_mask(
