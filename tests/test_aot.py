@@ -133,8 +133,15 @@ def test_tiny_expert_parallel_steps_compile(name, step):
         # the expert-parallel dispatch and return, per MoE layer, forward and backward
         assert r["collectives"]["all-to-all"]["count"] >= 2 * 2 * 2
         # the model formula counts attention over every key; the blocked causal attention
-        # skips the masked blocks (below 1), capacity 1.25 pads the experts (above)
-        assert 0.8 <= r["flops_per_device"] / r["model_flops_per_device"] < 1.5
+        # skips the masked blocks (below 1), capacity 1.25 pads the experts (above). On TPU
+        # the splash kernels carry no cost estimate: their FLOPs are left out, and said so.
+        ratio = r["flops_per_device"] / r["model_flops_per_device"]
+        if r["uncosted_kernels"]:
+            assert name.startswith("v5p") and 0.5 <= ratio < 1.5
+        else:
+            assert 0.8 <= ratio < 1.5
+        # the accelerators' kernels (moe_jax/backends.py) leave no conditional in the step
+        assert r["conditionals"] == 0
         assert r["loops_of_unknown_trip_count"] == 0
     else:
         assert r["loops_of_unknown_trip_count"] == 1  # the stop-token loop, counted at 3 steps
