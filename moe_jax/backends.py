@@ -8,6 +8,7 @@ defers to the table below for the backend the program is compiled for:
 
     attention.impl  blocked | cudnn | splash
     moe.impl        buckets | batched | ragged | megablox
+    model.dtype     float32 | bfloat16 (the compute dtype)
 
 The target backend is the one JAX runs on, or the one `targeting(...)` names while a program
 is traced for another (`moe_jax.aot` compiles TPU and GPU programs on a CPU host). The choice
@@ -33,6 +34,9 @@ AUTO = {
     # no varying mesh axes, which the expert shard_map requires.
     "tpu": {"attention": "splash", "moe": "ragged"},
 }
+# model.dtype=auto: the compute dtype each backend runs (parameters stay float32). XLA:CPU has
+# no fast bf16 matmuls; the accelerators' matrix units are bf16.
+COMPUTE_DTYPE = {"cpu": "float32", "gpu": "bfloat16", "tpu": "bfloat16"}
 IMPLS = {
     "attention": ("auto", "blocked", "cudnn", "splash"),
     "moe": ("auto", "buckets", "batched", "ragged", "megablox"),
@@ -95,6 +99,11 @@ def choose(kernel: str, impl: str, *, dtype=None, length: int | None = None) -> 
             f"set the {kernel} impl to auto"
         )
     return impl
+
+
+def compute_dtype(dtype: str) -> str:
+    """`model.dtype` with auto resolved for the target backend."""
+    return COMPUTE_DTYPE.get(target(), "float32") if dtype == "auto" else dtype
 
 
 def interpret() -> bool:

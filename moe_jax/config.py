@@ -23,7 +23,7 @@ from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
 from moe_jax.backends import IMPLS
 
-DTYPES = ("float32", "bfloat16")
+DTYPES = ("auto", "float32", "bfloat16")
 REMAT_POLICIES = ("none", "dots", "full")
 DEFAULT_WARMUP_STEPS = 50  # train.warmup_steps=null: this many, at most a tenth of the run
 
@@ -51,7 +51,9 @@ class ModelConfig:
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
     max_seq_len: int = 2048  # longest context the model (and its KV cache) is used with
-    dtype: str = "float32"  # compute dtype; params are always float32
+    # compute dtype; params are always float32. auto: float32 on CPU, bfloat16 on GPU and TPU
+    # (moe_jax/backends.py)
+    dtype: str = "auto"
     scan_layers: bool = False  # lax.scan over repeating blocks of layers
     # Rematerialisation of each scanned block in the backward pass (needs scan_layers; memory
     # for compute): none = keep the activations the backward needs (the attention blocks and

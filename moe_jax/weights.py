@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from moe_jax import backends
 from moe_jax.config import Config
 from moe_jax.model import Transformer
 from moe_jax.model.int8 import CONTRACTED_AXES, Int8Param, quantize_model
@@ -38,7 +39,7 @@ def weights_kind(cfg: Config, kind: str | None = None) -> str:
     """`kind` (default: cfg.sample.weights) with "auto" resolved."""
     kind = kind or cfg.sample.weights
     if kind == "auto":
-        return "bfloat16" if cfg.model.dtype == "bfloat16" else "float32"
+        return "bfloat16" if backends.compute_dtype(cfg.model.dtype) == "bfloat16" else "float32"
     return kind
 
 

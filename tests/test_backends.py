@@ -49,3 +49,22 @@ def test_impl_keys_are_validated():
         tiny_config("moe.impl=grouped")
     with pytest.raises(ConfigError, match="attention.impl='flash' is not supported"):
         tiny_config("attention.impl=flash")
+
+
+def test_model_dtype_auto_computes_in_bf16_on_accelerators_only():
+    from flax import nnx
+
+    from moe_jax.model import Transformer
+    from moe_jax.weights import weights_kind
+
+    cfg = tiny_config("model.dtype=auto")
+    build = lambda: nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
+    assert str(build().dtype) == "float32" and weights_kind(cfg) == "float32"
+    with backends.targeting("tpu"):
+        model = build()
+        assert str(model.dtype) == "bfloat16" and weights_kind(cfg) == "bfloat16"
+        assert str(model.blocks.layers[0].attn.dtype) == "bfloat16"
+    assert backends.compute_dtype("float32") == "float32"  # a named dtype is kept
+    with backends.targeting("gpu"):
+        assert backends.compute_dtype("float32") == "float32"
+        assert backends.compute_dtype("auto") == "bfloat16"

@@ -128,7 +128,7 @@ VALIDATION_CASES = {
     # enums
     "dtype": (
         ["model.dtype=float16"],
-        "model.dtype='float16' is not supported; use one of float32, bfloat16",
+        "model.dtype='float16' is not supported; use one of auto, float32, bfloat16",
     ),
     "rope_style": (
         ["attention.rope_style=neox"],

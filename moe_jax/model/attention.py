@@ -135,7 +135,7 @@ class Attention(nnx.Module):
         init = nnx.initializers.normal(cfg.model.init_std)
         zeros = nnx.initializers.zeros
         self.n_heads, self.n_kv_heads, self.head_dim = H, K, hd
-        self.dtype = jnp.dtype(cfg.model.dtype)
+        self.dtype = jnp.dtype(backends.compute_dtype(cfg.model.dtype))
         self.use_rope = cfg.uses_rope(layer)
         self.rope_style = a.rope_style
         self.inv_freq = tuple(rope_inv_freq(hd, a.rope_theta, a.rope_scaling).tolist())

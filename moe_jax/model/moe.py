@@ -128,7 +128,7 @@ class SwiGLU(nnx.Module):
 
     def __init__(self, d_model: int, hidden: int, cfg: Config, *, rngs: nnx.Rngs):
         init = nnx.initializers.normal(cfg.model.init_std)
-        self.dtype = jnp.dtype(cfg.model.dtype)
+        self.dtype = jnp.dtype(backends.compute_dtype(cfg.model.dtype))
         self.w_gate = param(rngs, init, (d_model, hidden), ("embed", "mlp"))
         self.w_up = param(rngs, init, (d_model, hidden), ("embed", "mlp"))
         self.w_down = param(rngs, init, (hidden, d_model), ("mlp", "embed"))
@@ -148,7 +148,7 @@ class Experts(nnx.Module):
     def __init__(self, cfg: Config, *, rngs: nnx.Rngs):
         E, D, F = cfg.moe.n_experts, cfg.model.d_model, cfg.moe.expert_hidden
         init = nnx.initializers.normal(cfg.model.init_std)
-        self.dtype = jnp.dtype(cfg.model.dtype)
+        self.dtype = jnp.dtype(backends.compute_dtype(cfg.model.dtype))
         # fsdp splits each weight's minor dim (see sharding.LOGICAL_RULES)
         self.w_gate = param(rngs, init, (E, D, F), ("expert", None, "expert_mlp_fsdp"))
         self.w_up = param(rngs, init, (E, D, F), ("expert", None, "expert_mlp_fsdp"))
@@ -271,7 +271,7 @@ class MoE(nnx.Module):
         m = cfg.moe
         D, E = cfg.model.d_model, m.n_experts
         self.cfg = m
-        self.dtype = jnp.dtype(cfg.model.dtype)
+        self.dtype = jnp.dtype(backends.compute_dtype(cfg.model.dtype))
         self.router = param(
             rngs, nnx.initializers.normal(cfg.model.init_std), (D, E), ("embed", None)
         )

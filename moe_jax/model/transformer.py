@@ -45,6 +45,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from moe_jax import backends
 from moe_jax.config import Config
 from moe_jax.model.attention import ATTENTION_OUT, Attention, KVCache
 from moe_jax.model.filled_rows import SAVED_NAMES
@@ -98,7 +99,7 @@ class Transformer(nnx.Module):
     def __init__(self, cfg: Config, *, rngs: nnx.Rngs):
         m = cfg.model
         self.cfg = cfg
-        self.dtype = jnp.dtype(m.dtype)
+        self.dtype = jnp.dtype(backends.compute_dtype(m.dtype))
         init = nnx.initializers.normal(m.init_std)
         P = cfg.layer_period
         self.n_blocks, n_tail = divmod(m.n_layers, P)
