@@ -9,6 +9,7 @@ defers to the table below for the backend the program is compiled for:
     attention.impl  blocked | cudnn | splash
     moe.impl        buckets | batched | ragged | megablox
     model.dtype     float32 | bfloat16 (the compute dtype)
+    train.loss_chunk  positions per chunk of the loss's head (-1 = auto)
 
 The target backend is the one JAX runs on, or the one `targeting(...)` names while a program
 is traced for another (`moe_jax.aot` compiles TPU and GPU programs on a CPU host). The choice
@@ -104,6 +105,21 @@ def choose(kernel: str, impl: str, *, dtype=None, length: int | None = None) -> 
 def compute_dtype(dtype: str) -> str:
     """`model.dtype` with auto resolved for the target backend."""
     return COMPUTE_DTYPE.get(target(), "float32") if dtype == "auto" else dtype
+
+
+LOSS_CHUNKS = (1024, 512, 256)  # train.loss_chunk=-1 on accelerators: the first dividing T
+
+
+def loss_chunk(chunk: int, length: int) -> int:
+    """`train.loss_chunk` with -1 (auto) resolved: on CPU 0 (the whole logits: the chunks'
+    loop and recomputed head cost XLA:CPU time, and host memory is not short), on GPU / TPU
+    the largest of LOSS_CHUNKS dividing the `length` positions (else 0), where the [B, T, V]
+    float32 logits would take HBM (16 GiB for 8k tokens at Llama 4's vocabulary)."""
+    if chunk != -1:
+        return chunk
+    if target() == "cpu":
+        return 0
+    return next((c for c in LOSS_CHUNKS if length % c == 0), 0)
 
 
 def interpret() -> bool:

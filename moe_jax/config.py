@@ -180,8 +180,9 @@ class TrainConfig:
     logit_z_loss: float = 0.0
     # Positions per chunk of the output head in the loss (moe_jax/loss.py): the [B, T, V]
     # float32 logits are never held whole, for one more head matmul in the backward; must
-    # divide train.seq_len. 0 = all positions at once.
-    loss_chunk: int = 0
+    # divide train.seq_len. 0 = all positions at once; -1 = auto (moe_jax/backends.py: 0 on
+    # CPU, up to 1024 on GPU / TPU).
+    loss_chunk: int = -1
     eval_every: int = 100
     eval_batches: int = 8
     log_every: int = 10
@@ -563,8 +564,9 @@ def validate(cfg: Config) -> None:
         f"train.seq_len ({t.seq_len}) exceeds model.max_seq_len ({m.max_seq_len})",
     )
     _require(
-        t.loss_chunk >= 0 and (t.loss_chunk == 0 or t.seq_len % t.loss_chunk == 0),
-        f"train.loss_chunk ({t.loss_chunk}) must be 0 (off) or divide train.seq_len ({t.seq_len})",
+        t.loss_chunk in (-1, 0) or (t.loss_chunk > 0 and t.seq_len % t.loss_chunk == 0),
+        f"train.loss_chunk ({t.loss_chunk}) must be -1 (auto), 0 (off) or divide train.seq_len "
+        f"({t.seq_len})",
     )
     if t.warmup_steps is not None:
         _require(t.warmup_steps >= 0, f"train.warmup_steps must be >= 0, got {t.warmup_steps}")

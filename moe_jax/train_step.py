@@ -50,6 +50,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from moe_jax import backends
 from moe_jax.config import Config, TrainConfig
 from moe_jax.loss import head_statistics
 from moe_jax.model import Transformer
@@ -172,7 +173,7 @@ def loss_fn(
         head=False,
     )
     # Never the whole [B, T, V] logits with train.loss_chunk (see moe_jax/loss.py)
-    chunk = model.cfg.train.loss_chunk
+    chunk = backends.loss_chunk(model.cfg.train.loss_chunk, x_BTD.shape[1])
     head_DV = model.head_weight() if chunk else None
     if chunk and not jax.sharding.get_abstract_mesh().empty:
         # gathered here, once, whole but for `tensor`'s vocab split (the chunks' loop would

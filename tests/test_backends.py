@@ -68,3 +68,16 @@ def test_model_dtype_auto_computes_in_bf16_on_accelerators_only():
     with backends.targeting("gpu"):
         assert backends.compute_dtype("float32") == "float32"
         assert backends.compute_dtype("auto") == "bfloat16"
+
+
+def test_loss_chunk_auto_chunks_the_head_on_accelerators_only():
+    assert tiny_config().train.loss_chunk == -1  # the default
+    assert backends.loss_chunk(-1, 4096) == 0  # CPU: the whole logits
+    assert backends.loss_chunk(64, 4096) == 64  # a set chunk is kept
+    with backends.targeting("tpu"):
+        assert backends.loss_chunk(-1, 8192) == 1024
+        assert backends.loss_chunk(-1, 768) == 256
+        assert backends.loss_chunk(-1, 100) == 0  # none divides: the whole logits
+        assert backends.loss_chunk(0, 8192) == 0
+    with pytest.raises(ConfigError, match=r"must be -1 \(auto\), 0 \(off\) or divide"):
+        tiny_config("train.loss_chunk=-2")
