@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 
 # backend -> kernel -> the implementation `auto` picks there
 AUTO = {
@@ -72,13 +73,29 @@ def targeting(platform: str):
         _target.reset(token)
 
 
+@functools.cache
+def cudnn_installed() -> bool:
+    """Whether this host has cuDNN, without which JAX refuses to trace cuDNN attention (a GPU
+    host has it with jax[cuda12]; a CPU host compiling for GPUs may not)."""
+    from jax._src.lib import cuda_versions
+
+    try:
+        cuda_versions.cudnn_get_version()
+    except (RuntimeError, AttributeError):
+        return False
+    return True
+
+
 def takes(impl: str, dtype=None, length: int | None = None) -> bool:
-    """Whether a fused kernel takes these operands: cuDNN attention computes in 16 bits only,
-    splash tiles the sequence by 128. Where auto's kernel does not, the CPU's path runs."""
+    """Whether a fused kernel takes these operands here: cuDNN attention computes in 16 bits
+    only, and needs cuDNN on the host; splash tiles the sequence by 128. Where auto's kernel
+    does not, the CPU's path runs."""
     import jax.numpy as jnp
 
-    if impl == "cudnn" and dtype is not None:
-        return jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16)
+    if impl == "cudnn":
+        return (dtype is None or jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16)) and (
+            cudnn_installed()
+        )
     if impl == "splash" and length is not None:
         return length % 128 == 0
     return True

@@ -3,11 +3,16 @@ compiles, and one XLA compilation cache per test run, shared by the xdist worker
 CLIs the tests start:
 several tests compile the same program (a tiny train step run again to resume, the same
 sampler in two processes), and a compile is most of a small test's time. The cache directory
-is new for every run, so nothing compiled by an older checkout can be picked up."""
+is new for every run, so nothing compiled by an older checkout can be picked up. And under
+xdist, a module whose tests share a module-scoped fixture runs on one worker (see below)."""
 
+import functools
 import os
 import shutil
 import tempfile
+from pathlib import Path
+
+import pytest
 
 # LLVM at -O0 for the kernels XLA:CPU generates: compiling is most of a test's time and the
 # tests' models are tiny, so this halves a compile-bound test (the remat test 28 -> 17 s). It
@@ -34,3 +39,27 @@ def pytest_sessionfinish(session):
     """The controller (not an xdist worker) removes the cache this run made."""
     if not hasattr(session.config, "workerinput"):
         shutil.rmtree(OWN_CACHE, ignore_errors=True)
+
+
+@functools.cache
+def _has_module_fixture(path: Path) -> bool:
+    return path.is_file() and 'scope="module"' in path.read_text(encoding="utf-8")
+
+
+@pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook; without it, never called
+def pytest_xdist_make_scheduler(config, log):
+    """`pytest -n N` (xdist's default `--dist load`) hands out tests one by one, so the tests
+    of a module that share a module-scoped fixture (a trained run, a saved checkpoint) land on
+    both workers and each builds it (measured: test_train.py's runs, ~12 s of CPU, twice).
+    Such a module goes to one worker whole, and first (xdist orders the units by their test
+    count); every other test is still a unit of its own. Another --dist mode is left alone."""
+    if config.getvalue("dist") != "load":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ModulesWithSharedFixtures(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            return path if _has_module_fixture(config.rootpath / path) else nodeid
+
+    return ModulesWithSharedFixtures(config, log)

@@ -92,7 +92,7 @@ def _dense_cfg(*overrides):
         "model.d_model=256",
         "model.ffn_hidden=1024",
         "model.vocab_size=1024",
-        "model.n_layers=4",
+        "model.n_layers=2",  # a scan of 2 trips: enough to tell it from one counted once
         "attention.nope_interval=0",
         "attention.n_heads=4",
         "attention.n_kv_heads=4",
@@ -121,17 +121,22 @@ def test_train_step_flops_equal_6NT(scan):
 @pytest.mark.parametrize("name", TOPOLOGIES)
 @pytest.mark.parametrize("step", ["train", "decode"])
 def test_tiny_expert_parallel_steps_compile(name, step):
-    cfg = tiny_config("mesh.data=2", "mesh.expert=2", "sample.batch_size=2", "sample.prompt_len=8")
+    # Two layers, a dense and a MoE one: each further layer adds to the compile, not a case.
+    over = ["model.n_layers=2", "mesh.data=2", "mesh.expert=2"]
+    cfg = tiny_config(*over, "sample.batch_size=2", "sample.prompt_len=8")
     cfg = dataclasses.replace(cfg, sample=dataclasses.replace(cfg.sample, max_new_tokens=4))
-    r = aot.compile_step(cfg, get_topology(name), step)
+    # The suite's "highest" matmul precision (conftest) is refused by Mosaic for bf16 operands
+    # ("Bad lhs type"): the accelerators' kernels compile at the default, as users run them.
+    with jax.default_matmul_precision("default"):
+        r = aot.compile_step(cfg, get_topology(name), step)
     assert r["fits"] and r["devices"] == 4 and r["mesh"]["expert"] == 2
     b = r["bytes"]
     assert 0 < b["peak"] <= r["hbm_bytes_per_device"]
     assert b["arguments"] > 0 and b["temps"] > 0
     if step == "train":
         assert b["aliased"] > 0  # the donated train state is updated in place
-        # the expert-parallel dispatch and return, per MoE layer, forward and backward
-        assert r["collectives"]["all-to-all"]["count"] >= 2 * 2 * 2
+        # the expert-parallel dispatch and return of the MoE layer, forward and backward
+        assert r["collectives"]["all-to-all"]["count"] >= 2 * 2
         # the model formula counts attention over every key; the blocked causal attention
         # skips the masked blocks (below 1), capacity 1.25 pads the experts (above). On TPU
         # the splash kernels carry no cost estimate: their FLOPs are left out, and said so.
@@ -161,6 +166,7 @@ def test_expert_parallel_decode_moves_tokens_not_weights(name, batch):
         "model.d_model=256",
         "moe.expert_hidden=512",
         "model.dtype=bfloat16",
+        "model.n_layers=2",  # a dense and a MoE layer: more would add to both sides alike
     )
     cfg = dataclasses.replace(cfg, sample=dataclasses.replace(cfg.sample, max_new_tokens=4))
     r = aot.compile_step(cfg, get_topology(name), "decode")
@@ -268,10 +274,14 @@ def test_cli_needs_no_platform_setting():
 
 
 def test_cli_reports_json_and_refuses_what_does_not_fit():
-    ok = _cli("configs/tiny.yaml", "--topology", "v5e-4", "mesh.data=4")
+    """The command line around compile_step (the compiles are the tests above; the train step
+    through the CLI: tests/test_benchmarks.py's aot_figures): README's decode command on 2
+    layers (a dense and a MoE one), a refusal on 1: tiny.yaml's 4 would only cost compiling."""
+    argv = ["configs/tiny.yaml", "--topology", "v5e-4", "--step", "decode", "mesh.data=4"]
+    ok = _cli(*argv, "sample.batch_size=8", "model.n_layers=2")
     assert ok.returncode == 0, ok.stderr
     report = json.loads(ok.stdout.strip().splitlines()[-1])
-    assert report["topology"] == "v5e-4" and report["fits"] is True
+    assert report["topology"] == "v5e-4" and report["step"] == "decode" and report["fits"] is True
     assert set(report["bytes"]) == {
         "arguments",
         "outputs",
@@ -284,7 +294,9 @@ def test_cli_reports_json_and_refuses_what_does_not_fit():
     assert "per device" in ok.stdout and ok.stderr == ""
 
     # 1 G embedding parameters with their Adam moments: 16 GiB of state on a 15.75 GiB chip
-    big = _cli("--topology", "v5e-1", "model.vocab_size=1048576", "model.d_model=1024")
+    big = _cli(
+        "--topology", "v5e-1", "model.vocab_size=1048576", "model.d_model=1024", "model.n_layers=1"
+    )
     assert big.returncode == 1, big.stderr
     assert big.stderr == ""
     (line,) = big.stdout.strip().splitlines()
@@ -301,7 +313,9 @@ def test_cli_reports_json_and_refuses_what_does_not_fit():
         (("--topology", "v5p-8", "mesh.data=4", "model.bogus=1"), "unknown config key"),
     ],
 )
-def test_cli_bad_input_is_one_line_and_exit_2(args, message):
-    r = _cli(*args)
-    assert r.returncode == 2
-    assert message in r.stderr and r.stderr.count("\n") == 1 and "Traceback" not in r.stderr
+def test_cli_bad_input_is_one_line_and_exit_2(args, message, capsys):
+    """`aot.main` in this process (a child's start-up would cost a second a case): what the
+    process adds around it, the plugins kept quiet, is the subprocess tests' above."""
+    assert aot.main(list(args)) == 2  # an exception instead fails the test
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1

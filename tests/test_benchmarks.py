@@ -3,12 +3,14 @@
 The figures themselves are machine-dependent and never asserted; what is checked is that the
 scripts run (ours and the Hugging Face peer), time the steps they were asked to, and that the
 derived columns follow from the raw ones; the turn order is checked on fake workers. Budget:
-~80 s (one-layer models, 2 x 32 tokens; every point is a worker process).
+~70 s of CPU (one-layer models, 2 x 32 tokens; every point is a worker process, the scripts
+themselves run in this one).
 """
 
 from __future__ import annotations
 
 import json
+import runpy
 import subprocess
 import sys
 from pathlib import Path
@@ -23,16 +25,33 @@ from train_throughput import take_turns  # noqa: E402
 SHRINK = ["--set=model.n_layers=1", "--set=train.seq_len=32", "--set=train.batch_size=2"]
 
 
-def run(script: str, *args: str) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, str(BENCH / script), *args]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+@pytest.fixture
+def run(monkeypatch, capsys):
+    """run(SCRIPT, *ARGS): `python benchmarks/SCRIPT ARGS`, its `__main__` block included, but
+    in this process (only the workers it starts are processes of their own): the script's
+    start-up and imports (jax, torch, transformers: seconds) are this process's already."""
+    # No huge-page re-exec of this process, nor of each worker (a second start-up each; the
+    # re-exec itself is tests/test_runtime.py's)
+    monkeypatch.setenv("MOE_JAX_HUGEPAGES", "0")
+
+    def run_script(script: str, *args: str) -> subprocess.CompletedProcess:
+        monkeypatch.setattr(sys, "argv", [str(BENCH / script), *args])
+        code = 0
+        try:  # an exception instead of an exit fails the test
+            runpy.run_path(str(BENCH / script), run_name="__main__")
+        except SystemExit as e:
+            code = e.code
+        out = capsys.readouterr()
+        return subprocess.CompletedProcess(sys.argv, code, out.out, out.err)
+
+    return run_script
 
 
 def json_line(stdout: str) -> dict:
     return json.loads(stdout.strip().splitlines()[-1])
 
 
-def test_train_throughput_times_both_sides_and_derives_its_columns():
+def test_train_throughput_times_both_sides_and_derives_its_columns(run):
     pytest.importorskip("transformers", reason="the peer needs the interop extra")
     steps = "3"
     args = ["--sizes=small", "--styles=qwen3", f"--steps={steps}", "--chunk=2", "--wait-idle=0"]
@@ -85,7 +104,7 @@ def test_take_turns_interleaves_the_workers_and_times_only_the_turns():
     assert log[:4] == [("ours", "first"), ("peer", "first"), ("ours", "run 1"), ("peer", "run 1")]
 
 
-def test_scaling_sweeps_the_experts_at_constant_active_flops():
+def test_scaling_sweeps_the_experts_at_constant_active_flops(run):
     proc = run("scaling.py", "--size=small", "--sweeps=experts", "--steps=1", *SHRINK)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = json_line(proc.stdout)["results"]["experts"]
@@ -96,7 +115,7 @@ def test_scaling_sweeps_the_experts_at_constant_active_flops():
     assert flops == sorted(flops) and flops[-1] / flops[0] < 1.02
 
 
-def test_scaling_compares_override_sets_side_by_side():
+def test_scaling_compares_override_sets_side_by_side(run):
     sets = ["", "moe.capacity_factor=2.0,moe.top_k=1"]
     args = [f"--compare={c}" for c in sets]
     proc = run("scaling.py", "--size=small", "--steps=1", *args, *SHRINK)
@@ -171,7 +190,7 @@ def test_profile_times_an_async_op_until_its_end_event():
         ("profile_step.py", ["--size=small", "--set=moe.top_kk=1"], "moe.top_kk"),
     ],
 )
-def test_bad_arguments_get_one_line_and_exit_2(script, args, named):
+def test_bad_arguments_get_one_line_and_exit_2(run, script, args, named):
     proc = run(script, *args)
     assert proc.returncode == 2
     assert named in proc.stderr and "Traceback" not in proc.stderr
@@ -179,14 +198,15 @@ def test_bad_arguments_get_one_line_and_exit_2(script, args, named):
 
 def test_aot_figures_runs_a_pair_and_keeps_its_result(tmp_path, monkeypatch):
     """One pair end to end on a shrunk model (2 layers of the shipped Mixtral shapes would
-    take minutes; the tiny model's compile takes seconds): the row is derived from the
-    report, and a rerun takes the kept result instead of compiling again."""
+    take minutes; 2 of the tiny model's, a dense and a MoE one, take seconds), its
+    --max-batch search cut to one probe (the doubling and bisection: test_aot.py): the row
+    is derived from the report, and a rerun takes the kept result instead of compiling."""
     pytest.importorskip("libtpu", reason="the `aot` extra (libtpu) is not installed")
     import aot_figures
 
     monkeypatch.setitem(aot_figures.CONFIGS, "mixtral", ("configs/tiny.yaml", 2))
     out = tmp_path / "figures.jsonl"
-    args = ["--only", "mixtral:v5p-8", "--out", str(out), "--", "--max-rows=2"]
+    args = ["--only", "mixtral:v5p-8", "--out", str(out), "model.n_layers=2", "--", "--max-rows=1"]
     monkeypatch.setattr(aot_figures, "TOPOLOGIES", ("v5p-8",))
     assert aot_figures.main(args) == 0
     (kept,) = [json.loads(line) for line in out.read_text().splitlines()]

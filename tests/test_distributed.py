@@ -29,7 +29,9 @@ from moe_jax.metrics import read_metrics
 from moe_jax.sharding import global_batch, make_mesh
 from moe_jax.train_step import init_state, make_optimizer, make_train_step
 from moe_jax.trainer import train
+from tests.conftest import FAST_COMPILE
 from tests.helpers import TINY_BASE, tiny_config
+from tests.test_readme_commands import COORDINATOR_PORT, readme_commands
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -49,9 +51,9 @@ ARCH = [
     "checkpoint.every=4",
     "data.embedded_max_bytes=200000",
 ]
+# data x expert alone: the two-process run below (data 2 x expert 2) trains like one process
 MESHES = {
     "expert8": ["mesh.expert=8"],
-    "data2_expert4": ["mesh.data=2", "mesh.expert=4"],
     "fsdp2_expert2_tensor2": ["mesh.fsdp=2", "mesh.expert=2", "mesh.tensor=2"],
     "data2_fsdp2_expert2": ["mesh.data=2", "mesh.fsdp=2", "mesh.expert=2"],
 }
@@ -141,30 +143,34 @@ def _free_port() -> int:
 
 
 def start_two_processes(run_dir, *overrides) -> list[subprocess.Popen]:
-    """train.py as 2 processes x 2 CPU devices (gloo collectives), one data=2 x expert=2 mesh."""
+    """README.md's two `train.py ... mesh.num_processes=2` commands (2 processes x 2 CPU
+    devices, gloo collectives, one data=2 x expert=2 mesh), started as its shell starts them,
+    on a free port, with this file's model, `overrides` and `run_dir` appended: the README's
+    own commands are the ones that must train like one process (its other commands run in
+    tests/test_readme_commands.py)."""
     port = _free_port()
-    env = os.environ | {
-        # conftest's flags with 2 devices per process instead of 8
-        "XLA_FLAGS": os.environ["XLA_FLAGS"].replace("device_count=8", "device_count=2"),
-        "JAX_PLATFORMS": "cpu",
-    }
-    args = [*TINY_BASE, *ARCH, *overrides, "mesh.data=2", "mesh.expert=2", f"run_dir={run_dir}"]
-    args += ["mesh.num_processes=2", f"mesh.coordinator_address=127.0.0.1:{port}"]
-    return [
-        subprocess.Popen(
-            [sys.executable, "train.py", "configs/tiny.yaml", *args, f"mesh.process_id={i}"],
-            cwd=ROOT,
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
+    procs = []
+    for cmd in [c for c in readme_commands() if c.kind == "processes"]:
+        env = os.environ | cmd.env  # the README's XLA_FLAGS: 2 devices per process
+        env["XLA_FLAGS"] += f" {FAST_COMPILE}"
+        words = [COORDINATOR_PORT.sub(rf"\g<1>{port}", w) for w in cmd.words]
+        args = [*words[2:], *TINY_BASE, *ARCH, *overrides, f"run_dir={run_dir}"]
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, words[1], *args],
+                cwd=ROOT,
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
         )
-        for i in range(2)
-    ]
+    return procs
 
 
 def test_two_processes_train_together_like_one(tmp_path, straight_run):
-    """2 processes x 2 CPU devices (gloo collectives) form one data=2 x expert=2 mesh."""
+    """README.md's 2 processes x 2 CPU devices (gloo collectives) form one data=2 x expert=2
+    mesh, and train as one process does."""
     multi = tmp_path / "multi"
     procs = start_two_processes(multi)
     outs = [p.communicate(timeout=240)[0] for p in procs]
@@ -201,7 +207,8 @@ def test_sigterm_to_one_of_two_processes_stops_both_at_one_saved_step(tmp_path):
     barrier while the other ran the next step's collectives, both would hang."""
     run = tmp_path / "run"
     quiet = ["train.steps=1000", "checkpoint.every=1000", "train.eval_every=1000"]
-    procs = start_two_processes(run, *quiet)
+    one_layer = ["model.n_layers=1", "moe.interleave_step=1"]  # MoE: its collectives too
+    procs = start_two_processes(run, *quiet, *one_layer)
     metrics = run / "metrics.jsonl"
     deadline = time.monotonic() + 240  # a safety net against a hung child, not a timing test
     try:

@@ -93,34 +93,37 @@ def test_remat_keeps_one_output_and_the_padded_projections_not_every_bucket(
     assert C in rows and not rows & set(row_buckets(C)[1:-1]), shapes
 
 
-def scanned_train_grad_hlo(monkeypatch, unrolled: bool):
-    """(compiled HLO of a scanned, remat'd tiny MoE model's training gradient, config, the
-    experts' capacity), with the per-expert path forced on its small buffers."""
+@pytest.fixture(scope="module", params=[True, False], ids=["unrolled", "lax_map"])
+def scanned_train_grad_hlo(request):
+    """(unrolled, compiled HLO of a scanned, remat'd tiny MoE model's training gradient,
+    config, the experts' capacity), with the per-expert path forced on its small buffers,
+    its experts unrolled or in a `lax.map`: compiled once for the two tests below."""
     from flax import nnx
 
     from moe_jax.model import Transformer
     from moe_jax.train_step import loss_fn
 
-    one_expert_at_a_time(monkeypatch, unrolled)
-    over = ["moe.interleave_step=1", "attention.nope_interval=0", "model.scan_layers=true"]
-    cfg = tiny_config(*over, "model.remat=dots")
-    graphdef, params = nnx.split(Transformer(cfg, rngs=nnx.Rngs(0)))
-    B, T = 2, 64
-    toks = jax.random.randint(jax.random.key(0), (B, T), 0, 256)
-    grad_fn = jax.jit(jax.grad(loss_fn, has_aux=True), static_argnums=(1, 3))
-    hlo = grad_fn.lower(params, graphdef, toks, 1e-4).compile().as_text()
-    return hlo, cfg, moe_module.capacity(B * (T - 1), cfg.moe)  # the loss predicts T - 1
+    unrolled = request.param
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        one_expert_at_a_time(monkeypatch, unrolled)
+        over = ["moe.interleave_step=1", "attention.nope_interval=0", "model.scan_layers=true"]
+        cfg = tiny_config(*over, "model.remat=dots")
+        graphdef, params = nnx.split(Transformer(cfg, rngs=nnx.Rngs(0)))
+        B, T = 2, 64
+        toks = jax.random.randint(jax.random.key(0), (B, T), 0, 256)
+        grad_fn = jax.jit(jax.grad(loss_fn, has_aux=True), static_argnums=(1, 3))
+        hlo = grad_fn.lower(params, graphdef, toks, 1e-4).compile().as_text()
+    return unrolled, hlo, cfg, moe_module.capacity(B * (T - 1), cfg.moe)  # loss predicts T - 1
 
 
-@pytest.mark.parametrize("unrolled", [True, False], ids=["unrolled", "lax_map"])
-def test_expert_buffers_cross_the_map_and_the_layer_scan_without_copies(monkeypatch, unrolled):
+def test_expert_buffers_cross_the_map_and_the_layer_scan_without_copies(scanned_train_grad_hlo):
     """One routing group is a size-1 segment axis in the [E, S, C, .] buffers. Carried as
     such through the expert map and (as saved gate/up products) the layer scan, XLA:CPU gave
     that axis a permuted layout and copied every buffer back at each loop boundary (5 copies
     of expert buffers per layer at medium, ~2% of the step). The experts take [E, S * C, .]
     rows instead: the compiled train gradient copies no array with a capacity axis
     from one layout to another."""
-    hlo, _, cap = scanned_train_grad_hlo(monkeypatch, unrolled)
+    _, hlo, _, cap = scanned_train_grad_hlo
     assert f",{cap}," in hlo, "the test no longer sees the expert buffers"
     # (Copies of a broadcast are the loops' zero-filled output buffers, not layout changes.)
     copy = r"= f32\[([\d,]+)\]\S* (?:copy\((?!%wrapped_broadcast)|fusion\(.*calls=%wrapped_copy)"
@@ -128,8 +131,7 @@ def test_expert_buffers_cross_the_map_and_the_layer_scan_without_copies(monkeypa
     assert not [c for c in copies if str(cap) in c.split(",")], copies
 
 
-@pytest.mark.parametrize("unrolled", [True, False], ids=["unrolled", "lax_map"])
-def test_unrolled_experts_never_copy_a_layers_expert_weights(monkeypatch, unrolled):
+def test_unrolled_experts_never_copy_a_layers_expert_weights(scanned_train_grad_hlo):
     """Unrolled inside the layer scan, each expert reads its weights as one slice of the
     stacked [L, E, D, F] parameters and its gradients are concatenated once. Through
     `lax.map`, the layer's [E, D, F] weights were copied out of the stack (a fusion), the
@@ -137,7 +139,7 @@ def test_unrolled_experts_never_copy_a_layers_expert_weights(monkeypatch, unroll
     and copied on. Taken as E slices `a[e]`, the gradients would be E zero-padded [E, D, F]
     arrays summed. So: in the unrolled gradient only a bitcast or the one concatenate makes
     an [E, D, F] array; the map's gradient is checked to be caught."""
-    hlo, cfg, _ = scanned_train_grad_hlo(monkeypatch, unrolled)
+    unrolled, hlo, cfg, _ = scanned_train_grad_hlo
     E, D, F = cfg.moe.n_experts, cfg.model.d_model, cfg.moe.expert_hidden
     made = set()
     for shape in (f"{E},{D},{F}", f"{E},{F},{D}"):

@@ -138,7 +138,9 @@ def test_every_int8_weight_is_scaled_per_output_channel_and_reads_back_exactly()
     the dequantised weights computes (float32 reassociation only: 1e-5), on the expert
     buffers (a prompt) and on the gathered picked experts (one token each, 2 x 2 < 8 experts)."""
     overrides = ["moe.n_experts=8", "moe.shared_expert_hidden=24", "moe.capacity_factor=0"]
-    cfg = tiny_config(*overrides, "model.init_std=0.05", "attention.nope_interval=0")
+    # a dense and a MoE layer hold every kind of weight (more layers: more compiling only)
+    overrides += ["model.n_layers=2", "model.init_std=0.05", "attention.nope_interval=0"]
+    cfg = tiny_config(*overrides)
     model = Transformer(cfg, rngs=nnx.Rngs(0))
     qmodel = quantize_model(model)
     floats = dict(nnx.to_flat_state(nnx.state(model, nnx.Param)))

@@ -31,6 +31,9 @@ MESHES = {
     "data2_fsdp2_expert2": ["mesh.data=2", "mesh.fsdp=2", "mesh.expert=2"],
 }
 MOE = ["moe.n_experts=8", "model.d_model=32", "moe.expert_hidden=16", "train.batch_size=8"]
+# Every variant on every mesh but data2_expert4, whose data x expert split data2_fsdp2_expert2
+# has too (tests/test_sharded_sampling.py runs the whole model on data 2 x expert 4).
+EQUALITY_MESHES = [m for m in MESHES if m != "data2_expert4"]
 
 
 def moe_pair(mesh_overrides, *extra):
@@ -49,7 +52,7 @@ def loss_fn(moe, x, n_groups=1):
     return jnp.sum(jnp.sin(y)) + stats["lb_loss"] + stats["z_loss"], (y, stats)
 
 
-@pytest.mark.parametrize("mesh_name", list(MESHES))
+@pytest.mark.parametrize("mesh_name", EQUALITY_MESHES)
 @pytest.mark.parametrize(
     "variant",
     [
