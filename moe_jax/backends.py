@@ -8,6 +8,7 @@ defers to the table below for the backend the program is compiled for:
 
     attention.impl  blocked | cudnn | splash
     moe.impl        buckets | batched | ragged | megablox
+    moe.exchange    buffers | ragged   (how expert-parallel ragged layers move tokens)
     model.dtype     float32 | bfloat16 (the compute dtype)
     train.loss_chunk  positions per chunk of the loss's head (-1 = auto)
 
@@ -47,6 +48,15 @@ IMPLS = {
 # on CPU, in interpret mode (slow: for tests of their numerics).
 ONLY_ON = {"cudnn": "gpu", "splash": "tpu", "megablox": "tpu"}
 INTERPRETED_ON_CPU = ("splash", "megablox")
+# How the expert-parallel MoE layer moves tokens to the experts' shards and back, for the
+# grouped impl (moe.impl=ragged) by backend: "ragged" sends only the routed rows with
+# `ragged_all_to_all`; "buffers" sends the fixed [E, C] capacity buffers with `all_to_all`,
+# padding included (E / k times the routed rows when dropless). XLA:CPU has no
+# ragged-all-to-all ("HLO opcode `ragged-all-to-all` is not supported by XLA:CPU
+# ThunkEmitter"); the other impls run on the buffers everywhere, and so do exchanges too
+# small for the grouped matmul (decoding: `moe.MAP_MIN_CAPACITY`).
+EXCHANGE = {"cpu": "buffers", "gpu": "ragged", "tpu": "ragged"}
+EXCHANGES = ("auto", "ragged", "buffers")
 
 _target: contextvars.ContextVar[str | None] = contextvars.ContextVar("target", default=None)
 
@@ -117,6 +127,21 @@ def choose(kernel: str, impl: str, *, dtype=None, length: int | None = None) -> 
             f"set the {kernel} impl to auto"
         )
     return impl
+
+
+def exchange(moe_impl: str, setting: str = "auto") -> str:
+    """How expert-parallel MoE layers of the resolved `moe_impl` move tokens: `setting`
+    ("ragged" | "buffers"), or for auto the target's EXCHANGE entry where the impl is the
+    grouped one (its rows never need buffers), else the buffers."""
+    backend = target()
+    if setting == "auto":
+        return EXCHANGE.get(backend, "buffers") if moe_impl == "ragged" else "buffers"
+    if setting == "ragged" and (moe_impl != "ragged" or EXCHANGE.get(backend) != "ragged"):
+        raise ValueError(
+            f"the ragged MoE exchange needs moe.impl=ragged on gpu or tpu, not {moe_impl} on "
+            f"{backend}; set the exchange to auto"
+        )
+    return setting
 
 
 def compute_dtype(dtype: str) -> str:

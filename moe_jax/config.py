@@ -21,10 +21,21 @@ import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
-from moe_jax.backends import IMPLS
+from moe_jax.backends import EXCHANGES, IMPLS
 
 DTYPES = ("auto", "float32", "bfloat16")
 REMAT_POLICIES = ("none", "dots", "full")
+# Activations the model names for remat policies (moe_jax/model/remat.py); `model.remat_save`
+# and `model.remat_offload` take them.
+REMAT_NAMES = {
+    "layer_input": "each decoder layer's input [B, T, D]",
+    "qkv_proj": "the attention's q, k, v projections (before norms and RoPE)",
+    "attention_out": "the attention kernel's output and log-sum-exp",
+    "out_proj": "the attention's output projection [B, T, D]",
+    "expert_in": "the tokens as the experts take them: capacity buffers or sorted rows",
+    "expert_gate_up": "the experts' gate and up products",
+    "expert_out": "the experts' outputs",
+}
 DEFAULT_WARMUP_STEPS = 50  # train.warmup_steps=null: this many, at most a tenth of the run
 
 
@@ -60,6 +71,12 @@ class ModelConfig:
     # the experts already recompute their cheap parts); dots = keep only matmul outputs;
     # full = keep only each block's input and recompute its forward (one extra forward pass).
     remat: str = "none"
+    # Named activations (REMAT_NAMES, comma-separated) that remat dots or full keeps anyway:
+    # remat_save in device memory, remat_offload in host memory, copied out in the forward and
+    # back for the backward (TPU/GPU; moe_jax/model/remat.py). MaxText's v6e recipe:
+    # remat=full remat_offload=layer_input,qkv_proj,out_proj.
+    remat_save: str = ""
+    remat_offload: str = ""
     init_std: float = 0.02
     # Width of precomputed image embeddings the model accepts (`model(tokens, images=...,
     # image_mask=...)`, projected to d_model); 0 = text only, no projection parameter.
@@ -112,6 +129,10 @@ class MoEConfig:
     # GPU's) | ragged (rows sorted by expert, jax.lax.ragged_dot) | megablox (TPU Pallas
     # grouped matmul). Every one computes the same routing and drops.
     impl: str = "auto"
+    # How expert-parallel layers with moe.impl=ragged move tokens (moe_jax/backends.py):
+    # auto (ragged on GPU/TPU, buffers on CPU) | ragged (only the routed rows, by
+    # jax.lax.ragged_all_to_all) | buffers (the fixed [E, C] capacity buffers by all_to_all).
+    exchange: str = "auto"
 
 
 @dataclass(frozen=True)
@@ -177,6 +198,9 @@ class TrainConfig:
     b2: float = 0.95
     eps: float = 1e-8
     clip_norm: float = 1.0  # gradient clipping by global norm; 0 = off
+    # dtype the Adam moments are stored in (float32 | bfloat16); the update is computed in
+    # float32 either way. bfloat16 saves 4 of the 12 bytes per parameter of the train state.
+    moments_dtype: str = "float32"
     logit_z_loss: float = 0.0
     # Positions per chunk of the output head in the loss (moe_jax/loss.py): the [B, T, V]
     # float32 logits are never held whole, for one more head matmul in the backward; must
@@ -455,6 +479,30 @@ def _numbers_in_range(obj: object, prefix: str = "") -> None:
                 _require(abs(v) <= INT32_MAX, f"{key} must be within +-{INT32_MAX:,}, got {v}")
 
 
+def _check_remat_names(m: ModelConfig) -> None:
+    save, offload = (
+        [n.strip() for n in v.split(",") if n.strip()] for v in (m.remat_save, m.remat_offload)
+    )
+    for key, listed in (("model.remat_save", save), ("model.remat_offload", offload)):
+        for name in listed:
+            _require(
+                name in REMAT_NAMES,
+                f"{key} names '{name}', which the model does not name; choose from "
+                f"{', '.join(REMAT_NAMES)}",
+            )
+    both = sorted(set(save) & set(offload))
+    _require(
+        not both,
+        f"{', '.join(both)} is in both model.remat_save and model.remat_offload; "
+        "keep each name in one of them",
+    )
+    _require(
+        m.remat != "none" or not (save or offload),
+        "model.remat_save / remat_offload choose what remat dots or full keeps; with remat=none "
+        "everything is kept: set model.remat=full (or dots) too",
+    )
+
+
 def validate(cfg: Config) -> None:
     m, a, e, t, mesh = cfg.model, cfg.attention, cfg.moe, cfg.train, cfg.mesh
     _numbers_in_range(cfg)
@@ -467,6 +515,7 @@ def validate(cfg: Config) -> None:
         f"model.remat={m.remat} needs model.scan_layers=true (unrolled layers give XLA "
         "freedom to recompute in the forward, which saves no memory); set both or remat=none",
     )
+    _check_remat_names(m)
     _one_of(a.rope_style, ("half", "interleaved"), "attention.rope_style")
     _one_of(a.qk_norm, ("none", "rms", "l2"), "attention.qk_norm")
     _one_of(a.rope_scaling.type, ("none", "linear", "llama3"), "attention.rope_scaling.type")
@@ -474,6 +523,8 @@ def validate(cfg: Config) -> None:
     _one_of(e.route_scale, ("output", "input"), "moe.route_scale")
     _one_of(a.impl, IMPLS["attention"], "attention.impl")
     _one_of(e.impl, IMPLS["moe"], "moe.impl")
+    _one_of(e.exchange, EXCHANGES, "moe.exchange")
+    _one_of(t.moments_dtype, ("float32", "bfloat16"), "train.moments_dtype")
     # A path is read (and its existence checked) when a run starts: a saved config keeps the
     # path it was started with, and a moved run reads its own copy of the files.
     _require(

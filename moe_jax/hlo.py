@@ -22,7 +22,8 @@ own count on a loop-free program and against 6 N T on a dense model, scanned and
 
 Collective bytes per op are the size of the full (unsharded-side) array the collective works
 on, per device: an all-reduce's operand, an all-gather's result, a reduce-scatter's operand,
-an all-to-all's or collective-permute's operand. On TPU a reduce-scatter may be compiled into
+an all-to-all's or collective-permute's operand, a ragged-all-to-all's rows to send (an
+upper bound: only the routed rows travel). On TPU a reduce-scatter may be compiled into
 a fusion calling an `all-reduce-scatter` computation (an all-reduce and the slice each device
 keeps); it is counted as one reduce-scatter of the fusion's operand.
 """
@@ -271,6 +272,10 @@ def _collective_kind(inst: Instruction, comps: dict[str, list[Instruction]]) -> 
 
 
 def _collective_bytes(inst: Instruction, types: dict[str, str]) -> int:
+    if inst.opcode.removesuffix("-start") == "ragged-all-to-all":
+        # operands: the rows to send, the receive buffer, offsets and sizes; what travels is at
+        # most the rows to send (the buffer is sized for the worst case that never arrives)
+        return nbytes(types.get(inst.operands[0], ""))
     operand = sum(nbytes(types.get(o, "")) for o in inst.operands)
     result = nbytes(inst.type)
     if inst.opcode.endswith("-start") and inst.type.startswith("("):

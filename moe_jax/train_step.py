@@ -35,7 +35,7 @@ per routing group, so for those the micro-batch is the unit, as in every accumul
 Optimizer: AdamW (b1, b2, eps from the config) with decoupled weight decay on matmul weights
 only (not on norm scales, biases, or the embedding unless `train.decay_embeddings`), after
 global-norm clipping, with linear warmup to `train.lr` then cosine decay to
-`min_lr_ratio * lr` at `train.steps`.
+`min_lr_ratio * lr` at `train.steps`; its moments are stored in `train.moments_dtype`.
 """
 
 from __future__ import annotations
@@ -107,18 +107,33 @@ def clip_by_global_norm(max_norm: float) -> optax.GradientTransformation:
     return optax.GradientTransformation(lambda params: optax.EmptyState(), update)
 
 
+def stored_in(tx: optax.GradientTransformation, dtype) -> optax.GradientTransformation:
+    """`tx` with its floating-point state stored in `dtype` and updated in float32: the
+    moments are read up, updated and rounded once per step (train.moments_dtype)."""
+
+    def cast(tree, to):
+        floating = lambda a: jnp.issubdtype(a.dtype, jnp.floating)
+        return jax.tree.map(lambda a: a.astype(to) if floating(a) else a, tree)
+
+    def update(grads, state, params=None):
+        updates, state = tx.update(grads, cast(state, jnp.float32), params)
+        return updates, cast(state, dtype)
+
+    return optax.GradientTransformation(lambda params: cast(tx.init(params), dtype), update)
+
+
 def make_optimizer(t: TrainConfig) -> optax.GradientTransformation:
-    return optax.chain(
-        clip_by_global_norm(t.clip_norm),
-        optax.adamw(
-            lr_schedule(t),
-            b1=t.b1,
-            b2=t.b2,
-            eps=t.eps,
-            weight_decay=t.weight_decay,
-            mask=partial(decay_mask, decay_embeddings=t.decay_embeddings),
-        ),
+    adamw = optax.adamw(
+        lr_schedule(t),
+        b1=t.b1,
+        b2=t.b2,
+        eps=t.eps,
+        weight_decay=t.weight_decay,
+        mask=partial(decay_mask, decay_embeddings=t.decay_embeddings),
     )
+    if t.moments_dtype != "float32":
+        adamw = stored_in(adamw, jnp.dtype(t.moments_dtype))
+    return optax.chain(clip_by_global_norm(t.clip_norm), adamw)
 
 
 # ----------------------------------------------------------------------------- steps

@@ -17,7 +17,7 @@ import pytest
 import moe_jax.model.moe as moe_module
 from moe_jax.model.filled_rows import bucket_index, row_buckets, swiglu_filled
 from moe_jax.model.moe import expert_swiglu, swiglu_rows
-from moe_jax.model.transformer import remat
+from moe_jax.model.remat import remat
 from tests.helpers import one_expert_at_a_time, tiny_config
 
 S, C, D, F = 3, 100, 16, 24

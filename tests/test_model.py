@@ -22,8 +22,8 @@ from moe_jax.model.attention import (
     block_attention,
     query_blocks,
 )
+from moe_jax.model.remat import remat
 from moe_jax.model.rope import apply_rope, rope_inv_freq
-from moe_jax.model.transformer import remat
 from tests.helpers import forward, forward_cached, randomize_biases, tiny_config
 
 TOL = dict(rtol=1e-5, atol=1e-5)

@@ -44,7 +44,7 @@ from moe_jax.sharding import param
 
 KVCache = dict[str, jax.Array]  # {"k": [B, S, K, hd], "v": [B, S, K, hd]}
 # Checkpoint name of a query block's output and log-sum-exp, all its backward keeps besides
-# q, k, v. `model.remat=dots` saves them (see `transformer.remat`): otherwise the backward
+# q, k, v. `model.remat=dots` saves them (see `remat.py`): otherwise the backward
 # reruns the block's forward to recover them, and XLA merges only the logits with the
 # backward's own, not the softmax and the value product (~5% of the medium step).
 ATTENTION_OUT = "attention_out"
@@ -180,9 +180,10 @@ class Attention(nnx.Module):
                 "segments are for forwards without a KV cache (training, scoring); a cached "
                 "prefill or decode takes one document per row: drop segments or the cache"
             )
-        q_BTHD = self._project(x_BTD, "q")
-        k_BTKD = self._project(x_BTD, "k")
-        v_BTKD = self._project(x_BTD, "v")
+        q_BTHD, k_BTKD, v_BTKD = checkpoint_name(
+            (self._project(x_BTD, "q"), self._project(x_BTD, "k"), self._project(x_BTD, "v")),
+            "qkv_proj",
+        )
 
         if self.qk_norm == "rms":  # Qwen3: learned, before RoPE, every layer
             q_BTHD, k_BTKD = self.q_norm(q_BTHD), self.k_norm(k_BTKD)
@@ -203,7 +204,7 @@ class Attention(nnx.Module):
         y_BTD = jnp.einsum("bthk,hkd->btd", out_BTHD, self.wo[...].astype(self.dtype))
         if hasattr(self, "o_bias"):
             y_BTD = y_BTD + self.o_bias[...].astype(self.dtype)
-        return y_BTD, cache
+        return checkpoint_name(y_BTD, "out_proj"), cache
 
     def _self_attention(self, q_BTHD, k_BTKD, v_BTKD, positions_BT, segments_BT) -> jax.Array:
         """Attention over the call's own tokens by the kernel chosen for the target backend."""

@@ -29,7 +29,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 # Checkpoint names of the expert's output (what combine's backward needs) and of the
-# residuals of its own backward: `model.remat=dots` keeps both (see `transformer.remat`).
+# residuals of its own backward: `model.remat=dots` keeps both (see `remat.py`).
 SAVED_NAMES = ("expert_out", "expert_gate_up")
 MAX_BUCKETS = 8  # non-empty buckets (the switch has one more branch, for 0 rows); more
 # would cut padding further, at compile time's cost

@@ -122,7 +122,8 @@ def grouped_swiglu(
     after any tensor-parallel sum, like `moe.swiglu_rows`). `expert_n`: each row's expert,
     for the biases. The backward is written by hand (`_swiglu_sorted`)."""
     w = {n: a.astype(dtype) for n, a in w.items()}
-    return _swiglu_sorted(x_nD.astype(dtype), w, sizes_E, expert_n, impl, max_group)
+    x_nD = checkpoint_name(x_nD.astype(dtype), "expert_in")  # for remat policies (remat.py)
+    return _swiglu_sorted(x_nD, w, sizes_E, expert_n, impl, max_group)
 
 
 def _projections(x_nD, w, sizes_E, expert_n, impl):

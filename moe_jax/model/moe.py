@@ -19,7 +19,10 @@ Semantics (DESIGN.md):
   shard) inside `jax.shard_map`; an `all_to_all` over the `expert` axis sends each expert's
   buffer slots (and, for the per-expert path, how many are filled) to the shard that owns the
   expert, the local experts run (hidden dim split over `tensor`, partial sums psum-ed), and a
-  second `all_to_all` brings the results home. Expert
+  second `all_to_all` brings the results home. With the grouped impl on GPU / TPU
+  (`backends.exchange`), only the kept assignments travel instead: sorted by expert, sent by
+  `ragged_all_to_all` straight into each owner's rows grouped by its local expert, run as
+  one grouped matmul and sent back the same way (no padding on the wire when dropless). Expert
   weights never move. Aux statistics are psum-ed over the batch axes, so they are global.
 - Padding (`valid_BT` False, from segment 0 of a packed batch) is not routed: it takes no
   slot of any expert's capacity, its output is 0 (plus the shared expert's), and it counts
@@ -34,10 +37,12 @@ Semantics (DESIGN.md):
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
 from moe_jax import backends
@@ -200,9 +205,12 @@ def expert_swiglu(
     one batched matmul, padding included (the GPU's form, see `backends.py`)."""
     E, S, C, D = x_ESCD.shape
     w_in = {n: a for n, a in w.items() if n != "down_bias"}
+    grouped = S * C >= MAP_MIN_CAPACITY and impl in GROUPED_IMPLS
+    if not grouped:  # the grouped matmul names its own rows (`grouped_swiglu`)
+        x_ESCD = checkpoint_name(x_ESCD, "expert_in")
     if impl == "batched":  # every slot, one batched matmul: no conditionals
         y_ESCD = swiglu_rows(x_ESCD.reshape(E, S * C, D), w_in, dtype).reshape(E, S, C, D)
-    elif S * C >= MAP_MIN_CAPACITY and impl in GROUPED_IMPLS:
+    elif grouped:
         if reduce_axis is not None:  # a hand-written backward again: see below
             x_ESCD = jax.lax.pcast(x_ESCD, reduce_axis, to="varying")
         if filled_ES is None:
@@ -264,6 +272,57 @@ def unstack(tree, n: int) -> list:
 def filled_slots(slot_bTK: jax.Array, n_experts: int, cap: int) -> jax.Array:
     """[E] slots each expert's buffer has filled (dropped assignments point past the end)."""
     return jnp.bincount(slot_bTK.reshape(-1) // cap, length=n_experts)
+
+
+# The ragged exchange's collective; the CPU tests swap in an emulation (XLA:CPU has none).
+ragged_all_to_all = jax.lax.ragged_all_to_all
+
+
+class RaggedExchange(NamedTuple):
+    """A shard's `ragged_all_to_all` arguments (input_offsets, send_sizes, output_offsets,
+    recv_sizes), flat [ep * E_loc] over (peer shard, local expert of the owner): one slice per
+    expert and shard, so rows arrive grouped by expert. `there`: the rows to the experts'
+    owners; `back`: their results home; `sizes_e`: rows received per local expert."""
+
+    there: tuple[jax.Array, ...]
+    back: tuple[jax.Array, ...]
+    sizes_e: jax.Array
+
+
+def exclusive_cumsum(a: jax.Array) -> jax.Array:
+    return jnp.cumsum(a) - a
+
+
+def exchange_offsets(send_PE: jax.Array, axis: str) -> RaggedExchange:
+    """Offsets of the exchange, from send_PE [ep, E_loc]: the rows this shard sends to peer
+    p's local expert e, laid out in its send buffer sorted by (global) expert p * E_loc + e.
+
+    Each owner lays its receive buffer out expert by expert, then by source shard, so that
+    its local experts' rows are contiguous groups for the grouped matmul (no second sort);
+    since ragged_all_to_all's output_offsets are offsets in the *receiver's* buffer, the
+    owner computes them and sends them back to the sources (two small all_to_alls)."""
+    ep, E_loc = send_PE.shape
+    a2a = lambda a: jax.lax.all_to_all(a, axis, 0, 0)
+    start_PE = exclusive_cumsum(send_PE.reshape(-1)).reshape(ep, E_loc)
+    got = a2a(jnp.stack([send_PE, start_PE], axis=1))  # [ep, 2, E_loc] from each source
+    recv_PE, home_PE = got[:, 0], got[:, 1]  # its rows for my expert e, where they start there
+    land_PE = exclusive_cumsum(recv_PE.T.reshape(-1)).reshape(E_loc, ep).T  # expert-major
+    out_PE = a2a(land_PE)  # where my rows land at each owner
+    flat = lambda *a: tuple(x.reshape(-1) for x in a)
+    return RaggedExchange(
+        there=flat(start_PE, send_PE, out_PE, recv_PE),
+        back=flat(land_PE, recv_PE, home_PE, send_PE),
+        sizes_e=jnp.sum(recv_PE, axis=0),
+    )
+
+
+def move_rows(x_nD: jax.Array, n_out: int, offsets: tuple, axis: str) -> jax.Array:
+    """`ragged_all_to_all` of x's row slices into a zero [n_out, D] buffer."""
+    # The collective's result is typed like its `output` operand (jax 0.10.2), so the zeros
+    # vary over the axes x does: an invariant result failed the grouped backward's typing.
+    out_mD = jnp.zeros((n_out, x_nD.shape[1]), x_nD.dtype)
+    out_mD = jax.lax.pcast(out_mD, tuple(jax.typeof(x_nD).mat.varying), to="varying")
+    return ragged_all_to_all(x_nD, out_mD, *offsets, axis_name=axis)
 
 
 class MoE(nnx.Module):
@@ -408,6 +467,7 @@ class MoE(nnx.Module):
         batch_axes = () if replicated else tuple(ax for ax in BATCH_AXES if mesh.shape[ax] > 1)
         data_axes = ("data",) if mesh.shape["data"] > 1 and not replicated else ()
         to_owner = (lambda a: jax.lax.all_to_all(a, "expert", 0, 0)) if ep > 1 else (lambda a: a)
+        ragged = backends.exchange(self._impl(), self.cfg.exchange) == "ragged"
 
         def gathered(name, a):
             """In the compute dtype, the model dim whole again: varying over fsdp then."""
@@ -434,19 +494,24 @@ class MoE(nnx.Module):
             wts, experts, slot, keep, cap, sums = self._route_group(x_bTD, router, bias, *valid)
             if replicated:
                 return self._own_experts(x_bTD, w, wts, experts, slot, keep, cap, ep, tp), sums
-            buf = self._dispatch(x_bTD, slot, wts, cap)  # [E * C, D], all experts
-            # Send expert e's slots (and how many are filled) to the shard that owns e:
-            # [ep, E_loc, ...] -> by source shard.
-            buf = to_owner(buf.reshape(ep, E_loc, cap, D))
-            filled = to_owner(filled_slots(slot, E, cap).reshape(ep, E_loc))
             # The tensor shards' partial sums travel home unsummed and are added after the
-            # combine, on [b, T, D] rather than the [E_loc, ep, C, D] buffers (E C / (b T)
-            # times fewer bytes: 2.5 at capacity 1.25 top-2, E when dropless).
-            y_eSCD = expert_swiglu(
-                buf.transpose(1, 0, 2, 3), w, self.dtype, filled.T, tp, False, self._impl()
-            )
-            y = to_owner(y_eSCD.transpose(1, 0, 2, 3)).reshape(E * cap, D)  # back home
-            y_bTD = self._combine(y, slot, wts)
+            # combine, on [b, T, D] rather than the expert rows (E C / (b T) times fewer
+            # bytes with buffers: 2.5 at capacity 1.25 top-2, E when dropless).
+            # Small exchanges (decoding) keep the buffers, whose experts then run as batched
+            # matmuls over every slot (see expert_swiglu), as the ragged impl's own do.
+            if ragged and ep * cap >= MAP_MIN_CAPACITY:
+                y_bTD = self._ragged_exchange(x_bTD, w, wts, experts, keep, cap, ep, tp)
+            else:
+                buf = self._dispatch(x_bTD, slot, wts, cap)  # [E * C, D], all experts
+                # Send expert e's slots (and how many are filled) to the shard that owns e:
+                # [ep, E_loc, ...] -> by source shard.
+                buf = to_owner(buf.reshape(ep, E_loc, cap, D))
+                filled = to_owner(filled_slots(slot, E, cap).reshape(ep, E_loc))
+                y_eSCD = expert_swiglu(
+                    buf.transpose(1, 0, 2, 3), w, self.dtype, filled.T, tp, False, self._impl()
+                )
+                y = to_owner(y_eSCD.transpose(1, 0, 2, 3)).reshape(E * cap, D)  # back home
+                y_bTD = self._combine(y, slot, wts)
             if tp is not None:
                 y_bTD = jax.lax.psum(y_bTD, tp)
             if batch_axes:
@@ -464,6 +529,51 @@ class MoE(nnx.Module):
         )(x_BTD, router, bias, weights, *valid)
         B, T, _ = x_BTD.shape
         return y_BTD, self._stats(sums, B * T)
+
+    def _ragged_exchange(self, x_bTD, w, wts, experts, keep, cap, ep, tp) -> jax.Array:
+        """Inside the expert-parallel map: this shard's kept assignments, sorted by expert,
+        sent as rows (no padding) to the shards owning their experts, run there as one grouped
+        matmul and sent back (`ragged_all_to_all` both ways; offsets: `exchange_offsets`).
+        The output is unsummed over `tensor`, like the buffers'."""
+        E, D = self.cfg.n_experts, x_bTD.shape[-1]
+        E_loc = E // ep
+        b, T, K = experts.shape
+        order_n, sizes_E = sort_rows(experts.reshape(-1), keep.reshape(-1), E)
+        # The kept rows (the rest are past them in `order_n`): at most every assignment, and
+        # with a capacity at most C per expert.
+        n_send = min(b * T * K, E * cap)
+        sent_s = order_n[:n_send]
+        x_sD = x_bTD.reshape(b * T, D)[sent_s // K]
+        if self.cfg.route_scale == "input":  # each assignment's own input: w * x
+            x_sD = x_sD * wts.reshape(-1)[sent_s][:, None]
+        x_sD = x_sD.astype(self.dtype)
+        # Receive buffer: the most rows that can ever arrive, so nothing is ever lost. A
+        # token's k experts are distinct, so at most min(k, E_loc) of its assignments go to
+        # one shard, from b T tokens on each of ep shards; with a capacity, no expert takes
+        # more than C rows from each shard either.
+        n_recv = ep * min(b * T * min(K, E_loc), E_loc * cap)
+        if ep > 1:
+            offsets = exchange_offsets(sizes_E.reshape(ep, E_loc), "expert")
+            x_mD, sizes_e = move_rows(x_sD, n_recv, offsets.there, "expert"), offsets.sizes_e
+        else:  # every expert here: the rows are already in place (n_recv == n_send)
+            x_mD, sizes_e = x_sD, sizes_E
+        expert_m = jnp.repeat(jnp.arange(E_loc), sizes_e, total_repeat_length=n_recv)
+        if tp is not None:  # the grouped backward types its input cotangent: see expert_swiglu
+            x_mD = jax.lax.pcast(x_mD, tp, to="varying")
+        w_in = {n: a for n, a in w.items() if n != "down_bias"}
+        # No expert gets more than C rows from each of the ep shards: the weight gradient runs
+        # padded to that (`grouped_matmul`), not as a dense product over every local expert.
+        y_mD = grouped_swiglu(x_mD, w_in, sizes_e, expert_m, self.dtype, self._impl(), ep * cap)
+        if "down_bias" in w:  # added once in the later sum over `tensor`
+            first = 1 if tp is None else (jax.lax.axis_index(tp) == 0).astype(self.dtype)
+            y_mD = y_mD + w["down_bias"][expert_m] * first
+        y_sD = move_rows(y_mD, n_send, offsets.back, "expert") if ep > 1 else y_mD
+        # Each assignment's row; dropped ones sort past the kept rows and read zeros.
+        y_nD = y_sD.at[inverse(order_n)].get(mode="fill", fill_value=0)
+        y_bTKD = y_nD.reshape(b, T, K, D)
+        if self.cfg.route_scale == "output":
+            y_bTKD = y_bTKD * wts[..., None]
+        return jnp.sum(jnp.where(keep[..., None], y_bTKD, 0), axis=2)
 
     def _own_experts(self, x_bTD, w, wts, experts, slot, keep, cap, ep, tp) -> jax.Array:
         """Inside the replicated expert-parallel map: this device's experts' share of every

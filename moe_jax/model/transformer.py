@@ -9,7 +9,8 @@ Under the scan, `model.remat` (dots | full) makes the backward recompute each bl
 forward from the block's input instead of keeping its activations: medium benchmark training
 keeps 2.5 GB of XLA temporaries with none, 2.1 GB with dots (~2% slower), 1.0 GB with full
 (~14% slower). Unrolled, XLA:CPU schedules the recomputation back into the forward and saves
-nothing, so the config accepts remat only with the scan.
+nothing, so the config accepts remat only with the scan. Named activations can be kept or
+offloaded to host memory on top of dots or full (`remat.py`).
 
     logits_BTV, aux = model(tokens_BT)
     logits_BTV, aux, cache = model(tokens_BT, positions=positions_BT, cache=cache)
@@ -44,14 +45,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 from moe_jax import backends
 from moe_jax.config import Config
-from moe_jax.model.attention import ATTENTION_OUT, Attention, KVCache
-from moe_jax.model.filled_rows import SAVED_NAMES
+from moe_jax.model.attention import Attention, KVCache
 from moe_jax.model.int8 import after
 from moe_jax.model.moe import MoE, SwiGLU
 from moe_jax.model.norm import RMSNorm
+from moe_jax.model.remat import remat
 from moe_jax.sharding import param
 
 
@@ -68,6 +70,9 @@ class DecoderLayer(nnx.Module):
             self.ffn = SwiGLU(D, cfg.model.ffn_hidden, cfg, rngs=rngs)
 
     def __call__(self, x_BTD, positions_BT, cache: KVCache | None, n_groups: int, segments_BT):
+        # Every use of the input reads this named copy, so that a remat policy keeping it
+        # (model.remat_offload=layer_input) replaces the input the layer scan would keep.
+        x_BTD = checkpoint_name(x_BTD, "layer_input")
         layer = after(x_BTD, self)  # int8 weights are dequantised in this layer's turn
         h, cache = layer.attn(layer.attn_norm(x_BTD), positions_BT, cache, segments_BT)
         x_BTD = x_BTD + h
@@ -222,7 +227,7 @@ class Transformer(nnx.Module):
 
         if self.cfg.model.scan_layers:
             if caches is None:  # a forward that may be differentiated: apply model.remat
-                body = remat(body, self.cfg.model.remat)
+                body = remat(body, self.cfg.model)
             x_BTD, (new_caches, stats) = jax.lax.scan(body, x_BTD, (state, caches))
             return x_BTD, new_caches, stats
         per_block = []
@@ -264,26 +269,6 @@ class Transformer(nnx.Module):
             "expert_load": stacked["expert_load"],
             "dropped_frac": stacked["dropped_frac"],
         }
-
-
-def remat(fn, policy: str):
-    """A scanned block's `fn` under a `model.remat` policy: what its backward needs is
-    recomputed from the block's input rather than kept (none: `fn` unchanged)."""
-    if policy == "none":
-        return fn
-    policies = jax.checkpoint_policies
-    saveable = {
-        # The experts' matmuls run inside `filled_rows`' switch; their outputs leave it
-        # under names. Attention's are batched matmuls, so its output is kept by name too.
-        "dots": policies.save_from_both_policies(
-            policies.dots_with_no_batch_dims_saveable,
-            policies.save_only_these_names(*SAVED_NAMES, ATTENTION_OUT),
-        ),
-        "full": policies.nothing_saveable,
-    }[policy]
-    # The scan's loop boundary already keeps XLA from merging the recomputation into the
-    # forward, so CSE prevention would only cost (JAX's advice for checkpoint inside scan).
-    return jax.checkpoint(fn, policy=saveable, prevent_cse=False)
 
 
 def check_image_inputs(d_vision: int, batch_shape: tuple[int, int], images_BND, mask_BT) -> None:

@@ -1,0 +1,187 @@
+"""The expert-parallel ragged exchange (`moe.MoE._ragged_exchange`: only the routed rows move,
+by `ragged_all_to_all`) against the unsharded layer and the fixed-buffer `all_to_all` path,
+values and gradients, on 8 simulated CPU devices; and compiled for a TPU slice and GPUs.
+
+XLA:CPU has no ragged-all-to-all, so here the layer runs on `emulated_ragged_all_to_all`,
+the collective's documented semantics built from all_gather and a scatter (checked on the
+docstring's example first); the real collective is checked by the accelerator compiles.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from moe_jax import aot, backends
+from moe_jax.model import moe as moe_module
+from moe_jax.model.moe import MoE
+from moe_jax.sharding import BATCH_AXES, create_sharded, make_mesh, n_batch_shards
+from tests.helpers import randomize_biases, tiny_config
+
+# float32 throughout (the suite's matmul precision is "highest"): the paths move the same
+# values and sum the same products, only in another order, so they agree to ~1e-6 relative on
+# O(1) outputs; a row sent to the wrong expert or lost is off by a whole term (~1e-1).
+TOL = dict(rtol=1e-5, atol=1e-5)
+
+
+def emulated_ragged_all_to_all(
+    operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, *, axis_name
+):
+    """`jax.lax.ragged_all_to_all` from all_gather and one scatter: every shard gathers all
+    operands and offsets, and writes the slices sent to it (slice i of a sender goes to shard
+    i // per) at their output offsets (given by the *sender*, in this receiver's output),
+    recv_sizes rows each (its own count of what each sender sends it)."""
+    ep = jax.lax.axis_size(axis_name)
+    per = input_offsets.shape[0] // ep
+    me = jax.lax.axis_index(axis_name)
+    gather = lambda a: jax.lax.all_gather(a, axis_name)  # [ep, ...]: every sender's
+    mine = lambda a: jax.lax.dynamic_slice_in_dim(gather(a), me * per, per, axis=1)
+    start_Pj, out_Pj = mine(input_offsets), mine(output_offsets)  # [ep senders, per]
+    size_Pj = recv_sizes.reshape(ep, per)
+    rows_n = jnp.arange(operand.shape[0])
+    in_slice_Pjn = (rows_n >= start_Pj[..., None]) & (rows_n < (start_Pj + size_Pj)[..., None])
+    dest_Pjn = out_Pj[..., None] + rows_n - start_Pj[..., None]
+    dest_Pjn = jnp.where(in_slice_Pjn, dest_Pjn, output.shape[0])  # out of range: dropped
+    values = jnp.broadcast_to(gather(operand)[:, None], (ep, per, *operand.shape))
+    return output.at[dest_Pjn.reshape(-1)].set(values.reshape(-1, *operand.shape[1:]), mode="drop")
+
+
+@pytest.fixture
+def ragged_on_cpu(monkeypatch):
+    """The ragged exchange on this CPU, with the emulated collective, for the tiny tests'
+    exchanges too (smaller than a training step's, they would keep the buffers)."""
+    monkeypatch.setitem(backends.EXCHANGE, "cpu", "ragged")
+    monkeypatch.setattr(moe_module, "MAP_MIN_CAPACITY", 1)
+    monkeypatch.setattr(moe_module, "ragged_all_to_all", emulated_ragged_all_to_all)
+
+
+def test_emulation_equals_the_docstring_example():
+    """jax's own example: axis of size 2, shard 0 sends [1] to itself and [2, 2] to shard 1
+    (at its offset 0), shard 1 sends [3] to shard 0 (at 1) and [4] to itself (at 2)."""
+    mesh = jax.make_mesh((2,), ("x",), devices=jax.devices()[:2])
+    args = [
+        [[1, 2, 2], [3, 4, 0]],  # operand
+        [[0, 0, 0, 0]] * 2,  # output
+        [[0, 1], [0, 1]],  # input_offsets
+        [[1, 2], [1, 1]],  # send_sizes
+        [[0, 0], [1, 2]],  # output_offsets
+        [[1, 1], [2, 1]],  # recv_sizes
+    ]
+    shard = NamedSharding(mesh, P("x"))
+    args = [jax.device_put(jnp.array(a, jnp.int32).reshape(-1), shard) for a in args]
+    f = jax.shard_map(
+        lambda *a: emulated_ragged_all_to_all(*a, axis_name="x"),
+        mesh=mesh,
+        in_specs=P("x"),
+        out_specs=P("x"),
+    )
+    np.testing.assert_array_equal(jax.jit(f)(*args).reshape(2, 4), [[1, 3, 0, 0], [2, 2, 4, 0]])
+
+
+MOE_EP = [
+    "moe.n_experts=8",
+    "model.d_model=32",
+    "moe.expert_hidden=16",
+    "train.batch_size=8",
+    "moe.impl=ragged",
+    "moe.expert_bias=true",
+]
+MESHES = {
+    "fsdp2_expert2_tensor2": ["mesh.fsdp=2", "mesh.expert=2", "mesh.tensor=2"],
+    "expert4_data2": ["mesh.expert=4", "mesh.data=2"],
+}
+CASES = [  # (mesh, capacity factor, route scale, top_k)
+    ("fsdp2_expert2_tensor2", 0, "output", 2),
+    ("fsdp2_expert2_tensor2", 0.75, "input", 2),
+    ("expert4_data2", 0.75, "output", 2),
+    ("expert4_data2", 0, "input", 3),  # top-3 over 2 local experts: min(k, E_loc) binds
+]
+
+
+def _loss_fn(m, x, n_groups):
+    y, stats = m(x, n_groups=n_groups)
+    return jnp.sum(jnp.sin(y)) + stats["lb_loss"], (y, stats)
+
+
+def _grads(m, x, n_groups=1):
+    """((loss, (y, stats)), (parameter grads, input grad)), traced afresh: one jitted
+    function for every path would take its cached trace for another path's module."""
+    f = nnx.value_and_grad(_loss_fn, argnums=(0, 1), has_aux=True)
+    return nnx.jit(f, static_argnums=2)(m, x, n_groups)
+
+
+def _sharded(cfg, mesh, x):
+    """The sharded layer's forward jaxpr, and its values and gradients."""
+    moe = create_sharded(lambda: MoE(cfg, rngs=nnx.Rngs(0)), mesh)
+    randomize_biases(moe)
+    with jax.set_mesh(mesh):
+        xs = jax.device_put(x, NamedSharding(mesh, P(BATCH_AXES)))
+        return str(jax.make_jaxpr(lambda x: moe(x)[0])(xs)), _grads(moe, xs)
+
+
+def assert_close(a, b):
+    jax.tree.map(lambda u, v: np.testing.assert_allclose(u, v, **TOL), a, b)
+
+
+@pytest.mark.parametrize("mesh_name, cf, scale, k", CASES)
+def test_ragged_exchange_equals_unsharded_and_fixed_buffers(
+    mesh_name, cf, scale, k, ragged_on_cpu, monkeypatch
+):
+    """Values, aux statistics and gradients (parameters and input) of the ragged exchange
+    equal the unsharded layer routing the same groups and the fixed-buffer all_to_all (run
+    as one grouped matmul too, its buffers forced to the training size)."""
+    over = [*MOE_EP, f"moe.capacity_factor={cf}", f"moe.route_scale={scale}", f"moe.top_k={k}"]
+    cfg = tiny_config(*over, *MESHES[mesh_name])
+    mesh = make_mesh(cfg)
+    x = jax.random.normal(jax.random.key(1), (8, 4, 32))
+
+    ref = MoE(tiny_config(*over), rngs=nnx.Rngs(0))
+    randomize_biases(ref)
+    (_, (y_ref, s_ref)), g_ref = _grads(ref, x, n_batch_shards(mesh))
+    if cf > 0:
+        assert float(s_ref["dropped_frac"]) > 0.1  # the case really drops
+
+    jaxpr, ((_, (y, s)), g) = _sharded(cfg, mesh, x)
+    # The exchange's 2 small all_to_alls of offsets; the rows went by the emulation
+    assert jaxpr.count("all_to_all[") == 2 and "ragged_dot" in jaxpr and "cond[" not in jaxpr
+    assert_close((y, s), (y_ref, s_ref))
+    assert_close(g, g_ref)
+
+    monkeypatch.setitem(backends.EXCHANGE, "cpu", "buffers")
+    jaxpr, ((_, (y_buf, _)), g_buf) = _sharded(cfg, mesh, x)
+    assert jaxpr.count("all_to_all[") == 3  # tokens and filled counts there, results back
+    assert_close(y, y_buf)
+    assert_close(g, g_buf)
+
+
+def test_exchange_choice_by_backend():
+    assert backends.exchange("ragged") == "buffers"  # XLA:CPU: no ragged-all-to-all
+    assert backends.exchange("buckets") == "buffers"
+    for platform in ("tpu", "gpu"):
+        with backends.targeting(platform):
+            assert backends.exchange("ragged") == "ragged"
+            assert backends.exchange("batched") == "buffers"  # its rows need the buffers
+            assert backends.exchange("ragged", "buffers") == "buffers"
+    with pytest.raises(ValueError, match="needs moe.impl=ragged on gpu or tpu, not ragged on cpu"):
+        backends.exchange("ragged", "ragged")
+
+
+@pytest.mark.parametrize("name", ["v5p-8", "h100:1x4"])
+def test_expert_parallel_train_step_compiles_with_ragged_all_to_all(name):
+    """The real collective, compiled for the accelerators: a tiny expert-parallel train step
+    (one dropless MoE layer) sends its rows by ragged-all-to-all (forward: there
+    and back; backward: the transposes), with no conditional anywhere."""
+    pytest.importorskip("libtpu", reason="the `aot` extra (libtpu) is not installed")
+    pytest.importorskip("jax_plugins.xla_cuda12", reason="the `aot` extra is not installed")
+    from moe_jax.topology import get_topology
+
+    over = ["model.n_layers=1", "moe.interleave_step=1", "mesh.data=2", "mesh.expert=2"]
+    cfg = tiny_config(*over, "moe.impl=ragged", "moe.capacity_factor=0")
+    # the accelerators' kernels compile at the default precision (see tests/test_aot.py)
+    with jax.default_matmul_precision("default"):
+        r = aot.compile_step(cfg, get_topology(name), "train")
+    assert r["collectives"]["ragged-all-to-all"]["count"] >= 4
+    assert r["conditionals"] == 0

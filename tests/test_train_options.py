@@ -1,0 +1,137 @@
+"""Memory options of the train step (issue 23), each against the default on 8 simulated devices.
+
+Every option trades memory for time or precision, never the result: named remat policies
+(kept in device memory or offloaded to host) recompute the same float ops, so they equal
+`remat=none` to reassociation slack; sharded gradient accumulation equals one whole batch.
+The runs are one sharded train step of a tiny model on fsdp 2 x expert 2 x tensor 2, float32.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
+
+from moe_jax.config import REMAT_NAMES, ConfigError
+from moe_jax.model.remat import policy
+from moe_jax.sharding import batch_sharding, make_mesh
+from moe_jax.train_step import init_state, loss_fn, make_optimizer, make_train_step
+from tests.helpers import one_expert_at_a_time, tiny_config
+
+MESH = ["mesh.fsdp=2", "mesh.expert=2", "mesh.tensor=2"]
+# Two one-layer blocks (period 1) under the scan, every named activation on the way:
+# capacity buffers (capacity 1.0 drops some assignments), q/k/v, the attention kernel's output.
+BASE = [
+    *MESH,
+    "model.n_layers=2",
+    "attention.nope_interval=0",
+    "moe.interleave_step=1",
+    "model.scan_layers=true",
+    "moe.capacity_factor=1.0",
+    "train.batch_size=8",
+    "train.seq_len=16",
+    "model.max_seq_len=16",
+]
+
+
+def one_step(*overrides: str, steps: int = 1):
+    """-> (metrics, new params) of train steps of the tiny model on the mesh."""
+    cfg = tiny_config(*BASE, *overrides)
+    mesh = make_mesh(cfg)
+    tx = make_optimizer(cfg.train)
+    graphdef, state = init_state(cfg, tx, mesh=mesh)
+    step = make_train_step(cfg, graphdef, tx, jax.tree.map(lambda a: a.sharding, state))
+    tokens = jax.random.randint(jax.random.key(0), (8, 17), 0, cfg.model.vocab_size, jnp.int32)
+    with jax.set_mesh(mesh):
+        for _ in range(steps):
+            state, metrics = step(state, jax.device_put(tokens, batch_sharding(mesh)))
+    return metrics, state["params"], state["opt_state"]
+
+
+@pytest.fixture(scope="module")
+def default_step():
+    return one_step("model.remat=none")
+
+
+def assert_same_step(got, want):
+    # The same float ops in another order (recomputed, or summed per micro-batch): 1e-5 of
+    # each tensor's scale after one AdamW step (whose update is ~lr = 3e-3 per weight).
+    (m_got, p_got, _), (m_want, p_want, _) = got, want
+    for k in ("loss", "ce", "grad_norm"):
+        np.testing.assert_allclose(m_got[k], m_want[k], rtol=1e-5, err_msg=k)
+    for a, b in zip(jax.tree.leaves(p_got), jax.tree.leaves(p_want), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "remat",
+    [
+        # MaxText's v6e recipe, and the MoE buffers offloaded too
+        ["model.remat=full", "model.remat_offload=layer_input,qkv_proj,out_proj,expert_in"],
+        ["model.remat=dots", "model.remat_save=qkv_proj", "model.remat_offload=expert_out"],
+    ],
+    ids=["full_offload", "dots_save_offload"],
+)
+def test_named_remat_policies_equal_keeping_everything(default_step, remat):
+    assert_same_step(one_step(*remat), default_step)
+
+
+def test_every_remat_name_is_named_by_the_model_and_offloads_go_to_host(monkeypatch):
+    """A policy naming a tensor the model never names would silently keep nothing: every
+    REMAT_NAMES entry must be a `checkpoint_name` in the train gradient's program, and an
+    offloaded one must move to host memory (a device_put to a host array in the jaxpr). The
+    experts run one at a time on their filled rows, as in training (tiny buffers otherwise
+    take the batched matmul, which keeps nothing by name)."""
+    one_expert_at_a_time(monkeypatch, unrolled=False)
+    cfg = tiny_config(*BASE, "model.remat=full", "model.remat_offload=layer_input")
+    from moe_jax.model import Transformer
+
+    graphdef, params = nnx.split(Transformer(cfg, rngs=nnx.Rngs(0)), nnx.Param)
+    tokens = jnp.zeros((2, 17), jnp.int32)
+    grad = jax.grad(lambda p: loss_fn(p, graphdef, tokens, 0.0)[0])
+    text = str(jax.make_jaxpr(grad)(params))
+    for name in REMAT_NAMES:
+        assert f"name={name}" in text, name
+    assert "<host>" in text  # an array in host memory: f32<host>[...]
+    # the policy itself: offloaded names go to host, saved stay, the rest is recomputed
+    choose = policy("full", save=("qkv_proj",), offload=("layer_input",))
+    name_p = jax.make_jaxpr(lambda x: checkpoint_name(x, "x"))(1.0).eqns[0].primitive
+    assert choose(name_p, name="layer_input").dst == "pinned_host"
+    assert choose(name_p, name="qkv_proj") is jax.ad_checkpoint.Saveable
+    assert choose(name_p, name="out_proj") is jax.ad_checkpoint.Recompute
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["model.remat_offload=layer_inputs"], "model.remat_offload names 'layer_inputs'"),
+        (
+            ["model.remat_save=qkv_proj", "model.remat_offload=qkv_proj"],
+            "qkv_proj is in both model.remat_save and model.remat_offload",
+        ),
+        (["model.remat=none", "model.remat_save=qkv_proj"], "set model.remat=full"),
+    ],
+)
+def test_remat_names_refused_in_one_line(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        tiny_config("model.scan_layers=true", "model.remat=full", *overrides)
+
+
+def test_bfloat16_moments_store_half_and_track_the_float32_run():
+    """train.moments_dtype=bfloat16: the moments are stored in bf16 (4 bytes a parameter
+    fewer) and the update is computed in fp32. The first step's update comes from fp32
+    moments, so it is the default's; after that the moments carry bf16 rounding (relative
+    2^-9), which moves a step's update (~lr = 3e-3 per weight) by well under 1e-4."""
+    want = one_step("model.remat=none", steps=3)
+    got = one_step("model.remat=none", "train.moments_dtype=bfloat16", steps=3)
+    floats = [a for a in jax.tree.leaves(got[2]) if jnp.issubdtype(a.dtype, jnp.floating)]
+    assert floats and all(a.dtype == jnp.bfloat16 for a in floats)
+    np.testing.assert_allclose(got[0]["loss"], want[0]["loss"], rtol=1e-4)
+    pairs = list(zip(jax.tree.leaves(got[1]), jax.tree.leaves(want[1]), strict=True))
+    for a, b in pairs:
+        np.testing.assert_allclose(a, b, atol=1e-4)
+    # and the rounding is really there: not the float32 run to the last bit
+    assert any(not np.array_equal(a, b) for a, b in pairs)
