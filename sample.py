@@ -164,6 +164,7 @@ def main(argv: list[str]) -> int:
 
 def sample(args: argparse.Namespace, prompt: str | None) -> int:
     """Load the run and print its samples (the flags are checked)."""
+    from moe_jax.backends import KernelError
     from moe_jax.checkpoint import RunError, read_run_meta
     from moe_jax.config import ConfigError
     from moe_jax.data import DataError
@@ -201,7 +202,7 @@ def sample(args: argparse.Namespace, prompt: str | None) -> int:
             vocab_size=tokenizer.vocab_size,
             on_token=streamer,
         )
-    except (RunError, ConfigError, DataError, SamplingError) as e:
+    except (RunError, ConfigError, KernelError, DataError, SamplingError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if streamer is not None:

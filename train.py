@@ -36,6 +36,7 @@ def main(argv: list[str]) -> int:
     cfg = cli_config(argv, default_path=Path(__file__).resolve().parent / "configs/tiny.yaml")
     # Only now jax and what imports it (seconds): a bad config has failed before that.
     import_jax()
+    from moe_jax.backends import KernelError
     from moe_jax.checkpoint import RunError, SaveError
     from moe_jax.data import DataError
     from moe_jax.sharding import init_distributed
@@ -44,7 +45,7 @@ def main(argv: list[str]) -> int:
     try:
         init_distributed(cfg)
         result = train(cfg)
-    except (ConfigError, DataError, RunError) as e:
+    except (ConfigError, KernelError, DataError, RunError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except (TrainingError, SaveError) as e:  # the last complete checkpoint is kept

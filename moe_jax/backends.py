@@ -58,6 +58,12 @@ INTERPRETED_ON_CPU = ("splash", "megablox")
 EXCHANGE = {"cpu": "buffers", "gpu": "ragged", "tpu": "ragged"}
 EXCHANGES = ("auto", "ragged", "buffers")
 
+
+class KernelError(ValueError):
+    """A kernel named for a backend, dtype or shape it cannot run on (the CLIs print it in
+    one line and exit 2)."""
+
+
 _target: contextvars.ContextVar[str | None] = contextvars.ContextVar("target", default=None)
 
 
@@ -122,7 +128,7 @@ def choose(kernel: str, impl: str, *, dtype=None, length: int | None = None) -> 
     need = ONLY_ON.get(impl)
     on_cpu_too = backend == "cpu" and impl in INTERPRETED_ON_CPU
     if need is not None and backend != need and not on_cpu_too:
-        raise ValueError(
+        raise KernelError(
             f"{kernel} implementation '{impl}' runs on {need} only, not {backend}; "
             f"set the {kernel} impl to auto"
         )
@@ -137,7 +143,7 @@ def exchange(moe_impl: str, setting: str = "auto") -> str:
     if setting == "auto":
         return EXCHANGE.get(backend, "buffers") if moe_impl == "ragged" else "buffers"
     if setting == "ragged" and (moe_impl != "ragged" or EXCHANGE.get(backend) != "ragged"):
-        raise ValueError(
+        raise KernelError(
             f"the ragged MoE exchange needs moe.impl=ragged on gpu or tpu, not {moe_impl} on "
             f"{backend}; set the exchange to auto"
         )

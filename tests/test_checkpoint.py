@@ -216,6 +216,18 @@ def test_paths_that_cannot_hold_a_run_are_refused(tmp_path, capsys):
     assert (tmp_path / "file").read_text() == "precious"
 
 
+def test_a_kernel_the_backend_cannot_run_is_one_line_and_exit_2(tmp_path, capsys):
+    """backends.KernelError (here cuDNN attention asked of a CPU) from inside the traced step
+    reaches the user as one line, not a traceback."""
+    argv = ["configs/tiny.yaml", *TINY_BASE, *TINY, f"run_dir={tmp_path / 'run'}"]
+    assert TRAIN_MAIN([*argv, "attention.impl=cudnn"]) == 2
+    err = capsys.readouterr().err
+    assert err == (
+        "error: attention implementation 'cudnn' runs on gpu only, not cpu; set the attention "
+        "impl to auto\n"
+    )
+
+
 def test_a_run_dir_that_never_saved_names_its_stale_config(tmp_path, capsys):
     """A run that failed before its first checkpoint leaves config.yaml behind: a corrected
     command is told exactly that, and what to delete, instead of 'cannot be continued'."""

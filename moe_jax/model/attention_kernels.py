@@ -80,7 +80,7 @@ def _splash_kernel(T: int, G: int, window: int, checkpoint: str | None):
 
     b = T if min(SPLASH_BLOCKS) > T else next((b for b in SPLASH_BLOCKS if T % b == 0), 0)
     if not b:
-        raise ValueError(
+        raise backends.KernelError(
             f"splash attention tiles the sequence by {SPLASH_BLOCKS[-1]}, which does not "
             f"divide {T}; make the sequence length a multiple or set attention.impl=blocked"
         )
@@ -158,7 +158,7 @@ def cudnn(
     express documents exactly, but JAX refuses it unless the host's own GPU is a Hopper, so it
     cannot be compiled ahead of time here."""
     if q_BTHD.dtype not in (jnp.bfloat16, jnp.float16):
-        raise ValueError(
+        raise backends.KernelError(
             f"attention.impl=cudnn computes in bfloat16/float16, not {q_BTHD.dtype}; "
             "set model.dtype=bfloat16 or attention.impl=blocked"
         )

@@ -603,7 +603,7 @@ class MoE(nnx.Module):
     def _impl(self) -> str:
         impl = backends.choose("moe", self.cfg.impl)
         if impl == "megablox" and not jax.sharding.get_abstract_mesh().empty:
-            raise ValueError(
+            raise backends.KernelError(
                 "moe.impl=megablox runs without a mesh only (jax's megablox pallas_call "
                 "declares no varying mesh axes for shard_map); use moe.impl=ragged or auto"
             )
