@@ -82,6 +82,21 @@ class ModelConfig:
     # image_mask=...)`, projected to d_model); 0 = text only, no projection parameter.
     vision: int = 0
 
+    @property
+    def remat_saved(self) -> tuple[str, ...]:
+        """model.remat_save as names."""
+        return _names(self.remat_save)
+
+    @property
+    def remat_offloaded(self) -> tuple[str, ...]:
+        """model.remat_offload as names."""
+        return _names(self.remat_offload)
+
+
+def _names(value: str) -> tuple[str, ...]:
+    """A comma-separated list -> its names."""
+    return tuple(n.strip() for n in value.split(",") if n.strip())
+
 
 @dataclass(frozen=True)
 class AttentionConfig:
@@ -480,9 +495,7 @@ def _numbers_in_range(obj: object, prefix: str = "") -> None:
 
 
 def _check_remat_names(m: ModelConfig) -> None:
-    save, offload = (
-        [n.strip() for n in v.split(",") if n.strip()] for v in (m.remat_save, m.remat_offload)
-    )
+    save, offload = m.remat_saved, m.remat_offloaded
     for key, listed in (("model.remat_save", save), ("model.remat_offload", offload)):
         for name in listed:
             _require(

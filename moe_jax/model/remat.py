@@ -21,17 +21,13 @@ from __future__ import annotations
 import jax
 from jax.ad_checkpoint import Recompute, Saveable
 
-from moe_jax.config import ModelConfig
+from moe_jax.model.attention import ATTENTION_OUT
+from moe_jax.model.filled_rows import SAVED_NAMES
 
 # Kept by `dots` besides matmul outputs: the experts' matmuls run inside `filled_rows`' switch
 # and attention's are batched matmuls (not saved by `dots_with_no_batch_dims_saveable`).
-DOTS_NAMES = ("expert_out", "expert_gate_up", "attention_out")
+DOTS_NAMES = (*SAVED_NAMES, ATTENTION_OUT)
 HOST = "pinned_host"
-
-
-def names(value: str) -> tuple[str, ...]:
-    """A comma-separated `model.remat_save` / `remat_offload` value -> its names."""
-    return tuple(n.strip() for n in value.split(",") if n.strip())
 
 
 def policy(base: str, save: tuple[str, ...] = (), offload: tuple[str, ...] = ()):
@@ -58,15 +54,12 @@ def policy(base: str, save: tuple[str, ...] = (), offload: tuple[str, ...] = ())
     return choose
 
 
-def remat(fn, m: ModelConfig | str):
-    """A scanned block's `fn` under the model's remat policy (`m`: the model config, or a base
-    policy name alone): what its backward needs is recomputed from the block's input rather than
+def remat(fn, base: str, save: tuple[str, ...] = (), offload: tuple[str, ...] = ()):
+    """A scanned block's `fn` under `model.remat` = `base`, keeping the named `save` and
+    `offload` too: what its backward needs is recomputed from the block's input rather than
     kept, but for what the policy keeps (none: `fn` unchanged)."""
-    base, save, offload = (
-        (m, "", "") if isinstance(m, str) else (m.remat, m.remat_save, m.remat_offload)
-    )
     if base == "none":
         return fn
     # The scan's loop boundary already keeps XLA from merging the recomputation into the
     # forward, so CSE prevention would only cost (JAX's advice for checkpoint inside scan).
-    return jax.checkpoint(fn, policy=policy(base, names(save), names(offload)), prevent_cse=False)
+    return jax.checkpoint(fn, policy=policy(base, save, offload), prevent_cse=False)

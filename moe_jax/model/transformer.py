@@ -227,7 +227,8 @@ class Transformer(nnx.Module):
 
         if self.cfg.model.scan_layers:
             if caches is None:  # a forward that may be differentiated: apply model.remat
-                body = remat(body, self.cfg.model)
+                m = self.cfg.model
+                body = remat(body, m.remat, m.remat_saved, m.remat_offloaded)
             x_BTD, (new_caches, stats) = jax.lax.scan(body, x_BTD, (state, caches))
             return x_BTD, new_caches, stats
         per_block = []
