@@ -148,6 +148,10 @@ class MoEConfig:
     # auto (ragged on GPU/TPU, buffers on CPU) | ragged (only the routed rows, by
     # jax.lax.ragged_all_to_all) | buffers (the fixed [E, C] capacity buffers by all_to_all).
     exchange: str = "auto"
+    # The grouped impls (ragged, megablox) run the sorted rows in this many consecutive chunks,
+    # forward and backward, so their [rows, expert_hidden] intermediates exist for one chunk
+    # at a time; the backward recomputes each chunk's gate/up products (moe_jax/model/grouped.py).
+    row_chunks: int = 1
 
 
 @dataclass(frozen=True)
@@ -537,6 +541,19 @@ def validate(cfg: Config) -> None:
     _one_of(a.impl, IMPLS["attention"], "attention.impl")
     _one_of(e.impl, IMPLS["moe"], "moe.impl")
     _one_of(e.exchange, EXCHANGES, "moe.exchange")
+    _require(e.row_chunks >= 1, f"moe.row_chunks must be >= 1, got {e.row_chunks}")
+    _require(
+        e.row_chunks == 1 or e.impl in ("auto", "ragged", "megablox"),
+        f"moe.row_chunks={e.row_chunks} chunks the grouped experts' rows; moe.impl={e.impl} "
+        "has none: use moe.impl=ragged, megablox or auto, or moe.row_chunks=1",
+    )
+    kept = set(m.remat_saved) | set(m.remat_offloaded)
+    _require(
+        e.row_chunks == 1 or not kept & {"expert_gate_up", "expert_out"},
+        f"moe.row_chunks={e.row_chunks} recomputes the experts' gate/up products chunk by "
+        "chunk, so model.remat_save / remat_offload cannot keep expert_gate_up or expert_out: "
+        "drop those names or set moe.row_chunks=1",
+    )
     _one_of(t.moments_dtype, ("float32", "bfloat16"), "train.moments_dtype")
     # A path is read (and its existence checked) when a run starts: a saved config keeps the
     # path it was started with, and a moved run reads its own copy of the files.

@@ -261,6 +261,20 @@ VALIDATION_CASES = {
     "sample_batch": (["sample.batch_size=0"], "sample.batch_size must be positive, got 0"),
     "prompt_len": (["sample.prompt_len=-2"], "sample.prompt_len must be positive, got -2"),
     "slices": (["mesh.slices=0"], "mesh.slices must be >= 1, got 0"),
+    "row_chunks": (["moe.row_chunks=0"], "moe.row_chunks must be >= 1, got 0"),
+    "row_chunks_impl": (
+        ["moe.row_chunks=2", "moe.impl=buckets"],
+        "moe.row_chunks=2 chunks the grouped experts' rows; moe.impl=buckets has none",
+    ),
+    "row_chunks_remat": (
+        [
+            "moe.row_chunks=2",
+            "model.scan_layers=true",
+            "model.remat=full",
+            "model.remat_save=expert_gate_up",
+        ],
+        "so model.remat_save / remat_offload cannot keep expert_gate_up or expert_out",
+    ),
     # numbers out of range anywhere: NaN and infinities, ints beyond int32, seeds beyond 32 bits
     "nan_capacity": (["moe.capacity_factor=nan"], "moe.capacity_factor must be a finite number"),
     "inf_temperature": (["sample.temperature=inf"], "sample.temperature must be a finite number"),

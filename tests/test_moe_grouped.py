@@ -16,7 +16,13 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from moe_jax.model import moe as moe_module
-from moe_jax.model.grouped import grouped_buffers, inverse, sort_rows
+from moe_jax.model.grouped import (
+    chunk_plan,
+    grouped_buffers,
+    grouped_swiglu,
+    inverse,
+    sort_rows,
+)
 from moe_jax.model.moe import MoE, expert_swiglu
 from moe_jax.sharding import BATCH_AXES, create_sharded, make_mesh, n_batch_shards
 from tests.helpers import randomize_biases, tiny_config
@@ -103,6 +109,45 @@ def test_sort_rows_and_grouped_buffers_by_hand():
     ref = expert_swiglu(x, w, jnp.float32)  # every slot, batched
     mask = (jnp.arange(C)[None, None, :] < filled[:, :, None])[..., None]
     np.testing.assert_allclose(y, jnp.where(mask, ref, 0), rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("bounded", [False, True])
+def test_row_chunks_equal_one_grouped_matmul_values_and_gradients(bounded):
+    """moe.row_chunks: the sorted rows run in 2 to 5 windows give the unchunked values and
+    gradients (rows, weights, biases). 37 rows, some dropped (past the groups): cut by rows
+    (3, 5 chunks, or no bound on the groups: the last window padded, groups cut at window
+    boundaries) and, with each expert's rows bounded, by experts (2, 4 chunks of 4 experts,
+    windows of e x max_group rows, which overlap the next expert's rows)."""
+    keys = jax.random.split(jax.random.key(0), 6)
+    n, D, F, E = 37, 16, 24, 4
+    expert = jax.random.randint(keys[0], (n,), 0, E)
+    order, sizes = sort_rows(expert, jax.random.uniform(keys[1], (n,)) > 0.2, E)
+    max_group = int(sizes.max()) if bounded else None
+    x = jax.random.normal(keys[2], (n, D))[order]
+    w = {
+        "w_gate": jax.random.normal(keys[3], (E, D, F)) * 0.2,
+        "w_up": jax.random.normal(keys[4], (E, D, F)) * 0.2,
+        "w_down": jax.random.normal(keys[5], (E, F, D)) * 0.2,
+        "gate_bias": jnp.linspace(-0.2, 0.2, E * F).reshape(E, F),
+        "up_bias": jnp.linspace(0.3, -0.1, E * F).reshape(E, F),
+    }
+
+    def run(chunks):
+        f = lambda x, w: grouped_swiglu(
+            x, w, sizes, expert[order], jnp.float32, "ragged", max_group, chunks
+        )
+        out = jax.value_and_grad(lambda x, w: jnp.sum(jnp.sin(f(x, w))), argnums=(0, 1))
+        return f(x, w), out(x, w)[1], str(jax.make_jaxpr(f)(x, w))
+
+    y_ref, g_ref, jaxpr = run(1)
+    assert "scan[" not in jaxpr
+    for chunks in (2, 3, 4, 5):
+        plan = chunk_plan(n, E, chunks, max_group)
+        assert (plan.experts < E) == (bounded and chunks in (2, 4))
+        assert plan.count * plan.rows >= n
+        y, g, jaxpr = run(chunks)
+        assert "scan[" in jaxpr  # chunked, not the one-matmul path
+        jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, **TOL), (y, g), (y_ref, g_ref))
 
 
 MOE_EP = ["moe.n_experts=8", "model.d_model=32", "moe.expert_hidden=16", "train.batch_size=8"]

@@ -93,11 +93,11 @@ MESHES = {
     "fsdp2_expert2_tensor2": ["mesh.fsdp=2", "mesh.expert=2", "mesh.tensor=2"],
     "expert4_data2": ["mesh.expert=4", "mesh.data=2"],
 }
-CASES = [  # (mesh, capacity factor, route scale, top_k)
-    ("fsdp2_expert2_tensor2", 0, "output", 2),
-    ("fsdp2_expert2_tensor2", 0.75, "input", 2),
-    ("expert4_data2", 0.75, "output", 2),
-    ("expert4_data2", 0, "input", 3),  # top-3 over 2 local experts: min(k, E_loc) binds
+CASES = [  # (mesh, capacity factor, route scale, top_k, moe.row_chunks)
+    ("fsdp2_expert2_tensor2", 0, "output", 2, 1),
+    ("fsdp2_expert2_tensor2", 0.75, "input", 2, 3),  # the received rows in 3 row windows
+    ("expert4_data2", 0.75, "output", 2, 2),  # 2 windows of one local expert each
+    ("expert4_data2", 0, "input", 3, 1),  # top-3 over 2 local experts: min(k, E_loc) binds
 ]
 
 
@@ -126,15 +126,15 @@ def assert_close(a, b):
     jax.tree.map(lambda u, v: np.testing.assert_allclose(u, v, **TOL), a, b)
 
 
-@pytest.mark.parametrize("mesh_name, cf, scale, k", CASES)
+@pytest.mark.parametrize("mesh_name, cf, scale, k, chunks", CASES)
 def test_ragged_exchange_equals_unsharded_and_fixed_buffers(
-    mesh_name, cf, scale, k, ragged_on_cpu, monkeypatch
+    mesh_name, cf, scale, k, chunks, ragged_on_cpu, monkeypatch
 ):
     """Values, aux statistics and gradients (parameters and input) of the ragged exchange
     equal the unsharded layer routing the same groups and the fixed-buffer all_to_all (run
     as one grouped matmul too, its buffers forced to the training size)."""
     over = [*MOE_EP, f"moe.capacity_factor={cf}", f"moe.route_scale={scale}", f"moe.top_k={k}"]
-    cfg = tiny_config(*over, *MESHES[mesh_name])
+    cfg = tiny_config(*over, *MESHES[mesh_name], f"moe.row_chunks={chunks}")
     mesh = make_mesh(cfg)
     x = jax.random.normal(jax.random.key(1), (8, 4, 32))
 
@@ -147,6 +147,7 @@ def test_ragged_exchange_equals_unsharded_and_fixed_buffers(
     jaxpr, ((_, (y, s)), g) = _sharded(cfg, mesh, x)
     # The exchange's 2 small all_to_alls of offsets; the rows went by the emulation
     assert jaxpr.count("all_to_all[") == 2 and "ragged_dot" in jaxpr and "cond[" not in jaxpr
+    assert ("scan[" in jaxpr) == (chunks > 1)
     assert_close((y, s), (y_ref, s_ref))
     assert_close(g, g_ref)
 

@@ -17,6 +17,7 @@ is kept out of every group and reads zeros, as it reads an empty slot there.
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -116,13 +117,23 @@ rows_only.defvjp(_rows_only_fwd, _rows_only_bwd)
 
 
 def grouped_swiglu(
-    x_nD, w: dict, sizes_E, expert_n, dtype, impl: str, max_group: int | None = None
+    x_nD,
+    w: dict,
+    sizes_E,
+    expert_n,
+    dtype,
+    impl: str,
+    max_group: int | None = None,
+    row_chunks: int = 1,
 ) -> jax.Array:
     """SwiGLU of rows sorted by expert, without the down-projection bias (added by the caller
     after any tensor-parallel sum, like `moe.swiglu_rows`). `expert_n`: each row's expert,
-    for the biases. The backward is written by hand (`_swiglu_sorted`)."""
+    for the biases. The backward is written by hand (`_swiglu_sorted`). `row_chunks` > 1
+    runs the rows in that many consecutive chunks (`_swiglu_chunked`, moe.row_chunks)."""
     w = {n: a.astype(dtype) for n, a in w.items()}
     x_nD = checkpoint_name(x_nD.astype(dtype), "expert_in")  # for remat policies (remat.py)
+    if row_chunks > 1 and x_nD.shape[0] >= 2 * row_chunks:
+        return _swiglu_chunked(x_nD, w, sizes_E, expert_n, impl, max_group, row_chunks)
     return _swiglu_sorted(x_nD, w, sizes_E, expert_n, impl, max_group)
 
 
@@ -176,15 +187,127 @@ def _swiglu_sorted_bwd(impl, max_group, residuals, dy_nD):
 _swiglu_sorted.defvjp(_swiglu_sorted_fwd, _swiglu_sorted_bwd)
 
 
-def grouped_buffers(x_ESCD, w: dict, dtype, filled_ES, impl: str) -> jax.Array:
+class Chunks(NamedTuple):
+    """How `_swiglu_chunked` cuts the sorted rows: `count` windows of `rows` rows, each
+    running `experts` consecutive experts (all of them, or count of them each)."""
+
+    count: int
+    rows: int
+    experts: int
+
+
+def chunk_plan(n: int, n_experts: int, n_chunks: int, max_group: int | None) -> Chunks:
+    """By experts where a capacity bounds each expert's rows (`max_group`) and the experts
+    split evenly into the chunks: chunk c runs experts [c e, (c + 1) e) on a window of e
+    max_group rows, each expert's rows and weight gradient in one chunk only. Otherwise by
+    rows: chunk c is rows [c R, (c + 1) R) through every expert, a group cut at a boundary
+    running as two; then each chunk's padded weight gradient covers every expert (E x
+    min(max_group, R) rows), which is why the experts' cut is preferred."""
+    if max_group is not None and n_experts % n_chunks == 0:
+        e = n_experts // n_chunks
+        return Chunks(n_chunks, min(e * max_group, n), e)
+    return Chunks(n_chunks, -(-n // n_chunks), n_experts)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
+def _swiglu_chunked(x_nD, w, sizes_E, expert_n, impl, max_group, n_chunks):
+    """`_swiglu_sorted` over `n_chunks` windows of the sorted rows, one after the other,
+    forward and backward (`chunk_plan`): the [rows, F] intermediates (gate, up, their product
+    and gradients: 3.3 GiB each for Mixtral's 122,880 received rows a chip at 12 x 4096
+    tokens) exist for one window at a time. The backward recomputes each window's gate/up
+    products (two grouped matmuls more) and keeps only the rows, so the checkpoint names
+    `expert_gate_up` / `expert_out` have nothing to keep here (config.py refuses them).
+    Outputs and gradients are summed over the windows (rows past a window's groups add
+    zeros), in the compute dtype."""
+    return _swiglu_chunked_fwd(x_nD, w, sizes_E, expert_n, impl, max_group, n_chunks)[0]
+
+
+def _window(plan: Chunks, c, x_pD, w, sizes_E, expert_p, max_group):
+    """Chunk c's first row, rows, weights (its experts'), group sizes in its window, rows'
+    experts (local to the chunk, for the biases) and its weight-gradient bound."""
+    ends_E = jnp.cumsum(sizes_E)
+    starts_E = ends_E - sizes_E
+    R, e = plan.rows, plan.experts
+    if e == sizes_E.shape[0]:  # by rows: every expert, the groups clipped to the window
+        lo = c * R
+        sizes_cE = jnp.clip(ends_E, lo, lo + R) - jnp.clip(starts_E, lo, lo + R)
+        w_c, expert_c = w, jax.lax.dynamic_slice_in_dim(expert_p, lo, R)
+    else:  # by experts: experts [c e, (c + 1) e), whose rows start the window
+        first = c * e
+        lo = starts_E[first]
+        sizes_cE = jax.lax.dynamic_slice_in_dim(sizes_E, first, e)
+        w_c = {n: jax.lax.dynamic_slice_in_dim(a, first, e) for n, a in w.items()}
+        local = jax.lax.dynamic_slice_in_dim(expert_p, lo, R) - first
+        expert_c = jnp.clip(local, 0, e - 1)  # rows past the groups: any, they give zeros
+    group_max = None if max_group is None else min(max_group, R)
+    x_cD = jax.lax.dynamic_slice_in_dim(x_pD, lo, R)
+    return lo, x_cD, w_c, sizes_cE.astype(sizes_E.dtype), expert_c, group_max
+
+
+def _add_at(acc, lo, part, axis=0):
+    """acc with `part` added at `lo` along `axis`."""
+    here = jax.lax.dynamic_slice_in_dim(acc, lo, part.shape[axis], axis)
+    return jax.lax.dynamic_update_slice_in_dim(acc, here + part, lo, axis)
+
+
+def _padded(plan: Chunks, n, *arrays):
+    """The arrays with rows appended so that every window lies inside (no clamped slice)."""
+    pad = max(plan.count * plan.rows, n + plan.rows) - n
+    return [jnp.pad(a, ((0, pad),) + ((0, 0),) * (a.ndim - 1)) for a in arrays]
+
+
+def _swiglu_chunked_fwd(x_nD, w, sizes_E, expert_n, impl, max_group, n_chunks):
+    n, D = x_nD.shape
+    plan = chunk_plan(n, sizes_E.shape[0], n_chunks, max_group)
+    x_pD, expert_p = _padded(plan, n, x_nD, expert_n)
+
+    def one(y_pD, c):
+        lo, x_cD, w_c, sizes_cE, expert_c, group_max = _window(
+            plan, c, x_pD, w, sizes_E, expert_p, max_group
+        )
+        y_cD = _swiglu_sorted_fwd(x_cD, w_c, sizes_cE, expert_c, impl, group_max)[0]
+        return _add_at(y_pD, lo, y_cD), None
+
+    y_pD, _ = jax.lax.scan(one, jnp.zeros_like(x_pD), jnp.arange(plan.count))
+    return y_pD[:n], (x_nD, w, sizes_E, expert_n)
+
+
+def _swiglu_chunked_bwd(impl, max_group, n_chunks, residuals, dy_nD):
+    x_nD, w, sizes_E, expert_n = residuals
+    n, D = x_nD.shape
+    plan = chunk_plan(n, sizes_E.shape[0], n_chunks, max_group)
+    x_pD, expert_p, dy_pD = _padded(plan, n, x_nD, expert_n, dy_nD)
+
+    def one(carry, c):
+        dx_pD, dw = carry
+        lo, x_cD, w_c, sizes_cE, expert_c, group_max = _window(
+            plan, c, x_pD, w, sizes_E, expert_p, max_group
+        )
+        dy_cD = jax.lax.dynamic_slice_in_dim(dy_pD, lo, plan.rows)
+        _, res = _swiglu_sorted_fwd(x_cD, w_c, sizes_cE, expert_c, impl, group_max)
+        dx_cD, dw_c, _, _ = _swiglu_sorted_bwd(impl, group_max, res, dy_cD)
+        first = 0 if plan.experts == sizes_E.shape[0] else c * plan.experts
+        dw = {k: _add_at(dw[k], first, dw_c[k]) for k in dw}
+        return (_add_at(dx_pD, lo, dx_cD), dw), None
+
+    zeros = (jnp.zeros_like(x_pD), jax.tree.map(jnp.zeros_like, w))
+    (dx_pD, dw), _ = jax.lax.scan(one, zeros, jnp.arange(plan.count))
+    return dx_pD[:n], dw, None, None
+
+
+_swiglu_chunked.defvjp(_swiglu_chunked_fwd, _swiglu_chunked_bwd)
+
+
+def grouped_buffers(x_ESCD, w: dict, dtype, filled_ES, impl: str, row_chunks=1) -> jax.Array:
     """`moe.expert_swiglu`'s computation on capacity buffers (E experts x S segments x C
     slots, each segment filled from the front) as one grouped matmul over the filled rows
     only: the rows are compacted by expert, run, and put back (empty slots give zeros).
-    Without the down bias and any tensor-parallel sum, like `grouped_swiglu`."""
+    Without the down bias and any tensor-parallel sum, like `grouped_swiglu` (`row_chunks`:
+    its windows)."""
     E, S, C, D = x_ESCD.shape
     expert_n = jnp.repeat(jnp.arange(E), S * C)
     filled_n = (jnp.arange(C)[None, None, :] < filled_ES[:, :, None]).reshape(-1)
     order_n, sizes_E = sort_rows(expert_n, filled_n, E)
     x_nD = x_ESCD.reshape(E * S * C, D)[order_n]
-    y_nD = grouped_swiglu(x_nD, w, sizes_E, expert_n[order_n], dtype, impl, max_group=S * C)
+    y_nD = grouped_swiglu(x_nD, w, sizes_E, expert_n[order_n], dtype, impl, S * C, row_chunks)
     return y_nD[inverse(order_n)].reshape(E, S, C, D)

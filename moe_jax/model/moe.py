@@ -185,6 +185,7 @@ def expert_swiglu(
     reduce_axis: str | None = None,
     sum_partials=True,
     impl: str = "buckets",
+    row_chunks: int = 1,
 ):
     """Each expert's SwiGLU on its buffer: E experts x S segments (routing groups) x C slots.
     A segment is filled from the front, `filled_ES` rows (None: any may be full); outputs of
@@ -202,7 +203,8 @@ def expert_swiglu(
     stream the weights in one pass (the per-expert map made batch-8 decoding ~25% slower).
     `impl` (moe.impl, resolved): "ragged" / "megablox" run big buffers' filled rows as one
     grouped matmul (`grouped.grouped_buffers`); "batched" runs every slot of any buffer as
-    one batched matmul, padding included (the GPU's form, see `backends.py`)."""
+    one batched matmul, padding included (the GPU's form, see `backends.py`); the grouped
+    ones in `row_chunks` windows (moe.row_chunks)."""
     E, S, C, D = x_ESCD.shape
     w_in = {n: a for n, a in w.items() if n != "down_bias"}
     grouped = S * C >= MAP_MIN_CAPACITY and impl in GROUPED_IMPLS
@@ -215,7 +217,7 @@ def expert_swiglu(
             x_ESCD = jax.lax.pcast(x_ESCD, reduce_axis, to="varying")
         if filled_ES is None:
             filled_ES = jnp.full((E, S), C, jnp.int32)
-        y_ESCD = grouped_buffers(x_ESCD, w_in, dtype, filled_ES, impl)
+        y_ESCD = grouped_buffers(x_ESCD, w_in, dtype, filled_ES, impl, row_chunks)
     elif S * C >= MAP_MIN_CAPACITY:
         if reduce_axis is not None:
             # Each tensor shard's input cotangent is a partial sum. `filled_rows`' hand-written
@@ -508,7 +510,14 @@ class MoE(nnx.Module):
                 buf = to_owner(buf.reshape(ep, E_loc, cap, D))
                 filled = to_owner(filled_slots(slot, E, cap).reshape(ep, E_loc))
                 y_eSCD = expert_swiglu(
-                    buf.transpose(1, 0, 2, 3), w, self.dtype, filled.T, tp, False, self._impl()
+                    buf.transpose(1, 0, 2, 3),
+                    w,
+                    self.dtype,
+                    filled.T,
+                    tp,
+                    False,
+                    self._impl(),
+                    self.cfg.row_chunks,
                 )
                 y = to_owner(y_eSCD.transpose(1, 0, 2, 3)).reshape(E * cap, D)  # back home
                 y_bTD = self._combine(y, slot, wts)
@@ -563,7 +572,9 @@ class MoE(nnx.Module):
         w_in = {n: a for n, a in w.items() if n != "down_bias"}
         # No expert gets more than C rows from each of the ep shards: the weight gradient runs
         # padded to that (`grouped_matmul`), not as a dense product over every local expert.
-        y_mD = grouped_swiglu(x_mD, w_in, sizes_e, expert_m, self.dtype, self._impl(), ep * cap)
+        y_mD = grouped_swiglu(
+            x_mD, w_in, sizes_e, expert_m, self.dtype, self._impl(), ep * cap, self.cfg.row_chunks
+        )
         if "down_bias" in w:  # added once in the later sum over `tensor`
             first = 1 if tp is None else (jax.lax.axis_index(tp) == 0).astype(self.dtype)
             y_mD = y_mD + w["down_bias"][expert_m] * first
@@ -624,7 +635,9 @@ class MoE(nnx.Module):
             x_nD = x_nD * w_BTK.reshape(-1)[order_n][:, None]
         w = self.experts.weights()
         bias = w.pop("down_bias", None)
-        y_nD = grouped_swiglu(x_nD, w, sizes_E, expert_n, self.dtype, self._impl(), max_group)
+        y_nD = grouped_swiglu(
+            x_nD, w, sizes_E, expert_n, self.dtype, self._impl(), max_group, self.cfg.row_chunks
+        )
         if bias is not None:
             y_nD = y_nD + bias.astype(self.dtype)[expert_n]
         y_BTKD = y_nD[inverse(order_n)].reshape(B, T, K, D)
