@@ -129,7 +129,7 @@ def grouped_swiglu(
     """SwiGLU of rows sorted by expert, without the down-projection bias (added by the caller
     after any tensor-parallel sum, like `moe.swiglu_rows`). `expert_n`: each row's expert,
     for the biases. The backward is written by hand (`_swiglu_sorted`). `row_chunks` > 1
-    runs the rows in that many consecutive chunks (`_swiglu_chunked`, moe.row_chunks)."""
+    runs the rows in that many windows, one after the other (`_swiglu_chunked`)."""
     w = {n: a.astype(dtype) for n, a in w.items()}
     x_nD = checkpoint_name(x_nD.astype(dtype), "expert_in")  # for remat policies (remat.py)
     if row_chunks > 1 and x_nD.shape[0] >= 2 * row_chunks:
@@ -189,7 +189,7 @@ _swiglu_sorted.defvjp(_swiglu_sorted_fwd, _swiglu_sorted_bwd)
 
 class Chunks(NamedTuple):
     """How `_swiglu_chunked` cuts the sorted rows: `count` windows of `rows` rows, each
-    running `experts` consecutive experts (all of them, or count of them each)."""
+    running `experts` consecutive experts (every expert when cut by rows)."""
 
     count: int
     rows: int
