@@ -79,6 +79,21 @@ def test_named_remat_policies_equal_keeping_everything(default_step, remat):
     assert_same_step(one_step(*remat), default_step)
 
 
+def test_expert_row_windows_under_full_remat_equal_keeping_everything(default_step, monkeypatch):
+    """moe.row_chunks=2 with the grouped experts (their buffers' filled rows, as training-size
+    buffers run) inside the remat'ed layer scan: the same step as the default's. The windows'
+    custom VJP must really run (counted when traced)."""
+    from moe_jax.model import grouped, moe
+
+    monkeypatch.setattr(moe, "MAP_MIN_CAPACITY", 1)
+    traced = []
+    chunked = grouped._swiglu_chunked
+    monkeypatch.setattr(grouped, "_swiglu_chunked", lambda *a: traced.append(1) or chunked(*a))
+    got = one_step("model.remat=full", "moe.impl=ragged", "moe.row_chunks=2")
+    assert traced
+    assert_same_step(got, default_step)
+
+
 def test_every_remat_name_is_named_by_the_model_and_offloads_go_to_host(monkeypatch):
     """A policy naming a tensor the model never names would silently keep nothing: every
     REMAT_NAMES entry must be a `checkpoint_name` in the train gradient's program, and an
