@@ -231,6 +231,18 @@ def n_batch_shards(mesh: Mesh | None = None) -> int:
     return math.prod(mesh.shape[ax] for ax in BATCH_AXES)
 
 
+def at_block_boundary(x_B: jax.Array) -> jax.Array:
+    """`x_B` [B, ...] laid out as between two decoder layers under the mesh set by
+    `jax.set_mesh`: rows over the batch axes, the rest whole on each device. Left to the
+    partitioner otherwise: no mesh, or a batch the batch axes do not divide (one sequence
+    decoding runs replicated, see moe.MoE)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or x_B.shape[0] % n_batch_shards(mesh):
+        return x_B
+    rows = tuple(ax for ax in BATCH_AXES if mesh.shape[ax] > 1) or None
+    return jax.lax.with_sharding_constraint(x_B, P(rows))
+
+
 def batch_sharding(mesh: Mesh) -> NamedSharding:
     """[B, ...] arrays: batch over (data, fsdp, expert), everything else replicated."""
     return NamedSharding(mesh, P(BATCH_AXES))

@@ -5,6 +5,7 @@ per batch shard). Float32; the sharded run sums the same products in a different
 over tensor shards, per-shard buffers), so 1e-5 absolute on O(1) values.
 """
 
+import contextlib
 import re
 
 import jax
@@ -218,3 +219,24 @@ def test_expert_weight_gradients_leave_as_reduce_scatters_over_fsdp():
     assert not full & set(_result_shapes(hlo, "all-reduce")), "expert gradients all-reduced"
     scattered = _result_shapes(hlo, "reduce-scatter")
     assert scattered.count((4, 32, 4)) == 2 and scattered.count((4, 8, 16)) == 1, scattered
+
+
+def test_activations_are_pinned_to_the_batch_split_at_every_layer_boundary():
+    """sharding.at_block_boundary: under a mesh each decoder layer's input and output are
+    constrained to rows over the batch axes (size-1 axes left out), 2 per layer; a batch the
+    axes do not divide, or no mesh, adds none (left to the partitioner)."""
+    from moe_jax.model import Transformer
+
+    cfg = tiny_config("mesh.fsdp=2", "mesh.expert=2", "mesh.tensor=2", "model.n_layers=2")
+    mesh = make_mesh(cfg)
+    model = create_sharded(lambda: Transformer(cfg, rngs=nnx.Rngs(0)), mesh)
+
+    def constraints(batch, mesh_context):
+        tokens = jnp.zeros((batch, 8), jnp.int32)
+        with mesh_context:
+            text = str(jax.make_jaxpr(lambda t: model(t)[0])(tokens))
+        return re.findall(r"sharding_constraint\[[^\]]*?P\(\('fsdp', 'expert'\),?\)", text)
+
+    assert len(constraints(8, jax.set_mesh(mesh))) == 2 * cfg.model.n_layers
+    assert constraints(3, jax.set_mesh(mesh)) == []  # 3 rows over 4 shards: replicated
+    assert constraints(8, contextlib.nullcontext()) == []

@@ -54,7 +54,7 @@ from moe_jax.model.int8 import after
 from moe_jax.model.moe import MoE, SwiGLU
 from moe_jax.model.norm import RMSNorm
 from moe_jax.model.remat import remat
-from moe_jax.sharding import param
+from moe_jax.sharding import at_block_boundary, param
 
 
 class DecoderLayer(nnx.Module):
@@ -72,7 +72,9 @@ class DecoderLayer(nnx.Module):
     def __call__(self, x_BTD, positions_BT, cache: KVCache | None, n_groups: int, segments_BT):
         # Every use of the input reads this named copy, so that a remat policy keeping it
         # (model.remat_offload=layer_input) replaces the input the layer scan would keep.
-        x_BTD = checkpoint_name(x_BTD, "layer_input")
+        # The activations are pinned to rows over the batch axes at every layer boundary
+        # (sharding.at_block_boundary), rather than left to the partitioner's propagation.
+        x_BTD = checkpoint_name(at_block_boundary(x_BTD), "layer_input")
         layer = after(x_BTD, self)  # int8 weights are dequantised in this layer's turn
         h, cache = layer.attn(layer.attn_norm(x_BTD), positions_BT, cache, segments_BT)
         x_BTD = x_BTD + h
@@ -81,7 +83,7 @@ class DecoderLayer(nnx.Module):
             h, stats = layer.ffn(layer.ffn_norm(x_BTD), n_groups, valid_BT)
         else:
             h, stats = layer.ffn(layer.ffn_norm(x_BTD)), None
-        return x_BTD + h, cache, stats
+        return at_block_boundary(x_BTD + h), cache, stats
 
 
 class Block(nnx.Module):
