@@ -9,6 +9,7 @@ defers to the table below for the backend the program is compiled for:
     attention.impl  blocked | cudnn | splash
     moe.impl        buckets | batched | ragged | megablox
     moe.exchange    buffers | ragged   (how expert-parallel ragged layers move tokens)
+    mesh.weight_gather  partitioner | steps  (how training gathers attention and head weights)
     model.dtype     float32 | bfloat16 (the compute dtype)
     train.loss_chunk  positions per chunk of the loss's head (-1 = auto)
 
@@ -57,6 +58,14 @@ INTERPRETED_ON_CPU = ("splash", "megablox")
 # small for the grouped matmul (decoding: `moe.MAP_MIN_CAPACITY`).
 EXCHANGE = {"cpu": "buffers", "gpu": "ragged", "tpu": "ragged"}
 EXCHANGES = ("auto", "ragged", "buffers")
+# How training gathers the attention weights and the head, split over the batch axes
+# (ZeRO-3), and sends their gradients back (mesh.weight_gather, moe_jax/model/gather.py):
+# "partitioner" leaves both to XLA; "steps" gathers inside a shard_map one batch axis at a time, so
+# the gradients leave as reduce-scatters over one axis each. libtpu turns a collective over
+# the whole 64-chip torus of v5p-128 into an all-reduce (the gathers of a zero-padded buffer,
+# the gradients whole), where one over 8 chips stays what it is (benchmarks/README.md).
+WEIGHT_GATHER = {"cpu": "partitioner", "gpu": "partitioner", "tpu": "steps"}
+WEIGHT_GATHERS = ("auto", "partitioner", "steps")
 
 
 class KernelError(ValueError):
@@ -133,6 +142,11 @@ def choose(kernel: str, impl: str, *, dtype=None, length: int | None = None) -> 
             f"set the {kernel} impl to auto"
         )
     return impl
+
+
+def weight_gather(setting: str = "auto") -> str:
+    """mesh.weight_gather resolved for the target backend."""
+    return WEIGHT_GATHER[target()] if setting == "auto" else setting
 
 
 def exchange(moe_impl: str, setting: str = "auto") -> str:

@@ -21,7 +21,7 @@ import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
-from moe_jax.backends import EXCHANGES, IMPLS
+from moe_jax.backends import EXCHANGES, IMPLS, WEIGHT_GATHERS
 
 DTYPES = ("auto", "float32", "bfloat16")
 REMAT_POLICIES = ("none", "dots", "full")
@@ -255,6 +255,10 @@ class MeshConfig:
     # Let a mesh axis take part of a physical torus axis (e.g. fsdp=8 x expert=8 on v5p-128's
     # 4x4x4): jax refuses such layouts by default, as their collectives may share links.
     split_physical_axes: bool = False
+    # How training gathers the attention weights and the head, split over the batch axes, and
+    # reduces their gradients (moe_jax/backends.py): auto | partitioner (XLA's) | steps
+    # (inside a shard_map, one batch axis at a time: reduce-scatters over one axis each; TPU's)
+    weight_gather: str = "auto"
     # multi-host (jax.distributed): on with `distributed` or when a coordinator / more than one
     # process is given; unset fields come from JAX_COORDINATOR_ADDRESS or the cluster's env
     distributed: bool = False
@@ -541,6 +545,7 @@ def validate(cfg: Config) -> None:
     _one_of(a.impl, IMPLS["attention"], "attention.impl")
     _one_of(e.impl, IMPLS["moe"], "moe.impl")
     _one_of(e.exchange, EXCHANGES, "moe.exchange")
+    _one_of(cfg.mesh.weight_gather, WEIGHT_GATHERS, "mesh.weight_gather")
     _require(e.row_chunks >= 1, f"moe.row_chunks must be >= 1, got {e.row_chunks}")
     _require(
         e.row_chunks == 1 or e.impl in ("auto", "ragged", "megablox"),

@@ -53,7 +53,7 @@ from jax.sharding import PartitionSpec as P
 from moe_jax import backends
 from moe_jax.config import Config, TrainConfig
 from moe_jax.loss import head_statistics
-from moe_jax.model import Transformer
+from moe_jax.model import Transformer, gather
 from moe_jax.sharding import BATCH_AXES, logical_to_spec, state_shardings, with_shardings
 
 # ----------------------------------------------------------------------------- optimizer
@@ -190,11 +190,16 @@ def loss_fn(
     # Never the whole [B, T, V] logits with train.loss_chunk (see moe_jax/loss.py)
     chunk = backends.loss_chunk(model.cfg.train.loss_chunk, x_BTD.shape[1])
     head_DV = model.head_weight() if chunk else None
-    if chunk and not jax.sharding.get_abstract_mesh().empty:
-        # gathered here, once, whole but for `tensor`'s vocab split (the chunks' loop would
-        # gather it again every chunk)
-        head_DV = jax.lax.with_sharding_constraint(head_DV, logical_to_spec((None, "vocab")))
-    logz_BT, target_logit_BT = head_statistics(model.logits, x_BTD, targets_BT, chunk, head_DV)
+    # mesh.weight_gather=steps: the chunks run per device, the head gathered one axis at a time
+    by_steps = chunk and gather.head_statistics(model.final_norm(x_BTD), targets_BT, chunk, head_DV)
+    if by_steps:
+        logz_BT, target_logit_BT = by_steps
+    else:
+        if chunk and not jax.sharding.get_abstract_mesh().empty:
+            # gathered here, once, whole but for `tensor`'s vocab split (the chunks' loop
+            # would gather it again every chunk)
+            head_DV = jax.lax.with_sharding_constraint(head_DV, logical_to_spec((None, "vocab")))
+        logz_BT, target_logit_BT = head_statistics(model.logits, x_BTD, targets_BT, chunk, head_DV)
     count = jnp.sum(weights_BT)
     ce_sum = jnp.sum((logz_BT - target_logit_BT) * weights_BT)
     logit_z_sum = jnp.sum(logz_BT**2 * weights_BT)
@@ -255,7 +260,8 @@ def make_train_step(
 
     def train_step(state, batch):
         params = state["params"]
-        grads, metrics = compute_grads(params, graphdef, batch, cfg.train)
+        with gather.gathering(backends.weight_gather(cfg.mesh.weight_gather)):
+            grads, metrics = compute_grads(params, graphdef, batch, cfg.train)
         metrics["grad_norm"] = optax.tree.norm(grads)  # before clipping
         metrics["lr"] = schedule(state["step"])
         updates, opt_state = tx.update(grads, state["opt_state"], params)

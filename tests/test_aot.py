@@ -152,6 +152,24 @@ def test_tiny_expert_parallel_steps_compile(name, step):
         assert r["loops_of_unknown_trip_count"] == 1  # the stop-token loop, counted at 3 steps
 
 
+def test_attention_weights_gathered_by_steps_compile_for_tpu(monkeypatch):
+    """TPU's auto mesh.weight_gather=steps: the attention weights, split over fsdp x expert,
+    are gathered inside a shard_map one axis at a time; the train step compiles for v5p-8
+    with the projections going that way, no conditionals, gradients leaving as
+    reduce-scatters."""
+    from moe_jax.model import gather
+
+    gathers = []
+    steps = gather._gather
+    monkeypatch.setattr(gather, "_gather", lambda w, a, d: gathers.append(a) or steps(w, a, d))
+    cfg = tiny_config("model.n_layers=2", "mesh.fsdp=2", "mesh.expert=2")
+    with jax.default_matmul_precision("default"):  # Mosaic's kernels: see above
+        r = aot.compile_step(cfg, get_topology("v5p-8"), "train")
+    assert gathers and all(a == ("fsdp", "expert") for a in gathers)
+    assert r["fits"] and r["conditionals"] == 0
+    assert r["collectives"]["reduce-scatter"]["count"] > 0
+
+
 @pytest.mark.parametrize("name, batch", [("h100:1x4", 1), ("v5p-8", 4)])
 def test_expert_parallel_decode_moves_tokens_not_weights(name, batch):
     """Decoding on an expert-parallel mesh: batch 4 splits over the 4 `expert` shards

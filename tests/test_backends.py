@@ -45,6 +45,18 @@ def test_a_kernel_for_another_backend_is_refused_in_one_line():
     assert backends.choose("moe", "megablox") == "megablox"  # Pallas TPU: interpreted on CPU
 
 
+def test_weight_gather_by_backend_and_its_key():
+    assert backends.weight_gather() == "partitioner"  # CPU: XLA's partitioner gathers
+    with backends.targeting("gpu"):
+        assert backends.weight_gather() == "partitioner"
+    with backends.targeting("tpu"):
+        assert backends.weight_gather() == "steps"
+        assert backends.weight_gather("partitioner") == "partitioner"
+    assert tiny_config("mesh.weight_gather=steps").mesh.weight_gather == "steps"
+    with pytest.raises(ConfigError, match="mesh.weight_gather='zero3' is not supported"):
+        tiny_config("mesh.weight_gather=zero3")
+
+
 def test_impl_keys_are_validated():
     assert tiny_config("moe.impl=ragged", "attention.impl=splash").moe.impl == "ragged"
     with pytest.raises(ConfigError, match="moe.impl='grouped' is not supported; use one of"):

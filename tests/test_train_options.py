@@ -94,6 +94,39 @@ def test_expert_row_windows_under_full_remat_equal_keeping_everything(default_st
     assert_same_step(got, default_step)
 
 
+def test_attention_weights_gathered_by_steps_equal_the_partitioners(default_step, monkeypatch):
+    """mesh.weight_gather=steps (TPU's auto): the attention projections run inside a
+    shard_map that gathers their weights over expert, then fsdp (tensor still splitting the
+    heads); the same step as the partitioner's gathers. The projections must really go that
+    way (their gathers counted when traced)."""
+    from moe_jax.model import gather
+
+    gathers = []
+    steps = gather._gather
+    monkeypatch.setattr(
+        gather, "_gather", lambda w, axes, dim: gathers.append(axes) or steps(w, axes, dim)
+    )
+    got = one_step("model.remat=none", "mesh.weight_gather=steps")
+    assert gathers and all(axes == ("fsdp", "expert") for axes in gathers)
+    assert_same_step(got, default_step)
+
+
+def test_loss_head_gathered_by_steps_equals_the_partitioners(monkeypatch):
+    """With the vocabulary whole on each device (no tensor axis) and the loss in chunks, the
+    head too is gathered by steps, in the shard_map that runs the chunks on each device's
+    rows: the same step as the partitioner's gathers."""
+    from moe_jax.model import gather
+
+    mesh = ["mesh.tensor=1", "mesh.data=2", "train.loss_chunk=8"]
+    want = one_step("model.remat=none", *mesh, "mesh.weight_gather=partitioner")
+    ran = []
+    statistics = gather.head_statistics
+    monkeypatch.setattr(gather, "head_statistics", lambda *a: ran.append(statistics(*a)) or ran[-1])
+    got = one_step("model.remat=none", *mesh, "mesh.weight_gather=steps")
+    assert ran and all(r is not None for r in ran)
+    assert_same_step(got, want)
+
+
 def test_every_remat_name_is_named_by_the_model_and_offloads_go_to_host(monkeypatch):
     """A policy naming a tensor the model never names would silently keep nothing: every
     REMAT_NAMES entry must be a `checkpoint_name` in the train gradient's program, and an
