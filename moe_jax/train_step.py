@@ -191,7 +191,9 @@ def loss_fn(
     chunk = backends.loss_chunk(model.cfg.train.loss_chunk, x_BTD.shape[1])
     head_DV = model.head_weight() if chunk else None
     # mesh.weight_gather=steps: the chunks run per device, the head gathered one axis at a time
-    by_steps = chunk and gather.head_statistics(model.final_norm(x_BTD), targets_BT, chunk, head_DV)
+    by_steps = chunk and gather.head_statistics(
+        head_statistics, model.final_norm(x_BTD), targets_BT, chunk, head_DV
+    )
     if by_steps:
         logz_BT, target_logit_BT = by_steps
     else:

@@ -14,7 +14,7 @@ reduce-scatters.
     with gathering(backends.weight_gather(cfg.mesh.weight_gather)):   # the train step's trace
         q_BTHK = project(x_BTD, attn.wq, dtype)      # x [B, T, D] @ w [D, H, K]
         y_BTD = out_project(o_BTHK, attn.wo, dtype)  # o [B, T, H, K] @ w [H, K, D]
-        stats = head_statistics(normed_BTD, targets_BT, chunk, head_DV)   # the loss's head
+        stats = head_statistics(loss_stats, normed_BTD, targets_BT, chunk, head_DV)  # head
 
 Only the train step's trace gathers this way (sampling lays its weights out by other rules,
 `sharding.INFERENCE_RULES`), and only where two axes split the weight; a batch the batch
@@ -39,7 +39,8 @@ _steps: contextvars.ContextVar[bool] = contextvars.ContextVar("weight_gather_ste
 
 @contextlib.contextmanager
 def gathering(mode: str):
-    """Trace the model with the attention weights gathered by `mode` ("steps" | "partitioner")."""
+    """Trace the train step with the attention weights and the head gathered by `mode`
+    ("steps" | "partitioner")."""
     token = _steps.set(mode == "steps")
     try:
         yield
@@ -53,16 +54,17 @@ def _axes(entry, mesh) -> tuple[str, ...]:
     return tuple(n for n in names if n is not None and mesh.shape[n] > 1)
 
 
-def _by_steps(x, v: nnx.Variable, dim: int):
-    """-> (mesh, the weight's spec entries as split axes, the rows' axes), or None where the
-    partitioner gathers: not tracing the train step, no mesh, rows the axes do not divide, or
-    a model dim (`dim`) split over fewer than two axes (one gather either way)."""
+def _by_steps(x, v: nnx.Variable, w, dim: int):
+    """-> (mesh, the split axes of each dim of `w` (v's value), the rows' axes), or None where
+    the partitioner gathers: not tracing the train step, no mesh, rows the axes do not divide,
+    or a model dim (`dim`) split over fewer than two axes (one gather either way)."""
     mesh = jax.sharding.get_abstract_mesh()
-    if not _steps.get() or mesh.empty or x.shape[0] % n_batch_shards(mesh):
+    names = v.get_metadata().get("out_sharding")
+    if not _steps.get() or mesh.empty or not names or x.shape[0] % n_batch_shards(mesh):
         return None
-    spec = logical_to_spec(tuple(v.get_metadata()["out_sharding"]))
+    spec = logical_to_spec(tuple(names))
     # a scanned layer's weight is one slice of its stack, whose names lead with "layers"
-    split = [_axes(e, mesh) for e in spec[len(spec) - v[...].ndim :]]
+    split = [_axes(e, mesh) for e in spec[len(spec) - w.ndim :]]
     return (mesh, split, _axes(BATCH_AXES, mesh)) if len(split[dim]) > 1 else None
 
 
@@ -81,7 +83,7 @@ def _spec(*entries) -> P:
 def project(x_BTD: jax.Array, v: nnx.Variable, dtype) -> jax.Array:
     """x [B, T, D] @ w [D, H, K] -> [B, T, H, K], w's model dim split over batch axes."""
     w_DHK = v[...].astype(dtype)
-    plan = _by_steps(x_BTD, v, 0)
+    plan = _by_steps(x_BTD, v, w_DHK, 0)
     if plan is None:
         return jnp.einsum("btd,dhk->bthk", x_BTD, w_DHK)
     mesh, (d_ax, h_ax, k_ax), rows = plan
@@ -101,7 +103,7 @@ def out_project(o_BTHK: jax.Array, v: nnx.Variable, dtype) -> jax.Array:
     """o [B, T, H, K] @ w [H, K, D] -> [B, T, D], w's model dim split over batch axes (the
     heads' partial sums added over the axis that splits them)."""
     w_HKD = v[...].astype(dtype)
-    plan = _by_steps(o_BTHK, v, 2)
+    plan = _by_steps(o_BTHK, v, w_HKD, 2)
     if plan is None:
         return jnp.einsum("bthk,hkd->btd", o_BTHK, w_HKD)
     mesh, (h_ax, k_ax, d_ax), rows = plan
@@ -118,13 +120,12 @@ def out_project(o_BTHK: jax.Array, v: nnx.Variable, dtype) -> jax.Array:
     )(o_BTHK, w_HKD)
 
 
-def head_statistics(normed_BTD, targets_BT, chunk: int, head_DV):
-    """`loss.head_statistics` of the final norm's output, the head [D, V] gathered by steps
-    inside the shard_map that runs the loss's chunks over each device's rows; None where the
-    partitioner gathers (as for the projections, and where `tensor` splits the vocabulary:
-    the logsumexp would then span devices)."""
-    from moe_jax.loss import head_statistics as statistics
-
+def head_statistics(statistics, normed_BTD, targets_BT, chunk: int, head_DV):
+    """`statistics` (`loss.head_statistics`, passed in: the model does not import the loss)
+    of the final norm's output, the head [D, V] gathered by steps inside the shard_map that
+    runs the loss's chunks over each device's rows; None where the partitioner gathers (as for
+    the projections, and where `tensor` splits the vocabulary: the logsumexp would then span
+    devices)."""
     mesh = jax.sharding.get_abstract_mesh()
     if not _steps.get() or mesh.empty or normed_BTD.shape[0] % n_batch_shards(mesh):
         return None
