@@ -84,7 +84,7 @@ from jax.sharding import PartitionSpec as P
 from moe_jax.config import MAX_TEMPERATURE, MIN_TEMPERATURE
 from moe_jax.model import Transformer
 from moe_jax.model.int8 import is_quantized, quantize_model
-from moe_jax.sharding import BATCH_AXES
+from moe_jax.sharding import split_batch_axes
 
 MIN_BUCKET = 16  # shortest prompt bucket: shorter prompts are padded to this
 STOP_BUCKET = 8  # stop-token lists are padded to a multiple of this
@@ -282,7 +282,7 @@ def shard_cache(cache: dict) -> dict:
 
     def one(a):  # [..., B, S, K, hd]
         B, K = a.shape[-4], a.shape[-2]
-        rows = tuple(ax for ax in BATCH_AXES if mesh.shape[ax] > 1)
+        rows = split_batch_axes(mesh)
         n_rows = math.prod(mesh.shape[ax] for ax in rows)
         spec = (
             rows if rows and B % n_rows == 0 else None,

@@ -231,6 +231,12 @@ def n_batch_shards(mesh: Mesh | None = None) -> int:
     return math.prod(mesh.shape[ax] for ax in BATCH_AXES)
 
 
+def split_batch_axes(mesh) -> tuple[str, ...]:
+    """The batch axes that split anything on `mesh` (size > 1): only these are named in a
+    spec, as a size-1 axis named there would still make JAX sum gradients over it."""
+    return tuple(ax for ax in BATCH_AXES if mesh.shape[ax] > 1)
+
+
 def at_block_boundary(x_B: jax.Array) -> jax.Array:
     """`x_B` [B, ...] laid out as between two decoder layers under the mesh set by
     `jax.set_mesh`: rows over the batch axes, the rest whole on each device. Left to the
@@ -239,8 +245,7 @@ def at_block_boundary(x_B: jax.Array) -> jax.Array:
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty or x_B.shape[0] % n_batch_shards(mesh):
         return x_B
-    rows = tuple(ax for ax in BATCH_AXES if mesh.shape[ax] > 1) or None
-    return jax.lax.with_sharding_constraint(x_B, P(rows))
+    return jax.lax.with_sharding_constraint(x_B, P(split_batch_axes(mesh) or None))
 
 
 def batch_sharding(mesh: Mesh) -> NamedSharding:

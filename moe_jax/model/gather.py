@@ -32,7 +32,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from moe_jax.sharding import BATCH_AXES, logical_to_spec, n_batch_shards
+from moe_jax.sharding import logical_to_spec, n_batch_shards, split_batch_axes
 
 _steps: contextvars.ContextVar[bool] = contextvars.ContextVar("weight_gather_steps", default=False)
 
@@ -54,18 +54,27 @@ def _axes(entry, mesh) -> tuple[str, ...]:
     return tuple(n for n in names if n is not None and mesh.shape[n] > 1)
 
 
+def _steps_mesh(x_B):
+    """The mesh to gather by steps on, or None where the partitioner gathers: not tracing
+    the train step, no mesh, or rows `x_B` [B, ...] the batch axes do not divide."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if not _steps.get() or mesh.empty or x_B.shape[0] % n_batch_shards(mesh):
+        return None
+    return mesh
+
+
 def _by_steps(x, v: nnx.Variable, w, dim: int):
     """-> (mesh, the split axes of each dim of `w` (v's value), the rows' axes), or None where
-    the partitioner gathers: not tracing the train step, no mesh, rows the axes do not divide,
-    or a model dim (`dim`) split over fewer than two axes (one gather either way)."""
-    mesh = jax.sharding.get_abstract_mesh()
+    the partitioner gathers (`_steps_mesh`, or a model dim `dim` split over fewer than two
+    axes: one gather either way)."""
+    mesh = _steps_mesh(x)
     names = v.get_metadata().get("out_sharding")
-    if not _steps.get() or mesh.empty or not names or x.shape[0] % n_batch_shards(mesh):
+    if mesh is None or not names:
         return None
     spec = logical_to_spec(tuple(names))
     # a scanned layer's weight is one slice of its stack, whose names lead with "layers"
     split = [_axes(e, mesh) for e in spec[len(spec) - w.ndim :]]
-    return (mesh, split, _axes(BATCH_AXES, mesh)) if len(split[dim]) > 1 else None
+    return (mesh, split, split_batch_axes(mesh)) if len(split[dim]) > 1 else None
 
 
 def _gather(w, axes: tuple[str, ...], dim: int):
@@ -126,13 +135,13 @@ def head_statistics(statistics, normed_BTD, targets_BT, chunk: int, head_DV):
     runs the loss's chunks over each device's rows; None where the partitioner gathers (as for
     the projections, and where `tensor` splits the vocabulary: the logsumexp would then span
     devices)."""
-    mesh = jax.sharding.get_abstract_mesh()
-    if not _steps.get() or mesh.empty or normed_BTD.shape[0] % n_batch_shards(mesh):
+    mesh = _steps_mesh(normed_BTD)
+    if mesh is None:
         return None
     d_ax, v_ax = (_axes(e, mesh) for e in logical_to_spec(("embed", "vocab")))
     if len(d_ax) < 2 or v_ax:
         return None
-    rows = _axes(BATCH_AXES, mesh)
+    rows = split_batch_axes(mesh)
     logits = lambda x_BcD, w_DV: (x_BcD @ w_DV).astype(jnp.float32)
 
     def local(x, t, w):

@@ -49,7 +49,7 @@ from moe_jax import backends
 from moe_jax.config import Config, MoEConfig
 from moe_jax.model.filled_rows import swiglu_filled
 from moe_jax.model.grouped import grouped_buffers, grouped_swiglu, inverse, sort_rows
-from moe_jax.sharding import BATCH_AXES, n_batch_shards, param
+from moe_jax.sharding import n_batch_shards, param, split_batch_axes
 
 EXPERT_PARAMS = ("w_gate", "w_up", "w_down", "gate_bias", "up_bias", "down_bias")
 MAP_MIN_CAPACITY = 128  # expert buffers of at least this many slots run one expert at a time
@@ -466,7 +466,7 @@ class MoE(nnx.Module):
         # would still make JAX sum the weights' gradient over it, and XLA:CPU runs that
         # one-device all-reduce as a full copy of each layer's expert gradients (0.1 s a step
         # at medium with 32 experts).
-        batch_axes = () if replicated else tuple(ax for ax in BATCH_AXES if mesh.shape[ax] > 1)
+        batch_axes = () if replicated else split_batch_axes(mesh)
         data_axes = ("data",) if mesh.shape["data"] > 1 and not replicated else ()
         to_owner = (lambda a: jax.lax.all_to_all(a, "expert", 0, 0)) if ep > 1 else (lambda a: a)
         ragged = backends.exchange(self._impl(), self.cfg.exchange) == "ragged"
