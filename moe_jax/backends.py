@@ -10,6 +10,7 @@ defers to the table below for the backend the program is compiled for:
     moe.impl        buckets | batched | ragged | megablox
     moe.exchange    buffers | ragged   (how expert-parallel ragged layers move tokens)
     mesh.weight_gather  partitioner | steps  (how training gathers attention and head weights)
+    mesh.gather_group   0 | N  (steps: the most devices one of their collectives spans)
     model.dtype     float32 | bfloat16 (the compute dtype)
     train.loss_chunk  positions per chunk of the loss's head (-1 = auto)
 
@@ -66,6 +67,12 @@ EXCHANGES = ("auto", "ragged", "buffers")
 # the gradients whole), where one over 8 chips stays what it is (benchmarks/README.md).
 WEIGHT_GATHER = {"cpu": "partitioner", "gpu": "partitioner", "tpu": "steps"}
 WEIGHT_GATHERS = ("auto", "partitioner", "steps")
+# With the steps, the most devices one gather or reduce-scatter spans (mesh.gather_group; 0 =
+# a whole axis): a longer batch axis is gathered in two steps, within groups of this many
+# consecutive devices and then across the groups. On v5p-128 a single fsdp axis of 64 spans
+# the whole torus, which libtpu again turns into all-reduces; two steps of 8 stay
+# reduce-scatters (benchmarks/README.md).
+GATHER_GROUP = {"cpu": 0, "gpu": 0, "tpu": 8}
 
 
 class KernelError(ValueError):
@@ -147,6 +154,11 @@ def choose(kernel: str, impl: str, *, dtype=None, length: int | None = None) -> 
 def weight_gather(setting: str = "auto") -> str:
     """mesh.weight_gather resolved for the target backend."""
     return WEIGHT_GATHER[target()] if setting == "auto" else setting
+
+
+def gather_group(setting: int = -1) -> int:
+    """mesh.gather_group resolved for the target backend (-1 = auto)."""
+    return GATHER_GROUP[target()] if setting == -1 else setting
 
 
 def exchange(moe_impl: str, setting: str = "auto") -> str:

@@ -259,6 +259,10 @@ class MeshConfig:
     # reduces their gradients (moe_jax/backends.py): auto | partitioner (XLA's) | steps
     # (inside a shard_map, one batch axis at a time: reduce-scatters over one axis each; TPU's)
     weight_gather: str = "auto"
+    # With the steps: the most devices one of their collectives spans (-1 = auto: 8 on TPU,
+    # 0 elsewhere; 0 = a whole axis). A longer batch axis (fsdp 64) is gathered within groups
+    # of this many consecutive devices, then across them (moe_jax/model/gather.py).
+    gather_group: int = -1
     # multi-host (jax.distributed): on with `distributed` or when a coordinator / more than one
     # process is given; unset fields come from JAX_COORDINATOR_ADDRESS or the cluster's env
     distributed: bool = False
@@ -546,6 +550,11 @@ def validate(cfg: Config) -> None:
     _one_of(e.impl, IMPLS["moe"], "moe.impl")
     _one_of(e.exchange, EXCHANGES, "moe.exchange")
     _one_of(cfg.mesh.weight_gather, WEIGHT_GATHERS, "mesh.weight_gather")
+    _require(
+        cfg.mesh.gather_group >= -1,
+        f"mesh.gather_group must be -1 (auto), 0 (whole axes) or a group size, got "
+        f"{cfg.mesh.gather_group}",
+    )
     _require(e.row_chunks >= 1, f"moe.row_chunks must be >= 1, got {e.row_chunks}")
     _require(
         e.row_chunks == 1 or e.impl in ("auto", "ragged", "megablox"),

@@ -125,6 +125,13 @@ def _check_divisible(cfg: Config, sizes: dict[str, int], inference: bool) -> Non
             )
     if inference:  # a sampling batch that does not divide runs replicated
         return
+    group = cfg.mesh.gather_group
+    for ax in ("fsdp", "expert"):  # the axes that split weights
+        if group > 0 and sizes[ax] > group and sizes[ax] % group:
+            raise ConfigError(
+                f"mesh.gather_group ({group}) must divide mesh.{ax} ({sizes[ax]}), which is "
+                "gathered in groups of that many devices; choose a divisor, or 0 for whole axes"
+            )
     n_batch = math.prod(sizes[ax] for ax in BATCH_AXES)
     micro = t.batch_size // t.grad_accum
     if micro % n_batch:

@@ -262,7 +262,10 @@ def make_train_step(
 
     def train_step(state, batch):
         params = state["params"]
-        with gather.gathering(backends.weight_gather(cfg.mesh.weight_gather)):
+        m = cfg.mesh
+        with gather.gathering(
+            backends.weight_gather(m.weight_gather), backends.gather_group(m.gather_group)
+        ):
             grads, metrics = compute_grads(params, graphdef, batch, cfg.train)
         metrics["grad_norm"] = optax.tree.norm(grads)  # before clipping
         metrics["lr"] = schedule(state["step"])

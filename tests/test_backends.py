@@ -55,6 +55,13 @@ def test_weight_gather_by_backend_and_its_key():
     assert tiny_config("mesh.weight_gather=steps").mesh.weight_gather == "steps"
     with pytest.raises(ConfigError, match="mesh.weight_gather='zero3' is not supported"):
         tiny_config("mesh.weight_gather=zero3")
+    # the steps' largest collective: 8 chips on TPU (v5p-128's fsdp 64 in two steps)
+    assert backends.gather_group() == 0
+    with backends.targeting("tpu"):
+        assert backends.gather_group() == 8
+        assert backends.gather_group(0) == 0
+    with pytest.raises(ConfigError, match="mesh.gather_group must be -1"):
+        tiny_config("mesh.gather_group=-2")
 
 
 def test_impl_keys_are_validated():

@@ -190,6 +190,11 @@ def test_mesh_validation_messages():
         r"mesh.tensor\*fsdp \(8\)",
     ):
         make_mesh(tiny_config("mesh.tensor=2", "mesh.fsdp=4", "moe.expert_hidden=36"))
+    # the steps' groups must tile the axes they split
+    with pytest.raises(ConfigError, match=r"mesh.gather_group \(3\) must divide mesh.fsdp \(8\)"):
+        make_mesh(tiny_config("mesh.fsdp=8", "mesh.gather_group=3"))
+    make_mesh(tiny_config("mesh.fsdp=8", "mesh.gather_group=4"))
+    make_mesh(tiny_config("mesh.fsdp=2", "mesh.expert=2", "mesh.data=2", "mesh.gather_group=3"))
 
 
 def test_params_are_created_sharded():

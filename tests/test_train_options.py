@@ -102,12 +102,14 @@ def test_attention_weights_gathered_by_steps_equal_the_partitioners(default_step
     from moe_jax.model import gather
 
     gathers = []
-    steps = gather._gather
+    steps = gather.gather
     monkeypatch.setattr(
-        gather, "_gather", lambda w, axes, dim: gathers.append(axes) or steps(w, axes, dim)
+        gather, "gather", lambda w, plan, *a: gathers.append(plan) or steps(w, plan, *a)
     )
     got = one_step("model.remat=none", "mesh.weight_gather=steps")
-    assert gathers and all(axes == ("fsdp", "expert") for axes in gathers)
+    # the 4 projections of each attention layer (the expert weights' go over fsdp alone)
+    both = [p for p in gathers if p == (("fsdp", None), ("expert", None))]
+    assert len(both) >= 4
     assert_same_step(got, default_step)
 
 
@@ -124,6 +126,43 @@ def test_loss_head_gathered_by_steps_equals_the_partitioners(monkeypatch):
     monkeypatch.setattr(gather, "head_statistics", lambda *a: ran.append(statistics(*a)) or ran[-1])
     got = one_step("model.remat=none", *mesh, "mesh.weight_gather=steps")
     assert ran and all(r is not None for r in ran)
+    assert_same_step(got, want)
+
+
+@pytest.mark.parametrize(
+    "mesh, group, plan",
+    [
+        # one batch axis of 8 (fsdp 64 on v5p-128, scaled down): within groups of 4, across 2
+        (["mesh.fsdp=8", "mesh.expert=1"], 4, [[0, 4], [1, 5], [2, 6], [3, 7]]),
+        # fsdp 4 in two steps of 2, then expert
+        (["mesh.fsdp=4", "mesh.expert=2"], 2, [[0, 2], [1, 3]]),
+    ],
+)
+def test_weights_gathered_in_groups_equal_the_partitioners(mesh, group, plan, monkeypatch):
+    """mesh.gather_group: an fsdp axis longer than the group is gathered in two steps, within
+    groups of consecutive devices, then across them (every step's transpose a reduce-scatter
+    over those devices alone). Every gathered weight goes that way (attention, the dense and
+    shared MLPs, the experts inside their map, the embedding and the head), and the step is
+    the partitioner's."""
+    from moe_jax.model import gather
+
+    mesh = [*mesh, "mesh.tensor=1", "mesh.data=1", "train.loss_chunk=8"]
+    mesh += ["moe.interleave_step=2", "moe.shared_expert_hidden=32"]
+    want = one_step("model.remat=none", *mesh, "mesh.weight_gather=partitioner")
+    plans = []
+    steps = gather.gather
+    monkeypatch.setattr(gather, "gather", lambda w, p, *a: plans.append(p) or steps(w, p, *a))
+    ran = []
+    statistics = gather.head_statistics
+    monkeypatch.setattr(gather, "head_statistics", lambda *a: ran.append(statistics(*a)) or ran[-1])
+    got = one_step(
+        "model.remat=none", *mesh, "mesh.weight_gather=steps", f"mesh.gather_group={group}"
+    )
+    # the first step, across the groups (major), holds each group's j-th device
+    assert plans and all(p[0] == ("fsdp", plan) for p in plans)
+    assert ran and all(r is not None for r in ran)
+    # attention 4, dense MLP 3, shared expert 3, experts 3, embedding, head (+ their traces)
+    assert len(plans) >= 15
     assert_same_step(got, want)
 
 

@@ -37,8 +37,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from moe_jax import backends
 from moe_jax.config import Config
-from moe_jax.model import attention_kernels
-from moe_jax.model.gather import out_project, project
+from moe_jax.model import attention_kernels, gather
 from moe_jax.model.norm import RMSNorm, rms_norm
 from moe_jax.model.rope import apply_rope, rope_inv_freq
 from moe_jax.sharding import param
@@ -163,7 +162,7 @@ class Attention(nnx.Module):
             self.k_norm = RMSNorm(hd, cfg.model.norm_eps, rngs=rngs)
 
     def _project(self, x_BTD: jax.Array, name: str) -> jax.Array:
-        y = project(x_BTD, getattr(self, f"w{name}"), self.dtype)
+        y = gather.einsum("btd,dhk->bthk", x_BTD, getattr(self, f"w{name}"), self.dtype)
         if hasattr(self, f"{name}_bias"):
             y = y + getattr(self, f"{name}_bias")[...].astype(self.dtype)
         return y
@@ -201,7 +200,7 @@ class Attention(nnx.Module):
             out_BTHD = self._self_attention(q_BTHD, k_BTKD, v_BTKD, positions_BT, segments_BT)
         else:
             out_BTHD, cache = self._cached(q_BTHD, k_BTKD, v_BTKD, positions_BT, cache)
-        y_BTD = out_project(out_BTHD, self.wo, self.dtype)
+        y_BTD = gather.einsum("bthk,hkd->btd", out_BTHD, self.wo, self.dtype)
         if hasattr(self, "o_bias"):
             y_BTD = y_BTD + self.o_bias[...].astype(self.dtype)
         return checkpoint_name(y_BTD, "out_proj"), cache

@@ -1,4 +1,4 @@
-"""Training's gathers of the attention weights and the head, one batch axis at a time.
+"""Training's gathers of the non-expert weights, one batch axis (or group) at a time.
 
 These weights are split over every batch axis on their model dim (ZeRO-3,
 `sharding.LOGICAL_RULES`: fsdp x expert). Left to XLA's partitioner, each is gathered over
@@ -9,17 +9,20 @@ where collectives over 8 chips stay what they are (benchmarks/README.md). With
 `mesh.weight_gather=steps` (TPU's auto, `backends.WEIGHT_GATHER`) the matmul runs inside a
 `shard_map` over each device's rows that gathers its weight over `expert`, then over `fsdp`,
 in the compute dtype: two all-gathers of 8, and for the gradient their transposes, two
-reduce-scatters.
+reduce-scatters. An axis longer than `mesh.gather_group` (fsdp 64: one axis over the whole
+torus) is gathered in two steps too: within groups of that many consecutive devices, then
+across the groups (`axis_index_groups`); so are the expert weights inside the MoE's map.
 
-    with gathering(backends.weight_gather(cfg.mesh.weight_gather)):   # the train step's trace
-        q_BTHK = project(x_BTD, attn.wq, dtype)      # x [B, T, D] @ w [D, H, K]
-        y_BTD = out_project(o_BTHK, attn.wo, dtype)  # o [B, T, H, K] @ w [H, K, D]
+    with gathering(backends.weight_gather(...), backends.gather_group(...)):  # train step
+        q_BTHK = einsum("btd,dhk->bthk", x_BTD, attn.wq, dtype)  # w [D, H, K], D gathered
+        y_BTD = einsum("bthk,hkd->btd", o_BTHK, attn.wo, dtype)  # heads' partials summed
+        x_BTD = lookup(tokens_BT, embedding, dtype)               # the embedding's rows
         stats = head_statistics(loss_stats, normed_BTD, targets_BT, chunk, head_DV)  # head
 
 Only the train step's trace gathers this way (sampling lays its weights out by other rules,
-`sharding.INFERENCE_RULES`), and only where two axes split the weight; a batch the batch
-axes do not divide runs replicated, and a vocabulary split over `tensor` keeps the
-partitioner's head.
+`sharding.INFERENCE_RULES`), and only where two steps split the weight's model dim; a batch
+the batch axes do not divide runs replicated, and a vocabulary split over `tensor` keeps the
+partitioner's embedding and head.
 """
 
 from __future__ import annotations
@@ -34,18 +37,21 @@ from jax.sharding import PartitionSpec as P
 
 from moe_jax.sharding import logical_to_spec, n_batch_shards, split_batch_axes
 
-_steps: contextvars.ContextVar[bool] = contextvars.ContextVar("weight_gather_steps", default=False)
+# (gather by steps, the largest group one collective spans: 0 = whole axes)
+_mode: contextvars.ContextVar[tuple[bool, int]] = contextvars.ContextVar(
+    "weight_gather", default=(False, 0)
+)
 
 
 @contextlib.contextmanager
-def gathering(mode: str):
-    """Trace the train step with the attention weights and the head gathered by `mode`
-    ("steps" | "partitioner")."""
-    token = _steps.set(mode == "steps")
+def gathering(mode: str, group: int = 0):
+    """Trace the train step with the non-expert weights gathered by `mode` ("steps" |
+    "partitioner"), the steps' collectives spanning at most `group` devices (0: whole axes)."""
+    token = _mode.set((mode == "steps", group if mode == "steps" else 0))
     try:
         yield
     finally:
-        _steps.reset(token)
+        _mode.reset(token)
 
 
 def _axes(entry, mesh) -> tuple[str, ...]:
@@ -54,79 +60,106 @@ def _axes(entry, mesh) -> tuple[str, ...]:
     return tuple(n for n in names if n is not None and mesh.shape[n] > 1)
 
 
+def steps(axes: tuple[str, ...], mesh) -> tuple[tuple[str, list | None], ...]:
+    """The collectives that gather a dim split over `axes` (major first), major first: each
+    axis whole (groups None), or one longer than the traced gather group in two, across the
+    groups of consecutive indices and within them (`axis_index_groups`)."""
+    group, out = _mode.get()[1], []
+    for ax in axes:
+        n = mesh.shape[ax]
+        if group and n > group and n % group == 0:
+            starts = range(0, n, group)
+            out.append((ax, [[s + j for s in starts] for j in range(group)]))
+            out.append((ax, [list(range(s, s + group)) for s in starts]))
+        else:
+            out.append((ax, None))
+    return tuple(out)
+
+
+def gather(w, plan, dim: int, to: str = "varying"):
+    """w whole along `dim`, split there as `plan` (`steps`) says: gathered minor step first,
+    each gather's transpose one reduce-scatter over that step's devices alone."""
+    for ax, groups in reversed(plan):
+        w = jax.lax.all_gather(w, ax, axis=dim, tiled=True, axis_index_groups=groups, to=to)
+    return w
+
+
 def _steps_mesh(x_B):
     """The mesh to gather by steps on, or None where the partitioner gathers: not tracing
     the train step, no mesh, or rows `x_B` [B, ...] the batch axes do not divide."""
     mesh = jax.sharding.get_abstract_mesh()
-    if not _steps.get() or mesh.empty or x_B.shape[0] % n_batch_shards(mesh):
+    if not _mode.get()[0] or mesh.empty or x_B.shape[0] % n_batch_shards(mesh):
         return None
     return mesh
-
-
-def _by_steps(x, v: nnx.Variable, w, dim: int):
-    """-> (mesh, the split axes of each dim of `w` (v's value), the rows' axes), or None where
-    the partitioner gathers (`_steps_mesh`, or a model dim `dim` split over fewer than two
-    axes: one gather either way)."""
-    mesh = _steps_mesh(x)
-    names = v.get_metadata().get("out_sharding")
-    if mesh is None or not names:
-        return None
-    spec = logical_to_spec(tuple(names))
-    # a scanned layer's weight is one slice of its stack, whose names lead with "layers"
-    split = [_axes(e, mesh) for e in spec[len(spec) - w.ndim :]]
-    return (mesh, split, split_batch_axes(mesh)) if len(split[dim]) > 1 else None
-
-
-def _gather(w, axes: tuple[str, ...], dim: int):
-    """w whole along `dim`, split there over `axes` (major first): gathered minor axis first,
-    each gather's transpose one reduce-scatter over that axis alone."""
-    for ax in reversed(axes):
-        w = jax.lax.all_gather(w, ax, axis=dim, tiled=True, to="varying")
-    return w
 
 
 def _spec(*entries) -> P:
     return P(*(e or None for e in entries))
 
 
-def project(x_BTD: jax.Array, v: nnx.Variable, dtype) -> jax.Array:
-    """x [B, T, D] @ w [D, H, K] -> [B, T, H, K], w's model dim split over batch axes."""
-    w_DHK = v[...].astype(dtype)
-    plan = _by_steps(x_BTD, v, w_DHK, 0)
-    if plan is None:
-        return jnp.einsum("btd,dhk->bthk", x_BTD, w_DHK)
-    mesh, (d_ax, h_ax, k_ax), rows = plan
+def einsum(subscripts: str, x_B, v: nnx.Variable, dtype) -> jax.Array:
+    """`jnp.einsum(subscripts, x_B, w)` for rows `x_B` [B, ...] (B: subscripts' first
+    letter) and a weight w (v's value, in `dtype`) whose model dim ("embed") is split over
+    the batch axes. By steps: each device's rows, w's model dim gathered, its other dims as
+    split (x's dims that w splits too split alike), the partial sums of contracted split dims
+    added over their axes."""
+    w = v[...].astype(dtype)
+    lhs, rest = subscripts.split(",")
+    rhs, out = rest.split("->")
+    mesh, names = _steps_mesh(x_B), v.get_metadata().get("out_sharding")
+    if mesh is None or not names:
+        return jnp.einsum(subscripts, x_B, w)
+    # a scanned layer's weight is one slice of its stack, whose names lead with "layers"
+    names = tuple(names)[len(names) - w.ndim :]
+    spec = logical_to_spec(names)
+    model = names.index("embed")
+    plan = steps(_axes(spec[model], mesh), mesh)
+    if len(plan) < 2:  # one gather either way
+        return jnp.einsum(subscripts, x_B, w)
+    split = {c: _axes(e, mesh) for c, e in zip(rhs, spec, strict=True)}
+    split[rhs[model]] = ()
+    rows = split_batch_axes(mesh)
+    x_spec = _spec(rows, *(split.get(c) for c in lhs[1:]))
+    y_spec = _spec(rows, *(split.get(c) for c in out[1:]))
+    w_spec = _spec(*(_axes(e, mesh) for e in spec))
+    summed = tuple(ax for c in rhs if c in lhs and c not in out for ax in split[c])
 
     def local(x, w):
-        return jnp.einsum("btd,dhk->bthk", x, _gather(w, d_ax, 0))
+        y = jnp.einsum(subscripts, x, gather(w, plan, model))
+        return jax.lax.psum(y, summed) if summed else y
 
-    return jax.shard_map(
-        local,
-        mesh=mesh,
-        in_specs=(_spec(rows), _spec(d_ax, h_ax, k_ax)),
-        out_specs=_spec(rows, None, h_ax, k_ax),
-    )(x_BTD, w_DHK)
+    return jax.shard_map(local, mesh=mesh, in_specs=(x_spec, w_spec), out_specs=y_spec)(x_B, w)
 
 
-def out_project(o_BTHK: jax.Array, v: nnx.Variable, dtype) -> jax.Array:
-    """o [B, T, H, K] @ w [H, K, D] -> [B, T, D], w's model dim split over batch axes (the
-    heads' partial sums added over the axis that splits them)."""
-    w_HKD = v[...].astype(dtype)
-    plan = _by_steps(o_BTHK, v, w_HKD, 2)
+def _whole_vocab_plan(mesh, d_ax, v_ax):
+    """The steps gathering a [D, V] / [V, D] table's model dim, or None where the partitioner
+    gathers (one step, or a vocabulary split over `tensor`)."""
+    plan = steps(d_ax, mesh)
+    return None if len(plan) < 2 or v_ax else plan
+
+
+def lookup(tokens_BT, v: nnx.Variable, dtype) -> jax.Array:
+    """The embedding table's (v: [V, D]) rows of `tokens_BT`, in `dtype`. By steps, each
+    device gathers the table in `dtype` and looks up its own rows; the gradient is summed
+    into the device's whole table in float32, whose transpose then leaves in steps as
+    reduce-scatters (left to the partitioner, a batch of several sequences per chip became a
+    scatter-add into the whole fp32 table, all-reduced over every chip)."""
+    mesh = _steps_mesh(tokens_BT)
+    plan = None
+    if mesh is not None:
+        v_ax, d_ax = (_axes(e, mesh) for e in logical_to_spec(("vocab", "embed")))
+        plan = _whole_vocab_plan(mesh, d_ax, v_ax)
     if plan is None:
-        return jnp.einsum("bthk,hkd->btd", o_BTHK, w_HKD)
-    mesh, (h_ax, k_ax, d_ax), rows = plan
+        return v[...][tokens_BT].astype(dtype)
+    rows = split_batch_axes(mesh)
 
-    def local(o, w):
-        y = jnp.einsum("bthk,hkd->btd", o, _gather(w, d_ax, 2))
-        return jax.lax.psum(y, h_ax + k_ax) if h_ax + k_ax else y
+    def local(t, table):
+        # the float32 round trip keeps the gradient's scatter-add in float32
+        return gather(table, plan, 1).astype(jnp.float32)[t].astype(dtype)
 
     return jax.shard_map(
-        local,
-        mesh=mesh,
-        in_specs=(_spec(rows, None, h_ax, k_ax), _spec(h_ax, k_ax, d_ax)),
-        out_specs=_spec(rows),
-    )(o_BTHK, w_HKD)
+        local, mesh=mesh, in_specs=(_spec(rows), _spec(None, d_ax)), out_specs=_spec(rows)
+    )(tokens_BT, v[...].astype(dtype))
 
 
 def head_statistics(statistics, normed_BTD, targets_BT, chunk: int, head_DV):
@@ -139,13 +172,14 @@ def head_statistics(statistics, normed_BTD, targets_BT, chunk: int, head_DV):
     if mesh is None:
         return None
     d_ax, v_ax = (_axes(e, mesh) for e in logical_to_spec(("embed", "vocab")))
-    if len(d_ax) < 2 or v_ax:
+    plan = _whole_vocab_plan(mesh, d_ax, v_ax)
+    if plan is None:
         return None
     rows = split_batch_axes(mesh)
     logits = lambda x_BcD, w_DV: (x_BcD @ w_DV).astype(jnp.float32)
 
     def local(x, t, w):
-        return statistics(logits, x, t, chunk, _gather(w, d_ax, 0))
+        return statistics(logits, x, t, chunk, gather(w, plan, 0))
 
     return jax.shard_map(
         local, mesh=mesh, in_specs=(_spec(rows), _spec(rows), _spec(d_ax)), out_specs=_spec(rows)

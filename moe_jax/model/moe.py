@@ -47,6 +47,7 @@ from jax.sharding import PartitionSpec as P
 
 from moe_jax import backends
 from moe_jax.config import Config, MoEConfig
+from moe_jax.model import gather
 from moe_jax.model.filled_rows import swiglu_filled
 from moe_jax.model.grouped import grouped_buffers, grouped_swiglu, inverse, sort_rows
 from moe_jax.sharding import n_batch_shards, param, split_batch_axes
@@ -142,8 +143,11 @@ class SwiGLU(nnx.Module):
         # As rows [B*T, D]: on [B, T, D] XLA:CPU fused the SwiGLU backward's elementwise ops
         # into slow transposing copies for the weight gradients (contracted over both B and T),
         # and the layer's forward + backward took twice as long.
-        w = {n: getattr(self, n)[...] for n in ("w_gate", "w_up", "w_down")}
-        y_ND = swiglu_rows(x_BTD.reshape(-1, x_BTD.shape[-1]), w, self.dtype)
+        x_ND = x_BTD.reshape(-1, x_BTD.shape[-1])
+        # (each matmul's weight gathered by mesh.weight_gather, see gather.einsum)
+        gate_NF = gather.einsum("nd,df->nf", x_ND, self.w_gate, self.dtype)
+        up_NF = gather.einsum("nd,df->nf", x_ND, self.w_up, self.dtype)
+        y_ND = gather.einsum("nf,fd->nd", jax.nn.silu(gate_NF) * up_NF, self.w_down, self.dtype)
         return y_ND.reshape(*x_BTD.shape[:-1], -1)
 
 
@@ -476,9 +480,11 @@ class MoE(nnx.Module):
             a, axis = a.astype(self.dtype), expert_specs[name][1]
             if fs is None or axis is None:
                 return a
-            # Replicated tokens make every fsdp shard's output the same: gathered invariant.
-            to = "invarying" if replicated else "varying"
-            return jax.lax.all_gather(a, fs, axis=axis, tiled=True, to=to)
+            # Replicated tokens make every fsdp shard's output the same: gathered invariant
+            # (in one step: a group's gather alone varies over the axis).
+            if replicated:
+                return jax.lax.all_gather(a, fs, axis=axis, tiled=True, to="invarying")
+            return gather.gather(a, gather.steps((fs,), mesh), axis)
 
         def local(x_bTD, router, bias, w, *valid):
             # The gathered weights vary over fsdp (the gather's transpose is the reduce-scatter);

@@ -49,6 +49,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from moe_jax import backends
 from moe_jax.config import Config
+from moe_jax.model import gather
 from moe_jax.model.attention import Attention, KVCache
 from moe_jax.model.int8 import after
 from moe_jax.model.moe import MoE, SwiGLU
@@ -163,8 +164,7 @@ class Transformer(nnx.Module):
         B, T = tokens_BT.shape
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
-        embedding = self.embed.embedding[...]
-        x_BTD = embedding[tokens_BT].astype(self.dtype)
+        x_BTD = gather.lookup(tokens_BT, self.embed.embedding, self.dtype)
         if images is not None or image_mask is not None:
             x_BTD = self._insert_images(x_BTD, images, image_mask)
 
