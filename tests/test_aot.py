@@ -160,12 +160,39 @@ def test_attention_weights_gathered_by_steps_compile_for_tpu(monkeypatch):
     from moe_jax.model import gather
 
     gathers = []
-    steps = gather._gather
-    monkeypatch.setattr(gather, "_gather", lambda w, a, d: gathers.append(a) or steps(w, a, d))
+    steps = gather.gather
+    monkeypatch.setattr(gather, "gather", lambda w, p, *a: gathers.append(p) or steps(w, p, *a))
     cfg = tiny_config("model.n_layers=2", "mesh.fsdp=2", "mesh.expert=2")
     with jax.default_matmul_precision("default"):  # Mosaic's kernels: see above
         r = aot.compile_step(cfg, get_topology("v5p-8"), "train")
-    assert gathers and all(a == ("fsdp", "expert") for a in gathers)
+    assert (("fsdp", None), ("expert", None)) in gathers
+    assert r["fits"] and r["conditionals"] == 0
+    assert r["collectives"]["reduce-scatter"]["count"] > 0
+
+
+def test_fsdp_in_groups_and_expert_windows_compile_for_tpu(monkeypatch):
+    """One fsdp axis of 4 gathered in two steps of 2 (`mesh.gather_group`, as fsdp 64 in
+    steps of 8 on v5p-128), and the experts' row windows each gathering their own experts'
+    weights inside the layer's scan: compiles for v5p-8 with no conditionals, the gathers
+    going by groups of devices."""
+    from moe_jax.model import gather, grouped
+    from moe_jax.model import moe as moe_module
+
+    monkeypatch.setattr(moe_module, "MAP_MIN_CAPACITY", 1)  # the tiny exchange: ragged
+    windows = []
+    chunked = grouped._swiglu_chunked
+    monkeypatch.setattr(grouped, "_swiglu_chunked", lambda *a: windows.append(a[-1]) or chunked(*a))
+    plans = []
+    steps = gather.gather
+    monkeypatch.setattr(gather, "gather", lambda w, p, *a: plans.append(p) or steps(w, p, *a))
+    over = ["model.n_layers=2", "mesh.fsdp=4", "mesh.gather_group=2", "moe.row_chunks=2"]
+    cfg = tiny_config(*over, "train.batch_size=8")
+    with jax.default_matmul_precision("default"):  # Mosaic's kernels: see above
+        r = aot.compile_step(cfg, get_topology("v5p-8"), "train")
+    assert plans and all(
+        p == (("fsdp", [[0, 2], [1, 3]]), ("fsdp", [[0, 1], [2, 3]])) for p in plans
+    )
+    assert windows and all(whole is not None for whole in windows)  # gathering their own
     assert r["fits"] and r["conditionals"] == 0
     assert r["collectives"]["reduce-scatter"]["count"] > 0
 

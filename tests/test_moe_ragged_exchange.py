@@ -7,6 +7,8 @@ the collective's documented semantics built from all_gather and a scatter (check
 docstring's example first); the real collective is checked by the accelerator compiles.
 """
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -16,6 +18,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from moe_jax import aot, backends
+from moe_jax.model import gather
 from moe_jax.model import moe as moe_module
 from moe_jax.model.moe import MoE
 from moe_jax.sharding import BATCH_AXES, create_sharded, make_mesh, n_batch_shards
@@ -92,12 +95,17 @@ MOE_EP = [
 MESHES = {
     "fsdp2_expert2_tensor2": ["mesh.fsdp=2", "mesh.expert=2", "mesh.tensor=2"],
     "expert4_data2": ["mesh.expert=4", "mesh.data=2"],
+    "fsdp4_data2": ["mesh.fsdp=4", "mesh.data=2"],
 }
-CASES = [  # (mesh, capacity factor, route scale, top_k, moe.row_chunks)
-    ("fsdp2_expert2_tensor2", 0, "output", 2, 1),
-    ("fsdp2_expert2_tensor2", 0.75, "input", 2, 3),  # the received rows in 3 row windows
-    ("expert4_data2", 0.75, "output", 2, 2),  # 2 windows of one local expert each
-    ("expert4_data2", 0, "input", 3, 1),  # top-3 over 2 local experts: min(k, E_loc) binds
+CASES = [  # (mesh, capacity factor, route scale, top_k, moe.row_chunks, mesh.gather_group)
+    ("fsdp2_expert2_tensor2", 0, "output", 2, 1, 0),
+    ("fsdp2_expert2_tensor2", 0.75, "input", 2, 3, 0),  # the received rows in 3 row windows
+    ("expert4_data2", 0.75, "output", 2, 2, 0),  # 2 windows of one local expert each
+    ("expert4_data2", 0, "input", 3, 1, 0),  # top-3 over 2 local experts: min(k, E_loc) binds
+    # windows of 2 experts each, gathering their own experts' weights: over fsdp 2 x expert
+    # 2, and over fsdp 4 (every expert local) in two steps of 2
+    ("fsdp2_expert2_tensor2", 0.75, "output", 2, 2, 0),
+    ("fsdp4_data2", 1.0, "input", 2, 4, 2),
 ]
 
 
@@ -126,13 +134,15 @@ def assert_close(a, b):
     jax.tree.map(lambda u, v: np.testing.assert_allclose(u, v, **TOL), a, b)
 
 
-@pytest.mark.parametrize("mesh_name, cf, scale, k, chunks", CASES)
+@pytest.mark.parametrize("mesh_name, cf, scale, k, chunks, group", CASES)
 def test_ragged_exchange_equals_unsharded_and_fixed_buffers(
-    mesh_name, cf, scale, k, chunks, ragged_on_cpu, monkeypatch
+    mesh_name, cf, scale, k, chunks, group, ragged_on_cpu, monkeypatch
 ):
     """Values, aux statistics and gradients (parameters and input) of the ragged exchange
     equal the unsharded layer routing the same groups and the fixed-buffer all_to_all (run
-    as one grouped matmul too, its buffers forced to the training size)."""
+    as one grouped matmul too, its buffers forced to the training size). Windows cut by
+    experts (E_loc divisible by their count) gather only their own experts' weights, so no
+    gather makes all the local experts' weights whole."""
     over = [*MOE_EP, f"moe.capacity_factor={cf}", f"moe.route_scale={scale}", f"moe.top_k={k}"]
     cfg = tiny_config(*over, *MESHES[mesh_name], f"moe.row_chunks={chunks}")
     mesh = make_mesh(cfg)
@@ -144,16 +154,28 @@ def test_ragged_exchange_equals_unsharded_and_fixed_buffers(
     if cf > 0:
         assert float(s_ref["dropped_frac"]) > 0.1  # the case really drops
 
-    jaxpr, ((_, (y, s)), g) = _sharded(cfg, mesh, x)
-    # The exchange's 2 small all_to_alls of offsets; the rows went by the emulation
-    assert jaxpr.count("all_to_all[") == 2 and "ragged_dot" in jaxpr and "cond[" not in jaxpr
+    with gather.gathering("steps" if group else "partitioner", group):
+        jaxpr, ((_, (y, s)), g) = _sharded(cfg, mesh, x)
+    # The exchange's 2 small all_to_alls of offsets (none without an expert axis); the rows
+    # went by the emulation
+    ep = mesh.shape["expert"]
+    assert jaxpr.count("all_to_all[") == (2 if ep > 1 else 0)
+    assert "ragged_dot" in jaxpr and "cond[" not in jaxpr
     assert ("scan[" in jaxpr) == (chunks > 1)
+    # the expert weights, gathered whole: [E_loc, 32, 16 / tensor] / [E_loc, 16 / tensor, 32]
+    E_loc, F = 8 // ep, 16 // mesh.shape["tensor"]
+    whole = re.search(rf"\[{E_loc},(32,{F}|{F},32)\](\{{.*?\}})? = all_gather", jaxpr)
+    if mesh.shape["fsdp"] > 1:  # (no fsdp: nothing to gather)
+        assert (whole is None) == (chunks > 1 and E_loc % chunks == 0)
+    if group:  # two steps of `group` devices each
+        assert "axis_index_groups=((0, 2), (1, 3))" in jaxpr.replace("[", "(").replace("]", ")")
     assert_close((y, s), (y_ref, s_ref))
     assert_close(g, g_ref)
 
     monkeypatch.setitem(backends.EXCHANGE, "cpu", "buffers")
     jaxpr, ((_, (y_buf, _)), g_buf) = _sharded(cfg, mesh, x)
-    assert jaxpr.count("all_to_all[") == 3  # tokens and filled counts there, results back
+    # tokens and filled counts there, results back
+    assert jaxpr.count("all_to_all[") == (3 if ep > 1 else 0)
     assert_close(y, y_buf)
     assert_close(g, g_buf)
 

@@ -125,15 +125,26 @@ def grouped_swiglu(
     impl: str,
     max_group: int | None = None,
     row_chunks: int = 1,
+    whole=None,
 ) -> jax.Array:
     """SwiGLU of rows sorted by expert, without the down-projection bias (added by the caller
     after any tensor-parallel sum, like `moe.swiglu_rows`). `expert_n`: each row's expert,
     for the biases. The backward is written by hand (`_swiglu_sorted`). `row_chunks` > 1
-    runs the rows in that many windows, one after the other (`_swiglu_chunked`)."""
+    runs the rows in that many windows, one after the other (`_swiglu_chunked`).
+
+    `whole`: None, or `w` is still split (fsdp) and `whole(w)` gathers it (a dict of the
+    same names, in the experts' order). Windows cut by experts then gather their own experts'
+    weights only, forward and again backward, their gradients reduce-scattered window by
+    window: one window's experts are gathered at a time instead of every expert's."""
     w = {n: a.astype(dtype) for n, a in w.items()}
     x_nD = checkpoint_name(x_nD.astype(dtype), "expert_in")  # for remat policies (remat.py)
     if row_chunks > 1 and x_nD.shape[0] >= 2 * row_chunks:
-        return _swiglu_chunked(x_nD, w, sizes_E, expert_n, impl, max_group, row_chunks)
+        plan = chunk_plan(x_nD.shape[0], sizes_E.shape[0], row_chunks, max_group)
+        if whole is not None and plan.experts == sizes_E.shape[0]:  # by rows: all at once
+            w, whole = whole(w), None
+        return _swiglu_chunked(x_nD, w, sizes_E, expert_n, impl, max_group, row_chunks, whole)
+    if whole is not None:
+        w = whole(w)
     return _swiglu_sorted(x_nD, w, sizes_E, expert_n, impl, max_group)
 
 
@@ -209,8 +220,8 @@ def chunk_plan(n: int, n_experts: int, n_chunks: int, max_group: int | None) -> 
     return Chunks(n_chunks, -(-n // n_chunks), n_experts)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
-def _swiglu_chunked(x_nD, w, sizes_E, expert_n, impl, max_group, n_chunks):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
+def _swiglu_chunked(x_nD, w, sizes_E, expert_n, impl, max_group, n_chunks, whole):
     """`_swiglu_sorted` over `n_chunks` windows of the sorted rows, one after the other,
     forward and backward (`chunk_plan`): the [rows, F] intermediates (gate, up, their product
     and gradients: 3.3 GiB each for Mixtral's 122,880 received rows a chip at 12 x 4096
@@ -218,13 +229,14 @@ def _swiglu_chunked(x_nD, w, sizes_E, expert_n, impl, max_group, n_chunks):
     products (two grouped matmuls more) and keeps only the rows, so the checkpoint names
     `expert_gate_up` / `expert_out` have nothing to keep here (config.py refuses them).
     Outputs and gradients are summed over the windows (rows past a window's groups add
-    zeros), in the compute dtype."""
-    return _swiglu_chunked_fwd(x_nD, w, sizes_E, expert_n, impl, max_group, n_chunks)[0]
+    zeros), in the compute dtype. `whole`: see `grouped_swiglu` (by experts only)."""
+    return _swiglu_chunked_fwd(x_nD, w, sizes_E, expert_n, impl, max_group, n_chunks, whole)[0]
 
 
 def _window(plan: Chunks, c, x_pD, w, sizes_E, expert_p, max_group):
-    """Chunk c's first row, rows, weights (its experts'), group sizes in its window, rows'
-    experts (local to the chunk, for the biases) and its weight-gradient bound."""
+    """Chunk c's first row, rows, weights (its experts', as split as `w`), group sizes in its
+    window, rows' experts (local to the chunk, for the biases) and its weight-gradient
+    bound."""
     ends_E = jnp.cumsum(sizes_E)
     starts_E = ends_E - sizes_E
     R, e = plan.rows, plan.experts
@@ -256,27 +268,29 @@ def _padded(plan: Chunks, n, *arrays):
     return [jnp.pad(a, ((0, pad),) + ((0, 0),) * (a.ndim - 1)) for a in arrays]
 
 
-def _swiglu_chunked_fwd(x_nD, w, sizes_E, expert_n, impl, max_group, n_chunks):
+def _swiglu_chunked_fwd(x_nD, w, sizes_E, expert_n, impl, max_group, n_chunks, whole):
     n, D = x_nD.shape
     plan = chunk_plan(n, sizes_E.shape[0], n_chunks, max_group)
     x_pD, expert_p = _padded(plan, n, x_nD, expert_n)
+    whole = whole or (lambda w: w)
 
     def one(y_pD, c):
         lo, x_cD, w_c, sizes_cE, expert_c, group_max = _window(
             plan, c, x_pD, w, sizes_E, expert_p, max_group
         )
-        y_cD = _swiglu_sorted_fwd(x_cD, w_c, sizes_cE, expert_c, impl, group_max)[0]
+        y_cD = _swiglu_sorted_fwd(x_cD, whole(w_c), sizes_cE, expert_c, impl, group_max)[0]
         return _add_at(y_pD, lo, y_cD), None
 
     y_pD, _ = jax.lax.scan(one, jnp.zeros_like(x_pD), jnp.arange(plan.count))
     return y_pD[:n], (x_nD, w, sizes_E, expert_n)
 
 
-def _swiglu_chunked_bwd(impl, max_group, n_chunks, residuals, dy_nD):
+def _swiglu_chunked_bwd(impl, max_group, n_chunks, whole, residuals, dy_nD):
     x_nD, w, sizes_E, expert_n = residuals
     n, D = x_nD.shape
     plan = chunk_plan(n, sizes_E.shape[0], n_chunks, max_group)
     x_pD, expert_p, dy_pD = _padded(plan, n, x_nD, expert_n, dy_nD)
+    whole = whole or (lambda w: w)
 
     def one(carry, c):
         dx_pD, dw = carry
@@ -284,8 +298,11 @@ def _swiglu_chunked_bwd(impl, max_group, n_chunks, residuals, dy_nD):
             plan, c, x_pD, w, sizes_E, expert_p, max_group
         )
         dy_cD = jax.lax.dynamic_slice_in_dim(dy_pD, lo, plan.rows)
+        # gathered again, and the gradient split back: the gather's transpose
+        w_c, split_back = jax.vjp(whole, w_c)
         _, res = _swiglu_sorted_fwd(x_cD, w_c, sizes_cE, expert_c, impl, group_max)
         dx_cD, dw_c, _, _ = _swiglu_sorted_bwd(impl, group_max, res, dy_cD)
+        (dw_c,) = split_back(dw_c)
         first = 0 if plan.experts == sizes_E.shape[0] else c * plan.experts
         dw = {k: _add_at(dw[k], first, dw_c[k]) for k in dw}
         return (_add_at(dx_pD, lo, dx_cD), dw), None

@@ -475,7 +475,9 @@ class MoE(nnx.Module):
         to_owner = (lambda a: jax.lax.all_to_all(a, "expert", 0, 0)) if ep > 1 else (lambda a: a)
         ragged = backends.exchange(self._impl(), self.cfg.exchange) == "ragged"
 
-        def gathered(name, a):
+        fs_plan = gather.steps((fs,), mesh) if fs else ()  # mesh.gather_group's steps
+
+        def gathered(name, a, window=False):
             """In the compute dtype, the model dim whole again: varying over fsdp then."""
             a, axis = a.astype(self.dtype), expert_specs[name][1]
             if fs is None or axis is None:
@@ -484,31 +486,50 @@ class MoE(nnx.Module):
             # (in one step: a group's gather alone varies over the axis).
             if replicated:
                 return jax.lax.all_gather(a, fs, axis=axis, tiled=True, to="invarying")
-            return gather.gather(a, gather.steps((fs,), mesh), axis)
+            if window:
+                # A window's experts gathered on a leading shard axis, then put in place: on
+                # v5p-128 at fsdp 64 libtpu turned the last reduce-scatter of a window's
+                # gradient, along its minor dim (to a 224-wide shard), into an all-reduce,
+                # where one along a leading axis stays. (The whole layer's weights, gathered
+                # that way, went the other way round: benchmarks/README.md.)
+                g_SA = jnp.moveaxis(gather.gather(a[None], fs_plan, 0), 0, axis)
+                return g_SA.reshape(*a.shape[:axis], -1, *a.shape[axis + 1 :])
+            return gather.gather(a, fs_plan, axis)
 
         def local(x_bTD, router, bias, w, *valid):
+            b, T, _ = x_bTD.shape
+            wts, experts, slot, keep, cap, sums = self._route_group(x_bTD, router, bias, *valid)
+            # Small exchanges (decoding) keep the buffers, whose experts then run as batched
+            # matmuls over every slot (see expert_swiglu), as the ragged impl's own do.
+            exchange = ragged and not replicated and ep * cap >= MAP_MIN_CAPACITY
+            # Row windows cut by experts gather their own experts' weights, one window at a
+            # time (grouped.grouped_swiglu's `whole`); everything else is gathered here.
+            chunks = self.cfg.row_chunks
+            by_experts = chunks > 1 and E_loc % chunks == 0  # grouped.chunk_plan's cut
+            later = ("w_gate", "w_up", "w_down") if exchange and fs and by_experts else ()
             # The gathered weights vary over fsdp (the gather's transpose is the reduce-scatter);
             # over `data`, and the biases without a model dim over fsdp too, they are the same
             # on every shard, and their gradient is summed over those axes where they turn
             # varying. Done here, that is one collective per weight, not one per expert inside
             # the expert map's backward loop.
-            w = {n: gathered(n, a) for n, a in w.items()}
+            w = {n: a.astype(self.dtype) if n in later else gathered(n, a) for n, a in w.items()}
             for n, a in w.items():
                 no_fs_dim = fs and expert_specs[n][1] is None and not replicated
                 same = data_axes + ((fs,) if no_fs_dim else ())
                 if same:
                     w[n] = jax.lax.pcast(a, same, to="varying")
-            b, T, _ = x_bTD.shape
-            wts, experts, slot, keep, cap, sums = self._route_group(x_bTD, router, bias, *valid)
             if replicated:
                 return self._own_experts(x_bTD, w, wts, experts, slot, keep, cap, ep, tp), sums
             # The tensor shards' partial sums travel home unsummed and are added after the
             # combine, on [b, T, D] rather than the expert rows (E C / (b T) times fewer
             # bytes with buffers: 2.5 at capacity 1.25 top-2, E when dropless).
-            # Small exchanges (decoding) keep the buffers, whose experts then run as batched
-            # matmuls over every slot (see expert_swiglu), as the ragged impl's own do.
-            if ragged and ep * cap >= MAP_MIN_CAPACITY:
-                y_bTD = self._ragged_exchange(x_bTD, w, wts, experts, keep, cap, ep, tp)
+            if exchange:
+                whole = None
+                if later:
+                    whole = lambda w: {
+                        n: gathered(n, a, window=True) if n in later else a for n, a in w.items()
+                    }
+                y_bTD = self._ragged_exchange(x_bTD, w, wts, experts, keep, cap, ep, tp, whole)
             else:
                 buf = self._dispatch(x_bTD, slot, wts, cap)  # [E * C, D], all experts
                 # Send expert e's slots (and how many are filled) to the shard that owns e:
@@ -545,11 +566,12 @@ class MoE(nnx.Module):
         B, T, _ = x_BTD.shape
         return y_BTD, self._stats(sums, B * T)
 
-    def _ragged_exchange(self, x_bTD, w, wts, experts, keep, cap, ep, tp) -> jax.Array:
+    def _ragged_exchange(self, x_bTD, w, wts, experts, keep, cap, ep, tp, whole) -> jax.Array:
         """Inside the expert-parallel map: this shard's kept assignments, sorted by expert,
         sent as rows (no padding) to the shards owning their experts, run there as one grouped
         matmul and sent back (`ragged_all_to_all` both ways; offsets: `exchange_offsets`).
-        The output is unsummed over `tensor`, like the buffers'."""
+        The output is unsummed over `tensor`, like the buffers'. `whole`: the expert weights
+        come split over fsdp, gathered by the grouped matmul (`grouped_swiglu`)."""
         E, D = self.cfg.n_experts, x_bTD.shape[-1]
         E_loc = E // ep
         b, T, K = experts.shape
@@ -579,7 +601,15 @@ class MoE(nnx.Module):
         # No expert gets more than C rows from each of the ep shards: the weight gradient runs
         # padded to that (`grouped_matmul`), not as a dense product over every local expert.
         y_mD = grouped_swiglu(
-            x_mD, w_in, sizes_e, expert_m, self.dtype, self._impl(), ep * cap, self.cfg.row_chunks
+            x_mD,
+            w_in,
+            sizes_e,
+            expert_m,
+            self.dtype,
+            self._impl(),
+            ep * cap,
+            self.cfg.row_chunks,
+            whole,
         )
         if "down_bias" in w:  # added once in the later sum over `tensor`
             first = 1 if tp is None else (jax.lax.axis_index(tp) == 0).astype(self.dtype)
