@@ -142,16 +142,22 @@ def test_weights_gathered_in_groups_equal_the_partitioners(mesh, group, plan, mo
     """mesh.gather_group: an fsdp axis longer than the group is gathered in two steps, within
     groups of consecutive devices, then across them (every step's transpose a reduce-scatter
     over those devices alone). Every gathered weight goes that way (attention, the dense and
-    shared MLPs, the experts inside their map, the embedding and the head), and the step is
-    the partitioner's."""
+    shared MLPs, the experts inside their map, the embedding and the head, these two in
+    blocks of the vocabulary), and the step is the partitioner's."""
     from moe_jax.model import gather
 
     mesh = [*mesh, "mesh.tensor=1", "mesh.data=1", "train.loss_chunk=8"]
     mesh += ["moe.interleave_step=2", "moe.shared_expert_hidden=32"]
     want = one_step("model.remat=none", *mesh, "mesh.weight_gather=partitioner")
-    plans = []
+    # the embedding and the head (32 KiB each) gathered in 4 blocks of the vocabulary
+    monkeypatch.setattr(gather, "TABLE_BLOCK_BYTES", 8 * 2**10)
+    plans, shapes = [], []
     steps = gather.gather
-    monkeypatch.setattr(gather, "gather", lambda w, p, *a: plans.append(p) or steps(w, p, *a))
+    monkeypatch.setattr(
+        gather,
+        "gather",
+        lambda w, p, *a: plans.append(p) or shapes.append(w.shape) or steps(w, p, *a),
+    )
     ran = []
     statistics = gather.head_statistics
     monkeypatch.setattr(gather, "head_statistics", lambda *a: ran.append(statistics(*a)) or ran[-1])
@@ -161,8 +167,11 @@ def test_weights_gathered_in_groups_equal_the_partitioners(mesh, group, plan, mo
     # the first step, across the groups (major), holds each group's j-th device
     assert plans and all(p[0] == ("fsdp", plan) for p in plans)
     assert ran and all(r is not None for r in ran)
-    # attention 4, dense MLP 3, shared expert 3, experts 3, embedding, head (+ their traces)
-    assert len(plans) >= 15
+    # blocks of 64 of the 256 tokens, the model dim split 8 ways: the head's [4, 64]; the
+    # embedding's [1, 64, 4] (on a leading shard axis)
+    assert (4, 64) in shapes and (1, 64, 4) in shapes
+    # attention 4, dense MLP 3, shared expert 3, experts 3, embedding 4, head 4 (+ traces)
+    assert len(plans) >= 21
     assert_same_step(got, want)
 
 

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import math
 
 import jax
 import jax.numpy as jnp
@@ -131,6 +132,33 @@ def einsum(subscripts: str, x_B, v: nnx.Variable, dtype) -> jax.Array:
     return jax.shard_map(local, mesh=mesh, in_specs=(x_spec, w_spec), out_specs=y_spec)(x_B, w)
 
 
+# The most bytes of the embedding or the head one gather makes whole: libtpu (0.0.42) turned
+# the reduce-scatters of Llama 4's 1.93 GiB head gradient and Qwen3's 0.58 into all-reduces
+# (v5p-128, fsdp 4 x expert 16), where blocks of the vocabulary of 0.24 GiB each, like the
+# whole of Mixtral's head, stay reduce-scatters (benchmarks/README.md).
+TABLE_BLOCK_BYTES = 256 * 2**20
+
+
+def _gather_table(w, plan, dim: int, split: int):
+    """A [V, D] / [D, V] table's local shard `w` gathered along its model dim `dim`, in
+    blocks of the vocabulary (the other dim) of at most TABLE_BLOCK_BYTES once whole (the
+    model dim is split `split` ways), each on a leading shard axis: libtpu turned the
+    reduce-scatters of the embedding's gradient along its minor dim into all-reduces too."""
+    vocab = 1 - dim
+    n, whole = 1, w.size * w.dtype.itemsize * split
+    while whole // n > TABLE_BLOCK_BYTES and w.shape[vocab] % (2 * n) == 0:
+        n *= 2
+
+    def one(b):
+        if dim == 0:
+            return gather(b, plan, 0)
+        b_SVd = gather(b[None], plan, 0)  # [split, V / n, D / split]
+        return jnp.moveaxis(b_SVd, 0, 1).reshape(b.shape[0], -1)
+
+    blocks = [one(b) for b in jnp.split(w, n, axis=vocab)]
+    return blocks[0] if n == 1 else jnp.concatenate(blocks, axis=vocab)
+
+
 def _whole_vocab_plan(mesh, d_ax, v_ax):
     """The steps gathering a [D, V] / [V, D] table's model dim, or None where the partitioner
     gathers (one step, or a vocabulary split over `tensor`)."""
@@ -153,9 +181,11 @@ def lookup(tokens_BT, v: nnx.Variable, dtype) -> jax.Array:
         return v[...][tokens_BT].astype(dtype)
     rows = split_batch_axes(mesh)
 
+    split = math.prod(mesh.shape[ax] for ax in d_ax)
+
     def local(t, table):
         # the float32 round trip keeps the gradient's scatter-add in float32
-        return gather(table, plan, 1).astype(jnp.float32)[t].astype(dtype)
+        return _gather_table(table, plan, 1, split).astype(jnp.float32)[t].astype(dtype)
 
     return jax.shard_map(
         local, mesh=mesh, in_specs=(_spec(rows), _spec(None, d_ax)), out_specs=_spec(rows)
@@ -178,8 +208,10 @@ def head_statistics(statistics, normed_BTD, targets_BT, chunk: int, head_DV):
     rows = split_batch_axes(mesh)
     logits = lambda x_BcD, w_DV: (x_BcD @ w_DV).astype(jnp.float32)
 
+    split = math.prod(mesh.shape[ax] for ax in d_ax)
+
     def local(x, t, w):
-        return statistics(logits, x, t, chunk, gather(w, plan, 0))
+        return statistics(logits, x, t, chunk, _gather_table(w, plan, 0, split))
 
     return jax.shard_map(
         local, mesh=mesh, in_specs=(_spec(rows), _spec(rows), _spec(d_ax)), out_specs=_spec(rows)
