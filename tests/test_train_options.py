@@ -136,6 +136,8 @@ def test_loss_head_gathered_by_steps_equals_the_partitioners(monkeypatch):
         (["mesh.fsdp=8", "mesh.expert=1"], 4, [[0, 4], [1, 5], [2, 6], [3, 7]]),
         # fsdp 4 in two steps of 2, then expert
         (["mesh.fsdp=4", "mesh.expert=2"], 2, [[0, 2], [1, 3]]),
+        # fsdp 8 in three steps of 2 (fsdp 256 on v6e-256 in steps of 8, 8 and 4)
+        (["mesh.fsdp=8", "mesh.expert=1"], 2, [[0, 4], [1, 5], [2, 6], [3, 7]]),
     ],
 )
 def test_weights_gathered_in_groups_equal_the_partitioners(mesh, group, plan, monkeypatch):
@@ -173,6 +175,29 @@ def test_weights_gathered_in_groups_equal_the_partitioners(mesh, group, plan, mo
     # attention 4, dense MLP 3, shared expert 3, experts 3, embedding 4, head 4 (+ traces)
     assert len(plans) >= 21
     assert_same_step(got, want)
+
+
+@pytest.mark.parametrize(
+    "n, group, sizes",
+    [(8, 4, [2, 4]), (64, 8, [8, 8]), (256, 8, [4, 8, 8]), (96, 8, [12, 8]), (8, 2, [2, 2, 2])],
+)
+def test_gather_steps_make_every_block_whole_in_order(n, group, sizes):
+    """`gather.steps` of an axis of n in groups: each step's groups tile the axis, and the
+    steps, run minor first as tiled all-gathers (each device concatenating its group's
+    blocks in group order), leave every device all n blocks in index order."""
+    from moe_jax.model import gather
+
+    class Mesh:
+        shape = {"fsdp": n}
+
+    with gather.gathering("steps", group):
+        plan = gather.steps(("fsdp",), Mesh)
+    assert [len(groups[0]) for _, groups in plan] == sizes
+    held = {i: [i] for i in range(n)}
+    for _, groups in reversed(plan):
+        assert sorted(i for g in groups for i in g) == list(range(n))
+        held = {i: [b for j in g for b in held[j]] for g in groups for i in g}
+    assert all(blocks == list(range(n)) for blocks in held.values())
 
 
 def test_every_remat_name_is_named_by_the_model_and_offloads_go_to_host(monkeypatch):

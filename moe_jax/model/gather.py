@@ -63,17 +63,24 @@ def _axes(entry, mesh) -> tuple[str, ...]:
 
 def steps(axes: tuple[str, ...], mesh) -> tuple[tuple[str, list | None], ...]:
     """The collectives that gather a dim split over `axes` (major first), major first: each
-    axis whole (groups None), or one longer than the traced gather group in two, across the
-    groups of consecutive indices and within them (`axis_index_groups`)."""
+    axis whole (groups None), or one longer than the traced gather group in steps of at most
+    that many devices (`axis_index_groups`): within groups of consecutive indices, then
+    across them, then across those (fsdp 256 in groups of 8: 8, 8, 4)."""
     group, out = _mode.get()[1], []
     for ax in axes:
         n = mesh.shape[ax]
-        if group and n > group and n % group == 0:
-            starts = range(0, n, group)
-            out.append((ax, [[s + j for s in starts] for j in range(group)]))
-            out.append((ax, [list(range(s, s + group)) for s in starts]))
-        else:
+        if not (group and n > group and n % group == 0):
             out.append((ax, None))
+            continue
+        levels, stride = [], 1  # minor first: (stride, size) of each digit of the index
+        while stride < n:
+            rest = n // stride  # the rest in one step where groups of `group` do not tile it
+            size = group if rest % group == 0 else rest
+            levels.append((stride, size))
+            stride *= size
+        for stride, size in reversed(levels):
+            bases = [i for i in range(n) if (i // stride) % size == 0]
+            out.append((ax, [[b + j * stride for j in range(size)] for b in bases]))
     return tuple(out)
 
 
