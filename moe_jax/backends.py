@@ -68,9 +68,9 @@ EXCHANGES = ("auto", "ragged", "buffers")
 WEIGHT_GATHER = {"cpu": "partitioner", "gpu": "partitioner", "tpu": "steps"}
 WEIGHT_GATHERS = ("auto", "partitioner", "steps")
 # With the steps, the most devices one gather or reduce-scatter spans (mesh.gather_group; 0 =
-# a whole axis): a longer batch axis is gathered in two steps, within groups of this many
-# consecutive devices and then across the groups. On v5p-128 a single fsdp axis of 64 spans
-# the whole torus, which libtpu again turns into all-reduces; two steps of 8 stay
+# a whole axis): a longer batch axis is gathered in steps of at most this many, within groups
+# of consecutive devices and then across the groups. On v5p-128 a single fsdp axis of 64
+# spans the whole torus, which libtpu again turns into all-reduces; two steps of 8 stay
 # reduce-scatters (benchmarks/README.md).
 GATHER_GROUP = {"cpu": 0, "gpu": 0, "tpu": 8}
 

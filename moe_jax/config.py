@@ -260,8 +260,9 @@ class MeshConfig:
     # (inside a shard_map, one batch axis at a time: reduce-scatters over one axis each; TPU's)
     weight_gather: str = "auto"
     # With the steps: the most devices one of their collectives spans (-1 = auto: 8 on TPU,
-    # 0 elsewhere; 0 = a whole axis). A longer batch axis (fsdp 64) is gathered within groups
-    # of this many consecutive devices, then across them (moe_jax/model/gather.py).
+    # 0 elsewhere; 0 = a whole axis). A longer batch axis is gathered in steps of at most this
+    # many devices: within groups of consecutive ones, then across them (fsdp 64: 8 x 8;
+    # fsdp 256: 8 x 8 x 4; moe_jax/model/gather.py).
     gather_group: int = -1
     # multi-host (jax.distributed): on with `distributed` or when a coordinator / more than one
     # process is given; unset fields come from JAX_COORDINATOR_ADDRESS or the cluster's env

@@ -10,8 +10,9 @@ where collectives over 8 chips stay what they are (benchmarks/README.md). With
 `shard_map` over each device's rows that gathers its weight over `expert`, then over `fsdp`,
 in the compute dtype: two all-gathers of 8, and for the gradient their transposes, two
 reduce-scatters. An axis longer than `mesh.gather_group` (fsdp 64: one axis over the whole
-torus) is gathered in two steps too: within groups of that many consecutive devices, then
-across the groups (`axis_index_groups`); so are the expert weights inside the MoE's map.
+torus) is gathered in steps of at most that many devices too: within groups of consecutive
+devices, then across the groups (`axis_index_groups`); so are the expert weights inside the
+MoE's map. The embedding and the head go in blocks of the vocabulary (`TABLE_BLOCK_BYTES`).
 
     with gathering(backends.weight_gather(...), backends.gather_group(...)):  # train step
         q_BTHK = einsum("btd,dhk->bthk", x_BTD, attn.wq, dtype)  # w [D, H, K], D gathered
