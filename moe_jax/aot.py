@@ -23,7 +23,9 @@ per-device bytes {arguments, outputs, aliased, temps, host_temps, peak} (peak is
 compiler's `peak_memory_in_bytes`, which accounts for buffer lifetimes; arguments + temps
 overstates it), flops_per_device (matmul FLOPs of the compiled program, loops counted by their
 trip counts: `moe_jax.hlo`), model_flops_per_device (the MFU formula), collectives
-{op: {count, bytes}} per step, compile_s. Exit 0: it compiles and fits; 1: it does not fit
+{op: {count, bytes}} per step, for a train step weight_collectives_floor (the weights'
+all-gather, reduce-scatter and all-reduce bytes its sharding implies: `moe_jax.traffic`),
+compile_s. Exit 0: it compiles and fits; 1: it does not fit
 (one line says by how much); 2: bad input.
 
 `--max-batch` finds the largest batch that fits: rows per batch shard 1, 2, 4, ... until one
@@ -207,6 +209,12 @@ def compile_step(cfg, topo, step: str, verbose: bool = False, hlo_path: str | No
         "loops_of_unknown_trip_count": analysis.unknown_trip_loops,
         "compile_s": round(compile_s, 1),
     }
+    if step == "train":  # the weights' share of the collectives, as the sharding implies it
+        from moe_jax.traffic import weight_collectives
+
+        with backends.targeting(topo.platform):
+            dtype = backends.compute_dtype(cfg.model.dtype)
+        report["weight_collectives_floor"] = weight_collectives(cfg, dict(mesh.shape), dtype)
     if not report["fits"]:  # the GPU compiler does not check; libtpu would have refused
         raise DoesNotFit(peak, topo.hbm_bytes, kind, what)
     return report
@@ -242,10 +250,12 @@ def format_report(r: dict, config_name: str) -> str:
         f"FLOPs per device: compiled {compiled:.4g}, model {model:.4g} "
         f"(compiled / model {compiled / model if model else 0:.3f})",
         "",
-        "collectives per device per step   count        GiB",
+        "collectives per device per step   count        GiB   weights' floor (GiB)",
     ]
+    floor = r.get("weight_collectives_floor", {})
     for op, c in r["collectives"].items():
-        lines.append(f"  {op:<28}{c['count']:>9}{c['bytes'] / GIB:>11.3f}")
+        least = f"{floor[op] / GIB:>14.3f}" if op in floor else ""
+        lines.append(f"  {op:<28}{c['count']:>9}{c['bytes'] / GIB:>11.3f}{least}")
     if not r["collectives"]:
         lines.append("  (none)")
     extra = []
