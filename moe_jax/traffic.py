@@ -8,9 +8,10 @@ Counted the way `moe_jax.hlo` counts a compiled step's collectives (the whole ar
 all-gather makes, the whole array a reduce-scatter takes), for every parameter:
 - split over batch axes on a dim the device computes whole (ZeRO-3: a model dim over fsdp x
   expert, an expert weight's over fsdp; `sharding.LOGICAL_RULES`): gathered whole in the
-  compute dtype once for the forward and once more for the backward where the step
-  rematerialises (`model.remat` other than none: the backward needs the weight again and a
-  gather is not kept), and its gradient reduce-scattered once, in the compute dtype;
+  compute dtype once for the forward, and a decoder layer's once more for the backward
+  where the step rematerialises its layers (`model.remat` other than none: the backward
+  needs the weight again and a gather is not kept; the embedding and the head are outside
+  the layers), and its gradient reduce-scattered once, in the compute dtype;
 - summed over the batch axes that split nothing of it (`data`, or every batch axis for a
   replicated weight: the norms): its gradient shard all-reduced, in float32 where nothing is
   gathered (the partitioner sums the float32 gradient), else in the compute dtype.
@@ -38,9 +39,11 @@ def weight_collectives(cfg: Config, mesh_shape: dict[str, int], compute_dtype) -
 
     abstract = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
     itemsize = jnp.dtype(compute_dtype).itemsize
-    passes = (1 + (cfg.model.remat != "none")) * cfg.train.grad_accum
+    again = cfg.model.remat != "none"
     out = {"all-gather": 0, "reduce-scatter": 0, "all-reduce": 0}
-    for _, var in nnx.to_flat_state(nnx.state(abstract, nnx.Param)):
+    for path, var in nnx.to_flat_state(nnx.state(abstract, nnx.Param)):
+        in_layers = str(path[0]) in ("blocks", "tail")
+        passes = (1 + (again and in_layers)) * cfg.train.grad_accum
         names = tuple(var.get_metadata().get("out_sharding") or ())
         shape = var.shape
         spec = logical_to_spec(names) if names else (None,) * len(shape)
