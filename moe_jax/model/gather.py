@@ -74,30 +74,15 @@ def steps(axes: tuple[str, ...], mesh) -> tuple[tuple[str, list | None], ...]:
             out.append((ax, None))
             continue
         levels, stride = [], 1  # minor first: (stride, size) of each digit of the index
-        for size in _step_sizes(n, group):
+        while stride < n:
+            rest = n // stride  # the rest in one step where groups of `group` do not tile it
+            size = group if rest % group == 0 else rest
             levels.append((stride, size))
             stride *= size
         for stride, size in reversed(levels):
             bases = [i for i in range(n) if (i // stride) % size == 0]
             out.append((ax, [[b + j * stride for j in range(size)] for b in bases]))
     return tuple(out)
-
-
-def _step_sizes(n: int, group: int) -> list[int]:
-    """The sizes of the steps an axis of n devices goes in, minor first, each at most `group`
-    (which divides n): as few steps as can be, as even as powers of two allow (16 in groups
-    of 8: 4 x 4, not 8 x 2: libtpu turned a reduce-scatter over 2 devices into an
-    all-reduce); otherwise groups of `group` while they tile the rest, then the rest."""
-    if n & (n - 1) == 0 and group & (group - 1) == 0:
-        bits, most = n.bit_length() - 1, group.bit_length() - 1
-        steps = -(-bits // most)
-        return [2 ** (bits // steps + (i < bits % steps)) for i in range(steps)]
-    sizes, rest = [], n
-    while rest > 1:
-        size = group if rest % group == 0 and rest > group else rest
-        sizes.append(size)
-        rest //= size
-    return sizes
 
 
 def gather(w, plan, dim: int, to: str = "varying"):
