@@ -487,13 +487,11 @@ class MoE(nnx.Module):
             if replicated:
                 return jax.lax.all_gather(a, fs, axis=axis, tiled=True, to="invarying")
             if window:
-                # A window's experts gathered on a leading shard axis, then put in place: on
-                # v5p-128 at fsdp 64 libtpu turned the last reduce-scatter of a window's
-                # gradient, along its minor dim (to a 224-wide shard), into an all-reduce,
-                # where one along a leading axis stays. (The whole layer's weights, gathered
-                # that way, went the other way round: benchmarks/README.md.)
-                g_SA = jnp.moveaxis(gather.gather(a[None], fs_plan, 0), 0, axis)
-                return g_SA.reshape(*a.shape[:axis], -1, *a.shape[axis + 1 :])
+                # On v5p-128 at fsdp 64 libtpu turned the last reduce-scatter of a window's
+                # gradient, along its minor dim (to a 224-wide shard), into an all-reduce.
+                # (The whole layer's weights, gathered on a leading axis, went the other way
+                # round: benchmarks/README.md.)
+                return gather.gather_leading(a, fs_plan, axis)
             return gather.gather(a, fs_plan, axis)
 
         def local(x_bTD, router, bias, w, *valid):
