@@ -340,7 +340,9 @@ def test_cli_reports_json_and_refuses_what_does_not_fit():
         "host_temps",
         "peak",
     }
-    assert report["host_peak_rss_bytes"] < 4 << 30  # nothing model-sized on the host
+    # the compiler's own host memory (a tiny model has nothing model-sized): 2.2-4.2 GiB,
+    # the most with the suite's two workers compiling at once
+    assert 0 < report["host_peak_rss_bytes"] < 8 << 30
     assert "per device" in ok.stdout and ok.stderr == ""
 
     # 1 G embedding parameters with their Adam moments: 16 GiB of state on a 15.75 GiB chip
