@@ -85,11 +85,11 @@ def steps(axes: tuple[str, ...], mesh) -> tuple[tuple[str, list | None], ...]:
     return tuple(out)
 
 
-def gather(w, plan, dim: int, to: str = "varying"):
+def gather(w, plan, dim: int):
     """w whole along `dim`, split there as `plan` (`steps`) says: gathered minor step first,
     each gather's transpose one reduce-scatter over that step's devices alone."""
     for ax, groups in reversed(plan):
-        w = jax.lax.all_gather(w, ax, axis=dim, tiled=True, axis_index_groups=groups, to=to)
+        w = jax.lax.all_gather(w, ax, axis=dim, tiled=True, axis_index_groups=groups, to="varying")
     return w
 
 
