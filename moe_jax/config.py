@@ -261,8 +261,9 @@ class MeshConfig:
     weight_gather: str = "auto"
     # With the steps: the most devices one of their collectives spans (-1 = auto: 8 on TPU,
     # 0 elsewhere; 0 = a whole axis). A longer batch axis is gathered in steps of at most this
-    # many devices: within groups of consecutive ones, then across them (fsdp 64: 8 x 8;
-    # fsdp 256: 8 x 8 x 4; moe_jax/model/gather.py).
+    # many devices: the rest that groups of it do not tile first (consecutive devices), then
+    # the groups across them (fsdp 64: 8 x 8; fsdp 256: 4, 8, 8; expert 16: 2, 8;
+    # moe_jax/model/gather.py).
     gather_group: int = -1
     # multi-host (jax.distributed): on with `distributed` or when a coordinator / more than one
     # process is given; unset fields come from JAX_COORDINATOR_ADDRESS or the cluster's env

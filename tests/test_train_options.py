@@ -169,8 +169,10 @@ def test_weights_gathered_in_groups_equal_the_partitioners(mesh, group, plan, mo
     assert plans and all(p[0] == ("fsdp", plan) for p in plans)
     assert ran and all(r is not None for r in ran)
     # blocks of 64 of the 256 tokens, the model dim split 8 ways: the head's [4, 64]; the
-    # embedding's [1, 64, 4] (on a leading shard axis)
+    # embedding's [1, 64, 4] (on a leading shard axis); the shared expert's down projection
+    # [32, 4] on a leading shard axis too, its up projection [4, 32] not
     assert (4, 64) in shapes and (1, 64, 4) in shapes
+    assert (1, 32, 4) in shapes and (4, 32) in shapes and (32, 4) not in shapes
     # attention 4, dense MLP 3, shared expert 3, experts 3, embedding 4, head 4 (+ traces)
     assert len(plans) >= 21
     assert_same_step(got, want)
@@ -178,12 +180,14 @@ def test_weights_gathered_in_groups_equal_the_partitioners(mesh, group, plan, mo
 
 @pytest.mark.parametrize(
     "n, group, sizes",
-    [(8, 4, [2, 4]), (64, 8, [8, 8]), (256, 8, [4, 8, 8]), (96, 8, [12, 8]), (8, 2, [2, 2, 2])],
+    [(8, 4, [4, 2]), (64, 8, [8, 8]), (256, 8, [8, 8, 4]), (96, 8, [8, 12]), (8, 2, [2, 2, 2])],
 )
 def test_gather_steps_make_every_block_whole_in_order(n, group, sizes):
-    """`gather.steps` of an axis of n in groups: each step's groups tile the axis, and the
-    steps, run minor first as tiled all-gathers (each device concatenating its group's
-    blocks in group order), leave every device all n blocks in index order."""
+    """`gather.steps` of an axis of n in groups: whole groups major, the rest they do not tile
+    minor (sizes major first: the gradient's reduce-scatters run in that order), each step's
+    groups tile the axis, and the steps, run minor first as tiled all-gathers (each device
+    concatenating its group's blocks in group order), leave every device all n blocks in
+    index order."""
     from moe_jax.model import gather
 
     class Mesh:

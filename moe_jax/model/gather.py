@@ -65,18 +65,26 @@ def _axes(entry, mesh) -> tuple[str, ...]:
 def steps(axes: tuple[str, ...], mesh) -> tuple[tuple[str, list | None], ...]:
     """The collectives that gather a dim split over `axes` (major first), major first: each
     axis whole (groups None), or one longer than the traced gather group in steps of at most
-    that many devices (`axis_index_groups`): within groups of consecutive indices, then
-    across them, then across those (fsdp 256 in groups of 8: 8, 8, 4)."""
+    that many devices (`axis_index_groups`): the rest the groups do not tile first, within
+    groups of that many consecutive indices, then the groups across them, then across those
+    (fsdp 256 in groups of 8: 4, 8, 8; expert 16: 2, 8). The gradient leaves in the reverse
+    order, so its first reduce-scatters divide the dim by the groups' size and the rest's
+    comes last: libtpu (0.0.42) made a reduce-scatter along a weight's minor dim whose result
+    is an odd multiple of 128 elements into an all-reduce, and Llama 4's 5120-wide model dim
+    after fsdp 4 then a step of 2 was 640 such (benchmarks/README.md)."""
     group, out = _mode.get()[1], []
     for ax in axes:
         n = mesh.shape[ax]
         if not (group and n > group and n % group == 0):
             out.append((ax, None))
             continue
+        # the digits' sizes, minor first: the rest the groups do not tile, then the groups
+        sizes, rest = [], n
+        while rest % group == 0:
+            sizes, rest = [*sizes, group], rest // group
+        sizes = ([rest] if rest > 1 else []) + sizes
         levels, stride = [], 1  # minor first: (stride, size) of each digit of the index
-        while stride < n:
-            rest = n // stride  # the rest in one step where groups of `group` do not tile it
-            size = group if rest % group == 0 else rest
+        for size in sizes:
             levels.append((stride, size))
             stride *= size
         for stride, size in reversed(levels):
@@ -96,9 +104,10 @@ def gather(w, plan, dim: int):
 def gather_leading(w, plan, dim: int):
     """`gather(w, plan, dim)` done on a new leading shard axis, then put in place (a copy):
     libtpu turned some reduce-scatters of gradients along a minor dim into all-reduces (a
-    row window's expert weights, the embedding), where along a leading axis they stay
-    reduce-scatters. Not everywhere: the attention's out-projections gathered so came back
-    as more all-reduces (Llama 4, 4 layers: 0.17 -> 0.27 GiB a step)."""
+    row window's expert weights, the embedding, a down projection [F, D]), where along a
+    leading axis they stay reduce-scatters. Not everywhere: the attention's out-projections
+    [H, K, D] gathered so came back as more all-reduces (Llama 4, 4 layers: 0.17 -> 0.27 GiB
+    a step); their gradients' layout already puts D major."""
     g_S = gather(w[None], plan, 0)  # [shards, *w.shape]
     return jnp.moveaxis(g_S, 0, dim).reshape(*w.shape[:dim], -1, *w.shape[dim + 1 :])
 
@@ -143,8 +152,12 @@ def einsum(subscripts: str, x_B, v: nnx.Variable, dtype) -> jax.Array:
     w_spec = _spec(*(_axes(e, mesh) for e in spec))
     summed = tuple(ax for c in rhs if c in lhs and c not in out for ax in split[c])
 
+    # a matrix gathered along its minor dim (the MLPs' down projection [F, D]) goes on a
+    # leading shard axis: Llama 4's shared experts' gradients were otherwise all-reduced
+    one = gather_leading if w.ndim == 2 and model == 1 else gather
+
     def local(x, w):
-        y = jnp.einsum(subscripts, x, gather(w, plan, model))
+        y = jnp.einsum(subscripts, x, one(w, plan, model))
         return jax.lax.psum(y, summed) if summed else y
 
     return jax.shard_map(local, mesh=mesh, in_specs=(x_spec, w_spec), out_specs=y_spec)(x_B, w)
