@@ -202,6 +202,34 @@ def test_fsdp_in_groups_and_expert_windows_compile_for_tpu(monkeypatch):
     assert r["collectives"]["reduce-scatter"]["count"] > 0
 
 
+def test_down_projections_gradients_leave_as_reduce_scatters_on_tpu(tmp_path):
+    """libtpu (0.0.42) compiles a reduce-scatter along a minor dim whose result is an odd
+    multiple of 128 wide into an all-reduce (benchmarks/tpu_reduce_scatters.py). The dense
+    and shared MLPs' down projections [F, D] are therefore gathered on a leading shard axis
+    (`gather.einsum`): with D 512 over fsdp 2 x expert 2 their gradients leave as
+    reduce-scatters to [F, 256] then [F, 128]. Gathered along D itself (`gather_leading`
+    patched to `gather`) libtpu made them all-reduces of [F, 256], which this check finds."""
+    F = 1024
+    over = ["model.d_model=512", "model.ffn_hidden=1024", "moe.shared_expert_hidden=1024"]
+    cfg = tiny_config(
+        "model.n_layers=2", "moe.interleave_step=2", "mesh.fsdp=2", "mesh.expert=2", *over
+    )
+    path = tmp_path / "step.hlo"
+    with jax.default_matmul_precision("default"):  # Mosaic's kernels: see above
+        aot.compile_step(cfg, get_topology("v5p-8"), "train", hlo_path=str(path))
+    comps, _, types = hlo.parse(path.read_text())
+    reduced = [  # the arrays plain all-reduces sum (not the all-reduce-scatter fusions' own)
+        shape
+        for name, insts in comps.items()
+        if not name.startswith("all-reduce-scatter")
+        for inst in insts
+        if inst.opcode in ("all-reduce", "all-reduce-start")
+        for operand in inst.operands
+        for _, shape in hlo.arrays(types.get(operand, ""))
+    ]
+    assert reduced and not [s for s in reduced if len(s) == 2 and s[0] == F], reduced
+
+
 @pytest.mark.parametrize("name, batch", [("h100:1x4", 1), ("v5p-8", 4)])
 def test_expert_parallel_decode_moves_tokens_not_weights(name, batch):
     """Decoding on an expert-parallel mesh: batch 4 splits over the 4 `expert` shards
