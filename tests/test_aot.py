@@ -210,7 +210,7 @@ def test_down_projections_gradients_leave_as_reduce_scatters_on_tpu(tmp_path):
     reduce-scatters to [F, 256] then [F, 128]. Gathered along D itself (`gather_leading`
     patched to `gather`) libtpu made them all-reduces of [F, 256], which this check finds."""
     F = 1024
-    over = ["model.d_model=512", "moe.shared_expert_hidden=1024"]
+    over = ["model.d_model=512", f"moe.shared_expert_hidden={F}"]
     cfg = tiny_config(
         "model.n_layers=1", "moe.interleave_step=1", "mesh.fsdp=2", "mesh.expert=2", *over
     )

@@ -79,10 +79,11 @@ def steps(axes: tuple[str, ...], mesh) -> tuple[tuple[str, list | None], ...]:
             out.append((ax, None))
             continue
         # the digits' sizes, minor first: the rest the groups do not tile, then the groups
-        sizes, rest = [], n
-        while rest % group == 0:
-            sizes, rest = [*sizes, group], rest // group
-        sizes = ([rest] if rest > 1 else []) + sizes
+        k = 0
+        while n % group ** (k + 1) == 0:
+            k += 1
+        rest = n // group**k
+        sizes = ([rest] if rest > 1 else []) + [group] * k
         levels, stride = [], 1  # minor first: (stride, size) of each digit of the index
         for size in sizes:
             levels.append((stride, size))
