@@ -29,10 +29,14 @@ import functools
 # backend -> kernel -> the implementation `auto` picks there
 AUTO = {
     "cpu": {"attention": "blocked", "moe": "buckets"},
-    # GPU MoE: jax 0.10.2 lowers ragged_dot on GPU to a dense [E, rows, N] product (E times
-    # the FLOPs and memory; XLA's ragged-dot flags changed nothing, compiled for H100 here),
-    # so the capacity buffers run as one batched matmul, padding included, until a grouped
-    # kernel (Pallas Mosaic GPU's ragged_dot) is measured on a GPU.
+    # GPU, measured on an H200 (jax 0.11.2, CUDA 13, cuDNN 9.19; benchmarks/gpu/, 2026-11-26).
+    # Attention, causal bf16 fwd+bwd at B 2 x T 4096, 32 q / 4 kv heads of 128: cuDNN 2.45 ms
+    # (392 TFLOP/s), tokamax's Mosaic GPU kernel 2.90, tokamax Triton 4.02, jax's Pallas Triton
+    # 7.35 (no sliding window), XLA 19.7; cuDNN also takes the window and packed documents.
+    # MoE: the batched capacity buffers. ragged_dot's Triton lowering is missing from jax
+    # 0.11.2 (`jax._src.lax.pallas_lowerings` not found), and its default lowering on a
+    # 65k-row Qwen3-shaped layer was still running when the kit's kernel stage ran out of
+    # time (twice); the Pallas/tokamax grouped matmuls queued behind it are not measured yet. The ~1B-active train step with these: 38.8% MFU at 4 x 4096.
     "gpu": {"attention": "cudnn", "moe": "batched"},
     # TPU MoE: XLA lowers ragged_dot on TPU to its own Mosaic grouped-matmul kernel. megablox
     # (the Pallas kernel shipped in jax) runs without a mesh only: its pallas_call declares

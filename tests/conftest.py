@@ -18,10 +18,15 @@ import pytest
 # tests' models are tiny, so this halves a compile-bound test (the remat test 28 -> 17 s). It
 # changes no float semantics (no fast-math either way), only how fast the kernels run.
 FAST_COMPILE = "--xla_backend_optimization_level=0"
-os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count=8 {FAST_COMPILE}"
-).strip()
+# The GPU kit (benchmarks/gpu/run.sh) runs the tests marked `gpu` with JAX_PLATFORMS=cuda: the
+# CPU-only flags stay off there (-O0 would apply to the GPU's generated kernels too).
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+ON_CPU = os.environ["JAX_PLATFORMS"] == "cpu"
+if ON_CPU:
+    os.environ["XLA_FLAGS"] = (
+        os.environ.get("XLA_FLAGS", "")
+        + f" --xla_force_host_platform_device_count=8 {FAST_COMPILE}"
+    ).strip()
 run_id = os.environ.get("PYTEST_XDIST_TESTRUNUID", f"pid{os.getpid()}")  # same for all workers
 OWN_CACHE = os.path.join(tempfile.gettempdir(), f"moe_jax_tests_{run_id}")
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", OWN_CACHE)  # a user's own cache wins
@@ -63,3 +68,10 @@ def pytest_xdist_make_scheduler(config, log):
             return path if _has_module_fixture(config.rootpath / path) else nodeid
 
     return ModulesWithSharedFixtures(config, log)
+
+
+def pytest_runtest_logreport(report):
+    """MOE_JAX_INSTAFAIL=1 (the GPU kit): print a failure's report as it happens, so a run
+    killed at its time limit still shows why the tests before it failed."""
+    if report.failed and os.environ.get("MOE_JAX_INSTAFAIL") == "1":
+        print(f"\nFAILED {report.nodeid} ({report.when})\n{report.longreprtext}", flush=True)

@@ -1,0 +1,237 @@
+"""The GPU kit's driver: every stage in its own process under its own time limit, most
+informative first, each stage's records written before the next starts.
+
+    benchmarks/gpu/run.sh OUT                 # on the GPU machine (installs the carried wheels)
+    python benchmarks/gpu/kit.py OUT --dry-run   # the same stages at tiny sizes on this CPU
+    python benchmarks/gpu/kit.py OUT --stages kernels,tests
+
+Writes OUT/results.jsonl (one JSON record a line: the stages' measurements, then a
+`stage` record with its exit status and wall time), OUT/log.txt (everything the stages
+printed) and OUT/summary.txt (the table printed last). Stages:
+
+  ceilings     device, versions, cuDNN; bf16 matmul TFLOP/s and HBM copy GB/s
+  kernels      the MoE grouped matmuls and attention kernels, checked and timed
+  tests        pytest -m gpu: the real kernels against the reference paths
+  train        the ~1B-active model's real train step (auto kernels, then ragged + Triton)
+  train_peer   the same model in transformers (after ours has exited)
+  decode       our sampler at batch 1 and 8, bf16 weights
+  decode_peer  transformers' generate, same model and prompts
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib.util
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[1]
+# stage -> (command after the python executable, seconds on the GPU). The sum stays under
+# the 9 minutes a run of the device tool should take; a stage gets no more than what is left
+# of --budget.
+STAGES = {
+    "ceilings": (["benchmarks/gpu/stages.py", "ceilings"], 60),
+    "kernels": (["benchmarks/gpu/stages.py", "kernels"], 120),
+    "tests": (
+        [
+            "-m",
+            "pytest",
+            "-q",
+            "-m",
+            "gpu",
+            "-p",
+            "no:cacheprovider",
+            "-o",
+            "addopts=",
+            "-rfE",
+            "--tb=short",
+            "tests/test_gpu.py",
+        ],
+        120,
+    ),
+    "train": (["benchmarks/gpu/stages.py", "train"], 180),
+    "train_peer": (["benchmarks/gpu/hf_peer.py", "train"], 90),
+    "decode": (["benchmarks/gpu/stages.py", "decode"], 90),
+    "decode_peer": (["benchmarks/gpu/hf_peer.py", "decode"], 60),
+}
+RECORD = "@@record "
+PYTEST_END = re.compile(r"\d+ (passed|failed|skipped|error)")
+
+
+def run_stage(name: str, out: Path, dry: bool, limit: float, log) -> dict:
+    cmd, _ = STAGES[name]
+    cmd = [sys.executable, *cmd] + (["--dry-run"] if dry and name != "tests" else [])
+    if name == "tests" and importlib.util.find_spec("pytest_timeout"):
+        cmd += ["--timeout=45"]  # a hung test fails with its traceback; the rest still run
+    env = dict(os.environ, PYTHONUNBUFFERED="1", MOE_JAX_INSTAFAIL="1")
+    env["JAX_PLATFORMS"] = "cpu" if dry else "cuda"
+    if not dry:  # the train step wants most of the card; the peers run after ours exits
+        env.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.92")
+    pp = env.get("PYTHONPATH")
+    env["PYTHONPATH"] = f"{ROOT}{os.pathsep}{pp}" if pp else str(ROOT)
+    log.write(f"\n===== {name}: {' '.join(cmd)} (limit {limit:.0f} s)\n")
+    log.flush()
+    t0 = time.monotonic()
+    proc = subprocess.Popen(
+        cmd,
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    with open(out / "results.jsonl", "a") as results:
+
+        def pump():  # a thread: the stage's output to the log, its records to results.jsonl
+            for line in proc.stdout:
+                log.write(line)
+                log.flush()
+                if line.startswith(RECORD):
+                    with contextlib.suppress(json.JSONDecodeError):
+                        rec = {"stage": name, **json.loads(line[len(RECORD) :])}
+                        results.write(json.dumps(rec) + "\n")
+                        results.flush()
+
+        reader = threading.Thread(target=pump, daemon=True)
+        reader.start()
+        try:
+            rc, timed_out = proc.wait(timeout=limit), False
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            rc, timed_out = proc.wait(), True
+        reader.join(timeout=10)
+        if name == "tests":  # pytest's closing line is the record
+            tail = [ln for ln in log_tail(out) if PYTEST_END.search(ln)]
+            rec = {
+                "stage": name,
+                "kind": "tests",
+                "summary": tail[-1].strip("= ") if tail else None,
+            }
+            results.write(json.dumps(rec) + "\n")
+        status = {
+            "stage": name,
+            "kind": "stage",
+            "rc": rc,
+            "timed_out": timed_out,
+            "wall_s": round(time.monotonic() - t0, 1),
+        }
+        results.write(json.dumps(status) + "\n")
+    log.write(f"===== {name}: rc {rc}{' (timed out)' if timed_out else ''}, {status['wall_s']} s\n")
+    return status
+
+
+def log_tail(out: Path, n: int = 40) -> list[str]:
+    return (out / "log.txt").read_text(errors="replace").splitlines()[-n:]
+
+
+def summary(records: list[dict]) -> str:
+    """The table a reader needs first: ceilings, the kernels' times, the tests, training and
+    decode against the peers and the bounds."""
+    by = lambda kind, **kw: [
+        r for r in records if r.get("kind") == kind and all(r.get(k) == v for k, v in kw.items())
+    ]
+    lines = []
+    dev = next(iter(by("device")), {})
+    mm = next((r["tflops"] for r in by("ceiling", what="bf16 matmul")), None)
+    bw = next((r["gbs"] for r in by("ceiling", what="hbm copy")), None)
+    lines.append(
+        f"device {dev.get('device_kind')} ({dev.get('backend')}), cuDNN {dev.get('cudnn')}, "
+        f"jax {dev.get('versions', {}).get('jax')}"
+    )
+    lines.append(f"ceilings: bf16 matmul {_f(mm)} TFLOP/s, HBM copy {_f(bw)} GB/s")
+    for kind in ("moe", "attention"):
+        for r in by(kind):
+            if kind == "attention" and r.get("case") != "causal":
+                errs = r.get("error") or "max err " + _f(
+                    max(r.get("err", {}).values(), default=None), 4
+                )
+                lines.append(f"  {kind:9s} {r['impl']:32s} {r['case']:7s} {errs}")
+                continue
+            err = r.get("err", {})
+            lines.append(
+                f"  {kind:9s} {r['impl']:32s} {r.get('case', ''):7s} "
+                f"fwd {_f(r.get('fwd_ms'), 3)} ms"
+                f" ({_f(r.get('fwd_tflops'))} TF/s), fwd+bwd {_f(r.get('fwd_bwd_ms'), 3)} ms "
+                f"({_f(r.get('fwd_bwd_tflops'))} TF/s), max err "
+                f"{_f(max(err.values(), default=None), 4)} {r.get('error', '')}"
+            )
+    for r in by("tests"):
+        lines.append(f"tests: {r.get('summary')}")
+    for r in by("train"):
+        who = r.get("side", "moe_jax") + " " + r.get("variant", "")
+        mfu = r.get("mfu")
+        lines.append(
+            f"train {who:36s} B {r.get('batch')} x {r.get('seq')}: "
+            f"{_f(r.get('tokens_per_s'), 0)} tok/s, step {_f(r.get('step_s'), 3)} s, "
+            f"MFU {_f(mfu and 100 * mfu)}% (bf16 peak), "
+            f"{_f(r.get('model_tflops') / mm * 100 if mm and r.get('model_tflops') else None)}% of "
+            f"the matmul ceiling, peak mem {_f((r.get('peak_bytes') or 0) / 2**30)} GiB, "
+            f"compile {_f(r.get('compile_s'))} s {r.get('error') or r.get('skipped') or ''}"
+        )
+    for r in by("decode"):
+        who = r.get("side", "moe_jax") + " " + r.get("cache", "")
+        bound = ""
+        if r.get("bytes_per_step") and bw and r.get("step_ms"):
+            bound_ms = r["bytes_per_step"]["total"] / (bw * 1e9) * 1e3
+            bound = f", bound {_f(bound_ms, 3)} ms ({_f(r['step_ms'] / bound_ms, 2)}x)"
+        lines.append(
+            f"decode {who:16s} B {r.get('batch')}: {_f(r.get('tokens_per_s'), 0)} tok/s, "
+            f"step {_f(r.get('step_ms'), 3)} ms{bound} {r.get('error') or r.get('skipped') or ''}"
+        )
+    for r in by("stage"):
+        lines.append(
+            f"stage {r['stage']:12s} rc {r['rc']} {r['wall_s']} s"
+            f"{' TIMED OUT' if r['timed_out'] else ''}"
+        )
+    return "\n".join(lines)
+
+
+def _f(x, digits: int = 1) -> str:
+    return "-" if x is None else f"{x:.{digits}f}"
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(description=__doc__.strip().splitlines()[0])
+    p.add_argument("out", type=Path)
+    p.add_argument("--dry-run", action="store_true", help="tiny sizes on the CPU")
+    p.add_argument("--stages", default=",".join(STAGES))
+    p.add_argument("--budget", type=float, default=540, help="seconds for all stages")
+    args = p.parse_args(argv)
+    stages = args.stages.split(",")
+    if bad := [s for s in stages if s not in STAGES]:
+        print(
+            f"error: unknown stage {', '.join(bad)}; stages: {', '.join(STAGES)}", file=sys.stderr
+        )
+        return 2
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "results.jsonl").write_text("")
+    end = time.monotonic() + args.budget
+    with open(args.out / "log.txt", "w") as log:
+        for name in stages:
+            left = end - time.monotonic()
+            if left < 5:
+                log.write(f"===== {name}: skipped, the budget is spent\n")
+                continue
+            limit = left if args.dry_run else min(STAGES[name][1], left)
+            status = run_stage(name, args.out, args.dry_run, limit, log)
+            print(f"{name}: rc {status['rc']}, {status['wall_s']} s", flush=True)
+    records = [json.loads(ln) for ln in (args.out / "results.jsonl").read_text().splitlines()]
+    text = summary(records)
+    (args.out / "summary.txt").write_text(text + "\n")
+    print(text)
+    failed = [r["stage"] for r in records if r.get("kind") == "stage" and r["rc"] != 0]
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,140 @@
+"""The real GPU kernels against the reference paths, on an NVIDIA GPU (marked `gpu`).
+
+CI has no GPU, so these skip there; the GPU kit (`benchmarks/gpu/run.sh`) runs them on the
+device with `JAX_PLATFORMS=cuda`. Each compares a fast path with the CPU's reference path run
+on the same GPU:
+- cuDNN flash attention (bf16 operands) against the blocked attention in float32 on the same
+  values upcast, for a causal, a sliding-window, a chunked and a packed mask, values and
+  gradients;
+- the grouped experts (`moe.impl=ragged`: `jax.lax.ragged_dot`) and the batched capacity
+  buffers against the dense loop over every expert, values and gradients;
+- a train step with the backend's own kernels (bf16, cuDNN, grouped or batched MoE) against
+  the reference kernels in float32;
+- greedy decoding with the KV cache against repeated full forwards.
+
+Tolerances: bf16 operands carry 8 bits of mantissa, so a relative error of a few 1e-3 per
+element and ~4e-3 in norm is expected for one attention layer (softmax in float32 inside
+cuDNN); 2e-2 in norm flags a wrong mask or lost block (those are off by O(1)). The float32
+paths sum the same products in another order: 1e-4, as on the CPU.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(
+        jax.default_backend() != "gpu",
+        reason="needs an NVIDIA GPU (benchmarks/gpu/run.sh runs these there)",
+    ),
+]
+
+BF16_NORM_TOL = 2e-2
+
+
+def rel_err(got, want) -> float:
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    return float(np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30))
+
+
+@pytest.mark.parametrize(
+    "overrides, packed",
+    [
+        ((), False),
+        (("attention.sliding_window=100",), False),
+        (("attention.chunk_size=96",), False),
+        (("attention.chunk_size=64",), True),
+    ],
+    ids=["causal", "window", "chunked", "packed"],
+)
+def test_cudnn_attention_equals_blocked_values_and_gradients(overrides, packed):
+    from moe_jax.model.attention import Attention
+    from tests.helpers import tiny_config
+    from tests.test_attention_kernels import T, _packed, _qkv, _value_and_grads
+
+    # head_dim 64 (cuDNN's smallest supported multiple), 4 query heads over 2 kv heads
+    cfg = tiny_config("model.d_model=256", "attention.head_dim=64", *overrides)
+    attn = Attention(cfg, 0, rngs=nnx.Rngs(0))
+    q, k, v = _qkv(attn)
+    if packed:
+        positions, segments = _packed()
+    else:
+        positions, segments = jnp.broadcast_to(jnp.arange(T), (q.shape[0], T)), None
+    bf = lambda a: a.astype(jnp.bfloat16)
+    q, k, v = bf(q), bf(k), bf(v)
+    want = _value_and_grads(
+        attn, "blocked", *(a.astype(jnp.float32) for a in (q, k, v)), positions, segments
+    )
+    got = _value_and_grads(attn, "cudnn", q, k, v, positions, segments)
+    for name, a, b in zip(
+        ("out", "dq", "dk", "dv"), (got[0], *got[1]), (want[0], *want[1]), strict=True
+    ):
+        assert a.dtype == jnp.bfloat16, name
+        assert rel_err(a, b) < BF16_NORM_TOL, (name, rel_err(a, b))
+
+
+@pytest.mark.parametrize("impl", ["ragged", "batched"])
+def test_grouped_experts_equal_the_dense_loop_values_and_gradients(impl):
+    from moe_jax.model.moe import MoE
+    from tests.helpers import tiny_config
+    from tests.test_moe import VARIANTS, apply, dense_reference, randomize
+    from tests.test_moe_grouped import assert_grads_equal, loss
+
+    cfg = tiny_config(
+        "moe.capacity_factor=0", f"moe.impl={impl}", *VARIANTS["softmax_top3_shared_bias"]
+    )
+    moe = MoE(cfg, rngs=nnx.Rngs(0))
+    randomize(moe, 1)
+    x = jax.random.normal(jax.random.key(2), (4, 64, cfg.model.d_model))
+    y, stats = apply(moe, x, 2)
+    np.testing.assert_allclose(y, dense_reference(moe, x), rtol=1e-4, atol=1e-4)
+    assert float(stats["dropped_frac"]) == 0.0
+    grads = nnx.jit(nnx.grad(loss(lambda m: m(x)[0])))(moe)
+    assert_grads_equal(grads, nnx.jit(nnx.grad(loss(lambda m: dense_reference(m, x))))(moe))
+
+
+def _losses(*overrides, steps=4):
+    from moe_jax.train_step import init_state, make_optimizer, make_train_step
+    from tests.helpers import tiny_config
+
+    cfg = tiny_config("train.batch_size=4", "train.seq_len=128", *overrides)
+    tx = make_optimizer(cfg.train)
+    graphdef, state = init_state(cfg, tx)
+    step = make_train_step(cfg, graphdef, tx)
+    tokens = jax.random.randint(jax.random.key(0), (4, 129), 0, cfg.model.vocab_size)
+    out = []
+    for _ in range(steps):
+        state, metrics = step(state, tokens)
+        out.append(float(metrics["loss"]))
+    return np.array(out)
+
+
+def test_train_step_with_the_gpu_kernels_equals_the_reference_kernels():
+    """The backend's own kernels (auto: bf16, cuDNN, the GPU MoE) against float32 with the
+    blocked attention and the CPU's buckets, four steps on one batch: the losses agree to bf16
+    accuracy and fall the same way."""
+    fast = _losses("model.d_model=256", "attention.head_dim=64")
+    ref = _losses(
+        "model.d_model=256",
+        "attention.head_dim=64",
+        "model.dtype=float32",
+        "attention.impl=blocked",
+        "moe.impl=buckets",
+    )
+    assert np.all(np.isfinite(fast))
+    np.testing.assert_allclose(fast, ref, rtol=1e-2)
+    assert fast[-1] < fast[0] and ref[-1] < ref[0]
+
+
+def test_greedy_decode_with_the_cache_equals_full_forwards():
+    from tests.test_sampling import KINDS, greedy_reference, make_sampler, prompts_of
+
+    _, sampler = make_sampler(*KINDS["base"], "model.dtype=float32")
+    prompts = prompts_of((5, 11, 13, 7))
+    got = np.asarray(sampler.generate(prompts, 12, temperature=0).tokens)
+    np.testing.assert_array_equal(got, greedy_reference(sampler.inference_model(), prompts, 12))
