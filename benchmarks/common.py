@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import importlib.metadata
 import os
 import platform
 import statistics
@@ -198,10 +199,9 @@ def median_time(fn: Callable[[], object], repeats: int) -> float:
 
 
 def machine() -> dict:
-    """Where and with what the numbers were taken."""
+    """Where and with what the numbers were taken (torch and transformers: None where the
+    `interop` extra is not installed, as in the newest CI leg)."""
     import jax
-    import torch
-    import transformers
 
     cpu = platform.processor() or platform.machine()
     try:
@@ -216,7 +216,22 @@ def machine() -> dict:
         "cpu": cpu,
         "cores": os.cpu_count(),
         "jax": jax.__version__,
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "torch_threads": torch.get_num_threads(),
+        "torch": _version("torch"),
+        "transformers": _version("transformers"),
+        "torch_threads": _torch_threads(),
     }
+
+
+def _version(package: str) -> str | None:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _torch_threads() -> int | None:
+    try:
+        import torch
+    except ImportError:
+        return None
+    return torch.get_num_threads()

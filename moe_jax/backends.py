@@ -36,7 +36,8 @@ AUTO = {
     # MoE: the batched capacity buffers. ragged_dot's Triton lowering is missing from jax
     # 0.11.2 (`jax._src.lax.pallas_lowerings` not found), and its default lowering on a
     # 65k-row Qwen3-shaped layer was still running when the kit's kernel stage ran out of
-    # time (twice); the Pallas/tokamax grouped matmuls queued behind it are not measured yet. The ~1B-active train step with these: 38.8% MFU at 4 x 4096.
+    # time (twice); the Pallas/tokamax grouped matmuls queued behind it are not measured
+    # yet. The ~1B-active train step with these: 38.8% MFU at 4 x 4096.
     "gpu": {"attention": "cudnn", "moe": "batched"},
     # TPU MoE: XLA lowers ragged_dot on TPU to its own Mosaic grouped-matmul kernel. megablox
     # (the Pallas kernel shipped in jax) runs without a mesh only: its pallas_call declares

@@ -78,6 +78,21 @@ def accelerator_present() -> bool:
     return any(glob.glob(p) for p in patterns)
 
 
+_platform_reason = "jax imported before moe_jax chose a platform"
+
+
+def platform_line() -> str:
+    """The platform jax runs on, its devices and why it was chosen, in one line (a GPU or TPU
+    machine whose device files are missing, or a JAX_PLATFORMS left set, runs on the CPU)."""
+    import jax
+
+    devices = jax.devices()
+    return (
+        f"platform: {jax.default_backend()}, {len(devices)} x {devices[0].device_kind} "
+        f"({_platform_reason})"
+    )
+
+
 def import_jax() -> None:
     """Import jax for a CLI, quietly: call it before the first jax import; the CLIs do once
     their config and flags are checked, as the import takes seconds.
@@ -89,10 +104,16 @@ def import_jax() -> None:
     jax imports and once as it registers with jax; both happen here, with fd 2 held, and only
     those lines are dropped. Registering the plugins starts no backend, so a multi-process run
     can still join (`jax.distributed.initialize`) afterwards."""
+    global _platform_reason
     if "jax" in sys.modules:
         return
-    if "JAX_PLATFORMS" not in os.environ and not accelerator_present():
+    if "JAX_PLATFORMS" in os.environ:
+        _platform_reason = f"JAX_PLATFORMS={os.environ['JAX_PLATFORMS']} in the environment"
+    elif accelerator_present():
+        _platform_reason = "accelerator device files found"
+    else:
         os.environ["JAX_PLATFORMS"] = "cpu"
+        _platform_reason = "no /dev/accel*, /dev/vfio/* or /dev/nvidia* found"
     if importlib.util.find_spec("jax_cuda12_plugin") is None:
         return
     with held_stderr(lambda line: not _NO_DRIVER_NOISE.search(line)):

@@ -30,6 +30,7 @@ from moe_jax.checkpoint import Checkpointer, RunError, inspect_run, no_space
 from moe_jax.config import Config
 from moe_jax.finetune import init_source, load_run_data, start_state
 from moe_jax.metrics import MetricsWriter, compute_units, unit_peak_flops
+from moe_jax.runtime import platform_line
 from moe_jax.sharding import check_batch_split, global_batch, make_mesh
 from moe_jax.summary import param_counts, train_flops_per_token
 from moe_jax.train_step import init_state, make_eval_step, make_optimizer, make_train_step
@@ -184,6 +185,7 @@ def train(cfg: Config, *, stop_at: int | None = None) -> TrainResult:
             "Switch-style top-1 routing"
         )
 
+    log(platform_line())
     mesh = make_mesh(cfg)
     check_batch_split(mesh, t.batch_size)
     if mesh.size < jax.device_count():

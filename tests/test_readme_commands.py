@@ -26,7 +26,7 @@ What runs, and how, to fit the budget (measured: ~45 s of CPU time for the whole
   writes; the commands that name it run last.
 - `curl` downloads, and tests never do: the file it would fetch is copied from LOCAL_COPIES,
   or stood in for by README.md's own text where this machine has no copy.
-- Not run: the install lines (`python3 -m venv`, `. .venv/bin/activate`, `pip`) and the
+- Not run: the install lines (`python3[.N] -m venv`, `. .venv/bin/activate`, `pip`) and the
   test suite's own lines (`ruff`, `pytest`).
 A command this file does not know how to run fails `test_every_readme_command_is_known`.
 """
@@ -95,7 +95,8 @@ class Command:
     def kind(self) -> str:
         """How this file runs it (see the module doc)."""
         w = self.words
-        if w[0] in (".", "source", "pip", "ruff", "pytest") or w[:3] == ["python3", "-m", "venv"]:
+        venv = re.fullmatch(r"python3(\.\d+)?", w[0]) and w[1:3] == ["-m", "venv"]
+        if w[0] in (".", "source", "pip", "ruff", "pytest") or venv:
             return "not run"
         if w[0] == "curl":
             return "download"

@@ -1,4 +1,5 @@
-"""The huge-page re-exec: the CLIs restart once with glibc's THP tunable, arguments intact."""
+"""The huge-page re-exec (the CLIs restart once with glibc's THP tunable, arguments intact) and
+the one line that says which platform jax was given and why."""
 
 import json
 import os
@@ -8,6 +9,8 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from moe_jax.runtime import accelerator_present
 
 pytestmark = pytest.mark.skipif(
     sys.platform != "linux" or platform.libc_ver()[0] != "glibc", reason="glibc only"
@@ -63,3 +66,25 @@ def test_opt_out(tmp_path):
     out = run_child(tmp_path, MOE_JAX_HUGEPAGES="0")
     assert out["tunables"] is None
     assert out["argv"] == ["a b", "--flag"]
+
+
+PLATFORM_CHILD = "from moe_jax.runtime import platform_line; print(platform_line())"
+
+
+@pytest.mark.parametrize(
+    "platforms, expected",
+    [
+        (None, "platform: cpu, 1 x cpu (no /dev/accel*, /dev/vfio/* or /dev/nvidia* found)"),
+        ("cpu", "platform: cpu, 1 x cpu (JAX_PLATFORMS=cpu in the environment)"),
+    ],
+)
+def test_the_chosen_platform_is_one_line_with_its_reason(platforms, expected):
+    if platforms is None and accelerator_present():
+        pytest.skip("this machine has an accelerator")
+    env = {k: v for k, v in os.environ.items() if k not in ("JAX_PLATFORMS", "XLA_FLAGS")}
+    if platforms:
+        env["JAX_PLATFORMS"] = platforms
+    out = subprocess.run(
+        [sys.executable, "-c", PLATFORM_CHILD], env=env, capture_output=True, text=True, check=True
+    )
+    assert out.stdout.strip().splitlines() == [expected]

@@ -10,12 +10,12 @@ Writes OUT/results.jsonl (one JSON record a line: the stages' measurements, then
 printed) and OUT/summary.txt (the table printed last). Stages:
 
   ceilings     device, versions, cuDNN; bf16 matmul TFLOP/s and HBM copy GB/s
-  kernels      the MoE grouped matmuls and attention kernels, checked and timed
   tests        pytest -m gpu: the real kernels against the reference paths
-  train        the ~1B-active model's real train step (auto kernels, then ragged + Triton)
+  train        the ~1B-active model's real train step (4 x 4096; 8 x 4096 with full remat)
   train_peer   the same model in transformers (after ours has exited)
   decode       our sampler at batch 1 and 8, bf16 weights
   decode_peer  transformers' generate, same model and prompts
+  kernels      the attention kernels and the MoE grouped matmuls, checked and timed
 """
 
 from __future__ import annotations
@@ -39,30 +39,19 @@ ROOT = HERE.parents[1]
 # the 9 minutes a run of the device tool should take; a stage gets no more than what is left
 # of --budget.
 STAGES = {
-    "ceilings": (["benchmarks/gpu/stages.py", "ceilings"], 60),
-    "kernels": (["benchmarks/gpu/stages.py", "kernels"], 120),
+    "ceilings": (["benchmarks/gpu/stages.py", "ceilings"], 45),
     "tests": (
-        [
-            "-m",
-            "pytest",
-            "-q",
-            "-m",
-            "gpu",
-            "-p",
-            "no:cacheprovider",
-            "-o",
-            "addopts=",
-            "-rfE",
-            "--tb=short",
-            "tests/test_gpu.py",
-        ],
-        120,
+        ["-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider", "-o", "addopts=",
+         "-rfE", "--tb=short", "tests/test_gpu.py"],
+        150,
     ),
-    "train": (["benchmarks/gpu/stages.py", "train"], 180),
-    "train_peer": (["benchmarks/gpu/hf_peer.py", "train"], 90),
-    "decode": (["benchmarks/gpu/stages.py", "decode"], 90),
-    "decode_peer": (["benchmarks/gpu/hf_peer.py", "decode"], 60),
-}
+    "train": (["benchmarks/gpu/stages.py", "train"], 90),
+    "train_peer": (["benchmarks/gpu/hf_peer.py", "train"], 75),
+    "decode": (["benchmarks/gpu/stages.py", "decode"], 80),
+    "decode_peer": (["benchmarks/gpu/hf_peer.py", "decode"], 90),
+    # last: XLA's ragged_dot, timed at the end of it, ran past the stage's limit twice
+    "kernels": (["benchmarks/gpu/stages.py", "kernels"], 120),
+}  # fmt: skip
 RECORD = "@@record "
 PYTEST_END = re.compile(r"\d+ (passed|failed|skipped|error)")
 
