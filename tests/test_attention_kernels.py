@@ -18,7 +18,7 @@ from jax.sharding import PartitionSpec as P
 
 from moe_jax import backends
 from moe_jax.model import attention
-from moe_jax.model.attention import Attention
+from moe_jax.model.attention import ATTENTION_OUT, Attention
 from moe_jax.sharding import make_mesh
 from tests.helpers import tiny_config
 
@@ -150,13 +150,48 @@ def test_cudnn_takes_bfloat16_and_not_cudnn_on_a_tpu():
         attn._self_attention(q, k, v, positions, None)
 
 
+def test_named_residuals_are_kept_by_remat_dots_not_recomputed():
+    """cuDNN's call (`cudnn_attention.attention`) names its residuals through
+    `named_residuals`; here the same wrapper around a custom_vjp with one `exp` in its
+    forward and its residual that `exp`, in a two-layer scan under remat=dots: the named
+    residual is kept, so the backward scan computes no `exp`; unnamed, it recomputes it.
+    The gradient is the function's own either way."""
+    from moe_jax.model.cudnn_attention import named_residuals
+    from moe_jax.model.remat import remat
+
+    @jax.custom_vjp
+    def f(x):
+        return jnp.exp(x)
+
+    f.defvjp(lambda x: (jnp.exp(x), jnp.exp(x)), lambda e, g: (e * g,))
+    x = jax.random.normal(jax.random.key(0), (64,))
+
+    def compiled_grad(fn):
+        def loss(x):
+            step = remat(lambda c, _: (fn(c) * 0.25, None), "dots")
+            return jnp.sum(jax.lax.scan(step, x, None, length=2)[0])
+
+        grad = jax.jit(jax.grad(loss))
+        return grad(x), grad.lower(x).compile().as_text().count("exponential(")
+
+    plain, n_plain = compiled_grad(f)
+    named, n_named = compiled_grad(named_residuals(f, ATTENTION_OUT, lambda r, out: True))
+    unnamed, n_unnamed = compiled_grad(named_residuals(f, ATTENTION_OUT, lambda r, out: False))
+    np.testing.assert_allclose(named, plain, rtol=1e-6)
+    np.testing.assert_allclose(unnamed, plain, rtol=1e-6)
+    assert (n_named, n_unnamed) == (1, 2)  # the forward scan's exp; and the backward's
+
+
 # ----------------------------------------------------------------------------- compiled
 
 
-def _compile_layer_grad(topology: str, impl: str, mesh_axes: dict[str, int], packed: bool):
+def _compile_layer_grad(
+    topology: str, impl: str, mesh_axes: dict[str, int], packed: bool, remat: str = "none"
+):
     """Forward and backward of one attention (4 heads over 2 kv heads of 128, 1024 tokens,
-    bf16, a sliding window, packed documents or not) compiled for `topology`'s devices; its
-    HLO text."""
+    bf16, a sliding window, packed documents or not) compiled for `topology`'s devices, under
+    the `remat` policy (moe_jax/model/remat.py); its HLO text."""
+    from moe_jax.model.remat import remat as with_remat
     from moe_jax.topology import get_topology
 
     topo = get_topology(topology)
@@ -173,8 +208,16 @@ def _compile_layer_grad(topology: str, impl: str, mesh_axes: dict[str, int], pac
     bf16 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.bfloat16, sharding=x)
     ints = jax.ShapeDtypeStruct((Bc, Tc), jnp.int32, sharding=rows)
 
+    def layer(q, k, v, positions, *segments):
+        return attn._self_attention(q, k, v, positions, *segments or (None,))
+
     def loss(q, k, v, positions, *segments):
-        out = attn._self_attention(q, k, v, positions, *segments or (None,))
+        if remat == "none":
+            out = layer(q, k, v, positions, *segments)
+        else:  # two layers in a scan, as the model runs them: XLA cannot merge a recomputed
+            # forward into the first one across the loop boundary
+            step = with_remat(lambda x, _: (layer(x, k, v, positions, *segments), None), remat)
+            out, _ = jax.lax.scan(step, q, None, length=2)
         return jnp.sum(out.astype(jnp.float32) ** 2)
 
     grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
@@ -207,10 +250,19 @@ def test_cudnn_compiles_for_a_gpu():
     _needs_aot_extra()
     if not backends.cudnn_installed():  # the `aot` extra leaves it out (716 MB)
         pytest.skip("cuDNN is not installed (nvidia-cudnn-cu12): JAX refuses to trace cuDNN calls")
+    fwd, bwd = 'custom_call_target="__cudnn$fmhaSoftmax"', "__cudnn$fmhaSoftmaxBackward"
     # causal and the window: cuDNN's own masks, no bias
     hlo = _compile_layer_grad("h100:1x1", "cudnn", {}, packed=False)
-    assert 'custom_call_target="__cudnn$fmhaSoftmax"' in hlo
-    assert 'custom_call_target="__cudnn$fmhaSoftmaxBackward"' in hlo
-    # documents: a [B, 1, T, S] bias (see `attention_kernels.cudnn`)
+    assert hlo.count(fwd) == 1 and bwd in hlo
+    # remat=dots keeps the named output and statistics: the backward scan runs no forward of
+    # its own (before they were named it did)
+    hlo = _compile_layer_grad("h100:1x1", "cudnn", {}, packed=False, remat="dots")
+    assert hlo.count(fwd) == 1 and hlo.count(bwd) == 1  # one of each, in the two scan bodies
+    # documents: a [B, 1, T, S] bias, and no gradient for it (jax's own call returns a
+    # bf16[4,1,1024,1024] dbias from the backward)
     hlo = _compile_layer_grad("h100:1x1", "cudnn", {}, packed=True)
-    assert 'custom_call_target="__cudnn$fmhaScaleBiasSoftmaxBackward"' in hlo
+    (bwd_line,) = [ln for ln in hlo.splitlines() if "fmhaScaleBiasSoftmaxBackward" in ln]
+    assert (
+        "bf16[4,4,1024,128]" in bwd_line
+        and "[4,1,1024,1024]" not in bwd_line.split("custom-call")[0]
+    )

@@ -212,7 +212,9 @@ class Attention(nnx.Module):
             return self._blocked(q_BTHD, k_BTKD, v_BTKD, positions_BT, segments_BT)
         ids_BT = attention_kernels.mask_ids(positions_BT, segments_BT, self.chunk_size)
         if impl == "cudnn":
-            return attention_kernels.cudnn(q_BTHD, k_BTKD, v_BTKD, ids_BT, window=self.window)
+            return attention_kernels.cudnn(
+                q_BTHD, k_BTKD, v_BTKD, ids_BT, window=self.window, checkpoint=ATTENTION_OUT
+            )
         q_BTHD = q_BTHD * self.head_dim**-0.5  # as `_blocked` scales it: splash does not
         return attention_kernels.splash(
             q_BTHD, k_BTKD, v_BTKD, ids_BT, window=self.window, checkpoint=ATTENTION_OUT

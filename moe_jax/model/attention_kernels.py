@@ -150,13 +150,17 @@ def cudnn(
     ids_BT: jax.Array | None,
     *,
     window: int = 0,
+    checkpoint: str = "attention_out",
 ) -> jax.Array:
     """Causal self-attention by cuDNN's flash attention (scale head_dim**-0.5 applied here),
-    GQA and the sliding window native. Chunks and documents go in as a boolean mask, which
-    `jax.nn.dot_product_attention` hands cuDNN as a dense [B, 1, T, S] bias: quadratic memory,
-    and no blocks skipped beyond the causal ones. cuDNN's packed layout (`q_offsets`) would
-    express documents exactly, but JAX refuses it unless the host's own GPU is a Hopper, so it
-    cannot be compiled ahead of time here."""
+    GQA and the sliding window native; the output and softmax statistics named `checkpoint`
+    for the remat policies, and no gradient computed for the mask (`cudnn_attention`).
+    Chunks and documents go in as a [B, 1, T, S] bias: quadratic memory, and no blocks
+    skipped beyond the causal ones. cuDNN's packed layout (`q_offsets`) would express
+    documents exactly, but JAX refuses it unless the host's own GPU is a Hopper, so it cannot
+    be compiled ahead of time here."""
+    from moe_jax.model import cudnn_attention
+
     if q_BTHD.dtype not in (jnp.bfloat16, jnp.float16):
         raise backends.KernelError(
             f"attention.impl=cudnn computes in bfloat16/float16, not {q_BTHD.dtype}; "
@@ -166,17 +170,10 @@ def cudnn(
     K = k_BTKD.shape[2]
 
     def local(q_bTHD, k_bTKD, v_bTKD, *ids):
-        mask = None if not ids else (ids[0][:, None, :, None] == ids[0][:, None, None, :])
-        return jax.nn.dot_product_attention(
-            q_bTHD,
-            k_bTKD,
-            v_bTKD,
-            mask=mask,
-            scale=hd**-0.5,
-            is_causal=True,
-            local_window_size=(window - 1, 0) if window > 0 else None,
-            implementation="cudnn",
-        )
+        return cudnn_attention.attention(
+            q_bTHD, k_bTKD, v_bTKD, ids[0] if ids else None,
+            scale=hd**-0.5, window=window, name=checkpoint,
+        )  # fmt: skip
 
     ids = () if ids_BT is None else (ids_BT,)
     return per_device(local, B, K, len(ids))(q_BTHD, k_BTKD, v_BTKD, *ids)
