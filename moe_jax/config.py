@@ -207,6 +207,11 @@ class TrainConfig:
     seq_len: int = 128
     grad_accum: int = 1  # micro-batches per step; batch_size must divide by it
     lr: float = 3e-3
+    # The LR after warmup (moe_jax/train_step.py: lr_schedule): cosine | linear decay to
+    # min_lr_ratio * lr at train.steps, or wsd (warmup-stable-decay: lr held, then a linear
+    # decay over the last decay_fraction of the steps)
+    schedule: str = "cosine"
+    decay_fraction: float = 0.2  # wsd's decay phase, a fraction of train.steps
     min_lr_ratio: float = 0.1
     # Steps of linear warmup to lr; None: DEFAULT_WARMUP_STEPS, at most a tenth of the run
     # (see `warmup`), so that any train.steps works and a short run is not mostly warmup
@@ -234,6 +239,11 @@ class TrainConfig:
     # Resume from this saved step instead of the latest (e.g. when the latest is damaged); the
     # checkpoints after it are moved to RUN_DIR/superseded. 0 = the latest. A one-off override.
     resume_step: int = 0
+
+    @property
+    def decay_steps(self) -> int:
+        """wsd's decay phase in steps: decay_fraction of train.steps, rounded."""
+        return round(self.decay_fraction * self.steps)
 
     @property
     def warmup(self) -> int:
@@ -488,6 +498,7 @@ def _positive(obj: object, section: str, names: Sequence[str]) -> None:
 # Logits divided by the temperature stay finite in float32 (|logit| < 1e30) inside this range.
 MIN_TEMPERATURE, MAX_TEMPERATURE = 1e-6, 1e6
 INT32_MAX = 2**31 - 1  # sizes and counts index int32 arrays
+SCHEDULES = ("cosine", "linear", "wsd")  # train.schedule (train_step.lr_schedule)
 WEIGHT_KINDS = ("auto", "float32", "bfloat16", "int8")  # sample.weights (moe_jax/weights.py)
 SEEDS = ("seed", "sample.seed")  # PRNG keys take 32 bits: larger seeds would collide
 SFT_FORMATS = ("none", "prompt_completion", "chat")  # data.sft (moe_jax/finetune.py)
@@ -674,6 +685,18 @@ def validate(cfg: Config) -> None:
             "train.steps // 10)",
         )
     _require(0.0 <= t.min_lr_ratio <= 1.0, "train.min_lr_ratio must be within [0, 1]")
+    _one_of(t.schedule, SCHEDULES, "train.schedule")
+    _require(
+        0.0 < t.decay_fraction <= 1.0,
+        f"train.decay_fraction must be within (0, 1], got {t.decay_fraction}",
+    )
+    if t.schedule == "wsd":
+        _require(
+            t.warmup + t.decay_steps <= t.steps,
+            f"train.schedule=wsd: warmup ({t.warmup}) and decay ({t.decay_steps} = "
+            f"decay_fraction {t.decay_fraction} x {t.steps} steps) exceed train.steps; lower "
+            "train.decay_fraction or train.warmup_steps",
+        )
     _require(
         t.resume_step >= 0, f"train.resume_step must be >= 0 (0 = the latest), got {t.resume_step}"
     )

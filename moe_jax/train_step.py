@@ -40,7 +40,6 @@ global-norm clipping, with linear warmup to `train.lr` then cosine decay to
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from functools import partial
 
 import jax
@@ -59,18 +58,28 @@ from moe_jax.sharding import BATCH_AXES, logical_to_spec, state_shardings, with_
 # ----------------------------------------------------------------------------- optimizer
 
 
-def lr_schedule(t: TrainConfig) -> Callable[[jax.Array], jax.Array]:
-    """LR at a 0-based step: (s+1)/warmup * lr during warmup, then cosine to min_lr_ratio*lr."""
-
-    def schedule(step):
-        s = jnp.asarray(step, jnp.float32)
-        warm = t.lr * (s + 1) / max(t.warmup, 1)
-        progress = jnp.clip((s - t.warmup) / max(t.steps - t.warmup, 1), 0.0, 1.0)
-        cosine = 0.5 * (1 + jnp.cos(jnp.pi * progress))
-        decayed = t.lr * (t.min_lr_ratio + (1 - t.min_lr_ratio) * cosine)
-        return jnp.where(s < t.warmup, warm, decayed)
-
-    return schedule
+def lr_schedule(t: TrainConfig) -> optax.Schedule:
+    """LR at a 0-based step (`train.schedule`), from optax's schedules: a linear warmup,
+    (s+1)/warmup * lr, so that step 0 already learns, then
+    - cosine: cosine decay to min_lr_ratio * lr at train.steps;
+    - linear: linear decay to min_lr_ratio * lr at train.steps;
+    - wsd (warmup-stable-decay): lr held until the last decay_fraction of train.steps, then
+      linear decay to min_lr_ratio * lr (a run can be continued from before its decay);
+    and min_lr_ratio * lr from train.steps on."""
+    W, lr, floor = t.warmup, t.lr, t.lr * t.min_lr_ratio
+    warmup = optax.linear_schedule(lr / max(W, 1), lr, max(W - 1, 0))
+    after = max(t.steps - W, 1)  # the steps past warmup (one at least: a valid schedule)
+    if t.schedule == "cosine":
+        main = optax.cosine_decay_schedule(lr, after, alpha=t.min_lr_ratio)
+    elif t.schedule == "linear":
+        main = optax.linear_schedule(lr, floor, after)
+    else:  # wsd
+        decay = t.decay_steps
+        main = optax.join_schedules(
+            [optax.constant_schedule(lr), optax.linear_schedule(lr, floor, max(decay, 1))],
+            [after - decay],
+        )
+    return optax.join_schedules([warmup, main], [W])
 
 
 def decay_mask(params, decay_embeddings: bool):

@@ -244,6 +244,24 @@ VALIDATION_CASES = {
     ),
     "negative_warmup": (["train.warmup_steps=-1"], "train.warmup_steps must be >= 0, got -1"),
     "min_lr_ratio": (["train.min_lr_ratio=1.5"], "train.min_lr_ratio must be within [0, 1]"),
+    "schedule": (
+        ["train.schedule=step"],
+        "train.schedule='step' is not supported; use one of cosine, linear, wsd",
+    ),
+    "decay_fraction": (
+        ["train.decay_fraction=0"],
+        "train.decay_fraction must be within (0, 1], got 0.0",
+    ),
+    "wsd_too_long": (
+        [
+            "train.schedule=wsd",
+            "train.steps=100",
+            "train.warmup_steps=50",
+            "train.decay_fraction=0.6",
+        ],
+        "train.schedule=wsd: warmup (50) and decay (60 = decay_fraction 0.6 x 100 steps) exceed "
+        "train.steps; lower train.decay_fraction or train.warmup_steps",
+    ),
     "val_fraction": (["data.val_fraction=1.0"], "data.val_fraction must be within (0, 1), got 1.0"),
     # checkpoint, sampling
     "checkpoint_every": (["checkpoint.every=0"], "checkpoint.every must be positive, got 0"),

@@ -108,6 +108,27 @@ def test_lr_schedule_warmup_then_cosine_to_the_floor():
     assert got[14] == got[15] == pytest.approx(0.1)  # the floor from step `steps` on
 
 
+@pytest.mark.parametrize("schedule", ["linear", "wsd"])
+def test_lr_schedule_linear_and_warmup_stable_decay(schedule):
+    t = tiny_config(
+        "train.lr=1.0",
+        "train.warmup_steps=4",
+        "train.steps=14",
+        "train.min_lr_ratio=0.1",
+        f"train.schedule={schedule}",
+        "train.decay_fraction=0.3",  # wsd: the last round(4.2) = 4 steps decay
+    ).train
+    lr = lr_schedule(t)
+    got = [float(lr(s)) for s in range(16)]
+    want = [0.25, 0.5, 0.75, 1.0]  # (s + 1) / warmup, as for cosine
+    if schedule == "linear":  # 1 -> 0.1 over the 10 steps after warmup
+        want += [1.0 - 0.9 * min((s - 4) / 10, 1) for s in range(4, 16)]
+    else:  # held at 1 until step 10, then 1 -> 0.1 over 4 steps
+        want += [1.0] * 6 + [1.0 - 0.9 * min((s - 10) / 4, 1) for s in range(10, 16)]
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+    assert got[14] == got[15] == pytest.approx(0.1)
+
+
 def test_weight_decay_skips_norms_biases_and_the_embedding():
     cfg = _cfg("unused", "train.lr=0.5", "train.warmup_steps=1", "train.weight_decay=0.1")
     _, state = init_state(cfg, make_optimizer(cfg.train))
