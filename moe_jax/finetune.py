@@ -8,7 +8,7 @@ fine-tuning data from JSONL files (`data.sft`).
 init_from: the source's latest checkpoint (or `init_step`) is read, never written or locked:
 its params are restored straight onto the new run's mesh and shardings (fp32 master
 weights), the optimizer state is new, the step 0, the data from its start. The source must
-have this config's architecture (every key `checkpoint.incompatible_keys` compares; a
+have this config's architecture (every key `run.policy.incompatible_keys` compares; a
 `data.tokenizer` that names the same tokenizer files under another path counts as the same),
 and its tokenizer becomes the new run's. A run directory that has checkpoints of its own
 resumes them and ignores init_from, so rerunning the command after a stop goes on.
@@ -58,9 +58,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from moe_jax.checkpoint import RunError, incompatible_keys, read_run_meta, restore_params
 from moe_jax.config import Config
 from moe_jax.data import _local_rows, batch_examples, file_sources, load_data, unigram_entropy
+from moe_jax.load import read_run_meta, restore_params
+from moe_jax.run.layout import RunError
+from moe_jax.run.policy import incompatible_keys
 from moe_jax.tokenizer import DataError, Tokenizer, load_tokenizer
 
 # ----------------------------------------------------------------------------- init_from

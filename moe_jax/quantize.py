@@ -16,7 +16,7 @@ from pathlib import Path
 
 from flax import nnx
 
-from moe_jax.checkpoint import RunError, load_run, read_run_meta, write_inference_run
+from moe_jax.load import load_run, read_run_meta
 from moe_jax.model.int8 import (
     QUANTIZATIONS,
     Int8Param,
@@ -27,6 +27,8 @@ from moe_jax.model.int8 import (
     quantize_model,
     quantize_tensor,
 )
+from moe_jax.run.layout import RunError
+from moe_jax.run.store import write_inference_run
 
 __all__ = [
     "QUANTIZATIONS",

@@ -37,7 +37,7 @@ unrolled here whatever `model.scan_layers` says, and the stacked layer blocks ar
 over all of them under the position mask.
 
 Under a mesh (`Sampler(model, mesh=mesh)`, the params sharded by `sharding.INFERENCE_RULES`,
-as `checkpoint.load_run(mesh=...)` restores them) the same program runs sharded: the MoE
+as `load.load_run(mesh=...)` restores them) the same program runs sharded: the MoE
 layers take the expert-parallel path, whose tokens move to the experts and back (a batch the
 batch axes do not divide, e.g. one sequence, runs replicated: each device runs its own
 experts and the outputs are summed), attention's heads and the experts' hidden dims split
@@ -507,14 +507,15 @@ def load_sampler(run_dir, overrides: Sequence[str] = (), step: int | None = None
     onto the mesh its config names after `overrides` (mesh.*, model.dtype, sample.*, as
     sample.py takes them): sharded, in the `sample.weights` form, held once. ConfigError /
     RunError (a mesh that does not divide the model, weights that do not fit) name the fix."""
-    from moe_jax.checkpoint import load_run, read_run_meta
     from moe_jax.config import sampling_config
+    from moe_jax.load import load_model, open_run
     from moe_jax.sharding import MESH_AXES, make_mesh
 
-    cfg = sampling_config(read_run_meta(run_dir, step)["config"], overrides)
+    run = open_run(run_dir, step)  # its meta read once, for the config and the weights
+    cfg = sampling_config(run.meta["config"], overrides)
     one_device = all(getattr(cfg.mesh, ax) == 1 for ax in MESH_AXES)
     mesh = None if one_device else make_mesh(cfg, inference=True)
-    cfg, model, tokenizer = load_run(run_dir, step, cfg=cfg, mesh=mesh, weights=cfg.sample.weights)
+    cfg, model, tokenizer = load_model(run, cfg=cfg, mesh=mesh, weights=cfg.sample.weights)
     return cfg, Sampler(model, mesh=mesh, consume=True), tokenizer
 
 

@@ -26,10 +26,12 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm import tqdm
 
-from moe_jax.checkpoint import Checkpointer, RunError, inspect_run, no_space
 from moe_jax.config import Config
 from moe_jax.finetune import init_source, load_run_data, start_state
 from moe_jax.metrics import MetricsWriter, compute_units, unit_peak_flops
+from moe_jax.run.layout import RunError
+from moe_jax.run.policy import inspect_run
+from moe_jax.run.store import Checkpointer, no_space
 from moe_jax.runtime import platform_line
 from moe_jax.sharding import check_batch_split, global_batch, make_mesh
 from moe_jax.summary import param_counts, train_flops_per_token

@@ -21,19 +21,13 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from moe_jax.checkpoint import (
-    Checkpointer,
-    RunError,
-    SaveError,
-    incompatible_keys,
-    inspect_run,
-    load_run,
-    on_device,
-    write_inference_run,
-)
 from moe_jax.data import train_iterator
+from moe_jax.load import load_run, on_device
 from moe_jax.metrics import read_metrics
 from moe_jax.model import Transformer
+from moe_jax.run.layout import RunError
+from moe_jax.run.policy import incompatible_keys, inspect_run
+from moe_jax.run.store import Checkpointer, SaveError, write_inference_run
 from moe_jax.tokenizer import ByteTokenizer
 from moe_jax.train_step import init_state, make_optimizer
 from moe_jax.trainer import train
@@ -316,7 +310,7 @@ import os, signal, sys
 sys.path.insert(0, {root!r})
 import grain._src.python.checkpoint.handler as grain_handler
 from tests.test_checkpoint import _cfg, _write_checkpoints
-from moe_jax.checkpoint import Checkpointer
+from moe_jax.run.store import Checkpointer
 cfg = _cfg({run!r})
 _write_checkpoints(cfg, steps=(1,))
 def die(*args, **kwargs):  # the process is killed while step 2 is being written

@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from moe_jax.checkpoint import load_run
+from moe_jax.load import load_run
 from moe_jax.metrics import read_metrics
 from moe_jax.sharding import global_batch, make_mesh
 from moe_jax.train_step import init_state, make_optimizer, make_train_step

@@ -29,9 +29,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from moe_jax.checkpoint import load_run
 from moe_jax.config import ConfigError, load_config
 from moe_jax.finetune import Record, encode_examples, init_source, load_run_data, pack, start_state
+from moe_jax.load import load_run
 from moe_jax.quantize import quantize_run
 from moe_jax.sampling import Sampler
 from moe_jax.sharding import make_mesh

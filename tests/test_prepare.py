@@ -18,9 +18,9 @@ import pytest
 from flax import nnx
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from moe_jax.checkpoint import load_run
 from moe_jax.config import ConfigError
 from moe_jax.data import PreparedData, load_data
+from moe_jax.load import load_run
 from moe_jax.metrics import read_metrics
 from moe_jax.prepare import TokenStore, main, prepare
 from moe_jax.tokenizer import ByteTokenizer, CharTokenizer, DataError, load_tokenizer

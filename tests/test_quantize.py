@@ -18,9 +18,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from moe_jax.checkpoint import RunError, inspect_run, load_run
 from moe_jax.config import load_config
 from moe_jax.data import eval_batches, load_data
+from moe_jax.load import load_run
 from moe_jax.model import Transformer
 from moe_jax.quantize import (
     Int8Param,
@@ -31,6 +31,8 @@ from moe_jax.quantize import (
     quantize_tensor,
 )
 from moe_jax.quantize import main as quantize_main
+from moe_jax.run.layout import RunError
+from moe_jax.run.policy import inspect_run
 from moe_jax.sampling import Sampler
 from moe_jax.trainer import train
 from tests.helpers import forward, tiny_config

@@ -16,7 +16,10 @@ import sys
 import pytest
 
 from moe_jax import trainer
-from moe_jax.checkpoint import LOCK_FILE, Checkpointer, RunError, inspect_run, load_run
+from moe_jax.load import load_run
+from moe_jax.run.layout import LOCK_FILE, RunError
+from moe_jax.run.policy import inspect_run
+from moe_jax.run.store import Checkpointer
 from moe_jax.trainer import train
 from tests.helpers import TINY_BASE
 from tests.test_checkpoint import ROOT, TRAIN_MAIN, _snapshot, _write_checkpoints
@@ -26,7 +29,7 @@ from tests.test_train import TINY, _cfg, subprocess_env
 HOLDER = """
 import sys, time
 from pathlib import Path
-from moe_jax.checkpoint import RunLock
+from moe_jax.run.lock import RunLock
 RunLock(Path(sys.argv[1]))
 print("locked", flush=True)
 time.sleep(600)

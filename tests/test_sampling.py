@@ -18,9 +18,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from moe_jax.checkpoint import Checkpointer
 from moe_jax.data import train_iterator
 from moe_jax.model import Transformer
+from moe_jax.run.store import Checkpointer
 from moe_jax.sampling import (
     Mode,
     Sampler,
@@ -363,6 +363,18 @@ def run_dir(tmp_path_factory):
     ckpt.save(1, state["params"], state["opt_state"], batches, meta)
     ckpt.close()
     return run
+
+
+def test_loading_a_sampler_reads_the_runs_checkpoint_meta_once(run_dir, monkeypatch):
+    from moe_jax import load
+    from moe_jax.sampling import load_sampler
+
+    reads = []
+    real = load.read_meta
+    monkeypatch.setattr(load, "read_meta", lambda *a: reads.append(a[1]) or real(*a))
+    cfg, sampler, _ = load_sampler(run_dir, ["sample.weights=float32"])
+    assert reads == [1]  # step 1's meta, once: for the config and the weights alike
+    assert cfg.sample.weights == "float32" and sampler.cfg.model.d_model == cfg.model.d_model
 
 
 def test_cli_streams_one_sample_and_batches_several(run_dir, capsys):

@@ -26,10 +26,11 @@ import pytest
 from flax import nnx
 
 from moe_jax import trainer
-from moe_jax.checkpoint import inspect_run, load_run
+from moe_jax.load import load_run
 from moe_jax.metrics import read_metrics
 from moe_jax.model import Transformer
 from moe_jax.plot import main as plot_main
+from moe_jax.run.policy import inspect_run
 from moe_jax.train_step import (
     clip_by_global_norm,
     compute_grads,
@@ -388,7 +389,7 @@ def test_throughput_and_mfu_follow_the_step_clock(tmp_path, monkeypatch, capsys)
     model FLOPs per token / the peak (one CPU host here). Top-1 routing with renormalised
     weights is warned about (its router gets no gradient from the LM loss)."""
 
-    from moe_jax.checkpoint import Checkpointer
+    from moe_jax.run.store import Checkpointer
     from moe_jax.summary import train_flops_per_token
 
     clock, pending = [0.0], [0]

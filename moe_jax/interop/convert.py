@@ -18,12 +18,12 @@ import jax
 import numpy as np
 from flax import nnx
 
-from moe_jax.checkpoint import make_temp_sibling
 from moe_jax.config import Config, ConfigError, validate
 from moe_jax.interop import llama, llama4, mixtral, qwen3
 from moe_jax.interop.common import Family, HFConfig, Source, top_rules
 from moe_jax.interop.safetensors_io import InteropError, ShardWriter, TensorReader
 from moe_jax.model import Transformer
+from moe_jax.run.lock import make_temp_sibling
 from moe_jax.tokenizer import Tokenizer
 
 FAMILIES: dict[str, Family] = {

@@ -1,0 +1,139 @@
+"""Loading a run for inference: its checkpoint's meta, and the model built from it.
+
+cfg, model, tokenizer = load_run("runs/tiny")            # latest checkpoint, params on host
+cfg, model, tokenizer = load_run("runs/tiny", step=200)  # a given step
+    # cfg: the resolved Config saved with the checkpoint; model: a `Transformer` with the
+    # checkpoint's params; tokenizer: the run's tokenizer (`.encode(text)`, `.decode(ids)`).
+RunError(ValueError)   # missing run dir, no checkpoint, unknown step, incompatible config;
+                       # CLIs print `error: <message>` and exit 2.
+meta = read_run_meta("runs/tiny")    # {"step", "config", "tokenizer", "fingerprint", ...}
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import jax
+import orbax.checkpoint as ocp
+from flax import nnx
+
+from moe_jax.config import Config
+from moe_jax.model.int8 import QUANTIZATIONS
+from moe_jax.run.layout import RunError
+from moe_jax.run.policy import incompatible_keys
+from moe_jax.run.store import open_checkpoints, read_meta, restore
+from moe_jax.sharding import INFERENCE_RULES, state_shardings
+from moe_jax.tokenizer import Tokenizer
+from moe_jax.weights import WeightsDoNotFit, abstract_model, check_fits, to_kind, weights_kind
+
+
+@dataclass(frozen=True)
+class OpenRun:
+    """A run's checkpoint opened for reading: its meta read once."""
+
+    run_dir: Path
+    manager: ocp.CheckpointManager
+    step: int
+    meta: dict  # as `read_run_meta` returns it
+
+
+def open_run(run_dir: str | Path, step: int | None = None) -> OpenRun:
+    """The run's checkpoint (latest or `step`) and its meta; RunError names what is missing."""
+    run_dir = Path(run_dir)
+    manager, step = open_checkpoints(run_dir, step)
+    return OpenRun(run_dir, manager, step, read_meta(manager, step, run_dir) | {"step": step})
+
+
+def read_run_meta(run_dir: str | Path, step: int | None = None) -> dict:
+    """The checkpoint's meta (latest or `step`): "step", "config" (a Config), "tokenizer",
+    "fingerprint", and "quantization" / "source" for an inference-only copy."""
+    return open_run(run_dir, step).meta
+
+
+def load_run(
+    run_dir: str | Path,
+    step: int | None = None,
+    *,
+    cfg: Config | None = None,
+    mesh: jax.sharding.Mesh | None = None,
+    weights: str = "float32",
+) -> tuple[Config, nnx.Module, Tokenizer]:
+    """(config, Transformer with the checkpoint's params, tokenizer): `load_model` of
+    `open_run(run_dir, step)`."""
+    return load_model(open_run(run_dir, step), cfg=cfg, mesh=mesh, weights=weights)
+
+
+def load_model(
+    run: OpenRun,
+    *,
+    cfg: Config | None = None,
+    mesh: jax.sharding.Mesh | None = None,
+    weights: str = "float32",
+) -> tuple[Config, nnx.Module, Tokenizer]:
+    """(config, Transformer with the opened checkpoint's params, tokenizer).
+
+    `cfg`: the run's config with inference-time changes (mesh, model.dtype, sample.*; see
+    `config.sampling_config`), else the saved one. `mesh`: restore each weight straight onto it,
+    sharded by `sharding.INFERENCE_RULES` (no device or host ever holds a whole copy),
+    else onto the first device. `weights`: the form to restore the weights in
+    (`moe_jax.weights`: float32, bfloat16, int8, auto); a run written by `moe_jax.quantize`
+    is int8 whatever it says. Float weights are cast as they are read; int8 of a float run is
+    quantised after a float restore (bf16 where the compute is), which holds both forms for
+    a moment. RunError before anything is read if the weights would not fit the devices."""
+    run_dir, manager, step, meta = run.run_dir, run.manager, run.step, run.meta
+    saved = meta["config"]
+    if cfg is None:
+        cfg = saved
+    elif changed := incompatible_keys(saved, cfg):
+        raise RunError(
+            f"{', '.join(changed)} differ(s) from the run's saved config; a run's architecture "
+            "is fixed by its checkpoint"
+        )
+    quantized = meta.get("quantization")
+    if quantized and quantized not in QUANTIZATIONS:
+        raise RunError(
+            f"checkpoint {step} in '{run_dir}' is quantised as '{quantized}', which this "
+            "version of moe_jax does not know"
+        )
+    kind = weights_kind(cfg, weights)
+    # What is restored: int8 runs as int8; a float run as `auto` floats, quantised afterwards.
+    restore_kind = weights_kind(cfg, "auto") if kind == "int8" else kind
+    graphdef, abstract_params = nnx.split(abstract_model(cfg, restore_kind, quantized), nnx.Param)
+    if mesh is None:
+        target = on_device(abstract_params, jax.devices()[0])
+    else:
+        shardings = state_shardings(abstract_params, mesh, INFERENCE_RULES)
+        target = jax.tree.map(
+            lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+            abstract_params,
+            shardings,
+        )
+    try:
+        check_fits(target, also=kind if kind == "int8" and not quantized else None)
+    except WeightsDoNotFit as e:
+        raise RunError(f"run '{run_dir}': {e}") from None
+    restored = restore(manager, step, run_dir, params=ocp.args.StandardRestore(target))
+    model = nnx.merge(graphdef, restored.params)
+    if kind == "int8" and not quantized:
+        model = to_kind(model, "int8")
+    return cfg, model, meta["tokenizer"]
+
+
+def restore_params(run_dir: str | Path, step: int | None, target):
+    """A checkpoint's params (latest or `step`) restored into `target`: abstract arrays with
+    the shardings (and dtypes) to restore onto. Read-only, like `load_run`."""
+    run_dir = Path(run_dir)
+    manager, step = open_checkpoints(run_dir, step)
+    try:
+        return restore(manager, step, run_dir, params=ocp.args.StandardRestore(target)).params
+    finally:
+        manager.close()
+
+
+def on_device(abstract_tree, device: jax.Device):
+    """Restore target: each leaf's shape and dtype, placed whole on `device`."""
+    sharding = jax.sharding.SingleDeviceSharding(device)
+    return jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), abstract_tree
+    )

@@ -1,0 +1,425 @@
+"""Orbax checkpoints of a run directory: saving and restoring them, reading a checkpoint's
+meta, a damaged checkpoint named in one line, and Orbax's own noise kept off the terminal.
+
+    ckpt = Checkpointer(cfg)     # locks the run dir, creates it (config.yaml) and its
+                                 # CheckpointManager; RunError if another run holds it
+    ckpt.save(step, params, opt_state, data_iterator, meta)      # async; keeps the last K
+    params, opt_state = ckpt.restore(step, params_target, opt_target, data_iterator)
+    ckpt.close()                 # waits for the last save, unlocks
+    SaveError(RuntimeError)      # a checkpoint could not be written (disk full...); the one
+                                 # before it is intact. train.py prints `error: ...`, exits 1.
+    write_inference_run(out_dir, step, params, meta)   # a new params-only run (e.g. int8)
+
+Crash safety: Orbax writes each checkpoint into `<step>.orbax-checkpoint-tmp-*` and renames it
+to `<step>` only after every item is written, so a crash mid-save leaves the previous
+checkpoints intact, and an unfinished temporary directory is never taken for a checkpoint
+(it is deleted when the run is next opened for training). A save that fails (a full disk)
+is reported as one SaveError line, and the previous checkpoint stays the latest.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import re
+import shutil
+import sys
+import warnings
+from pathlib import Path
+
+import grain
+import jax
+import orbax.checkpoint as ocp
+
+from moe_jax.config import Config, ConfigError, config_from_yaml, config_to_yaml
+from moe_jax.run.layout import (
+    CHECKPOINT_DIR,
+    CONFIG_FILE,
+    ITEMS,
+    SUPERSEDED_DIR,
+    TOKENIZER_DIR,
+    UNFINISHED_GLOB,
+    RunError,
+)
+from moe_jax.run.lock import RunLock, make_dir, make_temp_sibling, on_process_0
+from moe_jax.tokenizer import DataError, Tokenizer, tokenizer_from_dict
+from moe_jax.tokenizer.files import SavedFilesError, holds, write_files
+
+
+def _manager(run_dir: Path, **options) -> ocp.CheckpointManager:
+    _quiet_orbax()
+    return ocp.CheckpointManager(
+        (run_dir / CHECKPOINT_DIR).absolute(),
+        options=ocp.CheckpointManagerOptions(**options),
+        item_names=ITEMS,
+    )
+
+
+def read_only_manager(run_dir: Path) -> ocp.CheckpointManager | None:
+    if not (run_dir / CHECKPOINT_DIR).is_dir():
+        return None
+    # Not `read_only=True`, which logs warnings on every use: a manager that is never asked to
+    # save, creates no directory and writes no root metadata writes nothing.
+    return _manager(run_dir, create=False, save_root_metadata=False)
+
+
+def _is_orbax_leftover(unraisable) -> bool:
+    """After a failed restore or save, Orbax's other array reads or writes fail too, in
+    coroutines nobody awaits any more, and TensorStore's callbacks find the event loop closed.
+    Python would print each one's traceback at exit, under the one-line error already given."""
+    code = getattr(unraisable.object, "cr_code", None)
+    if code is not None:
+        return "orbax" in code.co_filename
+    e = unraisable.exc_value
+    return isinstance(e, RuntimeError) and str(e) == "Event loop is closed"
+
+
+def _drop_orbax_leftovers() -> None:
+    """Every unraisable exception but Orbax's leftovers still prints."""
+    previous = sys.unraisablehook
+    if getattr(previous, "drops_orbax_leftovers", False):
+        return
+
+    def hook(unraisable):
+        if not _is_orbax_leftover(unraisable):
+            previous(unraisable)
+
+    hook.drops_orbax_leftovers = True
+    sys.unraisablehook = hook
+
+
+def _keep_log_record(record: logging.LogRecord) -> bool:
+    """Orbax logs each failure in a background save with its traceback (dozens for one full
+    disk) before raising it in the main thread, where `Checkpointer` makes it one line; and
+    it warns of a step directory without metadata when a reader lists the steps of a run that
+    is deleting its oldest checkpoint: its WARNING and ERROR records are dropped."""
+    return record.levelno < logging.WARNING or f"{os.sep}orbax{os.sep}" not in record.pathname
+
+
+def _quiet_orbax() -> None:
+    """Installed (process-wide, once) with the first CheckpointManager, before any restore or
+    save can fail: the leftovers print from other threads as soon as one does. A leftover
+    coroutine of jax's array serialisation (under Orbax's writes) that is collected unawaited
+    is reported as a RuntimeWarning, not an unraisable exception: ignored too."""
+    _drop_orbax_leftovers()
+    warnings.filterwarnings(
+        "ignore",
+        message=r"coroutine '[^']*(serialize|write_fragment)[^']*' was never awaited",
+        category=RuntimeWarning,
+    )
+    logging.getLogger("absl").addFilter(_keep_log_record)
+
+
+def restore(manager: ocp.CheckpointManager, step: int, run_dir: Path, **items):
+    """`manager.restore` of `items`, one item at a time (Orbax's composite handler reads them
+    one after another too), so that a damaged checkpoint (missing or truncated files, bad
+    JSON) becomes a RunError naming what cannot be read instead of Orbax's many-line
+    traceback."""
+    restored = {}
+    for name, args in items.items():
+        try:
+            restored[name] = manager.restore(step, args=ocp.args.Composite(**{name: args}))[name]
+        except Exception as e:
+            raise RunError(_damaged(manager, step, run_dir, name, e)) from None
+    return ocp.args.Composite(**restored)
+
+
+# TensorStore's errors start with a status (NOT_FOUND, DATA_LOSS, ...) and quote the key it
+# failed on in the item's database: an array's metadata or one of its chunks, e.g.
+# "embed.embedding.value/.zarray" or "head.value/0.1".
+_ARRAY_ERROR = re.compile(r'^([A-Z_]+): .*?"([^"/]+)/(?:\.zarray|zarr\.json|[\d.]+)"', re.S)
+
+
+def _damaged(manager: ocp.CheckpointManager, step: int, run_dir: Path, item: str, e) -> str:
+    """What of checkpoint `step` cannot be read (an array, a file, or else the `item` whose
+    restore raised `e`), and which earlier checkpoint to use instead."""
+    text = str(e).split(" See full TensorStore")[0].strip()
+    if m := _ARRAY_ERROR.match(text):
+        what = f"array '{m[2].removesuffix('.value')}' of its {item} cannot be read ({m[1]})"
+    else:
+        # A JSON error carries the text it failed on, not the file: find the file by it.
+        item_dir = run_dir / CHECKPOINT_DIR / str(step) / item
+        doc = getattr(e, "doc", None)
+        files = sorted(f for f in item_dir.glob("*") if f.is_file()) if doc else []
+        bad = next((f"'{f}'" for f in files if f.read_text(errors="replace") == doc), None)
+        why = f"{type(e).__name__}: {(text.splitlines() or [''])[0][:200]}"
+        what = f"{bad or f'its {item}'} cannot be read ({why})"
+    saved = sorted(manager.all_steps())
+    earlier = [s for s in saved if s < step]
+    fix = (
+        f"use an earlier checkpoint (saved steps: {saved}): --step {earlier[-1]} to sample, "
+        f"quantise or export it, train.resume_step={earlier[-1]} to resume training from it "
+        f"(the later ones are moved to {SUPERSEDED_DIR}/ in the run)"
+        if earlier
+        else "it is the run's only checkpoint: train again in a new run_dir"
+    )
+    return f"checkpoint {step} in '{run_dir}' is damaged: {what}; {fix}"
+
+
+def read_meta(manager: ocp.CheckpointManager, step: int, run_dir: Path) -> dict:
+    meta = restore(manager, step, run_dir, meta=ocp.args.JsonRestore()).meta
+    try:
+        meta["config"] = config_from_yaml(meta["config"])
+        meta["tokenizer"] = tokenizer_from_dict(meta["tokenizer"], run_dir / TOKENIZER_DIR)
+    except SavedFilesError as e:
+        raise RunError(f"checkpoint {step} in '{run_dir}': {e}") from None
+    except (ConfigError, DataError, KeyError) as e:
+        raise RunError(
+            f"checkpoint {step} in '{run_dir}' has an unreadable config or tokenizer ({e}); "
+            "it was written by an incompatible version of moe_jax"
+        ) from None
+    return meta
+
+
+def open_checkpoints(run_dir: Path, step: int | None) -> tuple[ocp.CheckpointManager, int]:
+    """The run's checkpoint manager and the step asked for (default: the latest)."""
+    if run_dir.exists() and not run_dir.is_dir():
+        raise RunError(f"'{run_dir}' is a file, not a run directory; pass a run directory")
+    if not run_dir.is_dir():
+        raise RunError(
+            f"run directory '{run_dir}' does not exist; train one with "
+            f"`python train.py run_dir={run_dir}`"
+        )
+    manager = read_only_manager(run_dir)
+    steps = sorted(manager.all_steps()) if manager else []
+    if not steps:
+        raise RunError(
+            f"no checkpoint in '{run_dir}'; train (or resume) with "
+            f"`python train.py run_dir={run_dir}` until a checkpoint is saved"
+        )
+    if step is None:
+        step = steps[-1]
+    elif step not in steps:
+        raise RunError(f"no checkpoint for step {step} in '{run_dir}'; saved steps: {steps}")
+    return manager, step
+
+
+NO_SPACE = (errno.ENOSPC, errno.EDQUOT)  # a full disk or a used-up quota: free space there
+
+
+class SaveError(RuntimeError):
+    """A checkpoint could not be written (e.g. the disk is full); the ones before it are
+    intact, and training resumes from the latest of them."""
+
+
+def no_space(e: BaseException | None) -> bool:
+    """Whether `e` or what caused it is a full disk: an OSError from Python, or a ValueError
+    from TensorStore that names the OS error code."""
+    while e is not None:
+        if isinstance(e, OSError) and e.errno in NO_SPACE:
+            return True
+        if any(f"os_error_code='{code}'" in str(e) for code in NO_SPACE):
+            return True
+        e = e.__cause__ or e.__context__
+    return False
+
+
+def _size(n_bytes: int) -> str:
+    return f"{n_bytes / 2**30:,.1f} GiB" if n_bytes >= 2**30 else f"{n_bytes / 2**20:,.1f} MiB"
+
+
+def _supersede(run_dir: Path, step: int) -> None:
+    """Move the checkpoints after `step` to RUN_DIR/superseded, so that the training resumed
+    from `step` saves its own (Orbax refuses to write a step that exists)."""
+    later = [p for p in (run_dir / CHECKPOINT_DIR).iterdir() if p.name.isdigit()]
+    later = [p for p in later if int(p.name) > step]
+    dest = run_dir / SUPERSEDED_DIR
+    taken = [dest / p.name for p in later if (dest / p.name).exists()]
+    if taken:
+        raise RunError(
+            f"'{taken[0]}' exists (from an earlier train.resume_step); move or delete it, "
+            "then rerun"
+        )
+    if later:
+        dest.mkdir(exist_ok=True)
+    for p in later:
+        p.rename(dest / p.name)
+
+
+def keep_tokenizer_files(run_dir: Path, tokenizer: Tokenizer, checkpointed: bool) -> None:
+    """Write a file tokenizer's files to RUN_DIR/tokenizer (atomically) unless they are there
+    already. Other files there are left by a start with another tokenizer that saved no
+    checkpoint (replaced), or, if the run has checkpoints (`checkpointed`), were changed under
+    it (RunError: they are what those checkpoints need)."""
+    if not tokenizer.files:
+        return
+    target = run_dir / TOKENIZER_DIR
+    if holds(target, tokenizer.files):
+        return
+    if target.exists():
+        if checkpointed:
+            raise RunError(
+                f"'{target}' holds other files than the tokenizer this run trains with, and the "
+                "run's checkpoints need them; put the original files back, or train in a new "
+                "run_dir"
+            )
+        shutil.rmtree(target)
+    write_files(tokenizer.files, target)
+
+
+def write_inference_run(out_dir: str | Path, step: int, params, meta: dict) -> None:
+    """A new run directory holding one checkpoint of `params` only (no optimizer or data
+    state), e.g. a quantised copy; `meta` as for `Checkpointer.save`, plus "quantization" and
+    "source". Written into a temporary sibling and renamed when complete, so `out_dir` holds
+    the whole run or does not exist; an existing `out_dir` is refused, never touched."""
+    out_dir = Path(out_dir)
+    if out_dir.exists():
+        raise RunError(f"'{out_dir}' already exists; choose a new directory")
+    tmp = make_temp_sibling(out_dir)
+    try:
+        comment = f"# {meta['quantization']} copy of {meta['source']}: inference only\n"
+        (tmp / CONFIG_FILE).write_text(comment + config_to_yaml(meta["config"]), encoding="utf-8")
+        keep_tokenizer_files(tmp, meta["tokenizer"], checkpointed=False)
+        meta = meta | {
+            "step": step,
+            "config": config_to_yaml(meta["config"]),
+            "tokenizer": meta["tokenizer"].to_dict(),
+        }
+        manager = _manager(tmp, enable_async_checkpointing=False)
+        manager.save(
+            step,
+            args=ocp.args.Composite(
+                params=ocp.args.StandardSave(params), meta=ocp.args.JsonSave(meta)
+            ),
+        )
+        manager.close()
+        tmp.rename(out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+class Checkpointer:
+    """Saves and restores a training run's checkpoints in `cfg.run_dir`.
+
+    Opening one locks the run directory (`RunLock`, held by process 0 until `close()`),
+    creates it, writes config.yaml when the run is new, removes unfinished temporary
+    checkpoint directories left by a crash mid-save, and moves the checkpoints after
+    `supersede_after` (the step an earlier than latest resume starts from) to
+    RUN_DIR/superseded.
+    """
+
+    def __init__(self, cfg: Config, supersede_after: int | None = None):
+        self.run_dir = Path(cfg.run_dir)
+        make_dir(self.run_dir, "run_dir")
+        self._lock = on_process_0(lambda: self._open(cfg, supersede_after), self.run_dir)
+        c = cfg.checkpoint
+        self.manager = _manager(
+            self.run_dir, max_to_keep=c.keep, enable_async_checkpointing=c.async_save
+        )
+        self._saving: int | None = None  # the step of the save last started
+        self._bytes = 0  # of its arrays: about a checkpoint's size
+
+    def _open(self, cfg: Config, supersede_after: int | None) -> RunLock:
+        """Process 0's part of opening: lock the run directory, then prepare it."""
+        lock = RunLock(self.run_dir)
+        try:
+            config_file = self.run_dir / CONFIG_FILE
+            if not config_file.exists():
+                config_file.write_text(config_to_yaml(cfg), encoding="utf-8")
+            for unfinished in (self.run_dir / CHECKPOINT_DIR).glob(UNFINISHED_GLOB):
+                shutil.rmtree(unfinished)
+            if supersede_after is not None:
+                _supersede(self.run_dir, supersede_after)
+        except BaseException:
+            lock.release()
+            raise
+        return lock
+
+    def latest_step(self) -> int | None:
+        return self.manager.latest_step()
+
+    def save(self, step: int, params, opt_state, data_iterator, meta: dict) -> None:
+        """Start saving `step` (returns once arrays are copied off the device when async).
+
+        meta: JSON-able dict with at least "config" (a Config) and "tokenizer" (a Tokenizer;
+        a file tokenizer's files go to RUN_DIR/tokenizer first, see `keep_tokenizer_files`).
+        """
+        tokenizer = meta["tokenizer"]
+        meta = meta | {
+            "step": step,
+            "config": config_to_yaml(meta["config"]),
+            "tokenizer": tokenizer.to_dict(),
+        }
+        self.wait()  # Orbax would wait here too: a failure of the previous save is its own
+        self._saving = step
+        self._bytes = sum(x.nbytes for x in jax.tree.leaves((params, opt_state)))
+        try:
+            if jax.process_index() == 0:  # the run's own files are process 0's to write
+                checkpointed = self.manager.latest_step() is not None
+                keep_tokenizer_files(self.run_dir, tokenizer, checkpointed)
+            self.manager.save(
+                step,
+                args=ocp.args.Composite(
+                    params=ocp.args.StandardSave(params),
+                    opt_state=ocp.args.StandardSave(opt_state),
+                    data=grain.checkpoint.CheckpointSave(data_iterator),
+                    meta=ocp.args.JsonSave(meta),
+                ),
+                force=True,
+            )
+        except RunError:
+            raise
+        except Exception as e:
+            raise self.save_error(e) from None
+
+    def restore(self, step: int, params_target, opt_target, data_iterator):
+        """-> (params, opt_state) of `step`, laid out like the targets (abstract arrays with
+        shardings); `data_iterator` is moved to the saved position in place."""
+        data_files = (self.run_dir / CHECKPOINT_DIR / str(step) / "data").glob("process_*.json")
+        counts = {f.stem.rpartition("-of-")[2] for f in data_files}
+        if counts and str(jax.process_count()) not in counts:
+            n = ", ".join(sorted(counts))
+            raise RunError(
+                f"checkpoint {step} in '{self.run_dir}' was saved by {n} processes, each with "
+                f"its own data position; resume it with {n} processes (mesh.num_processes={n})"
+            )
+        restored = restore(
+            self.manager,
+            step,
+            self.run_dir,
+            params=ocp.args.StandardRestore(params_target),
+            opt_state=ocp.args.StandardRestore(opt_target),
+            data=grain.checkpoint.CheckpointRestore(data_iterator),
+        )
+        return restored.params, restored.opt_state
+
+    def wait(self) -> None:
+        """Wait for the save in flight to finish; SaveError if it failed."""
+        try:
+            self.manager.wait_until_finished()
+        except Exception as e:  # Orbax raises a failure once, so close() after it succeeds
+            raise self.save_error(e) from None
+        self._saving = None
+
+    def save_error(self, e: Exception) -> SaveError:
+        """The one-line error for `e`: a failed save, or a full disk under the run's files."""
+        last = self.manager.latest_step()  # Orbax forgets a step whose save failed
+        resumes = (
+            f"it resumes from checkpoint {last}, the last complete one"
+            if last is not None
+            else "no checkpoint is complete yet, so it starts again from step 0"
+        )
+        ckpt = f"checkpoint {self._saving}" if self._saving is not None else "a checkpoint"
+        if no_space(e):
+            size = f" ({ckpt} takes about {_size(self._bytes)})" if self._bytes else ""
+            return SaveError(
+                f"no space left on the device of '{self.run_dir}'{size}; free space there and "
+                f"rerun the same command: {resumes}"
+            )
+        first_line = (str(e).strip().splitlines() or [""])[0][:200]
+        return SaveError(
+            f"{ckpt} could not be written in '{self.run_dir}' ({type(e).__name__}: "
+            f"{first_line}); fix that and rerun the same command: {resumes}"
+        )
+
+    def close(self) -> None:
+        """Wait for the last save (SaveError if it failed), then unlock the run directory."""
+        try:
+            self.wait()
+        finally:
+            self.manager.close()
+            if self._lock is not None:
+                self._lock.release()
+                self._lock = None
