@@ -261,8 +261,26 @@ def test_gpu_kit_summary_derives_mfu_and_the_decode_bound():
          "bytes_per_step": {"total": 2e9}},
         {"kind": "attention", "impl": "cudnn", "case": "window", "error": "RuntimeError: no"},
         {"stage": "train", "kind": "stage", "rc": -9, "timed_out": True, "wall_s": 120.0},
+        {"kind": "profile", "variant": "auto", "wall_ms": 357.0, "busy_ms": 340.0,
+         "kernels_per_step": 900, "kinds_ms": {"matmul": 250.0, "other": 90.0},
+         "top": [["sm90_xmma_gemm_bf16", 40.0, 24]]},
     ]  # fmt: skip
     text = kit.summary(records)
+    assert "device busy 340.0 ms, 900 kernels; ms by kind: matmul 250.0, other 90.0" in text
     assert "MFU 10.0%" in text and "peak mem 2.0 GiB" in text
     assert "bound 1.000 ms (2.00x)" in text  # 2 GB at 2000 GB/s; 2 ms measured
     assert "RuntimeError: no" in text and "TIMED OUT" in text
+
+
+def test_gpu_kit_sorts_kernels_by_kind():
+    from stages import kernel_kind
+
+    names = {
+        "sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x256x64": "matmul",
+        "nvjet_tst_128x256_64x4_1x2_h_bz_coopA_NNT": "matmul",
+        "cudnn_generated_fort_native_sdpa_sm90_knob_7_64x128x128_4x1x1": "attention",
+        "ncclDevKernel_AllReduce_Sum_bf16_RING_LL": "collective",
+        "Memcpy DtoD (Device -> Device)": "copy",
+        "loop_multiply_fusion_3": "other",
+    }
+    assert {n: kernel_kind(n) for n in names} == names

@@ -167,6 +167,14 @@ def summary(records: list[dict]) -> str:
             f"the matmul ceiling, peak mem {_f((r.get('peak_bytes') or 0) / 2**30)} GiB, "
             f"compile {_f(r.get('compile_s'))} s {r.get('error') or r.get('skipped') or ''}"
         )
+    for r in by("profile"):
+        kinds = ", ".join(f"{k} {v:.1f}" for k, v in r.get("kinds_ms", {}).items())
+        lines.append(
+            f"profile {r.get('variant')}: step {_f(r.get('wall_ms'))} ms, device busy "
+            f"{_f(r.get('busy_ms'))} ms, {r.get('kernels_per_step')} kernels; ms by kind: {kinds}"
+        )
+        for name, ms, n in r.get("top", [])[:8]:
+            lines.append(f"    {ms:9.3f} ms  x{n:<4d} {name[:90]}")
     for r in by("decode"):
         who = r.get("side", "moe_jax") + " " + r.get("cache", "")
         bound = ""
