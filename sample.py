@@ -166,10 +166,10 @@ def sample(args: argparse.Namespace, prompt: str | None) -> int:
     """Load the run and print its samples (the flags are checked)."""
     from moe_jax.backends import KernelError
     from moe_jax.config import ConfigError
-    from moe_jax.data import DataError
     from moe_jax.load import read_run_meta
     from moe_jax.run.layout import RunError
     from moe_jax.sampling import SamplingError, load_sampler
+    from moe_jax.tokenizer import DataError
 
     try:
         if args.chat:  # a tokenizer without a chat template is refused before the weights load

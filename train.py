@@ -37,10 +37,10 @@ def main(argv: list[str]) -> int:
     # Only now jax and what imports it (seconds): a bad config has failed before that.
     import_jax()
     from moe_jax.backends import KernelError
-    from moe_jax.data import DataError
     from moe_jax.run.layout import RunError
     from moe_jax.run.store import SaveError
     from moe_jax.sharding import init_distributed
+    from moe_jax.tokenizer import DataError
     from moe_jax.trainer import TrainingError, train
 
     try:

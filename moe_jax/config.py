@@ -173,7 +173,7 @@ class DataConfig:
     # Positions restart at 0 at every document start in a window (RoPE, chunked attention and
     # NoPE temperature see each document as if it began the window); needs document_mask.
     document_positions: bool = True
-    # Supervised fine-tuning from JSONL files (data.path; moe_jax/finetune.py): none |
+    # Supervised fine-tuning from JSONL files (data.path; moe_jax/data/sft.py): none |
     # prompt_completion (lines {"prompt": ..., "completion": ...}; the loss covers the
     # completion and an EOS) | chat (lines {"messages": [{"role": ..., "content": ...}, ...]},
     # rendered with the tokenizer's chat template; the loss covers the assistant turns).
@@ -501,7 +501,7 @@ INT32_MAX = 2**31 - 1  # sizes and counts index int32 arrays
 SCHEDULES = ("cosine", "linear", "wsd")  # train.schedule (train_step.lr_schedule)
 WEIGHT_KINDS = ("auto", "float32", "bfloat16", "int8")  # sample.weights (moe_jax/weights.py)
 SEEDS = ("seed", "sample.seed")  # PRNG keys take 32 bits: larger seeds would collide
-SFT_FORMATS = ("none", "prompt_completion", "chat")  # data.sft (moe_jax/finetune.py)
+SFT_FORMATS = ("none", "prompt_completion", "chat")  # data.sft (moe_jax/data/sft.py)
 
 
 def _numbers_in_range(obj: object, prefix: str = "") -> None:

@@ -27,8 +27,9 @@ import numpy as np
 from tqdm import tqdm
 
 from moe_jax.config import Config
-from moe_jax.finetune import init_source, load_run_data, start_state
+from moe_jax.data import load_run_data
 from moe_jax.metrics import MetricsWriter, compute_units, unit_peak_flops
+from moe_jax.run.init_from import init_source, start_state
 from moe_jax.run.layout import RunError
 from moe_jax.run.policy import inspect_run
 from moe_jax.run.store import Checkpointer, no_space

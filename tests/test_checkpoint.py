@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from moe_jax.data import train_iterator
+from moe_jax.data.corpus import train_iterator
 from moe_jax.load import load_run, on_device
 from moe_jax.metrics import read_metrics
 from moe_jax.model import Transformer

@@ -1,6 +1,6 @@
-"""Fine-tuning (moe_jax/finetune.py): `init_from` starts a new run from another run's params,
-and `data.sft` trains on JSONL prompt/completion pairs or chat conversations, the loss on the
-completion / assistant tokens only.
+"""Fine-tuning (moe_jax/run/init_from.py, moe_jax/data/sft.py): `init_from` starts a new run
+from another run's params, and `data.sft` trains on JSONL prompt/completion pairs or chat
+conversations, the loss on the completion / assistant tokens only.
 
 The source is a tiny Mixtral (2 layers, 4 experts top-2, random weights, transformers; full
 attention, no sliding window, so that an answer can look back at its question) with a
@@ -30,9 +30,11 @@ import pytest
 from flax import nnx
 
 from moe_jax.config import ConfigError, load_config
-from moe_jax.finetune import Record, encode_examples, init_source, load_run_data, pack, start_state
+from moe_jax.data import load_run_data
+from moe_jax.data.sft import Record, encode_examples, pack
 from moe_jax.load import load_run
 from moe_jax.quantize import quantize_run
+from moe_jax.run.init_from import init_source, start_state
 from moe_jax.sampling import Sampler
 from moe_jax.sharding import make_mesh
 from moe_jax.tokenizer import DataError, HFTokenizer, load_tokenizer

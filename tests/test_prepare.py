@@ -19,7 +19,8 @@ from flax import nnx
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from moe_jax.config import ConfigError
-from moe_jax.data import PreparedData, load_data
+from moe_jax.data import load_data
+from moe_jax.data.prepared import PreparedData
 from moe_jax.load import load_run
 from moe_jax.metrics import read_metrics
 from moe_jax.prepare import TokenStore, main, prepare

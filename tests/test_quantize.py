@@ -19,7 +19,8 @@ import pytest
 from flax import nnx
 
 from moe_jax.config import load_config
-from moe_jax.data import eval_batches, load_data
+from moe_jax.data import load_data
+from moe_jax.data.corpus import eval_batches
 from moe_jax.load import load_run
 from moe_jax.model import Transformer
 from moe_jax.quantize import (

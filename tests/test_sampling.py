@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from moe_jax.data import train_iterator
+from moe_jax.data.corpus import train_iterator
 from moe_jax.model import Transformer
 from moe_jax.run.store import Checkpointer
 from moe_jax.sampling import (

@@ -20,7 +20,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from moe_jax.config import sampling_config
-from moe_jax.data import train_iterator
+from moe_jax.data.corpus import train_iterator
 from moe_jax.load import load_run
 from moe_jax.model import Transformer
 from moe_jax.model.int8 import Int8Param

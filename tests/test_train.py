@@ -311,7 +311,7 @@ def test_eval_is_the_cross_entropy_on_evenly_spaced_validation_windows(runs):
     """The step-6 eval record equals the saved step-6 model's mean next-token cross-entropy,
     recomputed here from the raw corpus: the last val_fraction of its bytes, and eval_batches
     x batch_size windows at evenly spaced starts. float32 means over 512 tokens: 1e-5."""
-    from moe_jax.data import embedded_sources
+    from moe_jax.data.corpus import embedded_sources
     from tests.helpers import forward
 
     cfg, model, _ = load_run(runs["straight"])

@@ -35,8 +35,7 @@ from flax import nnx
 from omegaconf import OmegaConf
 
 from moe_jax.config import Config, ConfigError, config_from_yaml, config_to_yaml, load_config
-from moe_jax.data import DataError
-from moe_jax.finetune import load_run_data
+from moe_jax.data import load_run_data
 from moe_jax.interop.convert import FAMILIES, load_hf, save_hf
 from moe_jax.interop.safetensors_io import InteropError
 from moe_jax.load import load_run
@@ -44,7 +43,7 @@ from moe_jax.model import Transformer
 from moe_jax.run.layout import TOKENIZER_DIR, RunError
 from moe_jax.run.policy import RESUMABLE_CHANGES
 from moe_jax.run.store import Checkpointer
-from moe_jax.tokenizer import Tokenizer, load_tokenizer
+from moe_jax.tokenizer import DataError, Tokenizer, load_tokenizer
 from moe_jax.tokenizer.files import HF_FILE, SP_FILE
 from moe_jax.train_step import make_optimizer
 

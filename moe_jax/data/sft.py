@@ -1,17 +1,6 @@
-"""Fine-tuning: a new run that starts from another run's params (`init_from`), and supervised
-fine-tuning data from JSONL files (`data.sft`).
+"""Supervised fine-tuning data: JSONL examples, encoded, packed whole and batched.
 
-    source = init_source(cfg, resume_step, log)    # the run to start from, read only; or None
-    state = start_state(source, abstract_state, tx)  # its params on this run's mesh, new Adam
-    data = load_sft(cfg, tokenizer)                # like `data.load_data`'s result
-
-init_from: the source's latest checkpoint (or `init_step`) is read, never written or locked:
-its params are restored straight onto the new run's mesh and shardings (fp32 master
-weights), the optimizer state is new, the step 0, the data from its start. The source must
-have this config's architecture (every key `run.policy.incompatible_keys` compares; a
-`data.tokenizer` that names the same tokenizer files under another path counts as the same),
-and its tokenizer becomes the new run's. A run directory that has checkpoints of its own
-resumes them and ignores init_from, so rerunning the command after a stop goes on.
+    data = load_sft(cfg, tokenizer)                # the interface of `data.load_data`'s result
 
 SFT examples (`data.sft`, the JSONL files of `data.path`, one JSON object a line, blank lines
 skipped):
@@ -48,103 +37,15 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 
 import grain
-import jax
-import jax.numpy as jnp
 import numpy as np
-import optax
 
 from moe_jax.config import Config
-from moe_jax.data import _local_rows, batch_examples, file_sources, load_data, unigram_entropy
-from moe_jax.load import read_run_meta, restore_params
-from moe_jax.run.layout import RunError
-from moe_jax.run.policy import incompatible_keys
+from moe_jax.data.corpus import file_sources
+from moe_jax.data.windows import batch_examples, local_rows, unigram_entropy
 from moe_jax.tokenizer import DataError, Tokenizer, load_tokenizer
-
-# ----------------------------------------------------------------------------- init_from
-
-
-@dataclass(frozen=True)
-class InitSource:
-    run_dir: Path
-    step: int
-    tokenizer: Tokenizer
-
-
-def _same_tokenizer(spec: str, tokenizer: Tokenizer) -> bool:
-    """Whether the path `spec` holds the same tokenizer files as `tokenizer`."""
-    if spec in ("byte", "char"):
-        return False
-    try:
-        return load_tokenizer(spec).to_dict() == tokenizer.to_dict()
-    except DataError:
-        return False
-
-
-def init_source(
-    cfg: Config, resume_step: int | None, log: Callable[[str], None]
-) -> InitSource | None:
-    """The run `cfg.init_from` names, checked (read only): None without init_from, or when
-    run_dir resumes its own checkpoint `resume_step`. RunError (nothing written) for a
-    source that is run_dir itself, missing, without checkpoints (or `init_step`), int8, or of
-    another architecture."""
-    if cfg.init_from is None:
-        return None
-    source = Path(cfg.init_from)
-    if source.resolve() == Path(cfg.run_dir).resolve():
-        raise RunError(
-            f"init_from '{source}' is run_dir itself; the run to start from is only read: "
-            "choose a new run_dir"
-        )
-    if resume_step is not None:
-        log(
-            f"init_from ignored: run_dir '{cfg.run_dir}' has checkpoints of its own, resuming "
-            f"step {resume_step}"
-        )
-        return None
-    try:
-        meta = read_run_meta(source, cfg.init_step)
-    except RunError as e:
-        raise RunError(f"init_from: {e}") from None
-    if quantized := meta.get("quantization"):
-        raise RunError(
-            f"init_from '{source}' holds an {quantized} copy of a run, for inference only; start "
-            f"from the float run it came from ({meta.get('source')})"
-        )
-    tokenizer = meta["tokenizer"]
-    diffs = [
-        d
-        for d in incompatible_keys(meta["config"], cfg)
-        if not (d.startswith("data.tokenizer:") and _same_tokenizer(cfg.data.tokenizer, tokenizer))
-    ]
-    if diffs:
-        raise RunError(
-            f"init_from '{source}' is a run of another architecture ({'; '.join(diffs)}); "
-            f"start from its config: `train.py {source}/config.yaml init_from={source} "
-            "run_dir=NEW ...`"
-        )
-    return InitSource(source, meta["step"], tokenizer)
-
-
-def start_state(source: InitSource, abstract_state: dict, tx: optax.GradientTransformation):
-    """The train state of a new run from `source`: its params restored onto the shardings of
-    `abstract_state` (`init_state(cfg, tx, abstract=True, mesh=mesh)`), a new optimizer
-    state laid out like its abstract one, step 0."""
-    params = restore_params(source.run_dir, source.step, abstract_state["params"])
-    opt_sharding = jax.tree.map(lambda a: a.sharding, abstract_state["opt_state"])
-    step_sharding = abstract_state["step"].sharding
-    return {
-        "step": jax.device_put(jnp.zeros((), jnp.int32), step_sharding),
-        "params": params,
-        "opt_state": jax.jit(tx.init, out_shardings=opt_sharding)(params),
-    }
-
-
-# ----------------------------------------------------------------------------- examples
 
 
 @dataclass(frozen=True)
@@ -271,9 +172,6 @@ def encode_examples(
     return examples
 
 
-# ----------------------------------------------------------------------------- packing
-
-
 @dataclass(frozen=True)
 class Packed:
     """Examples packed whole into windows of `length` tokens, in order: window w holds the
@@ -345,9 +243,6 @@ def pack(
     )
 
 
-# ----------------------------------------------------------------------------- the data
-
-
 @dataclass(frozen=True)
 class SFTData:
     """SFT examples (`load_sft`), packed: the interface of `data.load_data`'s result."""
@@ -397,7 +292,7 @@ class SFTData:
 
     def eval_batches(self, cfg: Config, process_index: int = 0, process_count: int = 1):
         t = cfg.train
-        rows = _local_rows(t.batch_size, process_index, process_count)
+        rows = local_rows(t.batch_size, process_index, process_count)
         windows = self.eval_windows(t.eval_batches * t.batch_size)
         batches = []
         for i in range(t.eval_batches):
@@ -456,11 +351,3 @@ def load_sft(cfg: Config, tokenizer: Tokenizer | None = None) -> SFTData:
         f"({padding:.0%} padding), {learned:,} tokens to learn"
     )
     return SFTData(tokenizer, train, val, description, fingerprint)
-
-
-def load_run_data(cfg: Config, tokenizer: Tokenizer | None = None):
-    """What a run trains on: the SFT examples with `data.sft`, else `data.load_data`'s corpus
-    or prepared dataset(s). The same interface either way (train_iterator, eval_batches...)."""
-    if cfg.data.sft != "none":
-        return load_sft(cfg, tokenizer)
-    return load_data(cfg, tokenizer)
