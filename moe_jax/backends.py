@@ -95,7 +95,7 @@ def normalise(platform: str) -> str:
 
 def target() -> str:
     """The backend programs are being traced for."""
-    import jax  # here: config.py imports this module, and the CLIs check configs before jax
+    import jax  # here: the config imports this module, and the CLIs check configs before jax
 
     return _target.get() or normalise(jax.default_backend())
 

@@ -18,10 +18,9 @@ from jax.experimental import mesh_utils
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from moe_jax.config import Config, ConfigError
+from moe_jax.config import MESH_AXES, Config, ConfigError
 from moe_jax.runtime import drop_gloo_noise
 
-MESH_AXES = ("data", "fsdp", "expert", "tensor")
 BATCH_AXES = ("data", "fsdp", "expert")  # the batch is split over all of these
 
 LOGICAL_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (

@@ -227,7 +227,7 @@ def _swiglu_chunked(x_nD, w, sizes_E, expert_n, impl, max_group, n_chunks, whole
     and gradients: 3.3 GiB each for Mixtral's 122,880 received rows a chip at 12 x 4096
     tokens) exist for one window at a time. The backward recomputes each window's gate/up
     products (two grouped matmuls more) and keeps only the rows, so the checkpoint names
-    `expert_gate_up` / `expert_out` have nothing to keep here (config.py refuses them).
+    `expert_gate_up` / `expert_out` have nothing to keep here (the config refuses them).
     Outputs and gradients are summed over the windows (rows past a window's groups add
     zeros), in the compute dtype. `whole`: see `grouped_swiglu` (by experts only)."""
     return _swiglu_chunked_fwd(x_nD, w, sizes_E, expert_n, impl, max_group, n_chunks, whole)[0]

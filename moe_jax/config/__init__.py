@@ -1,0 +1,300 @@
+"""Typed configuration tree: dataclass schema <- YAML file <- dotted command-line overrides.
+
+OmegaConf does the merging and type coercion against the dataclass schema; each section
+checks its own fields (`model.py`: model, attention, moe; `run.py`: data, train, mesh,
+checkpoint, sample), `Config.check` the rules across sections, and every failure is one
+`ConfigError` whose message names the problem and the fix. The result is a tree of frozen
+(hence hashable) dataclasses, so a config can be a static argument to `jax.jit`.
+
+    cfg = load_config("configs/tiny.yaml", ["model.n_layers=4", "moe.capacity_factor=1.25"])
+"""
+
+from __future__ import annotations
+
+import difflib
+import math
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass, field, fields, is_dataclass
+from pathlib import Path
+
+import yaml
+from omegaconf import OmegaConf
+from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
+
+from moe_jax.config.checks import ConfigError, numbers_in_range, positive, require
+from moe_jax.config.model import (
+    DTYPES,
+    REMAT_NAMES,
+    REMAT_POLICIES,
+    AttentionConfig,
+    ModelConfig,
+    MoEConfig,
+    RopeScalingConfig,
+)
+from moe_jax.config.run import (
+    DEFAULT_WARMUP_STEPS,
+    MAX_TEMPERATURE,
+    MESH_AXES,
+    MIN_TEMPERATURE,
+    SCHEDULES,
+    SFT_FORMATS,
+    WEIGHT_KINDS,
+    CheckpointConfig,
+    DataConfig,
+    MeshConfig,
+    SampleConfig,
+    TrainConfig,
+)
+
+__all__ = [
+    "DEFAULT_WARMUP_STEPS",
+    "DTYPES",
+    "MAX_TEMPERATURE",
+    "MESH_AXES",
+    "MIN_TEMPERATURE",
+    "REMAT_NAMES",
+    "REMAT_POLICIES",
+    "SAMPLING_OVERRIDES",
+    "SCHEDULES",
+    "SFT_FORMATS",
+    "WEIGHT_KINDS",
+    "AttentionConfig",
+    "CheckpointConfig",
+    "Config",
+    "ConfigError",
+    "DataConfig",
+    "MeshConfig",
+    "ModelConfig",
+    "MoEConfig",
+    "RopeScalingConfig",
+    "SampleConfig",
+    "TrainConfig",
+    "cli_config",
+    "config_from_yaml",
+    "config_to_yaml",
+    "load_config",
+    "sampling_config",
+    "validate",
+]
+
+
+@dataclass(frozen=True)
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    attention: AttentionConfig = field(default_factory=AttentionConfig)
+    moe: MoEConfig = field(default_factory=MoEConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    mesh: MeshConfig = field(default_factory=MeshConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    sample: SampleConfig = field(default_factory=SampleConfig)
+    run_dir: str = "runs/tiny"
+    seed: int = 0
+    # Start a new run from the params of another run directory (trained, or imported with
+    # `moe_jax.interop import`): its latest checkpoint, or init_step; a fresh optimizer state,
+    # data position and step 0. The source is only read. Its architecture (model, attention,
+    # moe, data.tokenizer) must be this config's: start from its config, `train.py
+    # SRC/config.yaml init_from=SRC run_dir=NEW ...`. Its tokenizer is the new run's. Ignored
+    # once run_dir has checkpoints of its own (it resumes them).
+    init_from: str | None = None
+    init_step: int | None = None  # the source's checkpoint to start from; None: its latest
+
+    # Derived architecture facts, used by the model, the summary and the tests.
+    @property
+    def head_dim(self) -> int:
+        a = self.attention
+        return a.head_dim if a.head_dim is not None else self.model.d_model // a.n_heads
+
+    def uses_rope(self, layer: int) -> bool:
+        n = self.attention.nope_interval
+        return not (n > 0 and (layer + 1) % n == 0)
+
+    def is_moe(self, layer: int) -> bool:
+        return self.moe.n_experts > 0 and (layer + 1) % self.moe.interleave_step == 0
+
+    @property
+    def layer_period(self) -> int:
+        """Smallest block of layers whose (RoPE, MoE) pattern repeats."""
+        return math.lcm(max(self.attention.nope_interval, 1), self.moe.interleave_step)
+
+    def check(self) -> None:
+        """Every section's own checks, then the rules that span sections."""
+        numbers_in_range(self)
+        for section in (self.model, self.attention, self.moe, self.mesh, self.train,
+                        self.data, self.checkpoint, self.sample):  # fmt: skip
+            section.check()
+        _check_across_sections(self)
+
+
+def _check_across_sections(cfg: Config) -> None:
+    m, a, e = cfg.model, cfg.attention, cfg.moe
+    if a.head_dim is None:
+        require(
+            m.d_model % a.n_heads == 0,
+            f"model.d_model ({m.d_model}) must be divisible by attention.n_heads ({a.n_heads}), "
+            "or set attention.head_dim explicitly",
+        )
+    require(cfg.head_dim > 0, f"attention.head_dim must be positive, got {cfg.head_dim}")
+    if any(cfg.uses_rope(i) for i in range(m.n_layers)):
+        require(
+            cfg.head_dim % 2 == 0,
+            f"head_dim ({cfg.head_dim}) must be even for RoPE; change attention.head_dim",
+        )
+    if any(not cfg.is_moe(i) for i in range(m.n_layers)):
+        positive(m, "model", ["ffn_hidden"])
+    kept = set(m.remat_saved) | set(m.remat_offloaded)
+    require(
+        e.row_chunks == 1 or not kept & {"expert_gate_up", "expert_out"},
+        f"moe.row_chunks={e.row_chunks} recomputes the experts' gate/up products chunk by "
+        "chunk, so model.remat_save / remat_offload cannot keep expert_gate_up or expert_out: "
+        "drop those names or set moe.row_chunks=1",
+    )
+    if e.n_experts > 0 and cfg.mesh.expert > 0:
+        require(
+            e.n_experts % cfg.mesh.expert == 0,
+            f"moe.n_experts ({e.n_experts}) must be divisible by mesh.expert ({cfg.mesh.expert})",
+        )
+    require(
+        cfg.train.seq_len <= m.max_seq_len,
+        f"train.seq_len ({cfg.train.seq_len}) exceeds model.max_seq_len ({m.max_seq_len})",
+    )
+    if cfg.init_step is not None:
+        require(cfg.init_from is not None, "init_step is set but init_from is not; set both")
+        require(cfg.init_step >= 0, f"init_step must be >= 0, got {cfg.init_step}")
+    require(
+        cfg.init_from is None or cfg.init_from.strip() != "",
+        "init_from is empty; name the run directory to start from, or set it to null",
+    )
+
+
+def validate(cfg: Config) -> None:
+    """ConfigError, naming the fix, unless `cfg` is a possible configuration."""
+    cfg.check()
+
+
+def _suggest(key: str, parent: object) -> str:
+    names = [f.name for f in fields(parent)] if is_dataclass(parent) else []
+    close = difflib.get_close_matches(key, names, n=1)
+    return f"; did you mean '{close[0]}'?" if close else f"; valid keys: {', '.join(names)}"
+
+
+def _node_at(path: str) -> object:
+    node: object = Config
+    for part in path.split(".") if path else []:
+        sub = {f.name: f for f in fields(node)}.get(part) if is_dataclass(node) else None
+        if sub is None:
+            return None
+        node = sub.default_factory() if callable(sub.default_factory) else sub.default
+    return node() if isinstance(node, type) else node
+
+
+def _explain(err: OmegaConfBaseException, source: str) -> ConfigError:
+    full_key = getattr(err, "full_key", None) or ""
+    if isinstance(err, ConfigKeyError) and full_key:
+        parent, _, key = full_key.rpartition(".")
+        hint = _suggest(key, _node_at(parent))
+        return ConfigError(f"unknown config key '{full_key}' in {source}{hint}")
+    first_line = str(err).splitlines()[0]
+    where = f" for '{full_key}'" if full_key else ""
+    return ConfigError(f"bad config value{where} in {source}: {first_line}")
+
+
+def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -> Config:
+    """Schema defaults <- YAML file at `path` <- `key.sub=value` overrides, then validated."""
+    cfg = OmegaConf.structured(Config)
+    if path is not None:
+        path = Path(path)
+        if not path.exists():
+            raise ConfigError(
+                f"config file '{path}' does not exist; pass a YAML file from configs/"
+            )
+        if not path.is_file():
+            raise ConfigError(f"config path '{path}' is not a file; pass a YAML file from configs/")
+        try:
+            file_cfg = OmegaConf.load(path)
+        except Exception as e:  # yaml.YAMLError and friends
+            detail = " ".join(str(e).split())
+            raise ConfigError(f"config file '{path}' is not valid YAML: {detail}") from None
+        if not isinstance(file_cfg, type(OmegaConf.create({}))):
+            raise ConfigError(f"config file '{path}' must hold a mapping of sections")
+        try:
+            cfg = OmegaConf.merge(cfg, file_cfg)
+        except OmegaConfBaseException as e:
+            raise _explain(e, str(path)) from None
+    return _validated(_merge_overrides(cfg, overrides))
+
+
+def _validated(cfg) -> Config:
+    """The OmegaConf config as a validated Config."""
+    try:
+        result = OmegaConf.to_object(cfg)
+    except OmegaConfBaseException as e:
+        raise _explain(e, "config") from None
+    validate(result)
+    return result
+
+
+def _merge_overrides(cfg, overrides: Sequence[str]):
+    """An OmegaConf config <- `key.sub=value` overrides, each checked against the schema."""
+    for item in overrides:
+        key, sep, _ = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"override '{item}' is not of the form section.key=value")
+        try:
+            cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist([item]))
+        except OmegaConfBaseException as e:
+            raise _explain(e, f"override '{item}'") from None
+        except yaml.YAMLError as e:  # the value is parsed as YAML: `{`, `,,` ...
+            detail = " ".join(str(e).split())
+            raise ConfigError(
+                f"override '{item}' has a value that is not valid YAML ({detail}); put the "
+                f"value in double quotes inside the argument: '{key}=\"...\"'"
+            ) from None
+    return cfg
+
+
+# What sampling may change in a run's saved config: where and how it runs, not what the
+# weights mean (the mesh, the compute dtype, the sample section).
+SAMPLING_OVERRIDES = ("mesh.", "sample.", "model.dtype=")
+
+
+def sampling_config(saved: Config, overrides: Sequence[str]) -> Config:
+    """A run's saved config <- sampling overrides (SAMPLING_OVERRIDES only), validated. Call
+    with `saved=Config()` to check overrides before a run is read."""
+    for item in overrides:
+        if not item.startswith(SAMPLING_OVERRIDES):
+            key = item.partition("=")[0]
+            raise ConfigError(
+                f"'{key}' cannot be set when sampling: the run's checkpoint fixes it; set "
+                "mesh.*, model.dtype or sample.* (e.g. mesh.expert=2 sample.weights=int8)"
+            )
+    return _validated(_merge_overrides(OmegaConf.structured(saved), overrides))
+
+
+def config_to_yaml(cfg: Config) -> str:
+    return OmegaConf.to_yaml(OmegaConf.structured(cfg))
+
+
+def config_from_yaml(text: str) -> Config:
+    """Inverse of `config_to_yaml` (used for configs saved inside run directories)."""
+    try:
+        merged = OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.create(text))
+        result = OmegaConf.to_object(merged)
+    except OmegaConfBaseException as e:
+        raise _explain(e, "saved config") from None
+    validate(result)
+    return result
+
+
+def cli_config(argv: Sequence[str], default_path: str | Path | None) -> Config:
+    """For the CLIs: `[CONFIG.yaml] [key=value ...]`; a bad config prints one line and exits 2."""
+    args = list(argv)
+    path = default_path
+    if args and "=" not in args[0]:
+        path = args.pop(0)
+    try:
+        return load_config(path, args)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None

@@ -1,0 +1,231 @@
+"""The architecture's sections (model, attention, moe), each checking its own fields."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from moe_jax.backends import EXCHANGES, IMPLS
+from moe_jax.config.checks import non_negative, one_of, positive, require
+
+DTYPES = ("auto", "float32", "bfloat16")
+REMAT_POLICIES = ("none", "dots", "full")
+# Activations the model names for remat policies (moe_jax/model/remat.py); `model.remat_save`
+# and `model.remat_offload` take them.
+REMAT_NAMES = {
+    "layer_input": "each decoder layer's input [B, T, D]",
+    "qkv_proj": "the attention's q, k, v projections (before norms and RoPE)",
+    "attention_out": "the attention kernel's output and log-sum-exp",
+    "out_proj": "the attention's output projection [B, T, D]",
+    "expert_in": "the tokens as the experts take them: capacity buffers or sorted rows",
+    "expert_gate_up": "the experts' gate and up products",
+    "expert_out": "the experts' outputs",
+}
+ROPE_STYLES = ("half", "interleaved")
+QK_NORMS = ("none", "rms", "l2")
+ROPE_SCALINGS = ("none", "linear", "llama3")
+SCORES = ("softmax", "sigmoid")
+ROUTE_SCALES = ("output", "input")
+
+
+@dataclass(frozen=True)
+class RopeScalingConfig:
+    # none | linear (positions divided by factor) | llama3 (Llama-3/4 frequency-band scaling)
+    type: str = "none"
+    factor: float = 8.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position: int = 8192
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    vocab_size: int = 256
+    d_model: int = 128
+    n_layers: int = 4
+    ffn_hidden: int = 512  # hidden width of the dense SwiGLU layers
+    norm_eps: float = 1e-5
+    tie_embeddings: bool = False
+    max_seq_len: int = 2048  # longest context the model (and its KV cache) is used with
+    # compute dtype; params are always float32. auto: float32 on CPU, bfloat16 on GPU and TPU
+    # (moe_jax/backends.py)
+    dtype: str = "auto"
+    scan_layers: bool = False  # lax.scan over repeating blocks of layers
+    # Rematerialisation of each scanned block in the backward pass (needs scan_layers; memory
+    # for compute): none = keep the activations the backward needs (the attention blocks and
+    # the experts already recompute their cheap parts); dots = keep only matmul outputs;
+    # full = keep only each block's input and recompute its forward (one extra forward pass).
+    remat: str = "none"
+    # Named activations (REMAT_NAMES, comma-separated) that remat dots or full keeps anyway:
+    # remat_save in device memory, remat_offload in host memory, copied out in the forward and
+    # back for the backward (TPU/GPU; moe_jax/model/remat.py). MaxText's v6e recipe:
+    # remat=full remat_offload=layer_input,qkv_proj,out_proj.
+    remat_save: str = ""
+    remat_offload: str = ""
+    init_std: float = 0.02
+    # Width of precomputed image embeddings the model accepts (`model(tokens, images=...,
+    # image_mask=...)`, projected to d_model); 0 = text only, no projection parameter.
+    vision: int = 0
+
+    @property
+    def remat_saved(self) -> tuple[str, ...]:
+        """model.remat_save as names."""
+        return _names(self.remat_save)
+
+    @property
+    def remat_offloaded(self) -> tuple[str, ...]:
+        """model.remat_offload as names."""
+        return _names(self.remat_offload)
+
+    def check(self) -> None:
+        positive(self, "model", ["vocab_size", "d_model", "n_layers", "max_seq_len", "norm_eps"])
+        positive(self, "model", ["init_std"])
+        one_of(self.dtype, DTYPES, "model.dtype")
+        one_of(self.remat, REMAT_POLICIES, "model.remat")
+        require(
+            self.remat == "none" or self.scan_layers,
+            f"model.remat={self.remat} needs model.scan_layers=true (unrolled layers give XLA "
+            "freedom to recompute in the forward, which saves no memory); set both or remat=none",
+        )
+        save, offload = self.remat_saved, self.remat_offloaded
+        for key, listed in (("model.remat_save", save), ("model.remat_offload", offload)):
+            for name in listed:
+                require(
+                    name in REMAT_NAMES,
+                    f"{key} names '{name}', which the model does not name; choose from "
+                    f"{', '.join(REMAT_NAMES)}",
+                )
+        both = sorted(set(save) & set(offload))
+        require(
+            not both,
+            f"{', '.join(both)} is in both model.remat_save and model.remat_offload; "
+            "keep each name in one of them",
+        )
+        require(
+            self.remat != "none" or not (save or offload),
+            "model.remat_save / remat_offload choose what remat dots or full keeps; with "
+            "remat=none everything is kept: set model.remat=full (or dots) too",
+        )
+        require(
+            self.vision >= 0, f"model.vision must be >= 0 (0 = no image inputs), got {self.vision}"
+        )
+
+
+def _names(value: str) -> tuple[str, ...]:
+    """A comma-separated list -> its names."""
+    return tuple(n.strip() for n in value.split(",") if n.strip())
+
+
+@dataclass(frozen=True)
+class AttentionConfig:
+    n_heads: int = 4
+    n_kv_heads: int = 2
+    head_dim: int | None = None  # None: d_model // n_heads
+    rope_theta: float = 10000.0
+    # half: rotate split halves (Llama/Mixtral/Qwen); interleaved: rotate pairs (Llama 4)
+    rope_style: str = "half"
+    rope_scaling: RopeScalingConfig = field(default_factory=RopeScalingConfig)
+    qk_norm: str = "none"  # none | rms (learned, before RoPE) | l2 (weightless, after RoPE)
+    nope_interval: int = 0  # every nope_interval-th layer has no RoPE; 0 = none
+    temperature_tuning: bool = False  # Llama 4 attention temperature on NoPE layers
+    floor_scale: float = 8192.0
+    attn_scale: float = 0.1
+    chunk_size: int = 0  # chunked local attention on RoPE layers; 0 = off
+    sliding_window: int = 0  # attend to the last `sliding_window` positions; 0 = off
+    qkv_bias: bool = False
+    o_bias: bool = False
+    # Kernel (moe_jax/backends.py): auto (the backend's own) | blocked (blocked softmax with a
+    # hand-written backward, XLA:CPU's) | cudnn (GPU fused attention) | splash (TPU Pallas)
+    impl: str = "auto"
+
+    def check(self) -> None:
+        positive(self, "attention", ["n_heads", "n_kv_heads", "rope_theta"])
+        one_of(self.rope_style, ROPE_STYLES, "attention.rope_style")
+        one_of(self.qk_norm, QK_NORMS, "attention.qk_norm")
+        one_of(self.rope_scaling.type, ROPE_SCALINGS, "attention.rope_scaling.type")
+        one_of(self.impl, IMPLS["attention"], "attention.impl")
+        require(
+            self.n_heads % self.n_kv_heads == 0,
+            f"attention.n_heads ({self.n_heads}) must be divisible by attention.n_kv_heads "
+            f"({self.n_kv_heads}) for grouped-query attention",
+        )
+        non_negative(self, "attention", ["nope_interval"])
+        require(
+            self.chunk_size >= 0,
+            f"attention.chunk_size must be >= 0 (0 = off), got {self.chunk_size}",
+        )
+        require(
+            self.sliding_window >= 0,
+            f"attention.sliding_window must be >= 0 (0 = off), got {self.sliding_window}",
+        )
+        if self.temperature_tuning:
+            positive(self, "attention", ["floor_scale"])
+        scaling = self.rope_scaling
+        if scaling.type != "none":
+            positive(scaling, "attention.rope_scaling", ["factor"])
+        if scaling.type == "llama3":
+            require(
+                scaling.high_freq_factor >= scaling.low_freq_factor,
+                "attention.rope_scaling.high_freq_factor must be >= low_freq_factor",
+            )
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    n_experts: int = 4
+    top_k: int = 2
+    expert_hidden: int = 256
+    interleave_step: int = 1  # MoE on every interleave_step-th layer, dense SwiGLU elsewhere
+    # The three routing switches are independent: Llama 4 is score=sigmoid, renormalize=false,
+    # route_scale=input (configs/llama4_scout_17b_16e.yaml); sigmoid alone keeps the others.
+    score: str = "softmax"  # softmax | sigmoid
+    renormalize: bool = True  # renormalise the top-k weights to sum to 1 (top-1: always 1,
+    # so the router then learns from the aux losses only)
+    route_scale: str = "output"  # output (Mixtral/Qwen) | input (Llama 4: scales expert input)
+    shared_expert_hidden: int = 0  # 0 = no shared expert
+    router_bias: bool = False
+    expert_bias: bool = False
+    capacity_factor: float = 1.25  # <= 0: no token is ever dropped
+    lb_loss_weight: float = 0.01
+    z_loss_weight: float = 1e-3
+    # Expert kernel (moe_jax/backends.py): auto (the backend's own) | buckets (capacity buffers,
+    # filled rows by lax.switch: XLA:CPU's) | batched (every buffer slot in one batched matmul:
+    # GPU's) | ragged (rows sorted by expert, jax.lax.ragged_dot) | megablox (TPU Pallas
+    # grouped matmul). Every one computes the same routing and drops.
+    impl: str = "auto"
+    # How expert-parallel layers with moe.impl=ragged move tokens (moe_jax/backends.py):
+    # auto (ragged on GPU/TPU, buffers on CPU) | ragged (only the routed rows, by
+    # jax.lax.ragged_all_to_all) | buffers (the fixed [E, C] capacity buffers by all_to_all).
+    exchange: str = "auto"
+    # The grouped impls (ragged, megablox) run the sorted rows in this many consecutive chunks,
+    # forward and backward, so their [rows, expert_hidden] intermediates exist for one chunk
+    # at a time; the backward recomputes each chunk's gate/up products (moe_jax/model/grouped.py).
+    row_chunks: int = 1
+
+    def check(self) -> None:
+        one_of(self.score, SCORES, "moe.score")
+        one_of(self.route_scale, ROUTE_SCALES, "moe.route_scale")
+        one_of(self.impl, IMPLS["moe"], "moe.impl")
+        one_of(self.exchange, EXCHANGES, "moe.exchange")
+        require(self.row_chunks >= 1, f"moe.row_chunks must be >= 1, got {self.row_chunks}")
+        require(
+            self.row_chunks == 1 or self.impl in ("auto", "ragged", "megablox"),
+            f"moe.row_chunks={self.row_chunks} chunks the grouped experts' rows; "
+            f"moe.impl={self.impl} has none: use moe.impl=ragged, megablox or auto, or "
+            "moe.row_chunks=1",
+        )
+        require(
+            self.n_experts >= 0,
+            f"moe.n_experts must be >= 0 (0 = dense model), got {self.n_experts}",
+        )
+        require(
+            self.interleave_step >= 1,
+            f"moe.interleave_step must be >= 1, got {self.interleave_step}",
+        )
+        if self.n_experts > 0:
+            require(
+                1 <= self.top_k <= self.n_experts,
+                f"moe.top_k ({self.top_k}) must be between 1 and moe.n_experts ({self.n_experts})",
+            )
+            positive(self, "moe", ["expert_hidden"])
+            non_negative(self, "moe", ["shared_expert_hidden"])
+        non_negative(self, "moe", ["lb_loss_weight", "z_loss_weight"])

@@ -1,0 +1,304 @@
+"""How a run trains, reads data, spans devices, saves and samples: the data, train, mesh,
+checkpoint and sample sections, each checking its own fields."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from moe_jax.backends import WEIGHT_GATHERS
+from moe_jax.config.checks import ConfigError, non_negative, one_of, positive, require
+
+DEFAULT_WARMUP_STEPS = 50  # train.warmup_steps=null: this many, at most a tenth of the run
+SCHEDULES = ("cosine", "linear", "wsd")  # train.schedule (train_step.lr_schedule)
+WEIGHT_KINDS = ("auto", "float32", "bfloat16", "int8")  # sample.weights (moe_jax/weights.py)
+SFT_FORMATS = ("none", "prompt_completion", "chat")  # data.sft (moe_jax/data/sft.py)
+MESH_AXES = ("data", "fsdp", "expert", "tensor")  # the axes a mesh.* size names
+# Logits divided by the temperature stay finite in float32 (|logit| < 1e30) inside this range.
+MIN_TEMPERATURE, MAX_TEMPERATURE = 1e-6, 1e6
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    path: str | None = None  # text file(s) or glob(s), comma separated; None: embedded corpus
+    # byte | char | PATH: a directory with tokenizer.json (Hugging Face) or tokenizer.model
+    # (SentencePiece), or such a file; a run keeps a copy of its files (RUN_DIR/tokenizer/)
+    tokenizer: str = "byte"
+    val_fraction: float = 0.1
+    num_workers: int = 0  # Grain prefetch threads; 0 = batches are cut in the main thread
+    embedded_max_bytes: int = 4_000_000  # cap on the embedded (stdlib sources) corpus
+    # Prepared datasets (`python -m moe_jax.prepare`; data.path=DIR trains on one) mixed by
+    # weight, instead of data.path: "DIR:WEIGHT,DIR:WEIGHT,..." (weights > 0, any scale)
+    mixture: str | None = None
+    # Packing of prepared data (text files are one stream without documents): documents are
+    # packed back to back into windows. document_mask: attention and the loss stay within a
+    # document (the batch carries segment ids); false: a window is one sequence, as text.
+    document_mask: bool = True
+    # Positions restart at 0 at every document start in a window (RoPE, chunked attention and
+    # NoPE temperature see each document as if it began the window); needs document_mask.
+    document_positions: bool = True
+    # Supervised fine-tuning from JSONL files (data.path; moe_jax/data/sft.py): none |
+    # prompt_completion (lines {"prompt": ..., "completion": ...}; the loss covers the
+    # completion and an EOS) | chat (lines {"messages": [{"role": ..., "content": ...}, ...]},
+    # rendered with the tokenizer's chat template; the loss covers the assistant turns).
+    # Examples are packed whole into windows of train.seq_len+1 tokens (needs document_mask);
+    # the last val_fraction of the examples (at least one) is the validation split.
+    sft: str = "none"
+
+    @property
+    def mixture_entries(self) -> list[tuple[str, float]]:
+        """data.mixture as (dir, weight) pairs; ConfigError names a malformed entry."""
+        entries = []
+        for item in (self.mixture or "").split(","):
+            path, sep, weight = item.strip().rpartition(":")
+            try:
+                w = float(weight)
+            except ValueError:
+                w = None
+            if not sep or not path.strip() or w is None or not (math.isfinite(w) and w > 0):
+                raise ConfigError(
+                    f"data.mixture entry '{item.strip()}' is not DIR:WEIGHT with a positive "
+                    'weight; write data.mixture="DIR:WEIGHT,DIR:WEIGHT"'
+                )
+            entries.append((path.strip(), w))
+        return entries
+
+    def check(self) -> None:
+        # A path is read (and its existence checked) when a run starts: a saved config keeps
+        # the path it was started with, and a moved run reads its own copy of the files.
+        require(
+            self.tokenizer.strip() != "",
+            "data.tokenizer is empty; use byte, char, or the path of a tokenizer.json / "
+            "tokenizer.model file or of a directory holding one",
+        )
+        require(
+            0.0 < self.val_fraction < 1.0,
+            f"data.val_fraction must be within (0, 1), got {self.val_fraction}",
+        )
+        non_negative(self, "data", ["num_workers"])
+        positive(self, "data", ["embedded_max_bytes"])
+        if self.mixture is not None:
+            require(
+                self.path is None,
+                "data.mixture and data.path are both set; train on one prepared dataset with "
+                "data.path=DIR or on several with data.mixture, and set the other to null",
+            )
+            paths = [path for path, _ in self.mixture_entries]  # ConfigError if malformed
+            require(
+                len(set(paths)) == len(paths),
+                f"data.mixture names a directory twice ({self.mixture}); give each one entry "
+                "with the sum of its weights",
+            )
+        require(
+            self.document_mask or not self.document_positions,
+            "data.document_positions=true needs data.document_mask=true: positions that "
+            "restart while attention crosses documents give an earlier document's keys later "
+            "positions than the query; set data.document_positions=false too",
+        )
+        one_of(self.sft, SFT_FORMATS, "data.sft")
+        if self.sft != "none":
+            require(
+                self.path is not None and self.mixture is None,
+                f"data.sft={self.sft} reads JSONL files: name them with data.path (and set "
+                "data.mixture to null)",
+            )
+            require(
+                self.document_mask,
+                f"data.sft={self.sft} packs several examples into a window, which needs "
+                "data.document_mask=true to keep them apart",
+            )
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    steps: int = 600
+    batch_size: int = 16
+    seq_len: int = 128
+    grad_accum: int = 1  # micro-batches per step; batch_size must divide by it
+    lr: float = 3e-3
+    # The LR after warmup (moe_jax/train_step.py: lr_schedule): cosine | linear decay to
+    # min_lr_ratio * lr at train.steps, or wsd (warmup-stable-decay: lr held, then a linear
+    # decay over the last decay_fraction of the steps)
+    schedule: str = "cosine"
+    decay_fraction: float = 0.2  # wsd's decay phase, a fraction of train.steps
+    min_lr_ratio: float = 0.1
+    # Steps of linear warmup to lr; None: DEFAULT_WARMUP_STEPS, at most a tenth of the run
+    # (see `warmup`), so that any train.steps works and a short run is not mostly warmup
+    warmup_steps: int | None = None
+    weight_decay: float = 0.1
+    decay_embeddings: bool = False
+    b1: float = 0.9
+    b2: float = 0.95
+    eps: float = 1e-8
+    clip_norm: float = 1.0  # gradient clipping by global norm; 0 = off
+    # dtype the Adam moments are stored in (float32 | bfloat16); the update is computed in
+    # float32 either way. bfloat16 saves 4 of the 12 bytes per parameter of the train state.
+    moments_dtype: str = "float32"
+    logit_z_loss: float = 0.0
+    # Positions per chunk of the output head in the loss (moe_jax/loss.py): the [B, T, V]
+    # float32 logits are never held whole, for one more head matmul in the backward; must
+    # divide train.seq_len. 0 = all positions at once; -1 = auto (moe_jax/backends.py: 0 on
+    # CPU, up to 1024 on GPU / TPU).
+    loss_chunk: int = -1
+    eval_every: int = 100
+    eval_batches: int = 8
+    log_every: int = 10
+    peak_flops: float = 0.0  # FLOP/s of one device (one host on CPU) for MFU; 0 = measure
+    tensorboard: bool = True  # TensorBoard event files in RUN_DIR/tb (JSONL is always written)
+    # Resume from this saved step instead of the latest (e.g. when the latest is damaged); the
+    # checkpoints after it are moved to RUN_DIR/superseded. 0 = the latest. A one-off override.
+    resume_step: int = 0
+
+    @property
+    def decay_steps(self) -> int:
+        """wsd's decay phase in steps: decay_fraction of train.steps, rounded."""
+        return round(self.decay_fraction * self.steps)
+
+    @property
+    def warmup(self) -> int:
+        """The warmup steps in effect: warmup_steps, or min(DEFAULT_WARMUP_STEPS, steps // 10)."""
+        if self.warmup_steps is not None:
+            return self.warmup_steps
+        return min(DEFAULT_WARMUP_STEPS, self.steps // 10)
+
+    def check(self) -> None:
+        positive(self, "train", ["steps", "batch_size", "seq_len", "grad_accum", "lr", "log_every"])
+        positive(self, "train", ["eval_every", "eval_batches"])
+        one_of(self.moments_dtype, ("float32", "bfloat16"), "train.moments_dtype")
+        require(
+            self.batch_size % self.grad_accum == 0,
+            f"train.batch_size ({self.batch_size}) must be divisible by train.grad_accum "
+            f"({self.grad_accum})",
+        )
+        require(
+            self.loss_chunk in (-1, 0)
+            or (self.loss_chunk > 0 and self.seq_len % self.loss_chunk == 0),
+            f"train.loss_chunk ({self.loss_chunk}) must be -1 (auto), 0 (off) or divide "
+            f"train.seq_len ({self.seq_len})",
+        )
+        if self.warmup_steps is not None:
+            require(
+                self.warmup_steps >= 0,
+                f"train.warmup_steps must be >= 0, got {self.warmup_steps}",
+            )
+            require(
+                self.warmup_steps <= self.steps,
+                f"train.warmup_steps ({self.warmup_steps}) exceeds train.steps ({self.steps}); "
+                f"set it to at most {self.steps}, or to null for the default, "
+                f"min({DEFAULT_WARMUP_STEPS}, train.steps // 10)",
+            )
+        require(0.0 <= self.min_lr_ratio <= 1.0, "train.min_lr_ratio must be within [0, 1]")
+        one_of(self.schedule, SCHEDULES, "train.schedule")
+        require(
+            0.0 < self.decay_fraction <= 1.0,
+            f"train.decay_fraction must be within (0, 1], got {self.decay_fraction}",
+        )
+        if self.schedule == "wsd":
+            require(
+                self.warmup + self.decay_steps <= self.steps,
+                f"train.schedule=wsd: warmup ({self.warmup}) and decay ({self.decay_steps} = "
+                f"decay_fraction {self.decay_fraction} x {self.steps} steps) exceed "
+                "train.steps; lower train.decay_fraction or train.warmup_steps",
+            )
+        require(
+            self.resume_step >= 0,
+            f"train.resume_step must be >= 0 (0 = the latest), got {self.resume_step}",
+        )
+        non_negative(self, "train", ["weight_decay", "clip_norm", "logit_z_loss"])
+        for n in ("b1", "b2"):
+            require(0.0 <= getattr(self, n) < 1.0, f"train.{n} must be within [0, 1)")
+        positive(self, "train", ["eps"])
+
+
+@dataclass(frozen=True)
+class MeshConfig:
+    data: int = 1
+    fsdp: int = 1
+    expert: int = 1
+    tensor: int = 1
+    # Multi-slice (TPU slices, or GPU hosts, joined by the data-center network): the data axis
+    # spans `slices` slices, each holding data/slices of it; the other axes stay in a slice.
+    slices: int = 1
+    # Let a mesh axis take part of a physical torus axis (e.g. fsdp=8 x expert=8 on v5p-128's
+    # 4x4x4): jax refuses such layouts by default, as their collectives may share links.
+    split_physical_axes: bool = False
+    # How training gathers the attention weights and the head, split over the batch axes, and
+    # reduces their gradients (moe_jax/backends.py): auto | partitioner (XLA's) | steps
+    # (inside a shard_map, one batch axis at a time: reduce-scatters over one axis each; TPU's)
+    weight_gather: str = "auto"
+    # With the steps: the most devices one of their collectives spans (-1 = auto: 8 on TPU,
+    # 0 elsewhere; 0 = a whole axis). A longer batch axis is gathered in steps of at most this
+    # many devices: the rest that groups of it do not tile first (consecutive devices), then
+    # the groups across them (fsdp 64: 8 x 8; fsdp 256: 4, 8, 8; expert 16: 2, 8;
+    # moe_jax/model/gather.py).
+    gather_group: int = -1
+    # multi-host (jax.distributed): on with `distributed` or when a coordinator / more than one
+    # process is given; unset fields come from JAX_COORDINATOR_ADDRESS or the cluster's env
+    distributed: bool = False
+    coordinator_address: str = ""
+    num_processes: int = 0
+    process_id: int = -1
+
+    def check(self) -> None:
+        one_of(self.weight_gather, WEIGHT_GATHERS, "mesh.weight_gather")
+        require(
+            self.gather_group >= -1,
+            f"mesh.gather_group must be -1 (auto), 0 (whole axes) or a group size, got "
+            f"{self.gather_group}",
+        )
+        for axis in MESH_AXES:
+            v = getattr(self, axis)
+            require(v >= 1 or v == -1, f"mesh.{axis} must be >= 1 or -1 (the rest), got {v}")
+        require(
+            sum(getattr(self, ax) == -1 for ax in MESH_AXES) <= 1,
+            "at most one mesh axis may be -1",
+        )
+        require(self.slices >= 1, f"mesh.slices must be >= 1, got {self.slices}")
+        require(
+            self.num_processes >= 0,
+            f"mesh.num_processes must be >= 0 (0 = from the environment), got {self.num_processes}",
+        )
+        require(
+            self.process_id >= -1
+            and (self.num_processes == 0 or self.process_id < self.num_processes),
+            f"mesh.process_id ({self.process_id}) must be within [0, mesh.num_processes) "
+            f"(num_processes {self.num_processes}), or -1 for the environment's",
+        )
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    every: int = 200
+    keep: int = 3
+    async_save: bool = True
+
+    def check(self) -> None:
+        positive(self, "checkpoint", ["every", "keep"])
+
+
+@dataclass(frozen=True)
+class SampleConfig:
+    prompt: str = "\n"
+    max_new_tokens: int = 200
+    temperature: float = 0.8
+    top_k: int = 0  # 0 = off
+    top_p: float = 1.0  # 1.0 = off
+    seed: int = 0
+    # Rows and prompt length of a batch: sample.py's --num-samples sets batch_size (its prompt
+    # sets the length); `moe_jax.aot --step decode` compiles for both.
+    batch_size: int = 1
+    prompt_len: int = 128
+    # Form of the weights when sampling (moe_jax/weights.py): auto (bfloat16 if model.dtype is
+    # bfloat16, else float32: no result changes) | float32 | bfloat16 | int8 (per channel)
+    weights: str = "auto"
+
+    def check(self) -> None:
+        require(
+            self.temperature == 0 or MIN_TEMPERATURE <= self.temperature <= MAX_TEMPERATURE,
+            f"sample.temperature must be 0 (greedy) or within [{MIN_TEMPERATURE:g}, "
+            f"{MAX_TEMPERATURE:g}], got {self.temperature}",
+        )
+        require(self.top_k >= 0, f"sample.top_k must be >= 0 (0 = off), got {self.top_k}")
+        one_of(self.weights, WEIGHT_KINDS, "sample.weights")
+        require(0.0 < self.top_p <= 1.0, f"sample.top_p must be within (0, 1], got {self.top_p}")
+        positive(self, "sample", ["max_new_tokens", "batch_size", "prompt_len"])
