@@ -263,7 +263,8 @@ def format_report(r: dict, config_name: str) -> str:
         extra.append(f"{r['conditionals']} conditionals executed per step")
     if r["uncosted_kernels"]:
         extra.append(
-            f"{r['uncosted_kernels']} kernel calls without a cost estimate (splash attention) "
+            f"{r['uncosted_kernels']} kernel calls without a cost estimate (splash or cuDNN "
+            "attention) "
             "left out of the compiled FLOPs"
         )
     if r["loops_of_unknown_trip_count"]:

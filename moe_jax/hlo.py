@@ -327,11 +327,14 @@ UNCOSTED = "uncosted-kernel"  # Analysis.count(UNCOSTED): kernels whose FLOPs ar
 
 
 def _uncosted_kernel(inst: Instruction) -> bool:
-    """A TPU Pallas/Mosaic kernel with no cost estimate (jax 0.10.2's splash attention): its
-    FLOPs are not known here and count 0."""
+    """A kernel whose FLOPs are not known here and count 0: a TPU Pallas/Mosaic kernel with no
+    cost estimate (jax 0.10.2's splash attention), or cuDNN's fused attention on GPU."""
+    if inst.opcode != "custom-call":
+        return False
+    if '"__cudnn$fmha' in inst.attrs:
+        return True
     return (
-        inst.opcode == "custom-call"
-        and '"tpu_custom_call"' in inst.attrs
+        '"tpu_custom_call"' in inst.attrs
         and '"cost_estimate"' not in inst.attrs
         and "ragged-dot-metadata" not in inst.name  # ragged_dot's group bookkeeping, no FLOPs
     )

@@ -139,10 +139,11 @@ def test_tiny_expert_parallel_steps_compile(name, step):
         assert r["collectives"]["all-to-all"]["count"] >= 2 * 2
         # the model formula counts attention over every key; the blocked causal attention
         # skips the masked blocks (below 1), capacity 1.25 pads the experts (above). On TPU
-        # the splash kernels carry no cost estimate: their FLOPs are left out, and said so.
+        # the splash kernels carry no cost estimate, nor cuDNN's on GPU (where cuDNN is
+        # installed): their FLOPs are left out, and said so.
         ratio = r["flops_per_device"] / r["model_flops_per_device"]
         if r["uncosted_kernels"]:
-            assert name.startswith("v5p") and 0.5 <= ratio < 1.5
+            assert 0.5 <= ratio < 1.5
         else:
             assert 0.8 <= ratio < 1.5
         # the accelerators' kernels (moe_jax/backends.py) leave no conditional in the step

@@ -254,6 +254,10 @@ def test_cudnn_compiles_for_a_gpu():
     # causal and the window: cuDNN's own masks, no bias
     hlo = _compile_layer_grad("h100:1x1", "cudnn", {}, packed=False)
     assert hlo.count(fwd) == 1 and bwd in hlo
+    # cuDNN's calls carry no FLOPs the HLO says: counted as uncosted, never as zero work
+    from moe_jax import hlo as hlo_analysis
+
+    assert hlo_analysis.analyze(hlo).count(hlo_analysis.UNCOSTED) == 2
     # remat=dots keeps the named output and statistics: the backward scan runs no forward of
     # its own (before they were named it did)
     hlo = _compile_layer_grad("h100:1x1", "cudnn", {}, packed=False, remat="dots")
