@@ -54,6 +54,7 @@ from moe_jax.config import Config, TrainConfig
 from moe_jax.loss import head_statistics
 from moe_jax.model import Transformer, gather
 from moe_jax.sharding import BATCH_AXES, logical_to_spec, state_shardings, with_shardings
+from moe_jax.train_state import make_state
 
 # ----------------------------------------------------------------------------- optimizer
 
@@ -313,7 +314,7 @@ def init_state(cfg: Config, tx: optax.GradientTransformation, abstract: bool = F
     def init():
         model = Transformer(cfg, rngs=nnx.Rngs(cfg.seed))
         params = nnx.state(model, nnx.Param)
-        return {"step": jnp.zeros((), jnp.int32), "params": params, "opt_state": tx.init(params)}
+        return make_state(0, params, tx.init(params))
 
     graphdef = nnx.graphdef(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0))))
     shapes = jax.eval_shape(init)

@@ -19,10 +19,9 @@ import signal
 import sys
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from tqdm import tqdm
 
@@ -36,7 +35,13 @@ from moe_jax.run.store import Checkpointer, no_space
 from moe_jax.runtime import platform_line
 from moe_jax.sharding import check_batch_split, global_batch, make_mesh
 from moe_jax.summary import param_counts, train_flops_per_token
-from moe_jax.train_step import init_state, make_eval_step, make_optimizer, make_train_step
+from moe_jax.train_state import make_state
+from moe_jax.train_step import (
+    init_state,
+    make_eval_step,
+    make_optimizer,
+    make_train_step,
+)
 
 
 class TrainingError(RuntimeError):
@@ -131,26 +136,85 @@ def train(cfg: Config, *, stop_at: int | None = None) -> TrainResult:
     Raises DataError / RunError (bad input or a run dir in use, nothing written),
     TrainingError (divergence) or SaveError (a checkpoint could not be written).
     """
-    t = cfg.train
+    log = _logger()
+    resume = inspect_run(cfg)  # read-only; refuses an incompatible run dir
+    # init_from: the run a new one starts from (read-only; None when run_dir resumes its own)
+    source = init_source(cfg, resume.step if resume else None, log)
+    data = load_run_data(cfg, resume.tokenizer if resume else source.tokenizer if source else None)
+    _log_data(cfg, data, resume, log)
+    log(platform_line())
+    mesh = make_mesh(cfg)
+    check_batch_split(mesh, cfg.train.batch_size)
+    if mesh.size < jax.device_count():
+        log(f"mesh: 1 of {jax.device_count()} devices (set mesh.data=-1 to use all)")
+    else:
+        log(f"mesh: {dict(mesh.shape)} over {mesh.size} devices, {jax.process_count()} process(es)")
+    tx = make_optimizer(cfg.train)
+    graphdef, abstract_state = init_state(cfg, tx, abstract=True, mesh=mesh)
+    # Before the run dir is opened, so that a source checkpoint that cannot be read leaves
+    # nothing written.
+    state = start_state(source, abstract_state, tx) if source else None
+    it = data.train_iterator(cfg, jax.process_index(), jax.process_count())
+    # Locks the run dir: from here on no other run writes to it. With train.resume_step in
+    # effect, the checkpoints after that step are moved to RUN_DIR/superseded.
+    going_back = resume is not None and resume.step == cfg.train.resume_step
+    ckpt = Checkpointer(cfg, supersede_after=resume.step if going_back else None)
+    try:
+        expected = resume.step if resume else None
+        if ckpt.latest_step() != expected:  # another run saved in it since `inspect_run`
+            raise RunError(
+                f"run_dir '{cfg.run_dir}' changed while this run was starting (another run "
+                f"saved checkpoint {ckpt.latest_step()} in it); rerun the same command"
+            )
+        if resume:  # onto this run's mesh, whatever mesh saved it
+            params, opt_state = ckpt.restore(
+                resume.step, abstract_state["params"], abstract_state["opt_state"], it
+            )
+            state = make_state(resume.step, params, opt_state, abstract_state["step"].sharding)
+            log(f"resumed from {cfg.run_dir} at step {resume.step}")
+        elif source:
+            log(
+                f"initialised from {source.run_dir} step {source.step}: its params, a new "
+                "optimizer state, step 0"
+            )
+        else:
+            _, state = init_state(cfg, tx, mesh=mesh)
+        # Outside the mesh: under it, a measured matmul would run replicated on every device.
+        peak = unit_peak_flops(cfg.train.peak_flops)
+        run = Run(cfg, mesh, graphdef, tx, it, data, ckpt, log, peak)
+        with jax.set_mesh(mesh):
+            start, saved = (resume.step, resume.step) if resume else (0, None)
+            return run.loop(state, start=start, last_saved=saved, stop_at=stop_at)
+    except OSError as e:  # the disk filled up under the metrics too: one line for both
+        if not no_space(e):
+            raise
+        raise ckpt.save_error(e) from None
+    finally:
+        ckpt.close()  # waits for an async save in flight, so it is never lost
+
+
+def _logger():
+    """log(msg, others=None): process 0 prints the run's lines; the other processes print
+    `others`, a short line where process 0 reports progress. Each host of a cluster usually has
+    a log of its own, and one that stays silent cannot be told from one that hangs; but the
+    metrics are the same on every process, so repeating them would only be noise."""
     is_main = jax.process_index() == 0
     prefix = f"[process {jax.process_index()}/{jax.process_count()}] "
 
     def log(msg: str, others: str | None = None) -> None:
-        """Process 0 prints the run's lines; the other processes print `others`, a short line
-        where process 0 reports progress. Each host of a cluster usually has a log of its own,
-        and one that stays silent cannot be told from one that hangs; but the metrics are the
-        same on every process, so repeating them would only be noise."""
         if is_main:
             tqdm.write(msg)
         elif others is not None:
             tqdm.write(prefix + others)
         sys.stdout.flush()  # a log file shows the line now, not a buffer later
 
-    resume = inspect_run(cfg)  # read-only; refuses an incompatible run dir
-    # init_from: the run a new one starts from (read-only; None when run_dir resumes its own)
-    source = init_source(cfg, resume.step if resume else None, log)
-    data = load_run_data(cfg, resume.tokenizer if resume else source.tokenizer if source else None)
-    unigram = data.val_unigram_entropy
+    return log
+
+
+def _log_data(cfg: Config, data, resume, log) -> None:
+    """The data's lines, and warnings for a resume that changes the data order or a routing
+    that cannot learn."""
+    t, unigram = cfg.train, data.val_unigram_entropy
     log(f"data: {data.description} (sha256 {data.fingerprint}), tokenizer {data.tokenizer.kind}")
     log(
         f"data: {data.n_train_tokens:,} train / {data.n_val_tokens:,} val tokens; validation "
@@ -161,7 +225,6 @@ def train(cfg: Config, *, stop_at: int | None = None) -> TrainResult:
             f"warning: the corpus differs from the one this run was trained on "
             f"(sha256 {resume.fingerprint}); the data order after resuming is not the original"
         )
-
     if resume:
         old = resume.config
         changed = [
@@ -179,7 +242,6 @@ def train(cfg: Config, *, stop_at: int | None = None) -> TrainResult:
                 "batches of the old shape and order, so the data after resuming does not "
                 "continue the original sequence (windows may repeat or be skipped this epoch)"
             )
-
     e = cfg.moe
     if e.n_experts > 0 and e.top_k == 1 and e.renormalize:
         log(
@@ -188,201 +250,185 @@ def train(cfg: Config, *, stop_at: int | None = None) -> TrainResult:
             "Switch-style top-1 routing"
         )
 
-    log(platform_line())
-    mesh = make_mesh(cfg)
-    check_batch_split(mesh, t.batch_size)
-    if mesh.size < jax.device_count():
-        log(f"mesh: 1 of {jax.device_count()} devices (set mesh.data=-1 to use all)")
-    else:
-        log(f"mesh: {dict(mesh.shape)} over {mesh.size} devices, {jax.process_count()} process(es)")
-    tx = make_optimizer(t)
-    graphdef, abstract_state = init_state(cfg, tx, abstract=True, mesh=mesh)
-    # Before the run dir is opened, so that a source checkpoint that cannot be read leaves
-    # nothing written.
-    state = start_state(source, abstract_state, tx) if source else None
-    it = data.train_iterator(cfg, jax.process_index(), jax.process_count())
-    # Locks the run dir: from here on no other run writes to it. With train.resume_step in
-    # effect, the checkpoints after that step are moved to RUN_DIR/superseded.
-    going_back = resume is not None and resume.step == t.resume_step
-    ckpt = Checkpointer(cfg, supersede_after=resume.step if going_back else None)
-    try:
-        expected = resume.step if resume else None
-        if ckpt.latest_step() != expected:  # another run saved in it since `inspect_run`
-            raise RunError(
-                f"run_dir '{cfg.run_dir}' changed while this run was starting (another run "
-                f"saved checkpoint {ckpt.latest_step()} in it); rerun the same command"
+
+@dataclass
+class _Window:
+    """The steps since the last log line: their device metrics and the time they took, less
+    what eval and saving took meanwhile (the first step, which compiles, is not timed)."""
+
+    metrics: list[tuple[int, dict]] = field(default_factory=list)
+    timed_steps: int = 0
+    timer: float = field(default_factory=time.perf_counter)
+    excluded: float = 0.0
+
+    def restart(self) -> None:
+        self.timed_steps, self.timer, self.excluded = 0, time.perf_counter(), 0.0
+
+
+@dataclass
+class Run:
+    """One training invocation's fixed parts; `loop` runs the steps, each followed by the
+    named duties that fall on it: log, eval, save, stop."""
+
+    cfg: Config
+    mesh: jax.sharding.Mesh
+    graphdef: object
+    tx: object
+    it: object  # the data iterator (its position is saved with every checkpoint)
+    data: object
+    ckpt: Checkpointer
+    log: object
+    unit_peak: tuple[float, str]  # one compute unit's FLOP/s and where the figure comes from
+
+    def loop(
+        self, state, *, start: int, last_saved: int | None, stop_at: int | None
+    ) -> TrainResult:
+        """The steps from `start` to train.steps (or `stop_at`); `last_saved`: the run's last
+        checkpoint (the one resumed), named when a step diverges."""
+        cfg, t = self.cfg, self.cfg.train
+        end = t.steps if stop_at is None else min(stop_at, t.steps)
+        self.unigram = self.data.val_unigram_entropy
+        if start >= end:
+            msg = f"{cfg.run_dir} is already at step {start} (asked for {end}); nothing to do"
+            self.log(msg, others=msg)
+            return TrainResult(start, None, self.unigram, None)
+        self._prepare(state, start)
+        self.last_saved = last_saved
+        self.val_loss = None
+        window = _Window()
+        is_main = jax.process_index() == 0
+        writer = MetricsWriter(cfg.run_dir, t.tensorboard) if is_main else _NullWriter()
+        bar = tqdm(total=end, initial=start, desc="train", disable=None if is_main else True,
+                   dynamic_ncols=True)  # fmt: skip
+        with GracefulStop() as stop, writer, bar:
+            writer.write(self._info(start))
+            step = start
+            while step < end:
+                state, metrics = self.train_step(state, _on_mesh(next(self.it), self.mesh))
+                step += 1
+                window.metrics.append((step, metrics))
+                if step == start + 1:  # the first step compiles: keep it out of the throughput
+                    self._compiled(state, step, window)
+                else:
+                    window.timed_steps += 1
+                bar.update(1)
+                signum = stop.agreed()
+                final, stopping = step == end, signum is not None
+                if step % t.log_every == 0 or final or stopping:
+                    self._log_window(state, step, end, window, writer, bar)
+                if step % t.eval_every == 0 or final:
+                    self._evaluate(state, step, window, writer)
+                if step % cfg.checkpoint.every == 0 or final or stopping:
+                    self._save(state, step, window)
+                if stopping:  # the value the save above saw, not a later signal
+                    msg = (
+                        f"received {signal.Signals(signum).name}: stopped at step {step}; "
+                        f"checkpoint saved in {cfg.run_dir}, rerun the same command to resume"
+                    )
+                    self.log(msg, others=msg)
+                    return TrainResult(step, self.val_loss, self.unigram, signum)
+        return TrainResult(step, self.val_loss, self.unigram, None)
+
+    def _prepare(self, state, start: int) -> None:
+        """The step functions, the validation batches and the throughput's denominators."""
+        cfg = self.cfg
+        self.total, self.active = param_counts(cfg)
+        self.flops_per_token = train_flops_per_token(cfg)
+        self.units = compute_units()
+        peak_src = self.unit_peak[1]
+        self.peak = self.unit_peak[0] * self.units
+        on_cpu = jax.default_backend() == "cpu"
+        if self.units > 1:
+            peak_src += f" x {self.units} " + ("hosts" if on_cpu else "devices")
+        if on_cpu and jax.process_count() > self.units:  # processes on a host share its peak
+            peak_src += f", {jax.process_count()} processes on {self.units} host" + "s" * (
+                self.units > 1
             )
-        if resume:  # onto this run's mesh, whatever mesh saved it
-            params, opt_state = ckpt.restore(
-                resume.step, abstract_state["params"], abstract_state["opt_state"], it
-            )
-            state = {
-                "step": jax.device_put(
-                    jnp.asarray(resume.step, jnp.int32), abstract_state["step"].sharding
-                ),
-                "params": params,
-                "opt_state": opt_state,
-            }
-            log(f"resumed from {cfg.run_dir} at step {resume.step}")
-        elif source:
-            log(
-                f"initialised from {source.run_dir} step {source.step}: its params, a new "
-                "optimizer state, step 0"
-            )
-        else:
-            _, state = init_state(cfg, tx, mesh=mesh)
-        # Outside the mesh: under it, a measured matmul would run replicated on every device.
-        peak = unit_peak_flops(t.peak_flops)
-        with jax.set_mesh(mesh):
-            return _loop(cfg, mesh, graphdef, tx, state, it, data, ckpt, resume, stop_at, log, peak)
-    except OSError as e:  # the disk filled up under the metrics too: one line for both
-        if not no_space(e):
-            raise
-        raise ckpt.save_error(e) from None
-    finally:
-        ckpt.close()  # waits for an async save in flight, so it is never lost
-
-
-def _loop(
-    cfg, mesh, graphdef, tx, state, it, data, ckpt, resume, stop_at, log, unit_peak
-) -> TrainResult:
-    """The steps from `resume` (or 0) to the end; `unit_peak` = (FLOP/s, its source)."""
-    t = cfg.train
-    start = resume.step if resume else 0
-    end = t.steps if stop_at is None else min(stop_at, t.steps)
-    unigram = data.val_unigram_entropy
-    if start >= end:
-        msg = f"{cfg.run_dir} is already at step {start} (asked for {end}); nothing to do"
-        log(msg, others=msg)
-        return TrainResult(start, None, unigram, None)
-
-    total, active = param_counts(cfg)
-    flops_per_token = train_flops_per_token(cfg)
-    units = compute_units()
-    peak, peak_src = unit_peak[0] * units, unit_peak[1]
-    on_cpu = jax.default_backend() == "cpu"
-    if units > 1:
-        peak_src += f" x {units} " + ("hosts" if on_cpu else "devices")
-    if on_cpu and jax.process_count() > units:  # processes that share a host share its peak
-        peak_src += f", {jax.process_count()} processes on {units} host" + "s" * (units > 1)
-    tokens_per_step = t.batch_size * t.seq_len
-    log(
-        f"model: {total:,} params ({active:,} active/token), "
-        f"{flops_per_token / 1e6:.1f} MFLOP/token train; peak {peak / 1e9:.0f} GFLOP/s "
-        f"({peak_src})"
-    )
-    val = [
-        _on_mesh(b, mesh) for b in data.eval_batches(cfg, jax.process_index(), jax.process_count())
-    ]
-    state_sharding = jax.tree.map(lambda a: a.sharding, state)
-    train_step = make_train_step(cfg, graphdef, tx, state_sharding)
-    # Sums and counts: packed batches count different numbers of targets, so the validation
-    # loss is their total over the total count, not a mean of the batches' means.
-    eval_step = make_eval_step(graphdef, True)  # sums=True
-    meta = {"config": cfg, "tokenizer": data.tokenizer, "fingerprint": data.fingerprint}
-
-    last_saved = resume.step if resume else None
-    val_loss = None
-    window: list[tuple[int, dict]] = []  # (step, device metrics) since the last log line
-    timed_steps, timer, excluded = 0, time.perf_counter(), 0.0
-    is_main = jax.process_index() == 0
-    writer = MetricsWriter(cfg.run_dir, t.tensorboard) if is_main else _NullWriter()
-    with (
-        GracefulStop() as stop,
-        writer,
-        tqdm(
-            total=end,
-            initial=start,
-            desc="train",
-            disable=None if is_main else True,
-            dynamic_ncols=True,
-        ) as bar,
-    ):
-        writer.write(
-            {
-                "kind": "info",
-                "step": start,
-                "val_unigram_entropy": unigram,
-                "params_total": total,
-                "params_active": active,
-                "flops_per_token": flops_per_token,
-                "peak_flops": peak,
-                "compute_units": units,
-                "moe_layers": [i for i in range(cfg.model.n_layers) if cfg.is_moe(i)],
-            }
+        self.log(
+            f"model: {self.total:,} params ({self.active:,} active/token), "
+            f"{self.flops_per_token / 1e6:.1f} MFLOP/token train; peak {self.peak / 1e9:.0f} "
+            f"GFLOP/s ({peak_src})"
         )
-        step = start
-        while step < end:
-            state, metrics = train_step(state, _on_mesh(next(it), mesh))
-            step += 1
-            window.append((step, metrics))
-            if step == start + 1:  # the first step compiles: keep it out of the throughput
-                _wait_for_steps(state)
-                seconds = time.perf_counter() - timer
-                msg = f"step {step}: compiled and ran the train step in {seconds:.1f} s"
-                log(msg, others=msg)
-                timer, excluded = time.perf_counter(), 0.0
-            else:
-                timed_steps += 1
-            bar.update(1)
+        self.val = [
+            _on_mesh(b, self.mesh)
+            for b in self.data.eval_batches(cfg, jax.process_index(), jax.process_count())
+        ]
+        state_sharding = jax.tree.map(lambda a: a.sharding, state)
+        self.train_step = make_train_step(cfg, self.graphdef, self.tx, state_sharding)
+        # Sums and counts: packed batches count different numbers of targets, so the
+        # validation loss is their total over the total count, not a mean of batch means.
+        self.eval_step = make_eval_step(self.graphdef, True)  # sums=True
+        self.meta = {
+            "config": cfg,
+            "tokenizer": self.data.tokenizer,
+            "fingerprint": self.data.fingerprint,
+        }
 
-            signum = stop.agreed()
-            final, stopping = step == end, signum is not None
-            if step % t.log_every == 0 or final or stopping:
-                _check_finite(window, last_saved, cfg.run_dir)
-                m = _summarise(window)
-                window = []
-                _wait_for_steps(state)
-                elapsed = time.perf_counter() - timer - excluded
-                tok_s = timed_steps * tokens_per_step / elapsed if timed_steps else None
-                record = {
-                    "kind": "train",
-                    "step": step,
-                    **m,
-                    "tokens_per_s": tok_s,
-                    "mfu": tok_s * flops_per_token / peak if tok_s else None,
-                }
-                writer.write(record)
-                bar.set_postfix(loss=f"{m['loss']:.3f}", refresh=False)
-                log(_format_train(record, end), others=f"step {step}/{end}")
-                timed_steps, timer, excluded = 0, time.perf_counter(), 0.0
+    def _info(self, start: int) -> dict:
+        return {
+            "kind": "info",
+            "step": start,
+            "val_unigram_entropy": self.unigram,
+            "params_total": self.total,
+            "params_active": self.active,
+            "flops_per_token": self.flops_per_token,
+            "peak_flops": self.peak,
+            "compute_units": self.units,
+            "moe_layers": [i for i in range(self.cfg.model.n_layers) if self.cfg.is_moe(i)],
+        }
 
-            if step % t.eval_every == 0 or final:
-                _wait_for_steps(state)
-                t0 = time.perf_counter()
-                ce_sum, count = np.sum(
-                    jax.device_get([eval_step(state["params"], b) for b in val]), 0, np.float64
-                )
-                val_loss = float(ce_sum / max(count, 1.0))
-                writer.write(
-                    {
-                        "kind": "eval",
-                        "step": step,
-                        "val_loss": val_loss,
-                        "val_ppl": math.exp(val_loss),
-                    }
-                )
-                log(
-                    f"eval step {step}: val loss {val_loss:.4f}, ppl {math.exp(val_loss):.2f} "
-                    f"(unigram baseline {unigram:.4f})"
-                )
-                excluded += time.perf_counter() - t0
+    def _compiled(self, state, step: int, window: _Window) -> None:
+        _wait_for_steps(state)
+        seconds = time.perf_counter() - window.timer
+        msg = f"step {step}: compiled and ran the train step in {seconds:.1f} s"
+        self.log(msg, others=msg)
+        window.restart()
 
-            if step % cfg.checkpoint.every == 0 or final or stopping:
-                _wait_for_steps(state)
-                t0 = time.perf_counter()
-                _check_finite(window, last_saved, cfg.run_dir)
-                ckpt.save(step, state["params"], state["opt_state"], it, meta)
-                last_saved = step
-                excluded += time.perf_counter() - t0
-            if stopping:  # the value the save above saw, not a later signal
-                msg = (
-                    f"received {signal.Signals(signum).name}: stopped at step {step}; "
-                    f"checkpoint saved in {cfg.run_dir}, rerun the same command to resume"
-                )
-                log(msg, others=msg)
-                return TrainResult(step, val_loss, unigram, signum)
-    return TrainResult(step, val_loss, unigram, None)
+    def _log_window(self, state, step: int, end: int, window: _Window, writer, bar) -> None:
+        """The window's means (finite, or TrainingError) to the metrics and the console."""
+        _check_finite(window.metrics, self.last_saved, self.cfg.run_dir)
+        m = _summarise(window.metrics)
+        window.metrics = []
+        _wait_for_steps(state)
+        elapsed = time.perf_counter() - window.timer - window.excluded
+        tokens = self.cfg.train.batch_size * self.cfg.train.seq_len
+        tok_s = window.timed_steps * tokens / elapsed if window.timed_steps else None
+        record = {
+            "kind": "train",
+            "step": step,
+            **m,
+            "tokens_per_s": tok_s,
+            "mfu": tok_s * self.flops_per_token / self.peak if tok_s else None,
+        }
+        writer.write(record)
+        bar.set_postfix(loss=f"{m['loss']:.3f}", refresh=False)
+        self.log(_format_train(record, end), others=f"step {step}/{end}")
+        window.restart()
+
+    def _evaluate(self, state, step: int, window: _Window, writer) -> None:
+        """The validation loss (its time left out of the window's throughput)."""
+        _wait_for_steps(state)
+        t0 = time.perf_counter()
+        ce_sum, count = np.sum(
+            jax.device_get([self.eval_step(state["params"], b) for b in self.val]), 0, np.float64
+        )
+        self.val_loss = float(ce_sum / max(count, 1.0))
+        ppl = math.exp(self.val_loss)
+        writer.write({"kind": "eval", "step": step, "val_loss": self.val_loss, "val_ppl": ppl})
+        self.log(
+            f"eval step {step}: val loss {self.val_loss:.4f}, ppl {ppl:.2f} "
+            f"(unigram baseline {self.unigram:.4f})"
+        )
+        window.excluded += time.perf_counter() - t0
+
+    def _save(self, state, step: int, window: _Window) -> None:
+        """A checkpoint of `step`, after every step since the last one was checked finite."""
+        _wait_for_steps(state)
+        t0 = time.perf_counter()
+        _check_finite(window.metrics, self.last_saved, self.cfg.run_dir)
+        self.ckpt.save(step, state["params"], state["opt_state"], self.it, self.meta)
+        self.last_saved = step
+        window.excluded += time.perf_counter() - t0
 
 
 class _NullWriter:

@@ -19,7 +19,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
 import optax
 
 from moe_jax.config import Config
@@ -27,6 +26,7 @@ from moe_jax.load import read_run_meta, restore_params
 from moe_jax.run.layout import RunError
 from moe_jax.run.policy import incompatible_keys
 from moe_jax.tokenizer import DataError, Tokenizer, load_tokenizer
+from moe_jax.train_state import make_state
 
 
 @dataclass(frozen=True)
@@ -97,9 +97,5 @@ def start_state(source: InitSource, abstract_state: dict, tx: optax.GradientTran
     state laid out like its abstract one, step 0."""
     params = restore_params(source.run_dir, source.step, abstract_state["params"])
     opt_sharding = jax.tree.map(lambda a: a.sharding, abstract_state["opt_state"])
-    step_sharding = abstract_state["step"].sharding
-    return {
-        "step": jax.device_put(jnp.zeros((), jnp.int32), step_sharding),
-        "params": params,
-        "opt_state": jax.jit(tx.init, out_shardings=opt_sharding)(params),
-    }
+    opt_state = jax.jit(tx.init, out_shardings=opt_sharding)(params)
+    return make_state(0, params, opt_state, abstract_state["step"].sharding)
