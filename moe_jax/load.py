@@ -21,7 +21,7 @@ from flax import nnx
 from moe_jax.config import Config
 from moe_jax.model.int8 import QUANTIZATIONS
 from moe_jax.run.layout import RunError
-from moe_jax.run.policy import incompatible_keys
+from moe_jax.run.policy import check_compatible
 from moe_jax.run.store import open_checkpoints, read_meta, restore
 from moe_jax.sharding import INFERENCE_RULES, state_shardings
 from moe_jax.tokenizer import Tokenizer
@@ -82,14 +82,10 @@ def load_model(
     quantised after a float restore (bf16 where the compute is), which holds both forms for
     a moment. RunError before anything is read if the weights would not fit the devices."""
     run_dir, manager, step, meta = run.run_dir, run.manager, run.step, run.meta
-    saved = meta["config"]
     if cfg is None:
-        cfg = saved
-    elif changed := incompatible_keys(saved, cfg):
-        raise RunError(
-            f"{', '.join(changed)} differ(s) from the run's saved config; a run's architecture "
-            "is fixed by its checkpoint"
-        )
+        cfg = meta["config"]
+    else:
+        check_compatible(meta, cfg, "load", run_dir)
     quantized = meta.get("quantization")
     if quantized and quantized not in QUANTIZATIONS:
         raise RunError(

@@ -24,7 +24,7 @@ import optax
 from moe_jax.config import Config
 from moe_jax.load import read_run_meta, restore_params
 from moe_jax.run.layout import RunError
-from moe_jax.run.policy import incompatible_keys
+from moe_jax.run.policy import check_compatible
 from moe_jax.tokenizer import DataError, Tokenizer, load_tokenizer
 from moe_jax.train_state import make_state
 
@@ -71,23 +71,12 @@ def init_source(
         meta = read_run_meta(source, cfg.init_step)
     except RunError as e:
         raise RunError(f"init_from: {e}") from None
-    if quantized := meta.get("quantization"):
-        raise RunError(
-            f"init_from '{source}' holds an {quantized} copy of a run, for inference only; start "
-            f"from the float run it came from ({meta.get('source')})"
-        )
     tokenizer = meta["tokenizer"]
-    diffs = [
-        d
-        for d in incompatible_keys(meta["config"], cfg)
-        if not (d.startswith("data.tokenizer:") and _same_tokenizer(cfg.data.tokenizer, tokenizer))
-    ]
-    if diffs:
-        raise RunError(
-            f"init_from '{source}' is a run of another architecture ({'; '.join(diffs)}); "
-            f"start from its config: `train.py {source}/config.yaml init_from={source} "
-            "run_dir=NEW ...`"
-        )
+    # a data.tokenizer naming the same tokenizer files under another path is the same
+    same = lambda d: (
+        d.startswith("data.tokenizer:") and _same_tokenizer(cfg.data.tokenizer, tokenizer)
+    )
+    check_compatible(meta, cfg, "start", source, same)
     return InitSource(source, meta["step"], tokenizer)
 
 

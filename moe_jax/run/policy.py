@@ -110,36 +110,58 @@ def inspect_run(cfg: Config) -> Resume | None:
         step = wanted
     if step is not None:
         meta = read_meta(manager, step, run_dir)
-        saved = meta["config"]
-        if meta.get("quantization"):
-            raise RunError(
-                f"run_dir '{run_dir}' holds a {meta['quantization']} copy of a run for "
-                f"inference only; train the float run it came from ({meta.get('source')})"
-            )
-    else:
-        meta = None
-        try:
-            saved = config_from_yaml(config_file.read_text(encoding="utf-8"))
-        except ConfigError as e:
-            raise RunError(
-                f"'{config_file}' is not a valid config ({e}); fix or remove it"
-            ) from None
-    diffs = incompatible_keys(saved, cfg)
-    if diffs and meta is None:
+        check_compatible(meta, cfg, "train", run_dir)
+        return Resume(step, meta["config"], meta["tokenizer"], meta.get("fingerprint", ""))
+    try:
+        saved = config_from_yaml(config_file.read_text(encoding="utf-8"))
+    except ConfigError as e:
+        raise RunError(f"'{config_file}' is not a valid config ({e}); fix or remove it") from None
+    if diffs := incompatible_keys(saved, cfg):
         raise RunError(
             f"run_dir '{run_dir}' has no checkpoint, only the {CONFIG_FILE} of a run that "
             f"stopped before its first save, with a different architecture "
             f"({'; '.join(diffs)}); delete '{run_dir}' or choose a new run_dir"
         )
-    if diffs:
+    return None
+
+
+def check_compatible(
+    meta: dict, cfg: Config, purpose: str, where: Path, same=lambda diff: False
+) -> None:
+    """RunError, naming the fix, unless the checkpoint of `meta` can serve `cfg` for `purpose`:
+    "train" (resume it in `where`), "start" (init_from `where`: a new run from its params) or
+    "load" (inference). A quantised copy serves inference only; the architecture must be
+    `cfg`'s (every difference `incompatible_keys` lists, less those `same` accepts)."""
+    quantized = meta.get("quantization")
+    if quantized and purpose == "train":
         raise RunError(
-            f"run_dir '{run_dir}' holds a run with a different architecture "
+            f"run_dir '{where}' holds a {quantized} copy of a run for inference only; train "
+            f"the float run it came from ({meta.get('source')})"
+        )
+    if quantized and purpose == "start":
+        raise RunError(
+            f"init_from '{where}' holds an {quantized} copy of a run, for inference only; start "
+            f"from the float run it came from ({meta.get('source')})"
+        )
+    diffs = [d for d in incompatible_keys(meta["config"], cfg) if not same(d)]
+    if not diffs:
+        return
+    if purpose == "train":
+        raise RunError(
+            f"run_dir '{where}' holds a run with a different architecture "
             f"({'; '.join(diffs)}); its parameters cannot be continued with this config: "
             "choose a new run_dir or drop these overrides"
         )
-    if meta is None:
-        return None
-    return Resume(step, saved, meta["tokenizer"], meta.get("fingerprint", ""))
+    if purpose == "start":
+        raise RunError(
+            f"init_from '{where}' is a run of another architecture ({'; '.join(diffs)}); "
+            f"start from its config: `train.py {where}/config.yaml init_from={where} "
+            "run_dir=NEW ...`"
+        )
+    raise RunError(
+        f"{', '.join(diffs)} differ(s) from the run's saved config; a run's architecture "
+        "is fixed by its checkpoint"
+    )
 
 
 def _resumed_from(wanted: int, manager: ocp.CheckpointManager, step: int, run_dir: Path) -> bool:
