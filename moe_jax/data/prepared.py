@@ -33,6 +33,7 @@ import grain
 import numpy as np
 
 from moe_jax.config import Config
+from moe_jax.data.store import TokenStore, describe_tokenizer, tokenizer_hash
 from moe_jax.data.windows import (
     batch_examples,
     check_split_fits,
@@ -40,7 +41,6 @@ from moe_jax.data.windows import (
     pack_window,
     unigram_entropy,
 )
-from moe_jax.prepare import TokenStore, describe_tokenizer, tokenizer_hash
 from moe_jax.tokenizer import DataError, Tokenizer, load_tokenizer
 
 
