@@ -166,9 +166,9 @@ def sample(args: argparse.Namespace, prompt: str | None) -> int:
     """Load the run and print its samples (the flags are checked)."""
     from moe_jax.backends import KernelError
     from moe_jax.config import ConfigError
-    from moe_jax.load import read_run_meta
+    from moe_jax.load import load_sampler, read_run_meta
     from moe_jax.run.layout import RunError
-    from moe_jax.sampling import SamplingError, load_sampler
+    from moe_jax.sampling import SamplingError
     from moe_jax.tokenizer import DataError
 
     try:

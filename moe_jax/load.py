@@ -11,6 +11,7 @@ meta = read_run_meta("runs/tiny")    # {"step", "config", "tokenizer", "fingerpr
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,12 +19,13 @@ import jax
 import orbax.checkpoint as ocp
 from flax import nnx
 
-from moe_jax.config import Config
+from moe_jax.config import MESH_AXES, Config, sampling_config
 from moe_jax.model.int8 import QUANTIZATIONS
 from moe_jax.run.layout import RunError
 from moe_jax.run.policy import check_compatible
 from moe_jax.run.store import open_checkpoints, read_meta, restore
-from moe_jax.sharding import INFERENCE_RULES, state_shardings
+from moe_jax.sampling import Sampler
+from moe_jax.sharding import INFERENCE_RULES, make_mesh, state_shardings
 from moe_jax.tokenizer import Tokenizer
 from moe_jax.weights import WeightsDoNotFit, abstract_model, check_fits, to_kind, weights_kind
 
@@ -133,3 +135,16 @@ def on_device(abstract_tree, device: jax.Device):
     return jax.tree.map(
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), abstract_tree
     )
+
+
+def load_sampler(run_dir, overrides: Sequence[str] = (), step: int | None = None):
+    """-> (config, Sampler, tokenizer) of a run's checkpoint (default: the latest), restored
+    onto the mesh its config names after `overrides` (mesh.*, model.dtype, sample.*, as
+    sample.py takes them): sharded, in the `sample.weights` form, held once. ConfigError /
+    RunError (a mesh that does not divide the model, weights that do not fit) name the fix."""
+    run = open_run(run_dir, step)  # its meta read once, for the config and the weights
+    cfg = sampling_config(run.meta["config"], overrides)
+    one_device = all(getattr(cfg.mesh, ax) == 1 for ax in MESH_AXES)
+    mesh = None if one_device else make_mesh(cfg, inference=True)
+    cfg, model, tokenizer = load_model(run, cfg=cfg, mesh=mesh, weights=cfg.sample.weights)
+    return cfg, Sampler(model, mesh=mesh, consume=True), tokenizer

@@ -1,6 +1,6 @@
 """Text generation: prefill + KV-cache decode in one compiled program.
 
-    cfg, sampler, tok = load_sampler("runs/x", ["mesh.expert=2"])   # a run, sharded
+    cfg, sampler, tok = load_sampler("runs/x", ["mesh.expert=2"])   # a run (moe_jax.load)
     sampler = Sampler(model)                       # splits the params once; keep it around
     out = sampler.generate([ids_a, ids_b], max_new_tokens=100, temperature=0.8, top_k=40)
     out.sequences()                                # generated ids per prompt, stop token included
@@ -500,23 +500,6 @@ class Sampler:
         if not 0 < top_p <= 1:
             raise SamplingError(f"top_p must be within (0, 1] (1 = off), got {top_p}")
         return lengths
-
-
-def load_sampler(run_dir, overrides: Sequence[str] = (), step: int | None = None):
-    """-> (config, Sampler, tokenizer) of a run's checkpoint (default: the latest), restored
-    onto the mesh its config names after `overrides` (mesh.*, model.dtype, sample.*, as
-    sample.py takes them): sharded, in the `sample.weights` form, held once. ConfigError /
-    RunError (a mesh that does not divide the model, weights that do not fit) name the fix."""
-    from moe_jax.config import sampling_config
-    from moe_jax.load import load_model, open_run
-    from moe_jax.sharding import MESH_AXES, make_mesh
-
-    run = open_run(run_dir, step)  # its meta read once, for the config and the weights
-    cfg = sampling_config(run.meta["config"], overrides)
-    one_device = all(getattr(cfg.mesh, ax) == 1 for ax in MESH_AXES)
-    mesh = None if one_device else make_mesh(cfg, inference=True)
-    cfg, model, tokenizer = load_model(run, cfg=cfg, mesh=mesh, weights=cfg.sample.weights)
-    return cfg, Sampler(model, mesh=mesh, consume=True), tokenizer
 
 
 def generate(model: Transformer, prompts: Sequence[Sequence[int]], max_new_tokens: int, **kw):

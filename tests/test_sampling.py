@@ -367,7 +367,7 @@ def run_dir(tmp_path_factory):
 
 def test_loading_a_sampler_reads_the_runs_checkpoint_meta_once(run_dir, monkeypatch):
     from moe_jax import load
-    from moe_jax.sampling import load_sampler
+    from moe_jax.load import load_sampler
 
     reads = []
     real = load.read_meta

@@ -21,12 +21,12 @@ from jax.sharding import PartitionSpec as P
 
 from moe_jax.config import sampling_config
 from moe_jax.data.corpus import train_iterator
-from moe_jax.load import load_run
+from moe_jax.load import load_run, load_sampler
 from moe_jax.model import Transformer
 from moe_jax.model.int8 import Int8Param
 from moe_jax.run.layout import RunError
 from moe_jax.run.store import Checkpointer
-from moe_jax.sampling import Sampler, load_sampler
+from moe_jax.sampling import Sampler
 from moe_jax.sharding import make_mesh, state_shardings
 from moe_jax.tokenizer import ByteTokenizer
 from moe_jax.train_step import make_optimizer
