@@ -33,11 +33,13 @@ AUTO = {
     # Attention, causal bf16 fwd+bwd at B 2 x T 4096, 32 q / 4 kv heads of 128: cuDNN 2.45 ms
     # (392 TFLOP/s), tokamax's Mosaic GPU kernel 2.90, tokamax Triton 4.02, jax's Pallas Triton
     # 7.35 (no sliding window), XLA 19.7; cuDNN also takes the window and packed documents.
-    # MoE: the batched capacity buffers. ragged_dot's Triton lowering is missing from jax
-    # 0.11.2 (`jax._src.lax.pallas_lowerings` not found), and its default lowering on a
-    # 65k-row Qwen3-shaped layer was still running when the kit's kernel stage ran out of
-    # time (twice); the Pallas/tokamax grouped matmuls queued behind it are not measured
-    # yet. The ~1B-active train step with these: 38.8% MFU at 4 x 4096.
+    # MoE, SwiGLU of a 65k-row Qwen3-shaped layer (E 32, D 2048, F 768), fwd+bwd: tokamax's
+    # Mosaic GPU ragged_dot 8.09 ms (229 TFLOP/s) but its down-projection weight gradient
+    # off by 2.8% (relative; the others 0.5%); the batched capacity buffers (factor 1.25,
+    # padding and scatter included) 13.09 ms (142 TFLOP/s); XLA's ragged_dot 171 ms; jax's
+    # Pallas Mosaic ragged_dot has no VJP (fwd 1.70 ms), its Triton lowering is missing from
+    # jax 0.11.2. So batched stays until a grouped kernel is both fast and exact here.
+    # The ~1B-active train step with these, 8 x 4096: 42.2% MFU (remat dots).
     "gpu": {"attention": "cudnn", "moe": "batched"},
     # TPU MoE: XLA lowers ragged_dot on TPU to its own Mosaic grouped-matmul kernel. megablox
     # (the Pallas kernel shipped in jax) runs without a mesh only: its pallas_call declares

@@ -44,10 +44,18 @@ SIZES = {
         moe=dict(tokens=2 * 4096, D=2048, F=768, E=32, k=8),
         train_overrides=[],
         # B 8 x 4096 without remat needs 115 GiB of temporaries besides the 42 GiB of fp32
-        # params, grads and Adam (H200, 2026-11-26): B 4, then B 8 with full remat
-        train_variants=[["train.batch_size=4"], ["model.remat=full"]],
+        # params, grads and Adam (H200, 2026-11-26); B 8 with full remat was the fastest there
+        # (41.6% MFU against B 4's 38.8%): profiled first; then what keeps more of the forward
+        # to skip its recomputation
+        train_variants=[
+            ["model.remat=full"],
+            ["model.remat=full", "model.remat_save=qkv_proj,attention_out,out_proj"],
+            ["model.remat=dots"],
+        ],
         train_steps=6,
-        decode=dict(batches=(1, 8), prompt=128, new=256, repeats=3),
+        decode=dict(
+            cases=[(1, "bfloat16"), (1, "int8"), (8, "bfloat16")], prompt=128, new=256, repeats=3
+        ),
     ),
     "dry": dict(
         matmul=256,
@@ -70,7 +78,7 @@ SIZES = {
         ],
         train_variants=[[], ["moe.impl=ragged", "+triton"]],
         train_steps=2,
-        decode=dict(batches=(1, 2), prompt=8, new=8, repeats=1),
+        decode=dict(cases=[(1, "bfloat16"), (2, "bfloat16"), (1, "int8")], prompt=8, new=8, repeats=1),
     ),
 }
 TRITON_FLAG = "jax_ragged_dot_use_gpu_pallas_triton_lowering"
@@ -492,16 +500,16 @@ def kernels_moe(S: dict) -> None:
 
 
 def kernels(S: dict, dry: bool) -> None:
+    kernels_moe(S)  # first: the attention kernels were all timed on the H200 (2026-11-26)
     kernels_attention(S, dry)
-    kernels_moe(S)
 
 
 # ----------------------------------------------------------------------------- profile
 
 # Kernel names by kind (cuBLAS / CUTLASS GEMMs, cuDNN attention, NCCL, copies), else a fusion.
-KERNEL_KINDS = (
+KERNEL_KINDS = (  # attention first: cuDNN's flash kernels' names say wgmma too
+    ("attention", re.compile(r"fmha|flash|sdpa|attention", re.I)),
     ("matmul", re.compile(r"gemm|cutlass|xmma|nvjet|matmul|cublas|wgmma", re.I)),
-    ("attention", re.compile(r"fmha|flash|cudnn|attention", re.I)),
     ("collective", re.compile(r"nccl|all_reduce|all-reduce|allgather", re.I)),
     ("copy", re.compile(r"memcpy|memset|copy", re.I)),
 )
@@ -643,21 +651,26 @@ def _profiled(step, state, batch):
 # ----------------------------------------------------------------------------- decode
 
 
-def decode_bytes_per_step(cfg, B: int, length: float) -> dict:
-    """The bytes one decode step must read in bf16: every layer's attention, router and norm
-    weights, the head, the experts the batch's tokens pick (expected distinct experts of B
-    tokens' uniform top-k picks), and the KV cache up to `length` positions."""
+def decode_bytes_per_step(cfg, B: int, length: float, kind: str = "bfloat16") -> dict:
+    """The bytes one decode step must read: every layer's attention, router and norm weights,
+    the head, the experts the batch's tokens pick (expected distinct experts of B tokens'
+    uniform top-k picks), in bf16 (int8: one byte a matmul weight, scales aside), and the bf16
+    KV cache up to `length` positions."""
     m, a, e = cfg.model, cfg.attention, cfg.moe
     D, hd, L = m.d_model, cfg.head_dim, m.n_layers
     attn = D * hd * (2 * a.n_heads + 2 * a.n_kv_heads) + 2 * D + 2 * hd
     picked = e.n_experts * (1 - (1 - e.top_k / e.n_experts) ** B)
     experts = picked * 3 * D * e.expert_hidden + D * e.n_experts
-    weights = 2 * (L * (attn + experts) + D * m.vocab_size + D)
+    weights = (1 if kind == "int8" else 2) * (L * (attn + experts) + D * m.vocab_size + D)
     cache = 2 * L * B * 2 * a.n_kv_heads * hd * length
     return {"weights": weights, "kv_cache": cache, "total": weights + cache}
 
 
-def decode(S: dict, dry: bool) -> None:
+def decode(S: dict, dry: bool, variant: str = "") -> None:
+    """Our sampler's greedy decode, each (batch, weights) case of S["decode"] in turn; then the
+    first case once more under jax.profiler (kernels and device-busy time per token).
+    `variant` (a name for XLA_FLAGS the kit set for this process) tags the records and runs
+    the first case only."""
     from flax import nnx
 
     from moe_jax.config import load_config
@@ -669,12 +682,18 @@ def decode(S: dict, dry: bool) -> None:
     P, N = D_["prompt"], D_["new"]
     length = [f"model.max_seq_len={P + N}", f"train.seq_len={P + N}"]
     cfg = load_config(GPU_CONFIG, [*S["train_overrides"], *length])
-    model = to_kind(Transformer(cfg, rngs=nnx.Rngs(0)), "bfloat16")
-    sampler = Sampler(model, consume=True)
-    del model
-    for B in D_["batches"]:
-        rec = dict(kind="decode", batch=B, prompt=P, new=N, weights="bfloat16")
+    cases = D_["cases"][:1] if variant else D_["cases"]
+    samplers = {}
+    for B, kind in cases:
+        rec = dict(kind="decode", batch=B, prompt=P, new=N, weights=kind, variant=variant)
         try:
+            if kind not in samplers:
+                samplers.clear()  # one model on the device at a time
+                gc.collect()
+                model = to_kind(Transformer(cfg, rngs=nnx.Rngs(0)), kind)
+                samplers[kind] = Sampler(model, consume=True)
+                del model
+            sampler = samplers[kind]
             prompts = np.random.default_rng(B).integers(0, 256, (B, P)).tolist()
             run = partial(_generate_tokens, sampler, prompts)
             t0 = time.perf_counter()
@@ -689,8 +708,13 @@ def decode(S: dict, dry: bool) -> None:
                 prefill_ms=1e3 * prefill,
                 step_ms=1e3 * (whole - prefill) / (N - 1),
                 tokens_per_s=B * N / whole,
-                bytes_per_step=decode_bytes_per_step(cfg, B, P + N / 2),
+                bytes_per_step=decode_bytes_per_step(cfg, B, P + N / 2, kind),
             )
+            if (B, kind) == cases[0]:
+                with tempfile.TemporaryDirectory() as trace_dir:
+                    prof = profile(lambda: run(N), 1, trace_dir)
+                record(kind="profile", variant=f"decode B {B} {kind} {variant}".strip(),
+                       per_token=N, **prof)
         except Exception as e:
             rec["error"] = error_text(e)
             traceback.print_exc()
@@ -714,11 +738,14 @@ def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(description=__doc__.strip().splitlines()[0])
     p.add_argument("stage", choices=sorted(STAGES))
     p.add_argument("--dry-run", action="store_true")
+    p.add_argument("--variant", default="", help="decode: a tag for the XLA_FLAGS it runs under")
     args = p.parse_args(argv)
     S = SIZES["dry" if args.dry_run else "gpu"]
     fn = STAGES[args.stage]
     if args.stage == "ceilings":
         fn(S)
+    elif args.stage == "decode":
+        fn(S, args.dry_run, args.variant)
     else:
         fn(S, args.dry_run)
     return 0

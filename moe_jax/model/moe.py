@@ -265,6 +265,19 @@ def expert_swiglu(
     return y_ESCD
 
 
+def rows_matmul(x_JD: jax.Array, w_JDF: jax.Array) -> jax.Array:
+    """Each row times its own matrix: [..., D] x [..., D, F] -> [..., F], as a batched matmul
+    of two-row operands (the second row zero). XLA:GPU turns a batched vector-matrix product
+    into a reduction that read the gathered expert weights at ~0.4 TB/s (H200, 2026-11-26:
+    116 us for one layer's gate and up at batch 1, a third of the decode step); with two rows
+    it is a GEMM fusion. The extra row's FLOPs are nothing beside the weights' bytes."""
+    lead, D = x_JD.shape[:-1], x_JD.shape[-1]
+    x_J2D = jnp.stack([x_JD, jnp.zeros_like(x_JD)], axis=-2).reshape(-1, 2, D)
+    w_JDF = w_JDF.reshape(-1, *w_JDF.shape[-2:])
+    y_J2F = jnp.einsum("jmd,jdf->jmf", x_J2D, w_JDF)
+    return y_J2F[:, 0].reshape(*lead, w_JDF.shape[-1])
+
+
 def unstack(tree, n: int) -> list:
     """A tree of [n, ...] arrays -> n trees of [...] arrays, by `lax.split`: its transpose
     concatenates the n cotangents once. Taken as n slices `a[i]` instead, each slice's
@@ -727,9 +740,9 @@ class MoE(nnx.Module):
             x_BTKD = x_BTD[:, :, None, :] * w_BTK[..., None]
         else:
             x_BTKD = jnp.broadcast_to(x_BTD[:, :, None, :], (*experts_BTK.shape, x_BTD.shape[-1]))
-        gate = jnp.einsum("btkd,btkdf->btkf", x_BTKD, pick("w_gate")) + pick("gate_bias")
-        up = jnp.einsum("btkd,btkdf->btkf", x_BTKD, pick("w_up")) + pick("up_bias")
-        y_BTKD = jnp.einsum("btkf,btkfd->btkd", jax.nn.silu(gate) * up, pick("w_down"))
+        gate = rows_matmul(x_BTKD, pick("w_gate")) + pick("gate_bias")
+        up = rows_matmul(x_BTKD, pick("w_up")) + pick("up_bias")
+        y_BTKD = rows_matmul(jax.nn.silu(gate) * up, pick("w_down"))
         if reduce_axis is not None:
             y_BTKD = jax.lax.psum(y_BTKD, reduce_axis)
         y_BTKD = y_BTKD + pick("down_bias")
