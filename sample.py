@@ -35,21 +35,14 @@ if __name__ == "__main__":  # first: a glibc tunable is read only when a process
 
 import numpy as np  # noqa: E402
 
-from moe_jax.config import MAX_TEMPERATURE, MIN_TEMPERATURE  # noqa: E402
+from moe_jax.config import SAMPLING_RULES, sampling_problem  # noqa: E402
 
 SEPARATOR = "\n" + "-" * 40 + "\n"
-# Each sampling flag's own range: (argparse dest, test, rule), checked before jax is imported.
+# The counting flags' ranges, (argparse dest, test, rule), checked before jax is imported;
+# the sampling values' (temperature, top-k, top-p, seed) are the config's SAMPLING_RULES.
 FLAG_RULES = (
     ("num_samples", lambda v: v >= 1, "must be >= 1"),
     ("max_new_tokens", lambda v: v >= 1, "must be >= 1"),
-    (
-        "temperature",
-        lambda v: v == 0 or MIN_TEMPERATURE <= v <= MAX_TEMPERATURE,
-        f"must be 0 (greedy) or within [{MIN_TEMPERATURE:g}, {MAX_TEMPERATURE:g}]",
-    ),
-    ("top_k", lambda v: v >= 0, "must be >= 0 (0 = off)"),
-    ("top_p", lambda v: 0 < v <= 1, "must be within (0, 1] (1 = off)"),
-    ("seed", lambda v: 0 <= v < 2**32, "must be within [0, 2^32)"),  # a PRNG key's 32 bits
 )
 
 
@@ -102,6 +95,9 @@ def checked_prompt(args: argparse.Namespace) -> str | None:
         value = getattr(args, dest)
         if value is not None and not ok(value):
             raise FlagError(f"--{dest.replace('_', '-')} {rule}, got {value}")
+    given = {n: getattr(args, n) for n, _, _ in SAMPLING_RULES if getattr(args, n) is not None}
+    if problem := sampling_problem(given, "--"):
+        raise FlagError(problem)
     if args.prompt_file is None:
         prompt, flag = args.prompt, "--prompt"
     else:

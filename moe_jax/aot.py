@@ -131,12 +131,9 @@ def _oom_bytes(message: str) -> float | None:
     return None
 
 
-def compile_step(cfg, topo, step: str, verbose: bool = False, hlo_path: str | None = None):
-    """Compile `step` ("train" | "decode") of `cfg` for `topo`. -> report dict.
-    Raises DoesNotFit, or ConfigError / SamplingError for a config the step cannot take."""
-    from moe_jax import backends, hlo
+def _step_mesh(cfg, topo, step: str):
+    """The step's mesh over all of `topo`'s devices, the batch split as train.py checks it."""
     from moe_jax.sharding import make_mesh
-    from moe_jax.summary import decode_flops, train_flops_per_token
 
     mesh = make_mesh(cfg, list(topo.devices), inference=step == "decode")
     if mesh.size != topo.n_devices:
@@ -151,6 +148,16 @@ def compile_step(cfg, topo, step: str, verbose: bool = False, hlo_path: str | No
 
         # Each host feeds its own rows: the mesh must put them on its devices (train.py's check).
         check_batch_split(mesh, cfg.train.batch_size, lambda d: d.process_index, topo.n_hosts)
+    return mesh
+
+
+def compile_step(cfg, topo, step: str, verbose: bool = False, hlo_path: str | None = None):
+    """Compile `step` ("train" | "decode") of `cfg` for `topo`. -> report dict.
+    Raises DoesNotFit, or ConfigError / SamplingError for a config the step cannot take."""
+    from moe_jax import backends, hlo
+    from moe_jax.summary import decode_flops, train_flops_per_token
+
+    mesh = _step_mesh(cfg, topo, step)
     kind = topo.devices[0].device_kind
     what = "chip" if topo.platform == "tpu" else "GPU"
     t0 = time.perf_counter()

@@ -63,7 +63,7 @@ INTERPRETED_ON_CPU = ("splash", "megablox")
 # padding included (E / k times the routed rows when dropless). XLA:CPU has no
 # ragged-all-to-all ("HLO opcode `ragged-all-to-all` is not supported by XLA:CPU
 # ThunkEmitter"); the other impls run on the buffers everywhere, and so do exchanges too
-# small for the grouped matmul (decoding: `moe.MAP_MIN_CAPACITY`).
+# small for the grouped matmul (decoding: `experts.MAP_MIN_CAPACITY`).
 EXCHANGE = {"cpu": "buffers", "gpu": "ragged", "tpu": "ragged"}
 EXCHANGES = ("auto", "ragged", "buffers")
 # How training gathers the attention weights and the head, split over the batch axes

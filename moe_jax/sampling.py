@@ -58,11 +58,7 @@ it is sampled. The callback syncs with the host every step, which costs nothing 
 on CPU or for text a person reads; batches compile without it. JAX orders callbacks on one
 device only; under a mesh they are unordered and the host puts the steps back in order.
 
-Sampling rules, applied in this order to each row's logits: temperature (0 = greedy argmax),
-top-k (keep the k most likely; 0 = off), top-p (keep the smallest most-likely set whose mass
-reaches p; 1 = off). Ties rank by token id, like argmax, so top-k = 1 and top-p -> 0 are greedy.
-Every row draws from its own key, `fold_in(fold_in(seed, row), step)`: a seed always gives the
-same text, and row r's draws do not depend on the batch size.
+Sampling rules (temperature, top-k, top-p, one key a row): `moe_jax.sampling_rules`.
 """
 
 from __future__ import annotations
@@ -72,7 +68,6 @@ import dataclasses
 import math
 from collections.abc import Callable, Sequence
 from functools import partial
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -81,9 +76,10 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from moe_jax.config import MAX_TEMPERATURE, MIN_TEMPERATURE
+from moe_jax.config import sampling_problem
 from moe_jax.model import Transformer
 from moe_jax.model.int8 import is_quantized, quantize_model
+from moe_jax.sampling_rules import Mode, pick_tokens
 from moe_jax.sharding import split_batch_axes
 
 MIN_BUCKET = 16  # shortest prompt bucket: shorter prompts are padded to this
@@ -94,14 +90,6 @@ class SamplingError(ValueError):
     """Unusable generation request; the message names the problem and the fix."""
 
 
-class Mode(NamedTuple):
-    """Static part of the sampling rule (which code the step compiles to)."""
-
-    greedy: bool
-    top_k: bool
-    top_p: bool
-
-
 @dataclasses.dataclass(frozen=True)
 class Generation:
     tokens: np.ndarray  # int32 [B, max_new_tokens]; -1 after a sequence's stop token
@@ -110,39 +98,6 @@ class Generation:
 
     def sequences(self) -> list[list[int]]:
         return [row[:n].tolist() for row, n in zip(self.tokens, self.lengths, strict=True)]
-
-
-# ----------------------------------------------------------------------------- sampling rules
-
-
-def sample_tokens(
-    logits_BV: jax.Array,
-    keys_B: jax.Array,
-    temperature: jax.Array,
-    top_k: jax.Array,
-    top_p: jax.Array,
-    mode: Mode,
-) -> jax.Array:
-    """One token per row [B] from float32 logits [B, V]; `keys_B` is one PRNG key per row."""
-    if mode.greedy:
-        return jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
-    logits_BV = logits_BV.astype(jnp.float32) / temperature
-    draw = jax.vmap(jax.random.categorical)
-    if not (mode.top_k or mode.top_p):
-        return draw(keys_B, logits_BV).astype(jnp.int32)
-    # Work in rank order: one stable sort (ties by token id, as argmax) serves both filters.
-    order_BV = jnp.argsort(logits_BV, axis=-1, descending=True, stable=True)
-    sorted_BV = jnp.take_along_axis(logits_BV, order_BV, axis=-1)
-    rank_V = jnp.arange(logits_BV.shape[-1])
-    keep_BV = jnp.ones(sorted_BV.shape, bool)
-    if mode.top_k:
-        keep_BV &= rank_V < top_k
-    if mode.top_p:
-        probs_BV = jax.nn.softmax(jnp.where(keep_BV, sorted_BV, -jnp.inf), axis=-1)
-        mass_before_BV = jnp.cumsum(probs_BV, axis=-1) - probs_BV
-        keep_BV &= mass_before_BV < top_p  # the most likely token always stays
-    rank_B = draw(keys_B, jnp.where(keep_BV, sorted_BV, -jnp.inf))
-    return jnp.take_along_axis(order_BV, rank_B[:, None], axis=-1)[:, 0].astype(jnp.int32)
 
 
 # ----------------------------------------------------------------------------- the program
@@ -183,6 +138,14 @@ def stack_blocks(blocks: list):
     return jax.tree.map(lambda *a: jnp.stack(a), *blocks) if blocks else []
 
 
+def _model_of(graphdef, params, param_blocks):
+    """The model with its layer blocks re-stacked (see `unstack_blocks`)."""
+    full = jax.tree.map(lambda a: a, params)  # a shallow copy of the State
+    if param_blocks:
+        full["blocks"] = stack_blocks(param_blocks)
+    return nnx.merge(graphdef, full)
+
+
 def _generate(
     graphdef,
     emit_host: Callable,
@@ -209,11 +172,7 @@ def _generate(
     N = max_new_tokens
     row_keys_B = jax.vmap(lambda r: jax.random.fold_in(key, r))(jnp.arange(B))
 
-    def merged():
-        full = jax.tree.map(lambda a: a, params)  # a shallow copy of the State
-        if param_blocks:
-            full["blocks"] = stack_blocks(param_blocks)
-        return nnx.merge(graphdef, full)
+    merged = partial(_model_of, graphdef, params, param_blocks)
 
     def unstacked(cache):
         cache = shard_cache(cache)
@@ -226,14 +185,11 @@ def _generate(
         )
         return logits_BTV, unstacked(new)
 
-    def pick(logits_BV, step):
-        keys_B = jax.vmap(lambda k: jax.random.fold_in(k, step))(row_keys_B)
-        in_vocab_V = jnp.arange(logits_BV.shape[-1]) < n_vocab
-        logits_BV = jnp.where(in_vocab_V, logits_BV, -jnp.inf)
-        return sample_tokens(logits_BV, keys_B, temperature, top_k, top_p, mode)
+    pick = lambda logits_BV, step: pick_tokens(
+        logits_BV, step, row_keys_B, n_vocab, temperature, top_k, top_p, mode
+    )
 
-    def is_stop(tok_B):
-        return jnp.any(tok_B[:, None] == stop_S[None, :], axis=-1)
+    is_stop = lambda tok_B: jnp.any(tok_B[:, None] == stop_S[None, :], axis=-1)
 
     def emit(step, out_tok_B):
         if stream:
@@ -437,8 +393,8 @@ class Sampler:
         """Checked arguments of the compiled program: (positional arrays, static kwargs)."""
         V, max_len = self.cfg.model.vocab_size, self.cfg.model.max_seq_len
         lengths = self._check(prompts, max_new_tokens, temperature, top_k, top_p, stop_tokens)
-        if not 0 <= seed < 2**32:  # a PRNG key takes 32 bits: larger seeds would collide
-            raise SamplingError(f"seed must be within [0, 2^32), got {seed}")
+        if problem := sampling_problem({"seed": seed}):  # a PRNG key takes 32 bits
+            raise SamplingError(problem)
         if vocab_size is not None and not 0 < vocab_size <= V:
             raise SamplingError(f"vocab_size must be within [1, {V}], got {vocab_size}")
         longest = max(lengths)
@@ -490,15 +446,9 @@ class Sampler:
             raise SamplingError(f"stop_tokens must be token ids in [0, {V})")
         if max_new_tokens < 1:
             raise SamplingError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-        if not (temperature == 0 or MIN_TEMPERATURE <= temperature <= MAX_TEMPERATURE):
-            raise SamplingError(
-                f"temperature must be 0 (greedy) or within [{MIN_TEMPERATURE:g}, "
-                f"{MAX_TEMPERATURE:g}], got {temperature}"
-            )
-        if top_k < 0:
-            raise SamplingError(f"top_k must be >= 0 (0 = off), got {top_k}")
-        if not 0 < top_p <= 1:
-            raise SamplingError(f"top_p must be within (0, 1] (1 = off), got {top_p}")
+        rule = dict(temperature=temperature, top_k=top_k, top_p=top_p)
+        if problem := sampling_problem(rule):
+            raise SamplingError(problem)
         return lengths
 
 

@@ -36,13 +36,15 @@ def forward_cached(model, tokens_BT, positions_BT, cache):
 
 
 def one_expert_at_a_time(monkeypatch, unrolled: bool) -> None:
-    """Send the tiny tests' expert buffers down the training path (`moe.expert_swiglu`: one
+    """Send the tiny tests' expert buffers down the training path (`experts.expert_swiglu`: one
     expert at a time on its filled rows), with the experts unrolled or in a `lax.map`."""
-    from moe_jax.model import moe
+    from moe_jax.model import experts
 
-    monkeypatch.setattr(moe, "MAP_MIN_CAPACITY", 1)
-    monkeypatch.setattr(moe, "UNROLL_MAX_EXPERTS", moe.UNROLL_MAX_EXPERTS if unrolled else 0)
-    monkeypatch.setattr(moe, "UNROLL_MIN_MACS", 0)
+    monkeypatch.setattr(experts, "MAP_MIN_CAPACITY", 1)
+    monkeypatch.setattr(
+        experts, "UNROLL_MAX_EXPERTS", experts.UNROLL_MAX_EXPERTS if unrolled else 0
+    )
+    monkeypatch.setattr(experts, "UNROLL_MIN_MACS", 0)
 
 
 def randomize_biases(module: nnx.Module, seed: int = 0) -> None:

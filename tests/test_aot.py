@@ -181,10 +181,9 @@ def test_fsdp_in_groups_and_expert_windows_compile_for_tpu(monkeypatch):
     steps of 8 on v5p-128), and the experts' row windows each gathering their own experts'
     weights inside the layer's scan: compiles for v5p-8 with no conditionals, the gathers
     going by groups of devices."""
-    from moe_jax.model import gather, grouped
-    from moe_jax.model import moe as moe_module
+    from moe_jax.model import experts, gather, grouped
 
-    monkeypatch.setattr(moe_module, "MAP_MIN_CAPACITY", 1)  # the tiny exchange: ragged
+    monkeypatch.setattr(experts, "MAP_MIN_CAPACITY", 1)  # the tiny exchange: ragged
     windows = []
     chunked = grouped._swiglu_chunked
     monkeypatch.setattr(grouped, "_swiglu_chunked", lambda *a: windows.append(a[-1]) or chunked(*a))

@@ -271,7 +271,7 @@ VALIDATION_CASES = {
         "sample.temperature must be 0 (greedy) or within [1e-06, 1e+06], got -1.0",
     ),
     "sample_top_k": (["sample.top_k=-1"], "sample.top_k must be >= 0 (0 = off), got -1"),
-    "top_p": (["sample.top_p=0"], "sample.top_p must be within (0, 1], got 0.0"),
+    "top_p": (["sample.top_p=0"], "sample.top_p must be within (0, 1] (1 = off), got 0.0"),
     "max_new_tokens": (
         ["sample.max_new_tokens=0"],
         "sample.max_new_tokens must be positive, got 0",

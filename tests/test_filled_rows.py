@@ -14,9 +14,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import moe_jax.model.moe as moe_module
+from moe_jax.model import routing
+from moe_jax.model.experts import expert_swiglu, swiglu_rows
 from moe_jax.model.filled_rows import bucket_index, row_buckets, swiglu_filled
-from moe_jax.model.moe import expert_swiglu, swiglu_rows
 from moe_jax.model.remat import remat
 from tests.helpers import one_expert_at_a_time, tiny_config
 
@@ -86,7 +86,8 @@ def test_remat_keeps_one_output_and_the_padded_projections_not_every_bucket(
     x = jax.random.normal(jax.random.key(1), (E, 1, C, D))
     w = {n: jnp.stack([a] * E) for n, a in weights(True).items()}
     filled = jnp.asarray([[33], [100]])
-    fn = remat(lambda x, w: jnp.sum(jnp.sin(expert_swiglu(x, w, jnp.float32, filled))), "dots")
+    swiglu = lambda x, w: expert_swiglu(x, w, jnp.float32, filled_ES=filled)
+    fn = remat(lambda x, w: jnp.sum(jnp.sin(swiglu(x, w))), "dots")
     jax.ad_checkpoint.print_saved_residuals(fn, x, w)
     shapes = re.findall(r"f32\[([\d,]+)\]", capsys.readouterr().out)
     rows = {int(s.split(",")[-2]) for s in shapes if s.count(",") >= 1}
@@ -113,7 +114,7 @@ def scanned_train_grad_hlo(request):
         toks = jax.random.randint(jax.random.key(0), (B, T), 0, 256)
         grad_fn = jax.jit(jax.grad(loss_fn, has_aux=True), static_argnums=(1, 3))
         hlo = grad_fn.lower(params, graphdef, toks, 1e-4).compile().as_text()
-    return unrolled, hlo, cfg, moe_module.capacity(B * (T - 1), cfg.moe)  # loss predicts T - 1
+    return unrolled, hlo, cfg, routing.capacity(B * (T - 1), cfg.moe)  # loss predicts T - 1
 
 
 def test_expert_buffers_cross_the_map_and_the_layer_scan_without_copies(scanned_train_grad_hlo):

@@ -11,7 +11,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from moe_jax.model.moe import MAP_MIN_CAPACITY, MoE, assign_slots, capacity, route
+from moe_jax.model.experts import MAP_MIN_CAPACITY
+from moe_jax.model.moe import MoE
+from moe_jax.model.routing import Routing, assign_slots, capacity, route
 from tests.helpers import one_expert_at_a_time, tiny_config
 
 
@@ -299,8 +301,9 @@ def test_decode_path_drops_exactly_like_the_buffers():
     y, stats = apply(moe, x)  # 3 * 1 * 1 < 8: gathered path
     w, e, _ = route(moe.router_logits(x), cfg.moe)
     cap = capacity(3, cfg.moe)
-    slot, _ = assign_slots(e, 8, cap)
-    ref = moe._buffered(x[None], slot[None], w[None], cap)[0]  # one routing group
+    slot, keep = assign_slots(e, 8, cap)
+    group = Routing(w[None], e[None], slot[None], keep[None], cap, {})  # one routing group
+    ref = moe._buffered(x[None], group)[0]
     np.testing.assert_allclose(y, ref, rtol=1e-5, atol=1e-6)
     assert float(stats["dropped_frac"]) == pytest.approx(2 / 3)
     np.testing.assert_array_equal(y[1:], 0.0)

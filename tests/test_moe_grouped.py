@@ -15,7 +15,8 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from moe_jax.model import moe as moe_module
+from moe_jax.model import experts
+from moe_jax.model.experts import expert_swiglu
 from moe_jax.model.grouped import (
     chunk_plan,
     grouped_buffers,
@@ -23,7 +24,7 @@ from moe_jax.model.grouped import (
     inverse,
     sort_rows,
 )
-from moe_jax.model.moe import MoE, expert_swiglu
+from moe_jax.model.moe import MoE
 from moe_jax.sharding import BATCH_AXES, create_sharded, make_mesh, n_batch_shards
 from tests.helpers import randomize_biases, tiny_config
 from tests.test_moe import VARIANTS, apply, dense_reference, randomize
@@ -161,7 +162,7 @@ def test_grouped_expert_parallel_equals_unsharded_buckets(mesh_name, monkeypatch
     """Under the mesh, the expert-parallel path's received buffers run as one grouped matmul
     over their filled rows (training-size buffers forced on these small ones): values, aux
     statistics and gradients equal the unsharded capacity path routing the same groups."""
-    monkeypatch.setattr(moe_module, "MAP_MIN_CAPACITY", 1)
+    monkeypatch.setattr(experts, "MAP_MIN_CAPACITY", 1)
     base = MOE_EP
     extra = ["moe.capacity_factor=0.75", "moe.expert_bias=true"]
     cfg = tiny_config(*base, *extra, *EP_MESHES[mesh_name], "moe.impl=ragged")

@@ -18,8 +18,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from moe_jax import aot, backends
-from moe_jax.model import gather
-from moe_jax.model import moe as moe_module
+from moe_jax.model import exchange, experts, gather
 from moe_jax.model.moe import MoE
 from moe_jax.sharding import BATCH_AXES, create_sharded, make_mesh, n_batch_shards
 from tests.helpers import randomize_biases, tiny_config
@@ -57,8 +56,8 @@ def ragged_on_cpu(monkeypatch):
     """The ragged exchange on this CPU, with the emulated collective, for the tiny tests'
     exchanges too (smaller than a training step's, they would keep the buffers)."""
     monkeypatch.setitem(backends.EXCHANGE, "cpu", "ragged")
-    monkeypatch.setattr(moe_module, "MAP_MIN_CAPACITY", 1)
-    monkeypatch.setattr(moe_module, "ragged_all_to_all", emulated_ragged_all_to_all)
+    monkeypatch.setattr(experts, "MAP_MIN_CAPACITY", 1)
+    monkeypatch.setattr(exchange, "ragged_all_to_all", emulated_ragged_all_to_all)
 
 
 def test_emulation_equals_the_docstring_example():

@@ -26,7 +26,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from moe_jax.model import Transformer, attention
-from moe_jax.model.moe import MoE, assign_slots
+from moe_jax.model.moe import MoE
+from moe_jax.model.routing import assign_slots
 from moe_jax.sharding import BATCH_AXES, create_sharded, make_mesh
 from moe_jax.train_step import compute_grads, loss_fn, make_eval_step, split_batch
 from tests.helpers import forward, randomize_biases, tiny_config

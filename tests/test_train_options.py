@@ -83,9 +83,9 @@ def test_expert_row_windows_under_full_remat_equal_keeping_everything(default_st
     """moe.row_chunks=2 with the grouped experts (their buffers' filled rows, as training-size
     buffers run) inside the remat'ed layer scan: the same step as the default's. The windows'
     custom VJP must really run (counted when traced)."""
-    from moe_jax.model import grouped, moe
+    from moe_jax.model import experts, grouped
 
-    monkeypatch.setattr(moe, "MAP_MIN_CAPACITY", 1)
+    monkeypatch.setattr(experts, "MAP_MIN_CAPACITY", 1)
     traced = []
     chunked = grouped._swiglu_chunked
     monkeypatch.setattr(grouped, "_swiglu_chunked", lambda *a: traced.append(1) or chunked(*a))

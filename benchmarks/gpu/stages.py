@@ -78,7 +78,9 @@ SIZES = {
         ],
         train_variants=[[], ["moe.impl=ragged", "+triton"]],
         train_steps=2,
-        decode=dict(cases=[(1, "bfloat16"), (2, "bfloat16"), (1, "int8")], prompt=8, new=8, repeats=1),
+        decode=dict(
+            cases=[(1, "bfloat16"), (1, "int8"), (2, "bfloat16")], prompt=8, new=8, repeats=1
+        ),
     ),
 }
 TRITON_FLAG = "jax_ragged_dot_use_gpu_pallas_triton_lowering"
@@ -712,9 +714,13 @@ def decode(S: dict, dry: bool, variant: str = "") -> None:
             )
             if (B, kind) == cases[0]:
                 with tempfile.TemporaryDirectory() as trace_dir:
-                    prof = profile(lambda: run(N), 1, trace_dir)
-                record(kind="profile", variant=f"decode B {B} {kind} {variant}".strip(),
-                       per_token=N, **prof)
+                    prof = profile(partial(run, N), 1, trace_dir)
+                record(
+                    kind="profile",
+                    variant=f"decode B {B} {kind} {variant}".strip(),
+                    per_token=N,
+                    **prof,
+                )
         except Exception as e:
             rec["error"] = error_text(e)
             traceback.print_exc()

@@ -37,6 +37,7 @@ from moe_jax.config.run import (
     MAX_TEMPERATURE,
     MESH_AXES,
     MIN_TEMPERATURE,
+    SAMPLING_RULES,
     SCHEDULES,
     SFT_FORMATS,
     WEIGHT_KINDS,
@@ -45,6 +46,7 @@ from moe_jax.config.run import (
     MeshConfig,
     SampleConfig,
     TrainConfig,
+    sampling_problem,
 )
 
 __all__ = [
@@ -56,6 +58,7 @@ __all__ = [
     "REMAT_NAMES",
     "REMAT_POLICIES",
     "SAMPLING_OVERRIDES",
+    "SAMPLING_RULES",
     "SCHEDULES",
     "SFT_FORMATS",
     "WEIGHT_KINDS",
@@ -75,6 +78,7 @@ __all__ = [
     "config_to_yaml",
     "load_config",
     "sampling_config",
+    "sampling_problem",
     "validate",
 ]
 

@@ -7,7 +7,8 @@ from collections.abc import Sequence
 from dataclasses import fields, is_dataclass
 
 INT32_MAX = 2**31 - 1  # sizes and counts index int32 arrays
-SEEDS = ("seed", "sample.seed")  # PRNG keys take 32 bits: larger seeds would collide
+SEEDS = ("seed", "sample.seed")
+SEED_LIMIT = 2**32  # PRNG keys take 32 bits: larger seeds would collide
 
 
 class ConfigError(ValueError):
@@ -45,6 +46,6 @@ def numbers_in_range(obj: object, prefix: str = "") -> None:
             require(math.isfinite(v), f"{key} must be a finite number, got {v}")
         elif isinstance(v, int) and not isinstance(v, bool):
             if key in SEEDS:
-                require(0 <= v < 2**32, f"{key} must be within [0, 2^32), got {v}")
+                require(0 <= v < SEED_LIMIT, f"{key} must be within [0, 2^32), got {v}")
             else:
                 require(abs(v) <= INT32_MAX, f"{key} must be within +-{INT32_MAX:,}, got {v}")

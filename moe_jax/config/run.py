@@ -7,7 +7,14 @@ import math
 from dataclasses import dataclass
 
 from moe_jax.backends import WEIGHT_GATHERS
-from moe_jax.config.checks import ConfigError, non_negative, one_of, positive, require
+from moe_jax.config.checks import (
+    SEED_LIMIT,
+    ConfigError,
+    non_negative,
+    one_of,
+    positive,
+    require,
+)
 
 DEFAULT_WARMUP_STEPS = 50  # train.warmup_steps=null: this many, at most a tenth of the run
 SCHEDULES = ("cosine", "linear", "wsd")  # train.schedule (train_step.lr_schedule)
@@ -16,6 +23,28 @@ SFT_FORMATS = ("none", "prompt_completion", "chat")  # data.sft (moe_jax/data/sf
 MESH_AXES = ("data", "fsdp", "expert", "tensor")  # the axes a mesh.* size names
 # Logits divided by the temperature stay finite in float32 (|logit| < 1e30) inside this range.
 MIN_TEMPERATURE, MAX_TEMPERATURE = 1e-6, 1e6
+# The sampling values' ranges, (name, test, rule): the sample section, the sampler's
+# arguments (moe_jax/sampling.py) and sample.py's flags all check these.
+SAMPLING_RULES = (
+    (
+        "temperature",
+        lambda v: v == 0 or MIN_TEMPERATURE <= v <= MAX_TEMPERATURE,
+        f"must be 0 (greedy) or within [{MIN_TEMPERATURE:g}, {MAX_TEMPERATURE:g}]",
+    ),
+    ("top_k", lambda v: v >= 0, "must be >= 0 (0 = off)"),
+    ("top_p", lambda v: 0 < v <= 1, "must be within (0, 1] (1 = off)"),
+    ("seed", lambda v: 0 <= v < SEED_LIMIT, "must be within [0, 2^32)"),
+)
+
+
+def sampling_problem(values: dict, prefix: str = "") -> str | None:
+    """The first of `values` (name -> value; those SAMPLING_RULES name) out of its range, as
+    a message naming it after `prefix` ("sample.": the key; "--": the flag), or None."""
+    for name, ok, rule in SAMPLING_RULES:
+        if name in values and not ok(values[name]):
+            shown = name.replace("_", "-") if prefix == "--" else name
+            return f"{prefix}{shown} {rule}, got {values[name]}"
+    return None
 
 
 @dataclass(frozen=True)
@@ -293,12 +322,8 @@ class SampleConfig:
     weights: str = "auto"
 
     def check(self) -> None:
-        require(
-            self.temperature == 0 or MIN_TEMPERATURE <= self.temperature <= MAX_TEMPERATURE,
-            f"sample.temperature must be 0 (greedy) or within [{MIN_TEMPERATURE:g}, "
-            f"{MAX_TEMPERATURE:g}], got {self.temperature}",
-        )
-        require(self.top_k >= 0, f"sample.top_k must be >= 0 (0 = off), got {self.top_k}")
+        values = {name: getattr(self, name) for name, _, _ in SAMPLING_RULES}
+        problem = sampling_problem(values, "sample.")
+        require(problem is None, problem)
         one_of(self.weights, WEIGHT_KINDS, "sample.weights")
-        require(0.0 < self.top_p <= 1.0, f"sample.top_p must be within (0, 1], got {self.top_p}")
         positive(self, "sample", ["max_new_tokens", "batch_size", "prompt_len"])

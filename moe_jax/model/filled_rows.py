@@ -1,6 +1,6 @@
 """One expert's SwiGLU on the filled rows of its capacity buffers only.
 
-Dispatch fills an expert's slots from the front (`moe.assign_slots`: slot = rank in the
+Dispatch fills an expert's slots from the front (`routing.assign_slots`: slot = rank in the
 expert's queue), so of a [C, D] buffer segment only the first `filled` rows hold tokens; the
 rest are zeros whose outputs combine never reads. Computing them anyway is the capacity
 factor's padding (25% more expert work at 1.25) and, without drops (C = every token of the

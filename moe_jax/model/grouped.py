@@ -10,7 +10,7 @@ padding rows computed, and the FLOPs are the routed rows' only.
     y_nD = grouped_swiglu(x_nD, w, group_sizes_E, expert_n, dtype, impl)   # rows sorted
     order_n, sizes_E = sort_rows(expert_n, keep_n, E)                         # the sort
 
-The routing and its drops are the capacity path's (`moe.assign_slots`): a dropped assignment
+The routing and its drops are the capacity path's (`routing.assign_slots`): a dropped assignment
 is kept out of every group and reads zeros, as it reads an empty slot there.
 """
 
@@ -128,7 +128,7 @@ def grouped_swiglu(
     whole=None,
 ) -> jax.Array:
     """SwiGLU of rows sorted by expert, without the down-projection bias (added by the caller
-    after any tensor-parallel sum, like `moe.swiglu_rows`). `expert_n`: each row's expert,
+    after any tensor-parallel sum, like `experts.swiglu_rows`). `expert_n`: each row's expert,
     for the biases. The backward is written by hand (`_swiglu_sorted`). `row_chunks` > 1
     runs the rows in that many windows, one after the other (`_swiglu_chunked`).
 
@@ -316,7 +316,7 @@ _swiglu_chunked.defvjp(_swiglu_chunked_fwd, _swiglu_chunked_bwd)
 
 
 def grouped_buffers(x_ESCD, w: dict, dtype, filled_ES, impl: str, row_chunks=1) -> jax.Array:
-    """`moe.expert_swiglu`'s computation on capacity buffers (E experts x S segments x C
+    """`experts.expert_swiglu`'s computation on capacity buffers (E experts x S segments x C
     slots, each segment filled from the front) as one grouped matmul over the filled rows
     only: the rows are compacted by expert, run, and put back (empty slots give zeros).
     Without the down bias and any tensor-parallel sum, like `grouped_swiglu` (`row_chunks`:

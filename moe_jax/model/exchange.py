@@ -1,0 +1,333 @@
+"""Expert parallelism: the MoE layer inside `jax.shard_map` over the mesh, tokens moving to
+their experts' owners and back; expert weights never move (semantics: `moe.py`'s docstring).
+
+Each batch shard routes its own tokens (one routing group), then one of three paths:
+- `buffer_exchange`: the fixed [E, C] capacity buffers by `all_to_all` (CPU; small exchanges);
+- `ragged_exchange`: only the kept assignments' rows, by `ragged_all_to_all`, run as one
+  grouped matmul at the owner (moe.impl=ragged on GPU / TPU, `backends.exchange`);
+- `own_experts`: a batch the batch axes do not split (decoding one sequence): every device
+  routes all the tokens through its own experts and the partial outputs are summed.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from moe_jax import backends
+from moe_jax.config import MoEConfig
+from moe_jax.model import experts as experts_lib
+from moe_jax.model import gather
+from moe_jax.model.experts import down_bias, expert_swiglu, filled_slots, gathered_swiglu
+from moe_jax.model.grouped import grouped_swiglu, inverse, sort_rows
+from moe_jax.model.routing import (
+    Routing,
+    from_buffers,
+    route_group,
+    scale_inputs,
+    sum_choices,
+    to_buffers,
+)
+from moe_jax.sharding import split_batch_axes
+
+# The ragged exchange's collective; the CPU tests swap in an emulation (XLA:CPU has none).
+ragged_all_to_all = jax.lax.ragged_all_to_all
+
+
+class RaggedExchange(NamedTuple):
+    """A shard's `ragged_all_to_all` arguments (input_offsets, send_sizes, output_offsets,
+    recv_sizes), flat [ep * E_loc] over (peer shard, local expert of the owner): one slice per
+    expert and shard, so rows arrive grouped by expert. `there`: the rows to the experts'
+    owners; `back`: their results home; `sizes_e`: rows received per local expert."""
+
+    there: tuple[jax.Array, ...]
+    back: tuple[jax.Array, ...]
+    sizes_e: jax.Array
+
+
+def exclusive_cumsum(a: jax.Array) -> jax.Array:
+    return jnp.cumsum(a) - a
+
+
+def exchange_offsets(send_PE: jax.Array, axis: str) -> RaggedExchange:
+    """Offsets of the exchange, from send_PE [ep, E_loc]: the rows this shard sends to peer
+    p's local expert e, laid out in its send buffer sorted by (global) expert p * E_loc + e.
+
+    Each owner lays its receive buffer out expert by expert, then by source shard, so that
+    its local experts' rows are contiguous groups for the grouped matmul (no second sort);
+    since ragged_all_to_all's output_offsets are offsets in the *receiver's* buffer, the
+    owner computes them and sends them back to the sources (two small all_to_alls)."""
+    ep, E_loc = send_PE.shape
+    a2a = lambda a: jax.lax.all_to_all(a, axis, 0, 0)
+    start_PE = exclusive_cumsum(send_PE.reshape(-1)).reshape(ep, E_loc)
+    got = a2a(jnp.stack([send_PE, start_PE], axis=1))  # [ep, 2, E_loc] from each source
+    recv_PE, home_PE = got[:, 0], got[:, 1]  # its rows for my expert e, where they start there
+    land_PE = exclusive_cumsum(recv_PE.T.reshape(-1)).reshape(E_loc, ep).T  # expert-major
+    out_PE = a2a(land_PE)  # where my rows land at each owner
+    flat = lambda *a: tuple(x.reshape(-1) for x in a)
+    return RaggedExchange(
+        there=flat(start_PE, send_PE, out_PE, recv_PE),
+        back=flat(land_PE, recv_PE, home_PE, send_PE),
+        sizes_e=jnp.sum(recv_PE, axis=0),
+    )
+
+
+def move_rows(x_nD: jax.Array, n_out: int, offsets: tuple, axis: str) -> jax.Array:
+    """`ragged_all_to_all` of x's row slices into a zero [n_out, D] buffer."""
+    # The collective's result is typed like its `output` operand (jax 0.10.2), so the zeros
+    # vary over the axes x does: an invariant result failed the grouped backward's typing.
+    out_mD = jnp.zeros((n_out, x_nD.shape[1]), x_nD.dtype)
+    out_mD = jax.lax.pcast(out_mD, tuple(jax.typeof(x_nD).mat.varying), to="varying")
+    return ragged_all_to_all(x_nD, out_mD, *offsets, axis_name=axis)
+
+
+class Axes(NamedTuple):
+    """The mesh as the expert-parallel map sees it. Experts split over `expert`, the hidden
+    dim over `tensor`; each named (ex, tp, fs) only when > 1, so replication stays inferable.
+    `batch_axes`: the axes that split the tokens (none when `replicated`)."""
+
+    ep: int
+    ex: str | None
+    tp: str | None
+    fs: str | None
+    batch_axes: tuple
+    data_axes: tuple
+    replicated: bool
+
+
+def mesh_axes(mesh, replicated: bool) -> Axes:
+    ep = mesh.shape["expert"]
+    # Only axes that split the batch are named. A size-1 axis named in the batch spec would
+    # still make JAX sum the weights' gradient over it, and XLA:CPU runs that one-device
+    # all-reduce as a full copy of each layer's expert gradients (0.1 s a step at medium
+    # with 32 experts).
+    return Axes(
+        ep=ep,
+        ex="expert" if ep > 1 else None,
+        tp="tensor" if mesh.shape["tensor"] > 1 else None,
+        fs="fsdp" if mesh.shape["fsdp"] > 1 else None,
+        batch_axes=() if replicated else split_batch_axes(mesh),
+        data_axes=("data",) if mesh.shape["data"] > 1 and not replicated else (),
+        replicated=replicated,
+    )
+
+
+def expert_specs(ax: Axes) -> dict:
+    """name -> (its spec into the map, its dim split over fsdp or None). The weights come in
+    as stored, their minor dim split over `fsdp` too, and are gathered inside, in the compute
+    dtype: the gather's transpose then sends each fsdp shard's gradient out as one
+    reduce-scatter, where a gather outside the map left an all-reduce of the whole fp32
+    gradient, sliced afterwards."""
+    ex, tp, fs = ax.ex, ax.tp, ax.fs
+    tp_fs = tuple(a for a in (tp, fs) if a) or None
+    return {
+        "w_gate": (P(ex, None, tp_fs), 2),
+        "w_up": (P(ex, None, tp_fs), 2),
+        "w_down": (P(ex, tp, fs), 2),
+        "gate_bias": (P(ex, tp), None),
+        "up_bias": (P(ex, tp), None),
+        "down_bias": (P(ex, fs), 1),
+    }
+
+
+def expert_parallel(
+    x_BTD,
+    valid_BT,
+    *,
+    weights: dict,
+    router,
+    router_bias,
+    cfg: MoEConfig,
+    dtype,
+    impl: str,
+    mesh,
+    replicated: bool,
+) -> tuple[jax.Array, dict]:
+    """The MoE layer over `mesh`: -> (y_BTD, the statistic sums over all tokens).
+    `replicated`: a batch the batch axes do not split (see `own_experts`)."""
+    ax = mesh_axes(mesh, replicated)
+    specs = expert_specs(ax)
+    step = functools.partial(
+        _shard_step,
+        cfg=cfg,
+        dtype=dtype,
+        impl=impl,
+        ax=ax,
+        specs=specs,
+        fs_plan=gather.steps((ax.fs,), mesh) if ax.fs else (),  # mesh.gather_group's steps
+        ragged=backends.exchange(impl, cfg.exchange) == "ragged",
+    )
+    x_spec = P(ax.batch_axes or None, None, None)
+    valid = () if valid_BT is None else (valid_BT,)  # split like the tokens
+    return jax.shard_map(
+        step,
+        mesh=mesh,
+        in_specs=(x_spec, P(), P(), {n: specs[n][0] for n in weights})
+        + (P(ax.batch_axes or None, None),) * len(valid),
+        out_specs=(x_spec, P()),
+    )(x_BTD, router, router_bias, weights, *valid)
+
+
+def _gathered_weight(a, name, *, specs, ax: Axes, fs_plan, dtype, window=False):
+    """In the compute dtype, the model dim whole again: varying over fsdp then."""
+    a, axis = a.astype(dtype), specs[name][1]
+    if ax.fs is None or axis is None:
+        return a
+    # Replicated tokens make every fsdp shard's output the same: gathered invariant (in one
+    # step: a group's gather alone varies over the axis).
+    if ax.replicated:
+        return jax.lax.all_gather(a, ax.fs, axis=axis, tiled=True, to="invarying")
+    if window:
+        # On v5p-128 at fsdp 64 libtpu turned the last reduce-scatter of a window's gradient,
+        # along its minor dim (to a 224-wide shard), into an all-reduce. (The whole layer's
+        # weights, gathered on a leading axis, went the other way round: benchmarks/README.md.)
+        return gather.gather_leading(a, fs_plan, axis)
+    return gather.gather(a, fs_plan, axis)
+
+
+def _shard_step(x_bTD, router, router_bias, w, *valid, cfg, dtype, impl, ax, specs, fs_plan,
+                ragged):  # fmt: skip
+    """One shard's part: route its tokens, gather its expert weights, run a path."""
+    E_loc = cfg.n_experts // ax.ep
+    r = route_group(x_bTD, router, router_bias, cfg, dtype, *valid)
+    # Small exchanges (decoding) keep the buffers, whose experts then run as batched matmuls
+    # over every slot (see expert_swiglu), as the ragged impl's own do.
+    exchange = ragged and not ax.replicated and ax.ep * r.cap >= experts_lib.MAP_MIN_CAPACITY
+    # Row windows cut by experts gather their own experts' weights, one window at a time
+    # (grouped.grouped_swiglu's `whole`); everything else is gathered here.
+    by_experts = cfg.row_chunks > 1 and E_loc % cfg.row_chunks == 0  # grouped.chunk_plan's cut
+    later = ("w_gate", "w_up", "w_down") if exchange and ax.fs and by_experts else ()
+    gathered = functools.partial(_gathered_weight, specs=specs, ax=ax, fs_plan=fs_plan, dtype=dtype)
+    # The gathered weights vary over fsdp (the gather's transpose is the reduce-scatter); over
+    # `data`, and the biases without a model dim over fsdp too, they are the same on every
+    # shard, and their gradient is summed over those axes where they turn varying. Done here,
+    # that is one collective per weight, not one per expert inside the expert map's backward.
+    w = {n: a.astype(dtype) if n in later else gathered(a, n) for n, a in w.items()}
+    for n, a in w.items():
+        no_fs_dim = ax.fs and specs[n][1] is None and not ax.replicated
+        same = ax.data_axes + ((ax.fs,) if no_fs_dim else ())
+        if same:
+            w[n] = jax.lax.pcast(a, same, to="varying")
+    run = dict(cfg=cfg, dtype=dtype, impl=impl, ep=ax.ep, tp=ax.tp)
+    if ax.replicated:
+        return own_experts(x_bTD, w, r, **run), r.sums
+    # The tensor shards' partial sums travel home unsummed and are added after the combine,
+    # on [b, T, D] rather than the expert rows (E C / (b T) times fewer bytes with buffers:
+    # 2.5 at capacity 1.25 top-2, E when dropless).
+    if exchange:
+        whole = None
+        if later:
+            whole = lambda w: {
+                n: gathered(a, n, window=True) if n in later else a for n, a in w.items()
+            }
+        y_bTD = ragged_exchange(x_bTD, w, r, **run, whole=whole)
+    else:
+        y_bTD = buffer_exchange(x_bTD, w, r, **run)
+    if ax.tp is not None:
+        y_bTD = jax.lax.psum(y_bTD, ax.tp)
+    sums = jax.lax.psum(r.sums, ax.batch_axes) if ax.batch_axes else r.sums
+    return y_bTD, sums
+
+
+def buffer_exchange(x_bTD, w: dict, r: Routing, *, cfg: MoEConfig, dtype, impl, ep, tp):
+    """The [E * C, D] buffers of all experts, each expert's slots (and how many are filled)
+    sent to the shard that owns it by `all_to_all`, run there, and sent back. The output is
+    unsummed over `tensor`."""
+    E, D = cfg.n_experts, x_bTD.shape[-1]
+    E_loc = E // ep
+    to_owner = (lambda a: jax.lax.all_to_all(a, "expert", 0, 0)) if ep > 1 else (lambda a: a)
+    buf = to_buffers(x_bTD, r, E, cfg.route_scale)
+    # [ep, E_loc, ...] -> by source shard
+    buf = to_owner(buf.reshape(ep, E_loc, r.cap, D))
+    filled = to_owner(filled_slots(r.slot, E, r.cap).reshape(ep, E_loc))
+    y_eSCD = expert_swiglu(
+        buf.transpose(1, 0, 2, 3),
+        w,
+        dtype,
+        filled_ES=filled.T,
+        reduce_axis=tp,
+        sum_partials=False,
+        impl=impl,
+        row_chunks=cfg.row_chunks,
+    )
+    y = to_owner(y_eSCD.transpose(1, 0, 2, 3)).reshape(E * r.cap, D)  # back home
+    return from_buffers(y, r.slot, r.weights, cfg.route_scale)
+
+
+def ragged_exchange(x_bTD, w, r: Routing, *, cfg: MoEConfig, dtype, impl, ep, tp, whole=None):
+    """This shard's kept assignments, sorted by expert, sent as rows (no padding) to the
+    shards owning their experts, run there as one grouped matmul and sent back
+    (`ragged_all_to_all` both ways; offsets: `exchange_offsets`). The output is unsummed over
+    `tensor`, like the buffers'. `whole`: the expert weights come split over fsdp, gathered
+    by the grouped matmul (`grouped_swiglu`)."""
+    E, D = cfg.n_experts, x_bTD.shape[-1]
+    E_loc = E // ep
+    b, T, K = r.experts.shape
+    order_n, sizes_E = sort_rows(r.experts.reshape(-1), r.keep.reshape(-1), E)
+    # The kept rows (the rest are past them in `order_n`): at most every assignment, and
+    # with a capacity at most C per expert.
+    n_send = min(b * T * K, E * r.cap)
+    sent_s = order_n[:n_send]
+    x_sD = x_bTD.reshape(b * T, D)[sent_s // K]
+    x_sD = scale_inputs(x_sD, r.weights.reshape(-1)[sent_s], cfg.route_scale).astype(dtype)
+    # Receive buffer: the most rows that can ever arrive, so nothing is ever lost. A token's
+    # k experts are distinct, so at most min(k, E_loc) of its assignments go to one shard,
+    # from b T tokens on each of ep shards; with a capacity, no expert takes more than C rows
+    # from each shard either.
+    n_recv = ep * min(b * T * min(K, E_loc), E_loc * r.cap)
+    if ep > 1:
+        offsets = exchange_offsets(sizes_E.reshape(ep, E_loc), "expert")
+        x_mD, sizes_e = move_rows(x_sD, n_recv, offsets.there, "expert"), offsets.sizes_e
+    else:  # every expert here: the rows are already in place (n_recv == n_send)
+        x_mD, sizes_e = x_sD, sizes_E
+    expert_m = jnp.repeat(jnp.arange(E_loc), sizes_e, total_repeat_length=n_recv)
+    if tp is not None:  # the grouped backward types its input cotangent: see expert_swiglu
+        x_mD = jax.lax.pcast(x_mD, tp, to="varying")
+    w_in = {n: a for n, a in w.items() if n != "down_bias"}
+    # No expert gets more than C rows from each of the ep shards: the weight gradient runs
+    # padded to that (`grouped_matmul`), not as a dense product over every local expert.
+    y_mD = grouped_swiglu(
+        x_mD, w_in, sizes_e, expert_m, dtype, impl, ep * r.cap, cfg.row_chunks, whole
+    )
+    if "down_bias" in w:  # added once in the later sum over `tensor`
+        y_mD = y_mD + down_bias(w["down_bias"][expert_m], dtype, tp, summed=False)
+    y_sD = move_rows(y_mD, n_send, offsets.back, "expert") if ep > 1 else y_mD
+    # Each assignment's row; dropped ones sort past the kept rows and read zeros.
+    y_nD = y_sD.at[inverse(order_n)].get(mode="fill", fill_value=0)
+    return sum_choices(y_nD.reshape(b, T, K, D), r.weights, r.keep, cfg.route_scale)
+
+
+def own_experts(x_bTD, w, r: Routing, *, cfg: MoEConfig, dtype, impl, ep, tp) -> jax.Array:
+    """Inside the replicated map: this device's experts' share of every token's output,
+    summed over `expert` (and the hidden dim's partials over `tensor`)."""
+    E, D = cfg.n_experts, x_bTD.shape[-1]
+    E_loc = E // ep
+    first = jax.lax.axis_index("expert") * E_loc if ep > 1 else 0
+    b, T, K = r.experts.shape
+    if b * T * K < E:  # few tokens (decoding): read only the picked experts' weights
+        mine = (r.experts >= first) & (r.experts < first + E_loc)
+        local = jnp.clip(r.experts - first, 0, E_loc - 1)
+        y_bTD = gathered_swiglu(
+            x_bTD, local, r.weights, r.keep & mine, w, dtype,
+            route_scale=cfg.route_scale, reduce_axis=tp,
+        )  # fmt: skip
+    else:
+        buf = to_buffers(x_bTD, r, E, cfg.route_scale).reshape(E, r.cap, D)
+        buf = jax.lax.dynamic_slice_in_dim(buf, first, E_loc)[:, None]  # [E_loc, 1, C, D]
+        filled = jax.lax.dynamic_slice_in_dim(filled_slots(r.slot, E, r.cap), first, E_loc)
+        # The tensor shards' partial sums are added after the combine: on the [b, T, D]
+        # output, not the E_loc x C buffer rows (E_loc times fewer bytes, dropless).
+        y_eSCD = expert_swiglu(
+            buf, w, dtype, filled_ES=filled[:, None], reduce_axis=tp, sum_partials=False,
+            impl=impl,
+        )  # fmt: skip
+        own = r.slot - first * r.cap
+        own = jnp.where((own >= 0) & (own < E_loc * r.cap), own, E_loc * r.cap)  # else reads 0
+        y_bTD = from_buffers(y_eSCD.reshape(E_loc * r.cap, D), own, r.weights, cfg.route_scale)
+        if tp is not None:
+            y_bTD = jax.lax.psum(y_bTD, tp)
+    return jax.lax.psum(y_bTD, "expert") if ep > 1 else y_bTD

@@ -1,0 +1,180 @@
+"""Routing: which experts take a token, with what weight, in which capacity slot; the aux
+statistics; and the two places `moe.route_scale` acts (semantics: `moe.py`'s docstring).
+
+A new router (group-limited, bias-corrected, ...) is a new branch of `route`; everything after
+it (slots, dispatch, the expert paths) takes its (weights, experts) as they are.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from moe_jax.config import MoEConfig
+
+
+def capacity(tokens_per_group: int, cfg: MoEConfig) -> int:
+    if cfg.capacity_factor <= 0:
+        return tokens_per_group
+    return max(1, math.ceil(cfg.capacity_factor * tokens_per_group * cfg.top_k / cfg.n_experts))
+
+
+def route(logits_TE: jax.Array, cfg: MoEConfig) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """-> (weights_TK, experts_TK, router probabilities_TE used by the load-balance loss)."""
+    top_logits_TK, experts_TK = jax.lax.top_k(logits_TE, cfg.top_k)
+    if cfg.score == "softmax":
+        probs_TE = jax.nn.softmax(logits_TE, axis=-1)
+        weights_TK = jnp.take_along_axis(probs_TE, experts_TK, axis=-1)
+    else:
+        weights_TK = jax.nn.sigmoid(top_logits_TK)
+        sig_TE = jax.nn.sigmoid(logits_TE)
+        probs_TE = sig_TE / jnp.sum(sig_TE, axis=-1, keepdims=True)
+    if cfg.renormalize:
+        weights_TK = weights_TK / jnp.sum(weights_TK, axis=-1, keepdims=True)
+    return weights_TK, experts_TK, probs_TE
+
+
+def assign_slots(
+    experts_BTK: jax.Array, n_experts: int, cap: int, valid_BT: jax.Array | None = None
+) -> tuple[jax.Array, jax.Array]:
+    """Slot of every assignment in a flat [E * C] buffer for one routing group.
+
+    experts_BTK: expert ids of the group's B rows x T positions x K choices; `valid_BT`
+    (optional): False for tokens not to route (padding), which take no slot.
+    Returns slot_BTK (E * C where dropped, i.e. out of range) and keep_BTK.
+    """
+    B, T, K = experts_BTK.shape
+    n = B * T * K
+    if valid_BT is not None:  # queue padding at a virtual expert E past the real ones
+        experts_BTK = jnp.where(valid_BT[..., None], experts_BTK, n_experts)
+    # Priority of each assignment: choice rank first, then position, then row.
+    k_idx = jnp.arange(K)[None, None, :]
+    t_idx = jnp.arange(T)[None, :, None]
+    b_idx = jnp.arange(B)[:, None, None]
+    priority_BTK = (k_idx * T + t_idx) * B + b_idx
+    key = (experts_BTK * n + priority_BTK).reshape(-1)  # unique keys: sort by expert, priority
+    order = jnp.argsort(key)
+    sorted_experts = experts_BTK.reshape(-1)[order]
+    counts_E = jnp.bincount(sorted_experts, length=n_experts + 1)
+    starts_E = jnp.cumsum(counts_E) - counts_E
+    rank_sorted = jnp.arange(n) - starts_E[sorted_experts]  # position within its expert's queue
+    rank = jnp.zeros(n, rank_sorted.dtype).at[order].set(rank_sorted).reshape(B, T, K)
+    keep_BTK = (rank < cap) & (experts_BTK < n_experts)
+    slot_BTK = jnp.where(keep_BTK, experts_BTK * cap + rank, n_experts * cap)
+    return slot_BTK, keep_BTK
+
+
+class Routing(NamedTuple):
+    """One routing group's decisions: each assignment's weight (compute dtype), expert, slot
+    in the flat [E * cap] buffers and whether it is kept, and the group's statistic sums."""
+
+    weights: jax.Array  # [b, T, K]
+    experts: jax.Array  # [b, T, K]
+    slot: jax.Array  # [b, T, K]; E * cap where dropped
+    keep: jax.Array  # [b, T, K]
+    cap: int
+    sums: dict
+
+
+def route_group(
+    x_bTD: jax.Array,
+    router_DE: jax.Array,
+    router_bias_E: jax.Array,
+    cfg: MoEConfig,
+    dtype,
+    valid_bT: jax.Array | None = None,
+) -> Routing:
+    """Route one group of tokens. With `valid_bT`, the statistic sums are over the valid
+    tokens and count them ("tokens")."""
+    b, T, _ = x_bTD.shape
+    logits_bTE = x_bTD.astype(jnp.float32) @ router_DE + router_bias_E
+    weights_bTK, experts_bTK, probs_bTE = route(logits_bTE, cfg)
+    cap = capacity(b * T, cfg)
+    slot_bTK, keep_bTK = assign_slots(experts_bTK, cfg.n_experts, cap, valid_bT)
+    load_bTKE = jax.nn.one_hot(experts_bTK, cfg.n_experts, dtype=jnp.float32)
+    z_bT = jax.nn.logsumexp(logits_bTE, axis=-1) ** 2
+    if valid_bT is not None:  # padding counts in no statistic
+        w_bT = valid_bT.astype(jnp.float32)
+        load_bTKE = load_bTKE * w_bT[..., None, None]
+        probs_bTE = probs_bTE * w_bT[..., None]
+        z_bT = z_bT * w_bT
+    sums = {
+        "load": jnp.sum(load_bTKE, (0, 1, 2)),
+        "prob": jnp.sum(probs_bTE, axis=(0, 1)),
+        "z": jnp.sum(z_bT),
+        "kept": jnp.sum(keep_bTK.astype(jnp.float32)),
+    }
+    if valid_bT is not None:
+        sums["tokens"] = jnp.sum(w_bT)
+    return Routing(weights_bTK.astype(dtype), experts_bTK, slot_bTK, keep_bTK, cap, sums)
+
+
+def aux_stats(sums: dict, n_tokens: int, cfg: MoEConfig) -> dict:
+    """Global aux losses and metrics from summed per-group statistics, per token: the
+    call's `n_tokens`, or the valid tokens counted in sums["tokens"] (at least 1)."""
+    if "tokens" in sums:
+        n_tokens = jnp.maximum(sums["tokens"], 1.0)
+    E, K = cfg.n_experts, cfg.top_k
+    load_E = sums["load"] / (n_tokens * K)
+    return {
+        "lb_loss": E * jnp.sum(load_E * sums["prob"] / n_tokens),
+        "z_loss": sums["z"] / n_tokens,
+        "expert_load": load_E,
+        "dropped_frac": (n_tokens * K - sums["kept"]) / (n_tokens * K),  # exact 0 if none
+    }
+
+
+# ----------------------------------------------------------------------------- route_scale
+
+
+def scale_inputs(x_nD: jax.Array, w_n: jax.Array, route_scale: str) -> jax.Array:
+    """Each assignment's expert input: `route_scale="input"` (Llama 4) scales it by the
+    assignment's weight; "output" leaves it (the weight applies in `sum_choices`)."""
+    return x_nD * w_n[..., None] if route_scale == "input" else x_nD
+
+
+def sum_choices(y_BTKD: jax.Array, w_BTK: jax.Array, keep_BTK, route_scale: str) -> jax.Array:
+    """Each token's output: the sum over its K choices, weighted for `route_scale="output"`,
+    dropped assignments (`keep_BTK` False; None: none dropped here) counting 0."""
+    if route_scale == "output":
+        y_BTKD = y_BTKD * w_BTK[..., None]
+    if keep_BTK is not None:
+        y_BTKD = jnp.where(keep_BTK[..., None], y_BTKD, 0)
+    return jnp.sum(y_BTKD, axis=2)
+
+
+# ----------------------------------------------------------------------------- buffers
+
+
+def dispatch(x_BTD: jax.Array, slot_BTK: jax.Array, n_slots: int) -> jax.Array:
+    """Gather tokens into the flat [E * C, D] expert buffer (empty slots are zero)."""
+    B, T, K = slot_BTK.shape
+    token_BTK = jnp.broadcast_to(jnp.arange(B * T).reshape(B, T, 1), (B, T, K))
+    # Slot -> token index; empty slots point at an appended zero row.
+    token_of_slot = (
+        jnp.full((n_slots,), B * T).at[slot_BTK.reshape(-1)].set(token_BTK.reshape(-1), mode="drop")
+    )
+    x_pad = jnp.concatenate([x_BTD.reshape(B * T, -1), jnp.zeros_like(x_BTD[0, :1])], axis=0)
+    return x_pad[token_of_slot]
+
+
+def combine(y_SD: jax.Array, slot_BTK: jax.Array) -> jax.Array:
+    """Each assignment's expert output [B, T, K, D]; dropped assignments read zeros."""
+    return y_SD.at[slot_BTK].get(mode="fill", fill_value=0)
+
+
+def to_buffers(x_bTD: jax.Array, r: Routing, n_experts: int, route_scale: str) -> jax.Array:
+    """A group's tokens into the flat [E * C, D] buffers, input-scaled for "input"."""
+    if route_scale == "input":  # each assignment's own input: one row per assignment
+        D = x_bTD.shape[-1]
+        x_nD = scale_inputs(x_bTD[:, :, None, :], r.weights, route_scale).reshape(-1, 1, D)
+        return dispatch(x_nD, r.slot.reshape(-1, 1, 1), n_experts * r.cap)
+    return dispatch(x_bTD, r.slot, n_experts * r.cap)
+
+
+def from_buffers(y_SD: jax.Array, slot_bTK: jax.Array, w_bTK, route_scale: str) -> jax.Array:
+    """The tokens' outputs [b, T, D] from the buffers' rows (slots outside them read 0)."""
+    return sum_choices(combine(y_SD, slot_bTK), w_bTK, None, route_scale)
