@@ -27,6 +27,7 @@ import numpy as np  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
 
 from moe_jax.metrics import METRICS_FILE, read_metrics  # noqa: E402
+from moe_jax.run.output import Interrupted, cli_ending, new_file
 
 
 def _moe_layer_names(records: list[dict], n_layers: int) -> list[str]:
@@ -152,16 +153,22 @@ def main(argv: list[str] | None = None) -> int:
         reason = "a file of that name is in the way" if out.is_file() else e.strerror
         print(f"error: cannot create --out '{out}' ({reason}); choose a directory", file=sys.stderr)
         return 2
-    for name, make in (
-        ("loss.png", loss_figure),
-        ("expert_load.png", expert_load_figure),
-        ("dropped.png", dropped_figure),
-    ):
-        fig = make(records)
-        if fig is not None:
-            fig.savefig(out / name, dpi=120, bbox_inches="tight")
-            plt.close(fig)
-            print(out / name)
+    try:
+        for name, make in (
+            ("loss.png", loss_figure),
+            ("expert_load.png", expert_load_figure),
+            ("dropped.png", dropped_figure),
+        ):
+            fig = make(records)
+            if fig is not None:
+                with new_file(out / name) as tmp:  # a full disk leaves the old plot, not 0 bytes
+                    fig.savefig(tmp, dpi=120, bbox_inches="tight", format="png")
+                plt.close(fig)
+                print(out / name)
+    except (Exception, KeyboardInterrupt, Interrupted) as e:  # signals, a full disk: one line
+        if (code := cli_ending(e)) is None:
+            raise
+        return code
     return 0
 
 

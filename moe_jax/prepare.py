@@ -38,8 +38,9 @@ import hashlib
 import json
 import multiprocessing
 import os
-import shutil
 import sys
+import threading
+import time
 from collections import deque
 from collections.abc import Iterator
 from concurrent.futures import Future, ProcessPoolExecutor
@@ -59,6 +60,7 @@ from moe_jax.data.store import (
     store_dtype,
     tokenizer_hash,
 )
+from moe_jax.run.output import Interrupted, cli_ending, new_output, pid_alive
 from moe_jax.tokenizer import (
     CharTokenizer,
     DataError,
@@ -262,11 +264,20 @@ def _recipe(tok: Tokenizer) -> tuple:
     return tokenizer_from_dict, (tok.to_dict(),)
 
 
-def _init_pool_worker(recipe: tuple, field: str, dtype: np.dtype) -> None:
+def _init_pool_worker(recipe: tuple, field: str, dtype: np.dtype, parent: int) -> None:
     # HF tokenizers would start a thread pool in each worker: the workers already use the cores.
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    # A worker outlives a parent killed with -9 (it waits on its queue for ever, and keeps the
+    # fork server and the resource tracker alive): it exits once `parent` is gone.
+    threading.Thread(target=_exit_with, args=(parent,), daemon=True).start()
     make, args = recipe
     _init_worker(make(*args), field, dtype)
+
+
+def _exit_with(parent: int) -> None:
+    while pid_alive(parent):
+        time.sleep(0.5)
+    os._exit(1)
 
 
 def encode_chunk(chunk: Chunk) -> tuple[np.ndarray, np.ndarray]:
@@ -299,7 +310,10 @@ def _encoder(tok: Tokenizer, field: str, dtype: np.dtype, workers: int):
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload([__name__])
     pool = ProcessPoolExecutor(
-        workers, context, initializer=_init_pool_worker, initargs=(_recipe(tok), field, dtype)
+        workers,
+        context,
+        initializer=_init_pool_worker,
+        initargs=(_recipe(tok), field, dtype, os.getpid()),
     )
     try:
         yield lambda chunk: pool.submit(encode_chunk, chunk)
@@ -339,10 +353,7 @@ def prepare(
     paths = [Path(p) for p in inputs]
     check_inputs(paths, column)
     dtype = store_dtype(tok.vocab_size)
-    tmp = out_dir.parent / f".{out_dir.name}.tmp-{os.getpid()}"
-    new_parents = [d for d in tmp.parents if not d.exists()]  # removed again on failure
-    tmp.mkdir(parents=True)
-    try:
+    with new_output(out_dir, f"--out '{out}'") as tmp:
         meta = _write_store(tmp, paths, tok, dtype, field, column, separator, workers, progress)
         meta["inputs"] = [str(p) for p in paths]
         if tok.files:  # the store is self-contained, like a run directory
@@ -350,12 +361,6 @@ def prepare(
         (tmp / META_FILE).write_text(json.dumps(meta, indent=1) + "\n")
         if out_dir.exists():  # made by someone else while this ran
             raise DataError(f"--out '{out}' appeared while preparing; nothing written")
-        tmp.rename(out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        for d in new_parents:  # innermost first
-            d.rmdir()
-        raise
     return meta
 
 
@@ -479,6 +484,10 @@ def main(argv: list[str]) -> int:
     except DataError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except (Exception, KeyboardInterrupt, Interrupted) as e:  # signals, a full disk: one line
+        if (code := cli_ending(e, args.out)) is None:
+            raise
+        return code
     print(
         f"wrote {args.out}: {meta['documents']:,} documents, {meta['tokens']:,} tokens "
         f"({meta['dtype']}), tokenizer {describe_tokenizer(tok)}"

@@ -28,6 +28,7 @@ from moe_jax.model.int8 import (
     quantize_tensor,
 )
 from moe_jax.run.layout import RunError
+from moe_jax.run.output import Interrupted, cli_ending
 from moe_jax.run.store import write_inference_run
 
 __all__ = [
@@ -92,6 +93,10 @@ def main(argv: list[str]) -> int:
     except (RunError, QuantizeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except (Exception, KeyboardInterrupt, Interrupted) as e:  # signals, a full disk: one line
+        if (code := cli_ending(e, args.out)) is None:
+            raise
+        return code
     return 0
 
 

@@ -30,8 +30,9 @@ from moe_jax.data import load_run_data
 from moe_jax.metrics import MetricsWriter, compute_units, unit_peak_flops
 from moe_jax.run.init_from import init_source, start_state
 from moe_jax.run.layout import RunError
+from moe_jax.run.output import no_space
 from moe_jax.run.policy import inspect_run
-from moe_jax.run.store import Checkpointer, no_space
+from moe_jax.run.store import Checkpointer
 from moe_jax.runtime import platform_line
 from moe_jax.sharding import check_batch_split, global_batch, make_mesh
 from moe_jax.summary import param_counts, train_flops_per_token

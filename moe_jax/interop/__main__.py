@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import shutil
 import sys
 from pathlib import Path
 
@@ -41,6 +40,7 @@ from moe_jax.interop.safetensors_io import InteropError
 from moe_jax.load import load_run
 from moe_jax.model import Transformer
 from moe_jax.run.layout import TOKENIZER_DIR, RunError
+from moe_jax.run.output import Interrupted, cli_ending, new_output
 from moe_jax.run.policy import RESUMABLE_CHANGES
 from moe_jax.run.store import Checkpointer
 from moe_jax.tokenizer import DataError, Tokenizer, load_tokenizer
@@ -119,23 +119,12 @@ def import_run(hf_dir: Path, out: Path, config: str | None, overrides: list[str]
     opt_state = make_optimizer(cfg.train).init(params)
     it = data.train_iterator(cfg)
     meta = {"config": cfg, "tokenizer": data.tokenizer, "fingerprint": data.fingerprint}
-    existed = out.exists()  # and then empty
-    try:
-        ckpt = Checkpointer(cfg)
+    with new_output(out, f"--out '{out}'") as tmp:  # the whole run, or nothing
+        ckpt = Checkpointer(cfg, run_dir=tmp)
         try:
             ckpt.save(0, params, opt_state, it, meta)
         finally:
             ckpt.close()
-    except BaseException:  # remove only what this command wrote
-        if not existed:
-            shutil.rmtree(out, ignore_errors=True)
-        elif out.is_dir():
-            for child in out.iterdir():
-                if child.is_dir():
-                    shutil.rmtree(child)
-                else:
-                    child.unlink()
-        raise
     return cfg
 
 
@@ -186,6 +175,10 @@ def main(argv: list[str]) -> int:
     except (InteropError, ConfigError, DataError, RunError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except (Exception, KeyboardInterrupt, Interrupted) as e:  # signals, a full disk: one line
+        if (code := cli_ending(e, args.out)) is None:
+            raise
+        return code
     return 0
 
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import shutil
 from pathlib import Path
 
 import jax
@@ -23,7 +22,7 @@ from moe_jax.interop import llama, llama4, mixtral, qwen3
 from moe_jax.interop.common import Family, HFConfig, Source, top_rules
 from moe_jax.interop.safetensors_io import InteropError, ShardWriter, TensorReader
 from moe_jax.model import Transformer
-from moe_jax.run.lock import make_temp_sibling
+from moe_jax.run.output import new_output
 from moe_jax.tokenizer import Tokenizer
 
 FAMILIES: dict[str, Family] = {
@@ -231,8 +230,7 @@ def save_hf(
         where = ".".join(map(str, diff[0]))
         raise InteropError(f"the params do not match the config (first difference at {where})")
 
-    tmp = make_temp_sibling(out)
-    try:
+    with new_output(out, f"'{out}'") as tmp:
         writer = ShardWriter(tmp, max_shard_bytes)
         for name_prefix, rule, paths, block in _placements(cfg, family):
             arrays = [np.asarray(flat[p][...] if block is None else flat[p][block]) for p in paths]
@@ -242,10 +240,4 @@ def save_hf(
         (tmp / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
         for name, data in (tokenizer.files if tokenizer is not None else {}).items():
             (tmp / name).write_bytes(data)
-        if out.exists():
-            out.rmdir()
-        tmp.rename(out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return family.architecture

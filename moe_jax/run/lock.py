@@ -1,5 +1,5 @@
 """One writer per run directory, and directories made safely: the run lock, process 0's
-agreement in a multi-process run, and temporary siblings that become an output by a rename.
+agreement in a multi-process run, directories made with a one-line error.
 
 One writer: `store.Checkpointer` holds the run's `RunLock` from opening to `close()`, so a
 second training process on the same run_dir stops before writing anything. Readers (loading,
@@ -13,7 +13,6 @@ import fcntl
 import os
 import socket
 import time
-import uuid
 from pathlib import Path
 
 import jax
@@ -31,16 +30,6 @@ def make_dir(path: Path, what: str) -> None:
         raise RunError(
             f"cannot create {what} '{path}' ({reason}); choose a writable path"
         ) from None
-
-
-def make_temp_sibling(out: Path) -> Path:
-    """A new empty directory next to `out`, to write into and rename to `out` when complete.
-    Not `tempfile.mkdtemp`, whose mode 700 the renamed output would keep: this one gets the
-    user's umask, like any directory they create."""
-    make_dir(out.parent, "the output directory's parent")
-    tmp = out.parent / f".{out.name}.tmp-{uuid.uuid4().hex[:12]}"
-    make_dir(tmp, "a temporary directory next to the output")
-    return tmp
 
 
 class RunLock:

@@ -19,7 +19,6 @@ is reported as one SaveError line, and the previous checkpoint stays the latest.
 
 from __future__ import annotations
 
-import errno
 import logging
 import os
 import re
@@ -42,7 +41,8 @@ from moe_jax.run.layout import (
     UNFINISHED_GLOB,
     RunError,
 )
-from moe_jax.run.lock import RunLock, make_dir, make_temp_sibling, on_process_0
+from moe_jax.run.lock import RunLock, make_dir, on_process_0
+from moe_jax.run.output import disk_problem, new_output, no_space, write_text
 from moe_jax.tokenizer import DataError, Tokenizer, tokenizer_from_dict
 from moe_jax.tokenizer.files import SavedFilesError, holds, write_files
 
@@ -195,24 +195,9 @@ def open_checkpoints(run_dir: Path, step: int | None) -> tuple[ocp.CheckpointMan
     return manager, step
 
 
-NO_SPACE = (errno.ENOSPC, errno.EDQUOT)  # a full disk or a used-up quota: free space there
-
-
 class SaveError(RuntimeError):
     """A checkpoint could not be written (e.g. the disk is full); the ones before it are
     intact, and training resumes from the latest of them."""
-
-
-def no_space(e: BaseException | None) -> bool:
-    """Whether `e` or what caused it is a full disk: an OSError from Python, or a ValueError
-    from TensorStore that names the OS error code."""
-    while e is not None:
-        if isinstance(e, OSError) and e.errno in NO_SPACE:
-            return True
-        if any(f"os_error_code='{code}'" in str(e) for code in NO_SPACE):
-            return True
-        e = e.__cause__ or e.__context__
-    return False
 
 
 def _size(n_bytes: int) -> str:
@@ -266,8 +251,7 @@ def write_inference_run(out_dir: str | Path, step: int, params, meta: dict) -> N
     out_dir = Path(out_dir)
     if out_dir.exists():
         raise RunError(f"'{out_dir}' already exists; choose a new directory")
-    tmp = make_temp_sibling(out_dir)
-    try:
+    with new_output(out_dir, f"'{out_dir}'") as tmp:
         comment = f"# {meta['quantization']} copy of {meta['source']}: inference only\n"
         (tmp / CONFIG_FILE).write_text(comment + config_to_yaml(meta["config"]), encoding="utf-8")
         keep_tokenizer_files(tmp, meta["tokenizer"], checkpointed=False)
@@ -284,10 +268,6 @@ def write_inference_run(out_dir: str | Path, step: int, params, meta: dict) -> N
             ),
         )
         manager.close()
-        tmp.rename(out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
 
 
 class Checkpointer:
@@ -300,8 +280,10 @@ class Checkpointer:
     RUN_DIR/superseded.
     """
 
-    def __init__(self, cfg: Config, supersede_after: int | None = None):
-        self.run_dir = Path(cfg.run_dir)
+    def __init__(self, cfg: Config, supersede_after: int | None = None, run_dir=None):
+        # `run_dir`: where to write, if not cfg.run_dir (import writes a temporary sibling
+        # that becomes cfg.run_dir when complete)
+        self.run_dir = Path(run_dir if run_dir is not None else cfg.run_dir)
         make_dir(self.run_dir, "run_dir")
         self._lock = on_process_0(lambda: self._open(cfg, supersede_after), self.run_dir)
         c = cfg.checkpoint
@@ -316,8 +298,15 @@ class Checkpointer:
         lock = RunLock(self.run_dir)
         try:
             config_file = self.run_dir / CONFIG_FILE
-            if not config_file.exists():
-                config_file.write_text(config_to_yaml(cfg), encoding="utf-8")
+            if not config_file.exists():  # whole or not at all: a full disk leaves none
+                try:
+                    write_text(config_file, config_to_yaml(cfg))
+                except OSError as e:
+                    if problem := disk_problem(e):
+                        raise RunError(
+                            f"cannot write '{config_file}' ({problem}); free some space there"
+                        ) from None
+                    raise
             for unfinished in (self.run_dir / CHECKPOINT_DIR).glob(UNFINISHED_GLOB):
                 shutil.rmtree(unfinished)
             if supersede_after is not None:

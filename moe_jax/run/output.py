@@ -1,0 +1,186 @@
+"""Outputs written whole or not at all, by every command that writes one (prepare, import,
+export, quantize, plot), and the one-line endings of a command stopped or out of space.
+
+    with new_output(out, "--out") as tmp:     # a new directory: write into tmp
+        ...                                    # renamed to `out` when the block completes
+    with new_file(path) as tmp_path:          # one file replaced in place (plot's PNGs)
+        ...
+
+The temporary sibling is named `.NAME.tmp-PID-RANDOM` and removed on any exception. SIGTERM
+(and SIGHUP) raise `Interrupted` inside the block, so that removal runs too; SIGINT does the
+same through KeyboardInterrupt. Only kill -9 leaves a sibling behind: the next command
+writing next to it removes every sibling whose process is gone (the pid in its name).
+`exit_code` / `one_line` turn those endings into what a CLI prints and returns.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import re
+import shutil
+import signal
+import sys
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+from moe_jax.run.lock import make_dir
+
+NO_SPACE = (errno.ENOSPC, errno.EDQUOT)  # a full disk or a used-up quota: free space there
+_SIBLING = re.compile(r"^\.(?P<name>.+)\.tmp-(?P<pid>\d+)-[0-9a-f]{12}$")
+
+
+class Interrupted(BaseException):  # noqa: N818 (a signal, like KeyboardInterrupt)
+    """SIGTERM or SIGHUP arrived inside a `stop_on_signals` block."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+@contextlib.contextmanager
+def stop_on_signals() -> Iterator[None]:
+    """SIGTERM and SIGHUP raise `Interrupted` in the main thread for the block's duration (the
+    default action would end the process without running any cleanup)."""
+
+    def handler(signum, frame):
+        raise Interrupted(signum)
+
+    try:
+        old = {s: signal.signal(s, handler) for s in (signal.SIGTERM, signal.SIGHUP)}
+    except ValueError:  # not the main thread: signals stay as they are
+        yield
+        return
+    try:
+        yield
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether process `pid` runs. A zombie does not: a killed command stays one until its
+    parent reaps it, which a parent reading the command's output does only after the pipes
+    close, i.e. after the command's workers have noticed it is gone."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process
+        return True
+    with contextlib.suppress(OSError, IndexError):
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    return True
+
+
+def remove_dead_siblings(out: Path) -> None:
+    """Remove the temporary siblings of `out` left by processes that are gone (kill -9)."""
+    with contextlib.suppress(OSError):
+        for entry in out.parent.iterdir():
+            m = _SIBLING.match(entry.name)
+            if m and m["name"] == out.name and not pid_alive(int(m["pid"])):
+                if entry.is_dir() and not entry.is_symlink():
+                    shutil.rmtree(entry, ignore_errors=True)
+                else:
+                    entry.unlink(missing_ok=True)
+
+
+def sibling_name(out: Path) -> Path:
+    return out.parent / f".{out.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:12]}"
+
+
+@contextlib.contextmanager
+def new_output(out: Path, what: str) -> Iterator[Path]:
+    """A new directory `out`, written into a temporary sibling that becomes `out` by a rename
+    when the block completes; on any exception or stopping signal the sibling is removed and
+    `out` never exists. An empty `out` (made by a caller) is replaced; the caller refuses a
+    non-empty one before the work starts. Not `tempfile.mkdtemp`, whose mode 700 the renamed
+    output would keep: this one gets the user's umask."""
+    out = Path(out)
+    new_parents = [d for d in out.absolute().parents if not d.exists()]  # removed on failure
+    make_dir(out.parent, f"the parent directory of {what}")
+    remove_dead_siblings(out)
+    tmp = sibling_name(out)
+    make_dir(tmp, f"a temporary directory next to {what}")
+    try:
+        with stop_on_signals():
+            yield tmp
+            if out.is_dir() and not out.is_symlink() and not any(out.iterdir()):
+                out.rmdir()
+            tmp.rename(out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        for d in new_parents:  # innermost first
+            with contextlib.suppress(OSError):
+                d.rmdir()
+        raise
+
+
+@contextlib.contextmanager
+def new_file(path: Path) -> Iterator[Path]:
+    """`path` written whole: the block writes the yielded temporary sibling, renamed over
+    `path` when it completes, removed on any exception or stopping signal."""
+    path = Path(path)
+    remove_dead_siblings(path)
+    tmp = sibling_name(path)
+    try:
+        with stop_on_signals():
+            yield tmp
+            os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def write_text(path: Path, text: str) -> None:
+    """`path`'s new text, whole or not at all (a full disk leaves the old file or none)."""
+    with new_file(path) as tmp:
+        tmp.write_text(text, encoding="utf-8")
+
+
+def no_space(e: BaseException | None) -> bool:
+    """Whether `e` or what caused it is a full disk: an OSError from Python, or a ValueError
+    from TensorStore that names the OS error code."""
+    while e is not None:
+        if isinstance(e, OSError) and e.errno in NO_SPACE:
+            return True
+        if any(f"os_error_code='{code}'" in str(e) for code in NO_SPACE):
+            return True
+        e = e.__cause__ or e.__context__
+    return False
+
+
+def disk_problem(e: BaseException) -> str | None:
+    """What an exception says about the disk written to (full, read-only), or None."""
+    if no_space(e):
+        return "no space left on the device, or the quota is used up"
+    if isinstance(e, OSError) and e.errno == errno.EROFS:
+        return "read-only file system"
+    return None
+
+
+def one_line(e: BaseException, out: str | Path | None = None) -> tuple[str, int] | None:
+    """A command's ending for a stopping signal or a disk it cannot write: (the line to
+    print, the exit status), or None for any other exception (the CLI's own handling)."""
+    kept = f"; nothing was written to '{out}'" if out is not None else ""
+    if isinstance(e, Interrupted):
+        return f"stopped by {signal.Signals(e.signum).name}{kept}", 128 + e.signum
+    if isinstance(e, KeyboardInterrupt):
+        return f"stopped by SIGINT (Ctrl-C){kept}", 128 + signal.SIGINT
+    if problem := disk_problem(e):
+        where = f" writing '{e.filename}'" if getattr(e, "filename", None) else ""
+        fix = "choose a writable place" if "read-only" in problem else "free some space there"
+        return f"cannot write{where} ({problem}){kept}; {fix}", 1
+    return None
+
+
+def cli_ending(e: BaseException, out: str | Path | None = None) -> int | None:
+    """For a CLI's `except`: print `one_line`'s line for `e` and return its exit status, or
+    None (re-raise) for an exception it does not describe."""
+    ending = one_line(e, out)
+    if ending is None:
+        return None
+    print(f"error: {ending[0]}", file=sys.stderr)
+    return ending[1]

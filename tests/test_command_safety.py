@@ -1,0 +1,244 @@
+"""Commands other than train.py stopped or out of space (moe_jax/run/output.py): an output is
+whole or absent, a stopping signal ends a command with one line and exit 128 + signal, kill
+-9 leaves no process behind and the next run removes what it left, and a full disk is one
+line that names the path. Budget: ~25 s (a few `prepare` subprocesses, tiny runs)."""
+
+from __future__ import annotations
+
+import errno
+import os
+import signal
+import subprocess
+import sys
+import sysconfig
+import time
+from pathlib import Path
+
+import pytest
+
+from moe_jax.run import output
+from moe_jax.run.layout import CONFIG_FILE, RunError
+from moe_jax.run.output import Interrupted, new_file, new_output, remove_dead_siblings
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _siblings(out: Path) -> list[Path]:
+    return sorted(out.parent.glob(f".{out.name}.tmp-*"))
+
+
+def _full_disk(path="x"):
+    return OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+
+
+# ----------------------------------------------------------------------------- the helpers
+
+
+def test_new_output_is_whole_or_absent(tmp_path):
+    out = tmp_path / "a" / "b" / "out"  # its parents are made, and removed on failure
+    with pytest.raises(ValueError), new_output(out, "--out") as tmp:
+        (tmp / "part").write_text("half")
+        raise ValueError("boom")
+    assert not (tmp_path / "a").exists()
+    with new_output(out, "--out") as tmp:
+        (tmp / "whole").write_text("done")
+    assert [p.name for p in out.iterdir()] == ["whole"] and _siblings(out) == []
+    empty = tmp_path / "empty"
+    empty.mkdir()  # an empty directory made by the caller is replaced
+    with new_output(empty, "--out") as tmp:
+        (tmp / "f").write_text("x")
+    assert (empty / "f").read_text() == "x"
+
+
+def test_sigterm_inside_the_block_removes_the_sibling(tmp_path):
+    out = tmp_path / "out"
+    with pytest.raises(Interrupted) as e, new_output(out, "--out") as tmp:
+        (tmp / "part").write_text("half")
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(5)  # the handler raises here
+    assert e.value.signum == signal.SIGTERM
+    assert not out.exists() and _siblings(out) == []
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # restored
+
+
+def test_a_dead_process_sibling_is_removed_a_live_one_kept(tmp_path):
+    out = tmp_path / "out"
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True)  # fmt: skip
+    stale = tmp_path / f".out.tmp-{int(dead.stdout)}-0123456789ab"
+    live = tmp_path / f".out.tmp-{os.getpid()}-0123456789ab"
+    other = tmp_path / f".other.tmp-{int(dead.stdout)}-0123456789ab"
+    for d in (stale, live, other):
+        (d / "x").mkdir(parents=True)
+    remove_dead_siblings(out)
+    assert not stale.exists() and live.exists() and other.exists()
+
+
+def test_new_file_keeps_the_old_file_on_a_full_disk(tmp_path, monkeypatch):
+    path = tmp_path / "loss.png"
+    path.write_bytes(b"old plot")
+
+    def write_then_fail(tmp):
+        tmp.write_bytes(b"half")
+        raise _full_disk(tmp)
+
+    with pytest.raises(OSError), new_file(path) as tmp:
+        write_then_fail(tmp)
+    assert path.read_bytes() == b"old plot" and _siblings(path) == []
+    line, code = output.one_line(_full_disk(path), path)
+    assert code == 1 and "no space left" in line and str(path) in line and "\n" not in line
+
+
+# ----------------------------------------------------------------------------- prepare
+
+
+def _big_input(tmp_path: Path) -> Path:
+    """~8 MB of real text that does not change with this project: the standard library."""
+    text, n = [], 0
+    for p in sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py")):
+        text.append(p.read_text(errors="replace"))
+        n += len(text[-1])
+        if n > 8e6:
+            break
+    f = tmp_path / "big.txt"
+    f.write_text("".join(text))
+    return f
+
+
+def _session_processes(sid: int) -> list[int]:
+    """Live (not zombie) processes of session `sid`: a killed command's helpers."""
+    pids = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[3]) == sid and fields[0] != "Z":
+            pids.append(int(stat.parent.name))
+    return pids
+
+
+def _prepare_cmd(src: Path, out: Path) -> list[str]:
+    return [sys.executable, "-m", "moe_jax.prepare", str(src), "--tokenizer", "byte",
+            "--separator", "\n", "--workers", "2", "--out", str(out)]  # fmt: skip
+
+
+def _stopped(src: Path, out: Path, signum: int, delay: float) -> subprocess.CompletedProcess:
+    """prepare, sent `signum` `delay` s after its temporary sibling appears."""
+    # SIGINT as at a terminal: a shell's background job (CI's) starts with it ignored
+    default_sigint = lambda: signal.signal(signal.SIGINT, signal.SIG_DFL)
+    proc = subprocess.Popen(_prepare_cmd(src, out), cwd=ROOT, start_new_session=True,
+                            preexec_fn=default_sigint, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)  # fmt: skip
+    deadline = time.monotonic() + 60
+    while not _siblings(out) and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.005)
+    time.sleep(delay)
+    proc.send_signal(signum)
+    stdout, stderr = proc.communicate(timeout=60)
+    deadline = time.monotonic() + 10  # the workers notice within 0.5 s
+    while _session_processes(proc.pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _session_processes(proc.pid) == [], "processes outlived the stopped command"
+    return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
+
+
+def test_prepare_stopped_at_any_moment_leaves_nothing(tmp_path):
+    src = _big_input(tmp_path)
+    ref = tmp_path / "ref"
+    subprocess.run(_prepare_cmd(src, ref), cwd=ROOT, check=True, capture_output=True)
+    out = tmp_path / "out"
+    for signum, delay in [(signal.SIGTERM, 0.3), (signal.SIGINT, 0.05), (signal.SIGKILL, 0.3),
+                          (signal.SIGKILL, 0.0)]:  # fmt: skip
+        r = _stopped(src, out, signum, delay)
+        if r.returncode == 0:  # finished first: start again
+            pytest.fail(f"prepare finished before {signum!r} after {delay} s; use a bigger input")
+        assert not out.exists()
+        if signum == signal.SIGKILL:
+            assert r.returncode == -signal.SIGKILL
+            continue  # may leave its sibling: the next run removes it
+        assert r.returncode == 128 + signum, r.stderr
+        name = signal.Signals(signum).name
+        assert r.stderr.strip().splitlines()[-1].startswith(f"error: stopped by {name}"), r.stderr
+        assert "Traceback" not in r.stderr and _siblings(out) == []
+    subprocess.run(_prepare_cmd(src, out), cwd=ROOT, check=True, capture_output=True)
+    assert _siblings(out) == []  # the killed runs' siblings are gone
+    for f in ("tokens.bin", "documents.bin"):
+        assert (out / f).read_bytes() == (ref / f).read_bytes()
+
+
+# ----------------------------------------------------------------------------- full disks
+
+
+def test_a_full_disk_at_a_runs_start_leaves_no_config(tmp_path, monkeypatch):
+    """config.yaml was left at 0 bytes, and the run refused afterwards as 'a different
+    architecture'. Now: one line, nothing written, and the same start works once there is
+    room."""
+    from moe_jax.run.store import Checkpointer
+    from tests.helpers import tiny_config
+
+    cfg = tiny_config(f"run_dir={tmp_path / 'run'}")
+    real = output.write_text
+
+    def full(path, text):
+        with new_file(path) as tmp:
+            tmp.write_text(text[:10])
+            raise _full_disk(tmp)
+
+    monkeypatch.setattr("moe_jax.run.store.write_text", full)
+    with pytest.raises(RunError, match=r"cannot write .*config.yaml' \(no space left"):
+        Checkpointer(cfg)
+    assert not (tmp_path / "run" / CONFIG_FILE).exists()
+    monkeypatch.setattr("moe_jax.run.store.write_text", real)
+    Checkpointer(cfg).close()
+    assert "n_layers" in (tmp_path / "run" / CONFIG_FILE).read_text()
+
+
+def test_export_and_quantize_on_a_full_disk_say_so_in_one_line(tmp_path, monkeypatch, capsys):
+    from moe_jax import quantize
+    from moe_jax.interop import __main__ as interop
+    from moe_jax.interop.safetensors_io import ShardWriter
+    from moe_jax.trainer import train
+    from tests.test_train import _cfg
+
+    run = tmp_path / "run"  # Qwen3-MoE-shaped, so that it exports
+    train(_cfg(run, "attention.qkv_bias=false", "moe.router_bias=false"), stop_at=2)
+
+    def no_room(*a, **k):
+        raise _full_disk(tmp_path / "hf" / "shard")
+
+    monkeypatch.setattr(ShardWriter, "add", no_room)
+    assert interop.main(["export", str(run), "--out", str(tmp_path / "hf")]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "no space left" in err and "nothing was written" in err, err
+    assert not (tmp_path / "hf").exists() and _siblings(tmp_path / "hf") == []
+    monkeypatch.setattr("moe_jax.run.store.keep_tokenizer_files", no_room)
+    assert quantize.main([str(run), "--out", str(tmp_path / "q")]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "no space left" in err, err
+    assert not (tmp_path / "q").exists() and _siblings(tmp_path / "q") == []
+
+
+def test_import_stopped_mid_save_leaves_no_run(tmp_path, monkeypatch, capsys):
+    """A half-written import (a train.lock, an unfinished checkpoint) was refused by the rerun
+    ('exists and is not empty') and read by sample.py as a run without checkpoints."""
+    from moe_jax.interop.__main__ import main
+    from moe_jax.run.store import Checkpointer
+    from tests.test_interop import hf_model
+
+    hf_dir, out = tmp_path / "hf", tmp_path / "run"
+    hf_model("llama", seed=7, vocab_size=256).save_pretrained(hf_dir)
+    save = Checkpointer.save
+
+    def stopped(self, *a, **k):
+        save(self, *a, **k)  # the checkpoint's files are there when the signal comes
+        raise Interrupted(signal.SIGTERM)
+
+    monkeypatch.setattr(Checkpointer, "save", stopped)
+    capsys.readouterr()  # save_pretrained's progress bar
+    assert main(["import", str(hf_dir), "--out", str(out)]) == 128 + signal.SIGTERM
+    err = capsys.readouterr().err
+    assert err == f"error: stopped by SIGTERM; nothing was written to '{out}'\n", err
+    assert not out.exists() and _siblings(out) == []
+    monkeypatch.setattr(Checkpointer, "save", save)
+    assert main(["import", str(hf_dir), "--out", str(out)]) == 0  # the rerun just works
