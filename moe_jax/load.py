@@ -11,9 +11,10 @@ meta = read_run_meta("runs/tiny")    # {"step", "config", "tokenizer", "fingerpr
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import jax
 import orbax.checkpoint as ocp
@@ -23,11 +24,13 @@ from moe_jax.config import MESH_AXES, Config, sampling_config
 from moe_jax.model.int8 import QUANTIZATIONS
 from moe_jax.run.layout import RunError
 from moe_jax.run.policy import check_compatible
-from moe_jax.run.store import open_checkpoints, read_meta, restore
+from moe_jax.run.store import CheckpointRemoved, open_checkpoints, read_meta, restore
 from moe_jax.sampling import Sampler
 from moe_jax.sharding import INFERENCE_RULES, make_mesh, state_shardings
 from moe_jax.tokenizer import Tokenizer
 from moe_jax.weights import WeightsDoNotFit, abstract_model, check_fits, to_kind, weights_kind
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -43,8 +46,24 @@ class OpenRun:
 def open_run(run_dir: str | Path, step: int | None = None) -> OpenRun:
     """The run's checkpoint (latest or `step`) and its meta; RunError names what is missing."""
     run_dir = Path(run_dir)
-    manager, step = open_checkpoints(run_dir, step)
-    return OpenRun(run_dir, manager, step, read_meta(manager, step, run_dir) | {"step": step})
+
+    def read(step):
+        manager, step = open_checkpoints(run_dir, step)
+        return OpenRun(run_dir, manager, step, read_meta(manager, step, run_dir) | {"step": step})
+
+    return newest_again(read, step)
+
+
+def newest_again(read: Callable[[int | None], T], step: int | None) -> T:
+    """`read(step)`; where no step was asked for and the checkpoint read, the newest then, was
+    removed meanwhile (a run training there keeps only its newest `checkpoint.keep`),
+    `read(None)` once more: the newest now. A step asked for stays asked for."""
+    try:
+        return read(step)
+    except CheckpointRemoved:
+        if step is not None:
+            raise
+        return read(None)
 
 
 def read_run_meta(run_dir: str | Path, step: int | None = None) -> dict:
@@ -63,7 +82,8 @@ def load_run(
 ) -> tuple[Config, nnx.Module, Tokenizer]:
     """(config, Transformer with the checkpoint's params, tokenizer): `load_model` of
     `open_run(run_dir, step)`."""
-    return load_model(open_run(run_dir, step), cfg=cfg, mesh=mesh, weights=weights)
+    read = lambda step: load_model(open_run(run_dir, step), cfg=cfg, mesh=mesh, weights=weights)
+    return newest_again(read, step)
 
 
 def load_model(
@@ -118,15 +138,26 @@ def load_model(
     return cfg, model, meta["tokenizer"]
 
 
-def restore_params(run_dir: str | Path, step: int | None, target):
-    """A checkpoint's params (latest or `step`) restored into `target`: abstract arrays with
-    the shardings (and dtypes) to restore onto. Read-only, like `load_run`."""
+def restore_params(run_dir: str | Path, step: int | None, target, or_newest: bool = False):
+    """-> (the params of a checkpoint, latest or `step`, restored into `target`: abstract
+    arrays with the shardings and dtypes to restore onto; its step). Read-only, like
+    `load_run`. `or_newest`: if `step` was removed while reading, the newest instead."""
     run_dir = Path(run_dir)
-    manager, step = open_checkpoints(run_dir, step)
+
+    def read(step):
+        manager, step = open_checkpoints(run_dir, step)
+        try:
+            args = ocp.args.StandardRestore(target)
+            return restore(manager, step, run_dir, params=args).params, step
+        finally:
+            manager.close()
+
     try:
-        return restore(manager, step, run_dir, params=ocp.args.StandardRestore(target)).params
-    finally:
-        manager.close()
+        return read(step)
+    except CheckpointRemoved:
+        if not or_newest:
+            raise
+        return read(None)
 
 
 def on_device(abstract_tree, device: jax.Device):
@@ -142,9 +173,13 @@ def load_sampler(run_dir, overrides: Sequence[str] = (), step: int | None = None
     onto the mesh its config names after `overrides` (mesh.*, model.dtype, sample.*, as
     sample.py takes them): sharded, in the `sample.weights` form, held once. ConfigError /
     RunError (a mesh that does not divide the model, weights that do not fit) name the fix."""
-    run = open_run(run_dir, step)  # its meta read once, for the config and the weights
-    cfg = sampling_config(run.meta["config"], overrides)
-    one_device = all(getattr(cfg.mesh, ax) == 1 for ax in MESH_AXES)
-    mesh = None if one_device else make_mesh(cfg, inference=True)
-    cfg, model, tokenizer = load_model(run, cfg=cfg, mesh=mesh, weights=cfg.sample.weights)
-    return cfg, Sampler(model, mesh=mesh, consume=True), tokenizer
+
+    def read(step):
+        run = open_run(run_dir, step)  # its meta read once, for the config and the weights
+        cfg = sampling_config(run.meta["config"], overrides)
+        one_device = all(getattr(cfg.mesh, ax) == 1 for ax in MESH_AXES)
+        mesh = None if one_device else make_mesh(cfg, inference=True)
+        cfg, model, tokenizer = load_model(run, cfg=cfg, mesh=mesh, weights=cfg.sample.weights)
+        return cfg, Sampler(model, mesh=mesh, consume=True), tokenizer
+
+    return newest_again(read, step)

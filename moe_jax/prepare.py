@@ -60,7 +60,14 @@ from moe_jax.data.store import (
     store_dtype,
     tokenizer_hash,
 )
-from moe_jax.run.output import Interrupted, cli_ending, new_output, pid_alive
+from moe_jax.run.output import (
+    Interrupted,
+    cli_ending,
+    new_output,
+    pid_alive,
+    signals_deferred,
+    worker_signals,
+)
 from moe_jax.tokenizer import (
     CharTokenizer,
     DataError,
@@ -270,6 +277,7 @@ def _init_pool_worker(recipe: tuple, field: str, dtype: np.dtype, parent: int) -
     # A worker outlives a parent killed with -9 (it waits on its queue for ever, and keeps the
     # fork server and the resource tracker alive): it exits once `parent` is gone.
     threading.Thread(target=_exit_with, args=(parent,), daemon=True).start()
+    worker_signals()
     make, args = recipe
     _init_worker(make(*args), field, dtype)
 
@@ -309,16 +317,23 @@ def _encoder(tok: Tokenizer, field: str, dtype: np.dtype, workers: int):
     # imported this module once; the workers fork from it in milliseconds.
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload([__name__])
-    pool = ProcessPoolExecutor(
-        workers,
-        context,
-        initializer=_init_pool_worker,
-        initargs=(_recipe(tok), field, dtype, os.getpid()),
-    )
+    # The workers are started before a stopping signal counts: one cut off half-started
+    # would not be the pool's to join.
+    pool = None
     try:
+        with signals_deferred():  # a signal held back is raised as the block ends
+            pool = ProcessPoolExecutor(
+                workers,
+                context,
+                initializer=_init_pool_worker,
+                initargs=(_recipe(tok), field, dtype, os.getpid()),
+            )
+            for _ in range(workers):  # each submit with no idle worker starts one
+                pool.submit(int)
         yield lambda chunk: pool.submit(encode_chunk, chunk)
     finally:
-        pool.shutdown(cancel_futures=True)
+        if pool is not None:
+            pool.shutdown(cancel_futures=True)
 
 
 # ----------------------------------------------------------------------------- writing

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from flax import nnx
 
-from moe_jax.load import load_run, read_run_meta
+from moe_jax.load import load_model, newest_again, open_run
 from moe_jax.model.int8 import (
     QUANTIZATIONS,
     Int8Param,
@@ -51,13 +51,17 @@ def quantize_run(run_dir: str | Path, out_dir: str | Path, step: int | None = No
     run_dir, out_dir = Path(run_dir), Path(out_dir)
     if out_dir.exists():
         raise QuantizeError(f"--out '{out_dir}' already exists; choose a new directory")
-    meta = read_run_meta(run_dir, step)
-    if meta.get("quantization"):
-        raise QuantizeError(
-            f"'{run_dir}' is already {meta['quantization']}-quantised; quantise the float run "
-            f"it came from ({meta.get('source', 'unknown')})"
-        )
-    cfg, model, tokenizer = load_run(run_dir, meta["step"])
+
+    def read(step):  # the meta read once, the model from the same checkpoint
+        run = open_run(run_dir, step)
+        if run.meta.get("quantization"):
+            raise QuantizeError(
+                f"'{run_dir}' is already {run.meta['quantization']}-quantised; quantise the "
+                f"float run it came from ({run.meta.get('source', 'unknown')})"
+            )
+        return run.meta, *load_model(run)
+
+    meta, cfg, model, tokenizer = newest_again(read, step)
     qmodel = quantize_model(model)
     write_inference_run(
         out_dir,

@@ -43,6 +43,7 @@ from moe_jax.train_step import (
     make_optimizer,
     make_train_step,
 )
+from moe_jax.weights import WeightsDoNotFit, check_train_fits
 
 
 class TrainingError(RuntimeError):
@@ -152,9 +153,15 @@ def train(cfg: Config, *, stop_at: int | None = None) -> TrainResult:
         log(f"mesh: {dict(mesh.shape)} over {mesh.size} devices, {jax.process_count()} process(es)")
     tx = make_optimizer(cfg.train)
     graphdef, abstract_state = init_state(cfg, tx, abstract=True, mesh=mesh)
+    try:  # before anything is allocated: a model too big fails here, in one line
+        check_train_fits(abstract_state)
+    except WeightsDoNotFit as e:
+        raise RunError(f"run_dir '{cfg.run_dir}': {e}") from None
     # Before the run dir is opened, so that a source checkpoint that cannot be read leaves
     # nothing written.
-    state = start_state(source, abstract_state, tx) if source else None
+    state = None
+    if source:
+        state, source = start_state(source, abstract_state, tx)
     it = data.train_iterator(cfg, jax.process_index(), jax.process_count())
     # Locks the run dir: from here on no other run writes to it. With train.resume_step in
     # effect, the checkpoints after that step are moved to RUN_DIR/superseded.

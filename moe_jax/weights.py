@@ -98,31 +98,61 @@ def host_memory() -> int:
     raise OSError("/proc/meminfo has no MemAvailable")
 
 
-def check_fits(target, also: str | None = None) -> None:
-    """Raise WeightsDoNotFit if restoring `target` (abstract params with their shardings)
-    needs more than a device has: per accelerator, or in all on a CPU host, whose devices
-    share its memory. `also="int8"`: the int8 copy made after a float restore counts too."""
+def _per_device(tree, extra=lambda path: 0) -> dict:
+    """device -> bytes of `tree`'s leaves (abstract arrays with shardings) it holds, plus
+    `extra(path)` bytes an element."""
     need: dict = {}
-    for path, leaf in jax.tree_util.tree_flatten_with_path(target)[0]:
-        extra = 0
-        if also == "int8" and any(getattr(k, "key", None) in CONTRACTED_AXES for k in path):
-            extra = 1  # an int8 byte per element besides the float one, until it is freed
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
         shard = math.prod(leaf.sharding.shard_shape(leaf.shape))
+        per = jnp.dtype(leaf.dtype).itemsize + extra(path)
         for device in leaf.sharding.device_set:
-            need[device] = need.get(device, 0) + shard * (jnp.dtype(leaf.dtype).itemsize + extra)
+            need[device] = need.get(device, 0) + shard * per
+    return need
+
+
+def _shortfall(need: dict) -> str | None:
+    """ "X GiB per device where Y has Z GiB" if `need` (device -> bytes) exceeds the devices'
+    memory (per accelerator, or in all on a CPU host, whose devices share its memory)."""
     device = next(iter(need))
     if device.platform == "cpu":
         needed, have, where = sum(need.values()), host_memory(), "this host has available"
     else:
         have = device_memory(device)
         if have is None:
-            return
+            return None
         needed, where = max(need.values()), f"one {device.device_kind} has"
-    if needed > have:
+    if needed <= have:
+        return None
+    return f"{needed / 2**30:.1f} GiB per device where {where} {have / 2**30:.1f} GiB"
+
+
+def check_fits(target, also: str | None = None) -> None:
+    """Raise WeightsDoNotFit if restoring `target` (abstract params with their shardings)
+    needs more than a device has: per accelerator, or in all on a CPU host, whose devices
+    share its memory. `also="int8"`: the int8 copy made after a float restore counts too."""
+
+    def int8_copy(path):  # an int8 byte per element besides the float one, until it is freed
+        return also == "int8" and any(getattr(k, "key", None) in CONTRACTED_AXES for k in path)
+
+    if short := _shortfall(_per_device(target, int8_copy)):
         raise WeightsDoNotFit(
-            f"the weights need {needed / 2**30:.1f} GiB per device where {where} "
-            f"{have / 2**30:.1f} GiB; shard them over more devices (mesh.expert, mesh.tensor, "
-            "mesh.fsdp) or store them smaller (sample.weights=bfloat16 or int8)"
+            f"the weights need {short}; shard them over more devices (mesh.expert, "
+            "mesh.tensor, mesh.fsdp) or store them smaller (sample.weights=bfloat16 or int8)"
+        )
+
+
+def check_train_fits(abstract_state: dict) -> None:
+    """Raise WeightsDoNotFit if the train state (abstract, with its shardings: params and
+    optimizer state) and the gradients, as large as the params, exceed the devices' memory.
+    The activations come on top: this is the floor, checked before anything is allocated."""
+    need = _per_device(abstract_state)
+    for device, n in _per_device(abstract_state["params"]).items():
+        need[device] += n
+    if short := _shortfall(need):
+        raise WeightsDoNotFit(
+            f"training needs at least {short} (the params, their gradients and the optimizer "
+            "state; the activations come on top); shard it over more devices (mesh.fsdp, "
+            "mesh.expert, mesh.tensor) or train a smaller model"
         )
 
 

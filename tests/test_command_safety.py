@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import errno
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -242,3 +243,99 @@ def test_import_stopped_mid_save_leaves_no_run(tmp_path, monkeypatch, capsys):
     assert not out.exists() and _siblings(out) == []
     monkeypatch.setattr(Checkpointer, "save", save)
     assert main(["import", str(hf_dir), "--out", str(out)]) == 0  # the rerun just works
+
+
+# ----------------------------------------------------------------------------- readers
+
+
+@pytest.fixture
+def two_checkpoints(tmp_path):
+    """A run with checkpoints 2 and 4, and a hook that plays training with checkpoint.keep=1
+    under a reader: checkpoint 4 is hidden until the reader starts reading 2, which then
+    goes as 4 appears."""
+    import orbax.checkpoint as ocp
+
+    from moe_jax.run.layout import CHECKPOINT_DIR
+    from moe_jax.trainer import train
+    from tests.test_train import _cfg
+
+    run = tmp_path / "run"
+    train(_cfg(run), stop_at=2)
+    train(_cfg(run), stop_at=4)
+    ckpts, aside = run / CHECKPOINT_DIR, tmp_path / "4"
+    (ckpts / "4").rename(aside)
+    real = ocp.CheckpointManager.restore
+
+    def training_meanwhile(self, step, *a, **k):
+        if aside.exists() and step == 2:
+            aside.rename(ckpts / "4")
+            shutil.rmtree(ckpts / "2")
+        return real(self, step, *a, **k)
+
+    return run, training_meanwhile
+
+
+def test_readers_take_the_newest_when_training_removes_theirs(two_checkpoints, monkeypatch,
+                                                              tmp_path, capsys):  # fmt: skip
+    """quantize, sample.py and init_from were told a healthy run was damaged ('checkpoint N is
+    damaged ... the run's only checkpoint') when training deleted it under them."""
+    import orbax.checkpoint as ocp
+
+    from moe_jax.quantize import quantize_run
+
+    run, training_meanwhile = two_checkpoints
+    monkeypatch.setattr(ocp.CheckpointManager, "restore", training_meanwhile)
+    assert f"int8 copy of {run} step 4" in quantize_run(run, tmp_path / "q")
+
+
+def test_a_step_asked_for_and_removed_is_said_so(two_checkpoints, monkeypatch):
+    import orbax.checkpoint as ocp
+
+    from moe_jax.load import load_run
+
+    run, training_meanwhile = two_checkpoints
+    monkeypatch.setattr(ocp.CheckpointManager, "restore", training_meanwhile)
+    with pytest.raises(RunError, match="checkpoint 2 in .* was removed while reading it"):
+        load_run(run, step=2)
+
+
+def test_init_from_a_training_run_takes_its_newest(two_checkpoints, monkeypatch, tmp_path,
+                                                   capsys):  # fmt: skip
+    import orbax.checkpoint as ocp
+
+    from moe_jax.trainer import train
+    from tests.test_train import _cfg
+
+    run, training_meanwhile = two_checkpoints
+    monkeypatch.setattr(ocp.CheckpointManager, "restore", training_meanwhile)
+    train(_cfg(tmp_path / "new", f"init_from={run}"), stop_at=1)
+    assert f"initialised from {run} step 4" in capsys.readouterr().out
+
+
+def test_tasks_orphaned_by_a_failed_restore_are_not_logged(caplog):
+    import logging
+
+    from moe_jax.run.store import _quiet_orphaned_tasks
+
+    _quiet_orphaned_tasks()
+    with caplog.at_level(logging.ERROR, logger="asyncio"):
+        logging.getLogger("asyncio").error("Task exception was never retrieved\nfuture: ...")
+        logging.getLogger("asyncio").error("something else")
+    assert [r.getMessage() for r in caplog.records] == ["something else"]
+
+
+# ----------------------------------------------------------------------------- fit check
+
+
+def test_train_refuses_a_model_that_cannot_fit_before_allocating(tmp_path, monkeypatch):
+    """Mixtral-8x7B on a host that could not hold it ran 43 s and died with a 17-line
+    out-of-memory error; now one line before anything is allocated or written."""
+    from moe_jax import weights
+    from moe_jax.trainer import train
+    from tests.test_train import _cfg
+
+    monkeypatch.setattr(weights, "host_memory", lambda: 1 << 10)  # a 1 KiB host
+    with pytest.raises(RunError, match=r"training needs at least [\d.]+ GiB per device where "
+                       r"this host has available 0\.0 GiB"):  # fmt: skip
+        train(_cfg(tmp_path / "run"))
+    assert not (tmp_path / "run").exists()

@@ -14,6 +14,7 @@ resumes them and ignores init_from, so rerunning the command after a stop goes o
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,6 +35,7 @@ class InitSource:
     run_dir: Path
     step: int
     tokenizer: Tokenizer
+    pinned: bool = False  # init_step named the step: no other will do
 
 
 def _same_tokenizer(spec: str, tokenizer: Tokenizer) -> bool:
@@ -77,14 +79,18 @@ def init_source(
         d.startswith("data.tokenizer:") and _same_tokenizer(cfg.data.tokenizer, tokenizer)
     )
     check_compatible(meta, cfg, "start", source, same)
-    return InitSource(source, meta["step"], tokenizer)
+    return InitSource(source, meta["step"], tokenizer, pinned=cfg.init_step is not None)
 
 
 def start_state(source: InitSource, abstract_state: dict, tx: optax.GradientTransformation):
-    """The train state of a new run from `source`: its params restored onto the shardings of
-    `abstract_state` (`init_state(cfg, tx, abstract=True, mesh=mesh)`), a new optimizer
-    state laid out like its abstract one, step 0."""
-    params = restore_params(source.run_dir, source.step, abstract_state["params"])
+    """-> (the train state of a new run from `source`: its params restored onto the
+    shardings of `abstract_state` (`init_state(cfg, tx, abstract=True, mesh=mesh)`), a new
+    optimizer state laid out like its abstract one, step 0; `source` with the step read: the
+    newest instead, unless pinned, if training there removed the one checked meanwhile)."""
+    params, step = restore_params(
+        source.run_dir, source.step, abstract_state["params"], or_newest=not source.pinned
+    )
     opt_sharding = jax.tree.map(lambda a: a.sharding, abstract_state["opt_state"])
     opt_state = jax.jit(tx.init, out_shardings=opt_sharding)(params)
-    return make_state(0, params, opt_state, abstract_state["step"].sharding)
+    state = make_state(0, params, opt_state, abstract_state["step"].sharding)
+    return state, dataclasses.replace(source, step=step)

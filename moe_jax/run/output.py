@@ -60,6 +60,36 @@ def stop_on_signals() -> Iterator[None]:
             signal.signal(s, h)
 
 
+STOPPING = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+@contextlib.contextmanager
+def signals_deferred() -> Iterator[None]:
+    """Stopping signals held back for the block's duration and raised again as it ends, to
+    their handlers then: for steps that must not be cut in half, such as starting worker
+    processes. (Python runs handlers in the main thread, whatever thread a signal reached,
+    so a thread's signal mask would not hold them back.)"""
+    pending: list[int] = []
+    try:
+        old = {s: signal.signal(s, lambda signum, frame: pending.append(signum)) for s in STOPPING}
+    except ValueError:  # not the main thread: signals stay as they are
+        yield
+        return
+    try:
+        yield
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+        if pending:
+            signal.raise_signal(pending[0])
+
+
+def worker_signals() -> None:
+    """In a worker process: Ctrl-C is its parent's to handle (the terminal sends it to the
+    whole process group)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
 def pid_alive(pid: int) -> bool:
     """Whether process `pid` runs. A zombie does not: a killed command stays one until its
     parent reaps it, which a parent reading the command's output does only after the pipes
