@@ -119,18 +119,23 @@ def _session_processes(sid: int) -> list[int]:
     return pids
 
 
+# `python -m moe_jax.prepare`, with SIGINT handled as at a terminal: a shell's background job
+# (CI's) starts with it ignored, and Python then leaves it so.
+PREPARE = (
+    "import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); "
+    "os.execv(sys.executable, [sys.executable, '-m', 'moe_jax.prepare', *sys.argv[1:]])"
+)
+
+
 def _prepare_cmd(src: Path, out: Path) -> list[str]:
-    return [sys.executable, "-m", "moe_jax.prepare", str(src), "--tokenizer", "byte",
+    return [sys.executable, "-c", PREPARE, str(src), "--tokenizer", "byte",
             "--separator", "\n", "--workers", "2", "--out", str(out)]  # fmt: skip
 
 
 def _stopped(src: Path, out: Path, signum: int, delay: float) -> subprocess.CompletedProcess:
     """prepare, sent `signum` `delay` s after its temporary sibling appears."""
-    # SIGINT as at a terminal: a shell's background job (CI's) starts with it ignored
-    default_sigint = lambda: signal.signal(signal.SIGINT, signal.SIG_DFL)
     proc = subprocess.Popen(_prepare_cmd(src, out), cwd=ROOT, start_new_session=True,
-                            preexec_fn=default_sigint, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)  # fmt: skip
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
     deadline = time.monotonic() + 60
     while not _siblings(out) and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.005)
