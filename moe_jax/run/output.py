@@ -41,16 +41,12 @@ class Interrupted(BaseException):  # noqa: N818 (a signal, like KeyboardInterrup
 
 
 @contextlib.contextmanager
-def stop_on_signals() -> Iterator[None]:
-    """SIGTERM and SIGHUP raise `Interrupted` in the main thread for the block's duration (the
-    default action would end the process without running any cleanup)."""
-
-    def handler(signum, frame):
-        raise Interrupted(signum)
-
+def _handlers(signals, handler) -> Iterator[None]:
+    """`handler` for `signals` during the block, the old handlers restored after it. Outside
+    the main thread (where Python refuses handlers) the signals stay as they are."""
     try:
-        old = {s: signal.signal(s, handler) for s in (signal.SIGTERM, signal.SIGHUP)}
-    except ValueError:  # not the main thread: signals stay as they are
+        old = {s: signal.signal(s, handler) for s in signals}
+    except ValueError:
         yield
         return
     try:
@@ -58,6 +54,18 @@ def stop_on_signals() -> Iterator[None]:
     finally:
         for s, h in old.items():
             signal.signal(s, h)
+
+
+@contextlib.contextmanager
+def stop_on_signals() -> Iterator[None]:
+    """SIGTERM and SIGHUP raise `Interrupted` in the main thread for the block's duration (the
+    default action would end the process without running any cleanup)."""
+
+    def handler(signum, frame):
+        raise Interrupted(signum)
+
+    with _handlers((signal.SIGTERM, signal.SIGHUP), handler):
+        yield
 
 
 STOPPING = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
@@ -70,18 +78,10 @@ def signals_deferred() -> Iterator[None]:
     processes. (Python runs handlers in the main thread, whatever thread a signal reached,
     so a thread's signal mask would not hold them back.)"""
     pending: list[int] = []
-    try:
-        old = {s: signal.signal(s, lambda signum, frame: pending.append(signum)) for s in STOPPING}
-    except ValueError:  # not the main thread: signals stay as they are
+    with _handlers(STOPPING, lambda signum, frame: pending.append(signum)):
         yield
-        return
-    try:
-        yield
-    finally:
-        for s, h in old.items():
-            signal.signal(s, h)
-        if pending:
-            signal.raise_signal(pending[0])
+    if pending:
+        signal.raise_signal(pending[0])
 
 
 def worker_signals() -> None:
