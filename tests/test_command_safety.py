@@ -344,3 +344,80 @@ def test_train_refuses_a_model_that_cannot_fit_before_allocating(tmp_path, monke
                        r"this host has available 0\.0 GiB"):  # fmt: skip
         train(_cfg(tmp_path / "run"))
     assert not (tmp_path / "run").exists()
+
+
+def test_prepare_and_plot_on_a_full_disk_say_so_in_one_line(tmp_path, monkeypatch, capsys):
+    """prepare (OSError) and plot (50 lines, a 0-byte loss.png) gave tracebacks."""
+    from matplotlib.figure import Figure
+
+    from moe_jax import plot, prepare
+    from moe_jax.metrics import MetricsWriter
+    from tests.test_plot import records
+
+    src = tmp_path / "in.txt"
+    src.write_text("To be, or not to be\n" * 100)
+    real_write = prepare._write_store
+
+    def full(tmp, *a, **k):
+        (tmp / "tokens.bin").write_bytes(b"half")
+        raise _full_disk(tmp / "tokens.bin")
+
+    monkeypatch.setattr(prepare, "_write_store", full)
+    out = tmp_path / "store"
+    assert prepare.main([str(src), "--tokenizer", "byte", "--out", str(out)]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "no space left" in err and "tokens.bin" in err, err
+    assert not out.exists() and _siblings(out) == []
+    monkeypatch.setattr(prepare, "_write_store", real_write)
+
+    with MetricsWriter(tmp_path, tensorboard=False) as writer:
+        for r in records():
+            writer.write(r)
+    assert plot.main([str(tmp_path)]) == 0
+    before = (tmp_path / "loss.png").read_bytes()
+    capsys.readouterr()
+
+    def half_then_full(self, fname, **k):
+        Path(fname).write_bytes(b"\x89PNG half")
+        raise _full_disk(fname)
+
+    monkeypatch.setattr(Figure, "savefig", half_then_full)
+    assert plot.main([str(tmp_path)]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "no space left" in err, err
+    assert (tmp_path / "loss.png").read_bytes() == before  # the old plot, whole
+    assert _siblings(tmp_path / "loss.png") == []
+
+
+@pytest.mark.parametrize("command", ["quantize", "export"])
+def test_quantize_and_export_stopped_leave_nothing(tmp_path, command):
+    """SIGTERM while the output is written: one line, exit 143, no output and no sibling (a
+    hidden sibling of up to 203 MB stayed); after kill -9 the rerun removes the sibling."""
+    from moe_jax.trainer import train
+    from tests.test_train import _cfg
+
+    run = tmp_path / "run"  # Qwen3-MoE-shaped, so that it exports
+    train(_cfg(run, "attention.qkv_bias=false", "moe.router_bias=false"), stop_at=2)
+    args = {
+        "quantize": ["-m", "moe_jax.quantize", str(run)],
+        "export": ["-m", "moe_jax.interop", "export", str(run)],
+    }[command]
+    out = tmp_path / "out"
+    for signum in (signal.SIGTERM, signal.SIGKILL):
+        cmd = [sys.executable, *args, "--out", str(out)]
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True)  # fmt: skip
+        while not _siblings(out) and proc.poll() is None:
+            time.sleep(0.001)
+        proc.send_signal(signum)
+        _, err = proc.communicate(timeout=120)
+        assert proc.returncode in (128 + signum, -signum), err  # not finished first
+        assert not out.exists()
+        if signum == signal.SIGTERM:
+            assert err.strip().splitlines()[-1] == (
+                f"error: stopped by SIGTERM; nothing was written to '{out}'"
+            ), err
+            assert "Traceback" not in err and _siblings(out) == []
+    subprocess.run([sys.executable, *args, "--out", str(out)], cwd=ROOT, check=True,
+                   capture_output=True)  # fmt: skip
+    assert out.is_dir() and _siblings(out) == []
