@@ -111,11 +111,14 @@ def _per_device(tree, extra=lambda path: 0) -> dict:
 
 
 def _shortfall(need: dict) -> str | None:
-    """ "X GiB per device where Y has Z GiB" if `need` (device -> bytes) exceeds the devices'
-    memory (per accelerator, or in all on a CPU host, whose devices share its memory)."""
-    device = next(iter(need))
+    """The shortfall, 'X GiB per device where Y has Z GiB', if `need` (device -> bytes)
+    exceeds the memory: each accelerator's, or on a CPU host what its devices of this process
+    need in all (they share the host's memory); None if it fits or no one can tell."""
+    # one of this process's devices: another host's cannot report its memory
+    device = next((d for d in need if d.process_index == jax.process_index()), next(iter(need)))
     if device.platform == "cpu":
-        needed, have, where = sum(need.values()), host_memory(), "this host has available"
+        mine = [n for d, n in need.items() if d.process_index == device.process_index]
+        needed, have, where = sum(mine), host_memory(), "this host has available"
     else:
         have = device_memory(device)
         if have is None:

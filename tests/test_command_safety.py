@@ -398,10 +398,25 @@ def test_quantize_and_export_stopped_leave_nothing(tmp_path, command):
 
     run = tmp_path / "run"  # Qwen3-MoE-shaped, so that it exports
     train(_cfg(run, "attention.qkv_bias=false", "moe.router_bias=false"), stop_at=2)
-    args = {
-        "quantize": ["-m", "moe_jax.quantize", str(run)],
-        "export": ["-m", "moe_jax.interop", "export", str(run)],
-    }[command]
+    # The command with one step of its writing slowed down, so that the signal surely lands
+    # while its output is being written (a tiny run's is written in milliseconds).
+    module, owner, name, argv = {
+        "quantize": ("moe_jax.quantize", "moe_jax.run.store", "keep_tokenizer_files", []),
+        "export": ("moe_jax.interop", "moe_jax.interop.safetensors_io.ShardWriter", "add",
+                   ["export"]),
+    }[command]  # fmt: skip
+    slow = (
+        "import importlib, runpy, sys, time\n"
+        f"path = {owner!r}.split('.')\n"
+        "try:\n    owner = importlib.import_module('.'.join(path))\n"
+        "except ImportError:\n"
+        "    owner = getattr(importlib.import_module('.'.join(path[:-1])), path[-1])\n"
+        f"real = getattr(owner, {name!r})\n"
+        "def slowly(*a, **k):\n    time.sleep(0.5)\n    return real(*a, **k)\n"
+        f"setattr(owner, {name!r}, slowly)\n"
+        f"runpy.run_module({module!r}, run_name='__main__')\n"
+    )
+    args = ["-c", slow, *argv, str(run)]
     out = tmp_path / "out"
     for signum in (signal.SIGTERM, signal.SIGKILL):
         cmd = [sys.executable, *args, "--out", str(out)]
@@ -418,6 +433,7 @@ def test_quantize_and_export_stopped_leave_nothing(tmp_path, command):
                 f"error: stopped by SIGTERM; nothing was written to '{out}'"
             ), err
             assert "Traceback" not in err and _siblings(out) == []
-    subprocess.run([sys.executable, *args, "--out", str(out)], cwd=ROOT, check=True,
-                   capture_output=True)  # fmt: skip
+    subprocess.run(
+        [sys.executable, *args, "--out", str(out)], cwd=ROOT, check=True, capture_output=True
+    )  # fmt: skip (slowed, but not stopped)
     assert out.is_dir() and _siblings(out) == []
