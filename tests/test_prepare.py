@@ -105,9 +105,9 @@ def test_text_jsonl_and_parquet_give_the_direct_encoding(tmp_path, bpe_dir, kind
 
 
 def test_separator_splits_a_text_file_read_in_blocks(tmp_path, monkeypatch):
-    import moe_jax.prepare as prep
+    from moe_jax.data import inputs
 
-    monkeypatch.setattr(prep, "TEXT_BLOCK", 7)  # blocks cut the separator and '✓' (3 bytes)
+    monkeypatch.setattr(inputs, "TEXT_BLOCK", 7)  # blocks cut the separator and '✓' (3 bytes)
     f = tmp_path / "corpus.txt"
     f.write_text("<sep>".join(DOCS) + "<sep>")  # a trailing separator makes no empty document
     prepare([str(f)], ByteTokenizer(), tmp_path / "out", separator="<sep>")
