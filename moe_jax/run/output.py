@@ -133,9 +133,9 @@ def new_output(out: Path, what: str) -> Iterator[Path]:
     make_dir(out.parent, f"the parent directory of {what}")
     remove_dead_siblings(out)
     tmp = sibling_name(out)
-    make_dir(tmp, f"a temporary directory next to {what}")
-    try:
+    try:  # the signals raise from before the sibling exists: a SIGTERM never leaves it
         with stop_on_signals():
+            make_dir(tmp, f"a temporary directory next to {what}")
             yield tmp
             if out.is_dir() and not out.is_symlink() and not any(out.iterdir()):
                 out.rmdir()
