@@ -203,7 +203,7 @@ def test_init_from_restores_the_source_params_onto_the_new_mesh(source, tmp_path
     tx = make_optimizer(cfg.train)
     mesh = make_mesh(cfg)
     _, abstract = init_state(cfg, tx, abstract=True, mesh=mesh)
-    state = start_state(init_source(cfg, None, print), abstract, tx)
+    state, _ = start_state(init_source(cfg, None, print), abstract, tx)
     _, model, _ = load_run(src)
     want = nnx.to_flat_state(nnx.state(model, nnx.Param))
     got = dict(nnx.to_flat_state(state["params"]))

@@ -1,7 +1,7 @@
 """A new run that starts from another run's params (`init_from`).
 
     source = init_source(cfg, resume_step, log)    # the run to start from, read only; or None
-    state = start_state(source, abstract_state, tx)  # its params on this run's mesh, new Adam
+    state, source = start_state(source, abstract_state, tx)  # its params on this mesh, new Adam
 
 init_from: the source's latest checkpoint (or `init_step`) is read, never written or locked:
 its params are restored straight onto the new run's mesh and shardings (fp32 master
