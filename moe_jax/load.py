@@ -54,16 +54,21 @@ def open_run(run_dir: str | Path, step: int | None = None) -> OpenRun:
     return newest_again(read, step)
 
 
+# Each retry means that training saved a newer checkpoint while one was read: after this many,
+# the reader is slower than the run's checkpoint interval and is told so.
+READ_TRIES = 5
+
+
 def newest_again(read: Callable[[int | None], T], step: int | None) -> T:
     """`read(step)`; where no step was asked for and the checkpoint read, the newest then, was
     removed meanwhile (a run training there keeps only its newest `checkpoint.keep`),
-    `read(None)` once more: the newest now. A step asked for stays asked for."""
-    try:
-        return read(step)
-    except CheckpointRemoved:
-        if step is not None:
-            raise
-        return read(None)
+    `read(None)` again: the newest now. A step asked for stays asked for."""
+    for _ in range(READ_TRIES - 1 if step is None else 0):
+        try:
+            return read(None)
+        except CheckpointRemoved:
+            pass
+    return read(step)
 
 
 def read_run_meta(run_dir: str | Path, step: int | None = None) -> dict:

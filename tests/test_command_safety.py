@@ -225,31 +225,6 @@ def test_export_and_quantize_on_a_full_disk_say_so_in_one_line(tmp_path, monkeyp
     assert not (tmp_path / "q").exists() and _siblings(tmp_path / "q") == []
 
 
-def test_import_stopped_mid_save_leaves_no_run(tmp_path, monkeypatch, capsys):
-    """A half-written import (a train.lock, an unfinished checkpoint) was refused by the rerun
-    ('exists and is not empty') and read by sample.py as a run without checkpoints."""
-    from moe_jax.interop.__main__ import main
-    from moe_jax.run.store import Checkpointer
-    from tests.test_interop import hf_model
-
-    hf_dir, out = tmp_path / "hf", tmp_path / "run"
-    hf_model("llama", seed=7, vocab_size=256).save_pretrained(hf_dir)
-    save = Checkpointer.save
-
-    def stopped(self, *a, **k):
-        save(self, *a, **k)  # the checkpoint's files are there when the signal comes
-        raise Interrupted(signal.SIGTERM)
-
-    monkeypatch.setattr(Checkpointer, "save", stopped)
-    capsys.readouterr()  # save_pretrained's progress bar
-    assert main(["import", str(hf_dir), "--out", str(out)]) == 128 + signal.SIGTERM
-    err = capsys.readouterr().err
-    assert err == f"error: stopped by SIGTERM; nothing was written to '{out}'\n", err
-    assert not out.exists() and _siblings(out) == []
-    monkeypatch.setattr(Checkpointer, "save", save)
-    assert main(["import", str(hf_dir), "--out", str(out)]) == 0  # the rerun just works
-
-
 # ----------------------------------------------------------------------------- readers
 
 
@@ -315,6 +290,39 @@ def test_init_from_a_training_run_takes_its_newest(two_checkpoints, monkeypatch,
     monkeypatch.setattr(ocp.CheckpointManager, "restore", training_meanwhile)
     train(_cfg(tmp_path / "new", f"init_from={run}"), stop_at=1)
     assert f"initialised from {run} step 4" in capsys.readouterr().out
+
+
+def test_readers_racing_keep_1_training_never_report_damage(tmp_path):
+    """Real training (train.py, a checkpoint every third step, keep=1) under back-to-back
+    reads that take about as long as a checkpoint interval: every read gets a whole
+    checkpoint; none is told the run is damaged (one in three was) or has no checkpoint."""
+    from moe_jax.load import load_run, read_run_meta
+    from moe_jax.run.layout import CHECKPOINT_DIR
+    from tests.helpers import TINY_BASE
+    from tests.test_train import TINY, subprocess_env
+
+    run = tmp_path / "run"
+    args = [*TINY, *TINY_BASE, "checkpoint.every=3", "checkpoint.keep=1", f"run_dir={run}"]
+    proc = subprocess.Popen([sys.executable, "train.py", "configs/tiny.yaml", *args], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=subprocess_env())  # fmt: skip
+    try:
+        saved = lambda: {p.name for p in (run / CHECKPOINT_DIR).glob("*") if p.name.isdigit()}
+        deadline = time.monotonic() + 300  # a safety net against a hung child
+        while not saved():
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            time.sleep(0.05)
+        seen, reads = set(), 0
+        while len(seen) < 6 and proc.poll() is None:  # reads raced 5 deletions at least
+            seen |= saved()
+            read_run_meta(run)
+            load_run(run)
+            reads += 1
+        assert proc.poll() is None, proc.communicate()
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.communicate(timeout=300)
+    assert reads >= 3
 
 
 def test_tasks_orphaned_by_a_failed_restore_are_not_logged(caplog):
@@ -389,21 +397,30 @@ def test_prepare_and_plot_on_a_full_disk_say_so_in_one_line(tmp_path, monkeypatc
     assert _siblings(tmp_path / "loss.png") == []
 
 
-@pytest.mark.parametrize("command", ["quantize", "export"])
-def test_quantize_and_export_stopped_leave_nothing(tmp_path, command):
+@pytest.mark.parametrize("command", ["quantize", "export", "import"])
+def test_quantize_export_and_import_stopped_leave_nothing(tmp_path, command):
     """SIGTERM while the output is written: one line, exit 143, no output and no sibling (a
-    hidden sibling of up to 203 MB stayed); after kill -9 the rerun removes the sibling."""
-    from moe_jax.trainer import train
-    from tests.test_train import _cfg
+    hidden sibling of up to 203 MB stayed; an import left a half-written run); after kill -9
+    the rerun removes the sibling."""
+    if command == "import":
+        pytest.importorskip("transformers", reason="import needs the `interop` extra")
+        from tests.test_interop import hf_model
 
-    run = tmp_path / "run"  # Qwen3-MoE-shaped, so that it exports
-    train(_cfg(run, "attention.qkv_bias=false", "moe.router_bias=false"), stop_at=2)
+        source = tmp_path / "hf"
+        hf_model("llama", seed=7, vocab_size=256).save_pretrained(source)
+    else:
+        from moe_jax.trainer import train
+        from tests.test_train import _cfg
+
+        source = tmp_path / "run"  # Qwen3-MoE-shaped, so that it exports
+        train(_cfg(source, "attention.qkv_bias=false", "moe.router_bias=false"), stop_at=2)
     # The command with one step of its writing slowed down, so that the signal surely lands
     # while its output is being written (a tiny run's is written in milliseconds).
     module, owner, name, argv = {
         "quantize": ("moe_jax.quantize", "moe_jax.run.store", "keep_tokenizer_files", []),
         "export": ("moe_jax.interop", "moe_jax.interop.safetensors_io.ShardWriter", "add",
                    ["export"]),
+        "import": ("moe_jax.interop", "moe_jax.run.store.Checkpointer", "save", ["import"]),
     }[command]  # fmt: skip
     slow = (
         "import importlib, runpy, sys, time\n"
@@ -416,7 +433,7 @@ def test_quantize_and_export_stopped_leave_nothing(tmp_path, command):
         f"setattr(owner, {name!r}, slowly)\n"
         f"runpy.run_module({module!r}, run_name='__main__')\n"
     )
-    args = ["-c", slow, *argv, str(run)]
+    args = ["-c", slow, *argv, str(source)]
     out = tmp_path / "out"
     for signum in (signal.SIGTERM, signal.SIGKILL):
         cmd = [sys.executable, *args, "--out", str(out)]

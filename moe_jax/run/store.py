@@ -24,6 +24,7 @@ import os
 import re
 import shutil
 import sys
+import time
 import warnings
 from pathlib import Path
 
@@ -56,11 +57,21 @@ def _manager(run_dir: Path, **options) -> ocp.CheckpointManager:
     )
 
 
+# A reader's listing of the steps may race the deletions of a run training there; each try that
+# meets one lists again (each try takes milliseconds, a checkpoint's save far longer).
+LISTING_TRIES = 5
+
+
 def read_only_manager(run_dir: Path) -> ocp.CheckpointManager | None:
     if not (run_dir / CHECKPOINT_DIR).is_dir():
         return None
     # Not `read_only=True`, which logs warnings on every use: a manager that is never asked to
     # save, creates no directory and writes no root metadata writes nothing.
+    for _ in range(LISTING_TRIES - 1):
+        try:
+            return _manager(run_dir, create=False, save_root_metadata=False)
+        except FileNotFoundError:  # a step listed was removed (by training) while read: again
+            pass
     return _manager(run_dir, create=False, save_root_metadata=False)
 
 
@@ -122,7 +133,7 @@ def restore(manager: ocp.CheckpointManager, step: int, run_dir: Path, **items):
             restored[name] = manager.restore(step, args=ocp.args.Composite(**{name: args}))[name]
         except Exception as e:
             _quiet_orphaned_tasks()
-            if not (run_dir / CHECKPOINT_DIR / str(step)).exists():
+            if _being_removed(run_dir, step):
                 raise CheckpointRemoved(
                     f"checkpoint {step} in '{run_dir}' was removed while reading it (a run "
                     "training there keeps only its newest checkpoint.keep checkpoints); read "
@@ -130,6 +141,17 @@ def restore(manager: ocp.CheckpointManager, step: int, run_dir: Path, **items):
                 ) from None
             raise RunError(_damaged(manager, step, run_dir, name, e)) from None
     return ocp.args.Composite(**restored)
+
+
+def _being_removed(run_dir: Path, step: int, wait_s: float = 2.0) -> bool:
+    """Whether checkpoint `step` is gone, or going: training deletes an old checkpoint file by
+    file once it has saved a newer one, so a read can fail on a directory still there."""
+    step_dir = run_dir / CHECKPOINT_DIR / str(step)
+    newer = any(p.name.isdigit() and int(p.name) > step for p in step_dir.parent.iterdir())
+    deadline = time.monotonic() + (wait_s if newer else 0.0)
+    while step_dir.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return not step_dir.exists()
 
 
 class CheckpointRemoved(RunError):
@@ -207,8 +229,13 @@ def open_checkpoints(run_dir: Path, step: int | None) -> tuple[ocp.CheckpointMan
             f"run directory '{run_dir}' does not exist; train one with "
             f"`python train.py run_dir={run_dir}`"
         )
-    manager = read_only_manager(run_dir)
-    steps = sorted(manager.all_steps()) if manager else []
+    for _ in range(LISTING_TRIES):
+        manager = read_only_manager(run_dir)
+        steps = sorted(manager.all_steps()) if manager else []
+        # None listed, yet one there now: the listing met the old step going and the new one
+        # not yet finished (a run training there); list again.
+        if steps or not any(p.name.isdigit() for p in (run_dir / CHECKPOINT_DIR).glob("*")):
+            break
     if not steps:
         raise RunError(
             f"no checkpoint in '{run_dir}'; train (or resume) with "
