@@ -42,6 +42,7 @@ import threading
 import time
 from collections import deque
 from concurrent.futures import Future, ProcessPoolExecutor
+from multiprocessing import resource_tracker
 from pathlib import Path
 
 import numpy as np
@@ -134,6 +135,24 @@ def _finished(value) -> Future:
     return future
 
 
+def _start_quiet_resource_tracker() -> None:
+    """multiprocessing's resource tracker outlives a command killed with -9 and frees the
+    pool's semaphores, warning once per command on the terminal that it did ('There appear
+    to be 5 leaked semaphore objects'): the kill was the user's, the cleanup is expected.
+    The tracker is a process of its own that reads its warning filters from the environment
+    at start, so it starts here, with the filter, if it does not run yet."""
+    before = os.environ.get("PYTHONWARNINGS")
+    quiet = "ignore:resource_tracker:UserWarning"
+    os.environ["PYTHONWARNINGS"] = f"{before},{quiet}" if before else quiet
+    try:
+        resource_tracker.ensure_running()
+    finally:
+        if before is None:
+            del os.environ["PYTHONWARNINGS"]
+        else:
+            os.environ["PYTHONWARNINGS"] = before
+
+
 @contextlib.contextmanager
 def _encoder(tok: Tokenizer, field: str, dtype: np.dtype, workers: int):
     """A function chunk -> Future of `encode_chunk(chunk)`: run by a pool of worker processes,
@@ -148,6 +167,7 @@ def _encoder(tok: Tokenizer, field: str, dtype: np.dtype, workers: int):
     # imported this module once; the workers fork from it in milliseconds.
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload([__name__])
+    _start_quiet_resource_tracker()
     # The workers are started before a stopping signal counts: one cut off half-started
     # would not be the pool's to join.
     pool = None
