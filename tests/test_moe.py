@@ -46,9 +46,13 @@ def dense_reference(moe: MoE, x_BTD: jax.Array) -> jax.Array:
     for e in range(m.n_experts):
         xin = x_BTD * w_BTE[..., e : e + 1] if m.route_scale == "input" else x_BTD
         b = lambda name, e=e: getattr(ex, name)[...][e] if hasattr(ex, name) else 0.0
-        h = jax.nn.silu(xin @ ex.w_gate[...][e] + b("gate_bias")) * (
-            xin @ ex.w_up[...][e] + b("up_bias")
-        )
+        gate, up = xin @ ex.w_gate[...][e] + b("gate_bias"), xin @ ex.w_up[...][e] + b("up_bias")
+        if m.swiglu_limit > 0:  # transformers' GptOssExperts._apply_gate
+            gate = jnp.clip(gate, None, m.swiglu_limit)
+            up = jnp.clip(up, -m.swiglu_limit, m.swiglu_limit)
+            h = gate * jax.nn.sigmoid(gate * m.swiglu_alpha) * (up + 1)
+        else:
+            h = jax.nn.silu(gate) * up
         y = h @ ex.w_down[...][e] + b("down_bias")
         if m.route_scale == "input":
             # Unpicked experts get no input at all (not a zero input: biases would leak).
@@ -87,6 +91,14 @@ VARIANTS = {
         "moe.shared_expert_hidden=24",
     ],
     "sigmoid_top2_expert_bias": ["moe.score=sigmoid", "moe.top_k=2", "moe.expert_bias=true"],
+    # gpt-oss's experts: biased, clamped SwiGLU (a limit low enough that the tiny model's
+    # gate and up values cross it on both sides), top-k then softmax over the k
+    "clamped_swiglu_top2": [
+        "moe.top_k=2",
+        "moe.router_bias=true",
+        "moe.expert_bias=true",
+        "moe.swiglu_limit=0.8",
+    ],
     "softmax_top3_shared_bias": [
         "moe.top_k=3",
         "moe.n_experts=8",
@@ -109,12 +121,17 @@ def test_no_drop_equals_dense_reference(name, n_groups):
     assert float(stats["dropped_frac"]) == 0.0
 
 
-@pytest.mark.parametrize("unrolled", [True, False], ids=["unrolled", "lax_map"])
-def test_big_buffers_run_one_expert_at_a_time_and_match(unrolled, monkeypatch):
+@pytest.mark.parametrize(
+    "unrolled,name",
+    [(True, "softmax_top3_shared_bias"), (False, "softmax_top3_shared_bias"),
+     (True, "clamped_swiglu_top2")],
+)  # fmt: skip
+def test_big_buffers_run_one_expert_at_a_time_and_match(unrolled, name, monkeypatch):
     """Buffers of >= MAP_MIN_CAPACITY slots run one expert at a time (training sizes),
     unrolled up to UNROLL_MAX_EXPERTS experts, else in a `lax.map`: values and gradients
-    equal the dense reference's."""
-    cfg = tiny_config("moe.capacity_factor=0", *VARIANTS["softmax_top3_shared_bias"])
+    (a backward written by hand, gpt-oss's clamped SwiGLU's too) equal the dense
+    reference's."""
+    cfg = tiny_config("moe.capacity_factor=0", *VARIANTS[name])
     E = cfg.moe.n_experts
     one_expert_at_a_time(monkeypatch, unrolled)
     moe = MoE(cfg, rngs=nnx.Rngs(0))

@@ -46,8 +46,12 @@ def assert_grads_equal(grads, ref_grads):
     "impl,name",
     # sigmoid input scaling, top-1 and a shared expert; softmax top-3 with a shared expert and
     # expert biases (softmax top-2 with expert biases is checked, dropping, in the next test,
-    # megablox there too)
-    [("ragged", "sigmoid_input_shared"), ("ragged", "softmax_top3_shared_bias")],
+    # megablox there too); gpt-oss's clamped SwiGLU through the hand-written backward
+    [
+        ("ragged", "sigmoid_input_shared"),
+        ("ragged", "softmax_top3_shared_bias"),
+        ("ragged", "clamped_swiglu_top2"),
+    ],
 )
 def test_grouped_no_drop_equals_dense_reference_values_and_gradients(impl, name):
     cfg = tiny_config("moe.capacity_factor=0", f"moe.impl={impl}", *VARIANTS[name])

@@ -22,7 +22,7 @@ REMAT_NAMES = {
 }
 ROPE_STYLES = ("half", "interleaved")
 QK_NORMS = ("none", "rms", "l2")
-ROPE_SCALINGS = ("none", "linear", "llama3")
+ROPE_SCALINGS = ("none", "linear", "llama3", "yarn")
 SCORES = ("softmax", "sigmoid")
 ROUTE_SCALES = ("output", "input")
 
@@ -30,11 +30,22 @@ ROUTE_SCALES = ("output", "input")
 @dataclass(frozen=True)
 class RopeScalingConfig:
     # none | linear (positions divided by factor) | llama3 (Llama-3/4 frequency-band scaling)
+    # | yarn (YaRN, arXiv:2309.00071: gpt-oss, DeepSeek-V3, Qwen long context)
     type: str = "none"
     factor: float = 8.0
-    low_freq_factor: float = 1.0
-    high_freq_factor: float = 4.0
-    original_max_position: int = 8192
+    low_freq_factor: float = 1.0  # llama3
+    high_freq_factor: float = 4.0  # llama3
+    original_max_position: int = 8192  # llama3, yarn
+    # yarn: the band of rotations (in turns over the original context) ramped from
+    # interpolated to kept as they are
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    truncate: bool = True  # yarn: round the band's ends to whole dims (gpt-oss: false)
+    # yarn: q and k are scaled by attention_factor (0 = 0.1 ln(factor) + 1, or from mscale
+    # and mscale_all_dim when set: DeepSeek's ratio of the two)
+    attention_factor: float = 0.0
+    mscale: float = 0.0
+    mscale_all_dim: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -184,6 +195,11 @@ class MoEConfig:
     shared_expert_hidden: int = 0  # 0 = no shared expert
     router_bias: bool = False
     expert_bias: bool = False
+    # > 0: gpt-oss's clamped SwiGLU in the experts (moe_jax/model/glu.py): gate clamped from
+    # above and up on both sides at this limit, h = gate * sigmoid(alpha gate) * (up + 1);
+    # 0: plain SwiGLU
+    swiglu_limit: float = 0.0
+    swiglu_alpha: float = 1.702
     capacity_factor: float = 1.25  # <= 0: no token is ever dropped
     lb_loss_weight: float = 0.01
     z_loss_weight: float = 1e-3
@@ -228,4 +244,6 @@ class MoEConfig:
             )
             positive(self, "moe", ["expert_hidden"])
             non_negative(self, "moe", ["shared_expert_hidden"])
-        non_negative(self, "moe", ["lb_loss_weight", "z_loss_weight"])
+        non_negative(self, "moe", ["lb_loss_weight", "z_loss_weight", "swiglu_limit"])
+        if self.swiglu_limit > 0:
+            positive(self, "moe", ["swiglu_alpha"])

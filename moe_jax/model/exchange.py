@@ -23,6 +23,7 @@ from moe_jax.config import MoEConfig
 from moe_jax.model import experts as experts_lib
 from moe_jax.model import gather
 from moe_jax.model.experts import down_bias, expert_swiglu, filled_slots, gathered_swiglu
+from moe_jax.model.glu import Activation
 from moe_jax.model.grouped import grouped_swiglu, inverse, sort_rows
 from moe_jax.model.routing import (
     Routing,
@@ -253,6 +254,7 @@ def buffer_exchange(x_bTD, w: dict, r: Routing, *, cfg: MoEConfig, dtype, impl, 
         sum_partials=False,
         impl=impl,
         row_chunks=cfg.row_chunks,
+        act=Activation.from_config(cfg),
     )
     y = to_owner(y_eSCD.transpose(1, 0, 2, 3)).reshape(E * r.cap, D)  # back home
     return from_buffers(y, r.slot, r.weights, cfg.route_scale)
@@ -291,8 +293,9 @@ def ragged_exchange(x_bTD, w, r: Routing, *, cfg: MoEConfig, dtype, impl, ep, tp
     # No expert gets more than C rows from each of the ep shards: the weight gradient runs
     # padded to that (`grouped_matmul`), not as a dense product over every local expert.
     y_mD = grouped_swiglu(
-        x_mD, w_in, sizes_e, expert_m, dtype, impl, ep * r.cap, cfg.row_chunks, whole
-    )
+        x_mD, w_in, sizes_e, expert_m, dtype, impl, ep * r.cap, cfg.row_chunks, whole,
+        act=Activation.from_config(cfg),
+    )  # fmt: skip
     if "down_bias" in w:  # added once in the later sum over `tensor`
         y_mD = y_mD + down_bias(w["down_bias"][expert_m], dtype, tp, summed=False)
     y_sD = move_rows(y_mD, n_send, offsets.back, "expert") if ep > 1 else y_mD
@@ -313,7 +316,7 @@ def own_experts(x_bTD, w, r: Routing, *, cfg: MoEConfig, dtype, impl, ep, tp) ->
         local = jnp.clip(r.experts - first, 0, E_loc - 1)
         y_bTD = gathered_swiglu(
             x_bTD, local, r.weights, r.keep & mine, w, dtype,
-            route_scale=cfg.route_scale, reduce_axis=tp,
+            route_scale=cfg.route_scale, reduce_axis=tp, act=Activation.from_config(cfg),
         )  # fmt: skip
     else:
         buf = to_buffers(x_bTD, r, E, cfg.route_scale).reshape(E, r.cap, D)
@@ -323,7 +326,7 @@ def own_experts(x_bTD, w, r: Routing, *, cfg: MoEConfig, dtype, impl, ep, tp) ->
         # output, not the E_loc x C buffer rows (E_loc times fewer bytes, dropless).
         y_eSCD = expert_swiglu(
             buf, w, dtype, filled_ES=filled[:, None], reduce_axis=tp, sum_partials=False,
-            impl=impl,
+            impl=impl, act=Activation.from_config(cfg),
         )  # fmt: skip
         own = r.slot - first * r.cap
         own = jnp.where((own >= 0) & (own < E_loc * r.cap), own, E_loc * r.cap)  # else reads 0

@@ -4,8 +4,8 @@ the GPU's batched matmul, the grouped matmul), or on a few tokens' picked expert
 weights (`gathered_swiglu`, decoding). The down projection's bias is added in one place
 (`down_bias`), once even where tensor-parallel partial sums are still to be summed.
 
-A new expert kind (another activation, clamped or biased experts) changes `swiglu_rows`,
-`gathered_swiglu` and the grouped/filled-rows kernels' elementwise step, nothing upstream.
+The gated activation (`glu.Activation`: SwiGLU, or gpt-oss's clamped form) is a static
+argument of every one of these paths; its hand-written backward lives in `glu` beside it.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from moe_jax import backends
 from moe_jax.config import Config
 from moe_jax.model import gather
 from moe_jax.model.filled_rows import swiglu_filled
+from moe_jax.model.glu import SWIGLU, Activation, glu
 from moe_jax.model.grouped import grouped_buffers
 from moe_jax.model.routing import scale_inputs, sum_choices
 from moe_jax.sharding import param
@@ -75,13 +76,13 @@ class Experts(nnx.Module):
         return {n: getattr(self, n)[...] for n in EXPERT_PARAMS if hasattr(self, n)}
 
 
-def swiglu_rows(x_CD, w: dict, dtype) -> jax.Array:
+def swiglu_rows(x_CD, w: dict, dtype, act: Activation = SWIGLU) -> jax.Array:
     """SwiGLU of rows [..., C, D] with weights [..., D, F] (a leading expert axis on both, or
     none), without the down-projection bias (added after any tensor-parallel sum)."""
     bias = lambda n: jnp.expand_dims(w[n].astype(dtype), -2) if n in w else 0
     gate_CF = jnp.matmul(x_CD, w["w_gate"].astype(dtype)) + bias("gate_bias")
     up_CF = jnp.matmul(x_CD, w["w_up"].astype(dtype)) + bias("up_bias")
-    return jnp.matmul(jax.nn.silu(gate_CF) * up_CF, w["w_down"].astype(dtype))
+    return jnp.matmul(glu(gate_CF, up_CF, act), w["w_down"].astype(dtype))
 
 
 def down_bias(bias_nD: jax.Array, dtype, reduce_axis: str | None = None, summed=True):
@@ -104,6 +105,7 @@ def expert_swiglu(
     sum_partials=True,
     impl: str = "buckets",
     row_chunks: int = 1,
+    act: Activation = SWIGLU,
 ):
     """Each expert's SwiGLU on its buffer: E experts x S segments (routing groups) x C slots.
     A segment is filled from the front, `filled_ES` rows (None: any may be full); outputs of
@@ -129,13 +131,13 @@ def expert_swiglu(
     if not grouped:  # the grouped matmul names its own rows (`grouped_swiglu`)
         x_ESCD = checkpoint_name(x_ESCD, "expert_in")
     if impl == "batched":  # every slot, one batched matmul: no conditionals
-        y_ESCD = swiglu_rows(x_ESCD.reshape(E, S * C, D), w_in, dtype).reshape(E, S, C, D)
+        y_ESCD = swiglu_rows(x_ESCD.reshape(E, S * C, D), w_in, dtype, act).reshape(E, S, C, D)
     elif grouped:
         if reduce_axis is not None:  # a hand-written backward again: see below
             x_ESCD = jax.lax.pcast(x_ESCD, reduce_axis, to="varying")
         if filled_ES is None:
             filled_ES = jnp.full((E, S), C, jnp.int32)
-        y_ESCD = grouped_buffers(x_ESCD, w_in, dtype, filled_ES, impl, row_chunks)
+        y_ESCD = grouped_buffers(x_ESCD, w_in, dtype, filled_ES, impl, row_chunks, act)
     elif S * C >= MAP_MIN_CAPACITY:
         if reduce_axis is not None:
             # Each tensor shard's input cotangent is a partial sum. `filled_rows`' hand-written
@@ -149,7 +151,8 @@ def expert_swiglu(
         # Rows [S * C, D] per expert: with S = 1, XLA:CPU gave a [E, 1, C, D] operand a
         # layout with the size-1 axis first and copied it into the map's default layout.
         def one_expert(a):
-            return swiglu_filled(a[0].reshape(S, C, D), a[1], a[2], dtype).reshape(S * C, D)
+            y_SCD = swiglu_filled(a[0].reshape(S, C, D), a[1], a[2], dtype, act)
+            return y_SCD.reshape(S * C, D)
 
         per_expert = (x_ESCD.reshape(E, S * C, D), w_in, filled_ES)
         F = w["w_gate"].shape[-1]
@@ -166,7 +169,7 @@ def expert_swiglu(
             y_ESCD = jax.lax.map(one_expert, per_expert)
         y_ESCD = y_ESCD.reshape(E, S, C, D)
     else:
-        y_ESCD = swiglu_rows(x_ESCD.reshape(E, S * C, D), w_in, dtype).reshape(E, S, C, D)
+        y_ESCD = swiglu_rows(x_ESCD.reshape(E, S * C, D), w_in, dtype, act).reshape(E, S, C, D)
     if reduce_axis is not None and sum_partials:
         y_ESCD = jax.lax.psum(y_ESCD, reduce_axis)
     if "down_bias" in w:
@@ -176,7 +179,16 @@ def expert_swiglu(
 
 
 def gathered_swiglu(
-    x_BTD, experts_BTK, w_BTK, keep_BTK, weights, dtype, *, route_scale: str, reduce_axis=None
+    x_BTD,
+    experts_BTK,
+    w_BTK,
+    keep_BTK,
+    weights,
+    dtype,
+    *,
+    route_scale: str,
+    reduce_axis=None,
+    act: Activation = SWIGLU,
 ) -> jax.Array:
     """Few tokens (decoding): every assignment through its own expert's gathered weights,
     reading only the picked experts. `weights`: the `Experts` module (whose int8 weights
@@ -193,7 +205,7 @@ def gathered_swiglu(
     x_BTKD = scale_inputs(x_BTKD, w_BTK, route_scale)
     gate = rows_matmul(x_BTKD, pick("w_gate")) + pick("gate_bias")
     up = rows_matmul(x_BTKD, pick("w_up")) + pick("up_bias")
-    y_BTKD = rows_matmul(jax.nn.silu(gate) * up, pick("w_down"))
+    y_BTKD = rows_matmul(glu(gate, up, act), pick("w_down"))
     if reduce_axis is not None:
         y_BTKD = jax.lax.psum(y_BTKD, reduce_axis)
     if source("down_bias") is not None:

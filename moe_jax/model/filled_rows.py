@@ -28,6 +28,8 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
+from moe_jax.model.glu import SWIGLU, Activation, glu, glu_vjp
+
 # Checkpoint names of the expert's output (what combine's backward needs) and of the
 # residuals of its own backward: `model.remat=dots` keeps both (see `remat.py`).
 SAVED_NAMES = ("expert_out", "expert_gate_up")
@@ -55,7 +57,7 @@ def _cast(w: dict, dtype) -> dict:
     return {n: a.astype(dtype) for n, a in w.items()}
 
 
-def _forward_rows(r: int, x_CD, w, dtype):
+def _forward_rows(r: int, x_CD, w, dtype, act: Activation):
     """SwiGLU of the first r rows, outputs padded to C rows: (y_CD, gate_CF, up_CF)."""
     # r = 0 (nothing filled) goes through the same code: its matmuls are empty, and the zeros
     # it pads with carry the inputs' sharding types, as a switch needs under shard_map.
@@ -64,26 +66,23 @@ def _forward_rows(r: int, x_CD, w, dtype):
     x_rD = x_CD[:r]
     gate_rF = x_rD @ w["w_gate"] + w.get("gate_bias", 0)
     up_rF = x_rD @ w["w_up"] + w.get("up_bias", 0)
-    y_rD = (jax.nn.silu(gate_rF) * up_rF) @ w["w_down"]
+    y_rD = glu(gate_rF, up_rF, act) @ w["w_down"]
     return tuple(_pad_rows(a, C) for a in (y_rD, gate_rF, up_rF))
 
 
-def _backward_rows(r: int, x_CD, w, gate_CF, up_CF, dy_CD, dtype):
+def _backward_rows(r: int, x_CD, w, gate_CF, up_CF, dy_CD, dtype, act: Activation):
     """Cotangents of x (padded to C rows) and of each weight, from the first r rows."""
     C = x_CD.shape[0]
     wc = _cast(w, dtype)
     x_rD, gate_rF, up_rF, dy_rD = (a[:r].astype(dtype) for a in (x_CD, gate_CF, up_CF, dy_CD))
-    sig_rF = jax.nn.sigmoid(gate_rF)
-    silu_rF = gate_rF * sig_rF
     dh_rF = dy_rD @ wc["w_down"].T
-    dup_rF = dh_rF * silu_rF
-    dgate_rF = dh_rF * up_rF * sig_rF * (1 + gate_rF * (1 - sig_rF))
+    h_rF, dgate_rF, dup_rF = glu_vjp(gate_rF, up_rF, dh_rF, act)
     dx_rD = dgate_rF @ wc["w_gate"].T + dup_rF @ wc["w_up"].T
     rows_T = lambda a, b: jnp.einsum("rd,rf->df", a, b)  # contracted over the r rows
     grads = {
         "w_gate": rows_T(x_rD, dgate_rF),
         "w_up": rows_T(x_rD, dup_rF),
-        "w_down": rows_T(silu_rF * up_rF, dy_rD),
+        "w_down": rows_T(h_rF, dy_rD),
         "gate_bias": jnp.sum(dgate_rF, axis=0),
         "up_bias": jnp.sum(dup_rF, axis=0),
     }
@@ -91,16 +90,17 @@ def _backward_rows(r: int, x_CD, w, gate_CF, up_CF, dy_CD, dtype):
     return _pad_rows(dx_rD, C).astype(x_CD.dtype), grads
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def swiglu_filled(x_SCD, w: dict, filled_S, dtype) -> jax.Array:
-    """SwiGLU of each segment's first filled rows (rounded up to a bucket); zeros past them."""
-    return _swiglu_filled_fwd(x_SCD, w, filled_S, dtype)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def swiglu_filled(x_SCD, w: dict, filled_S, dtype, act: Activation = SWIGLU) -> jax.Array:
+    """SwiGLU (`act`) of each segment's first filled rows (rounded up to a bucket); zeros past
+    them."""
+    return _swiglu_filled_fwd(x_SCD, w, filled_S, dtype, act)[0]
 
 
-def _swiglu_filled_fwd(x_SCD, w, filled_S, dtype):
+def _swiglu_filled_fwd(x_SCD, w, filled_S, dtype, act=SWIGLU):
     buckets = row_buckets(x_SCD.shape[1])
     index_S = bucket_index(filled_S, buckets)
-    branches = [functools.partial(_forward_rows, r, dtype=dtype) for r in buckets]
+    branches = [functools.partial(_forward_rows, r, dtype=dtype, act=act) for r in buckets]
     ys, gates, ups = zip(
         *(jax.lax.switch(index_S[s], branches, x_SCD[s], w) for s in range(x_SCD.shape[0])),
         strict=True,
@@ -114,11 +114,11 @@ def _swiglu_filled_fwd(x_SCD, w, filled_S, dtype):
     return y_SCD, (x_SCD, w, index_S, gate_up)
 
 
-def _swiglu_filled_bwd(dtype, residuals, dy_SCD):
+def _swiglu_filled_bwd(dtype, act, residuals, dy_SCD):
     x_SCD, w, index_S, gate_up = residuals
     gate_SCF, up_SCF = (a.reshape(*x_SCD.shape[:2], -1) for a in gate_up)
     buckets = row_buckets(x_SCD.shape[1])
-    branches = [functools.partial(_backward_rows, r, dtype=dtype) for r in buckets]
+    branches = [functools.partial(_backward_rows, r, dtype=dtype, act=act) for r in buckets]
     dxs, dws = zip(
         *(
             jax.lax.switch(index_S[s], branches, x_SCD[s], w, gate_SCF[s], up_SCF[s], dy_SCD[s])

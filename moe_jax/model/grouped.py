@@ -25,6 +25,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from moe_jax import backends
 from moe_jax.model.filled_rows import SAVED_NAMES
+from moe_jax.model.glu import SWIGLU, Activation, glu, glu_vjp
 
 MEGABLOX_TILE = (512, 1024, 1024)  # rows, contracted, output: MaxText's default tiling
 
@@ -126,6 +127,7 @@ def grouped_swiglu(
     max_group: int | None = None,
     row_chunks: int = 1,
     whole=None,
+    act: Activation = SWIGLU,
 ) -> jax.Array:
     """SwiGLU of rows sorted by expert, without the down-projection bias (added by the caller
     after any tensor-parallel sum, like `experts.swiglu_rows`). `expert_n`: each row's expert,
@@ -142,10 +144,10 @@ def grouped_swiglu(
         plan = chunk_plan(x_nD.shape[0], sizes_E.shape[0], row_chunks, max_group)
         if whole is not None and plan.experts == sizes_E.shape[0]:  # by rows: all at once
             w, whole = whole(w), None
-        return _swiglu_chunked(x_nD, w, sizes_E, expert_n, impl, max_group, row_chunks, whole)
+        return _swiglu_chunked(x_nD, w, sizes_E, expert_n, impl, max_group, row_chunks, act, whole)
     if whole is not None:
         w = whole(w)
-    return _swiglu_sorted(x_nD, w, sizes_E, expert_n, impl, max_group)
+    return _swiglu_sorted(x_nD, w, sizes_E, expert_n, impl, max_group, act)
 
 
 def _projections(x_nD, w, sizes_E, expert_n, impl):
@@ -157,35 +159,33 @@ def _projections(x_nD, w, sizes_E, expert_n, impl):
     return gate_nF, up_nF
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
-def _swiglu_sorted(x_nD, w, sizes_E, expert_n, impl, max_group):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
+def _swiglu_sorted(x_nD, w, sizes_E, expert_n, impl, max_group, act):
     """The grouped SwiGLU with a hand-written backward that keeps only the rows and the
     gate/up products (by `filled_rows`' checkpoint names, so `model.remat=dots` keeps the
     same ones on both paths) and recomputes the rest: left to autodiff, every layer also kept
     silu(gate) * up and the sigmoid, [rows, F] each (Qwen3-30B-A3B on v5p-128: ~5 GiB a step)."""
-    return _swiglu_sorted_fwd(x_nD, w, sizes_E, expert_n, impl, max_group)[0]
+    return _swiglu_sorted_fwd(x_nD, w, sizes_E, expert_n, impl, max_group, act)[0]
 
 
-def _swiglu_sorted_fwd(x_nD, w, sizes_E, expert_n, impl, max_group):
+def _swiglu_sorted_fwd(x_nD, w, sizes_E, expert_n, impl, max_group, act):
     gate_nF, up_nF = _projections(x_nD, w, sizes_E, expert_n, impl)
     gate_nF, up_nF = checkpoint_name((gate_nF, up_nF), SAVED_NAMES[1])
-    y_nD = grouped_matmul(jax.nn.silu(gate_nF) * up_nF, w["w_down"], sizes_E, impl)
+    y_nD = grouped_matmul(glu(gate_nF, up_nF, act), w["w_down"], sizes_E, impl)
     y_nD = checkpoint_name(y_nD, SAVED_NAMES[0])
     return y_nD, (x_nD, w, sizes_E, expert_n, gate_nF, up_nF)
 
 
-def _swiglu_sorted_bwd(impl, max_group, residuals, dy_nD):
+def _swiglu_sorted_bwd(impl, max_group, act, residuals, dy_nD):
     x_nD, w, sizes_E, expert_n, gate_nF, up_nF = residuals
 
     def matmul_vjp(a_nK, w_EKN, dout_nN):  # each kernel's own transposes (and max_group's)
         mm = lambda a, b: grouped_matmul(a, b, sizes_E, impl, max_group)
         return jax.vjp(mm, a_nK, w_EKN)[1](dout_nN)
 
-    sig_nF = jax.nn.sigmoid(gate_nF)
-    silu_nF = gate_nF * sig_nF
-    dh_nF, dw_down = matmul_vjp(silu_nF * up_nF, w["w_down"], dy_nD)
-    dup_nF = dh_nF * silu_nF
-    dgate_nF = dh_nF * up_nF * sig_nF * (1 + gate_nF * (1 - sig_nF))
+    h_nF = glu(gate_nF, up_nF, act)
+    dh_nF, dw_down = matmul_vjp(h_nF, w["w_down"], dy_nD)
+    _, dgate_nF, dup_nF = glu_vjp(gate_nF, up_nF, dh_nF, act)
     dx_gate, dw_gate = matmul_vjp(x_nD, w["w_gate"], dgate_nF)
     dx_up, dw_up = matmul_vjp(x_nD, w["w_up"], dup_nF)
     dw = {"w_gate": dw_gate, "w_up": dw_up, "w_down": dw_down}
@@ -220,8 +220,8 @@ def chunk_plan(n: int, n_experts: int, n_chunks: int, max_group: int | None) -> 
     return Chunks(n_chunks, -(-n // n_chunks), n_experts)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
-def _swiglu_chunked(x_nD, w, sizes_E, expert_n, impl, max_group, n_chunks, whole):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8))
+def _swiglu_chunked(x_nD, w, sizes_E, expert_n, impl, max_group, n_chunks, act, whole):
     """`_swiglu_sorted` over `n_chunks` windows of the sorted rows, one after the other,
     forward and backward (`chunk_plan`): the [rows, F] intermediates (gate, up, their product
     and gradients: 3.3 GiB each for Mixtral's 122,880 received rows a chip at 12 x 4096
@@ -230,7 +230,8 @@ def _swiglu_chunked(x_nD, w, sizes_E, expert_n, impl, max_group, n_chunks, whole
     `expert_gate_up` / `expert_out` have nothing to keep here (the config refuses them).
     Outputs and gradients are summed over the windows (rows past a window's groups add
     zeros), in the compute dtype. `whole`: see `grouped_swiglu` (by experts only)."""
-    return _swiglu_chunked_fwd(x_nD, w, sizes_E, expert_n, impl, max_group, n_chunks, whole)[0]
+    args = (x_nD, w, sizes_E, expert_n, impl, max_group, n_chunks, act, whole)
+    return _swiglu_chunked_fwd(*args)[0]
 
 
 def _window(plan: Chunks, c, x_pD, w, sizes_E, expert_p, max_group):
@@ -268,7 +269,7 @@ def _padded(plan: Chunks, n, *arrays):
     return [jnp.pad(a, ((0, pad),) + ((0, 0),) * (a.ndim - 1)) for a in arrays]
 
 
-def _swiglu_chunked_fwd(x_nD, w, sizes_E, expert_n, impl, max_group, n_chunks, whole):
+def _swiglu_chunked_fwd(x_nD, w, sizes_E, expert_n, impl, max_group, n_chunks, act, whole):
     n, D = x_nD.shape
     plan = chunk_plan(n, sizes_E.shape[0], n_chunks, max_group)
     x_pD, expert_p = _padded(plan, n, x_nD, expert_n)
@@ -278,14 +279,14 @@ def _swiglu_chunked_fwd(x_nD, w, sizes_E, expert_n, impl, max_group, n_chunks, w
         lo, x_cD, w_c, sizes_cE, expert_c, group_max = _window(
             plan, c, x_pD, w, sizes_E, expert_p, max_group
         )
-        y_cD = _swiglu_sorted_fwd(x_cD, whole(w_c), sizes_cE, expert_c, impl, group_max)[0]
+        y_cD = _swiglu_sorted_fwd(x_cD, whole(w_c), sizes_cE, expert_c, impl, group_max, act)[0]
         return _add_at(y_pD, lo, y_cD), None
 
     y_pD, _ = jax.lax.scan(one, jnp.zeros_like(x_pD), jnp.arange(plan.count))
     return y_pD[:n], (x_nD, w, sizes_E, expert_n)
 
 
-def _swiglu_chunked_bwd(impl, max_group, n_chunks, whole, residuals, dy_nD):
+def _swiglu_chunked_bwd(impl, max_group, n_chunks, act, whole, residuals, dy_nD):
     x_nD, w, sizes_E, expert_n = residuals
     n, D = x_nD.shape
     plan = chunk_plan(n, sizes_E.shape[0], n_chunks, max_group)
@@ -300,8 +301,8 @@ def _swiglu_chunked_bwd(impl, max_group, n_chunks, whole, residuals, dy_nD):
         dy_cD = jax.lax.dynamic_slice_in_dim(dy_pD, lo, plan.rows)
         # gathered again, and the gradient split back: the gather's transpose
         w_c, split_back = jax.vjp(whole, w_c)
-        _, res = _swiglu_sorted_fwd(x_cD, w_c, sizes_cE, expert_c, impl, group_max)
-        dx_cD, dw_c, _, _ = _swiglu_sorted_bwd(impl, group_max, res, dy_cD)
+        _, res = _swiglu_sorted_fwd(x_cD, w_c, sizes_cE, expert_c, impl, group_max, act)
+        dx_cD, dw_c, _, _ = _swiglu_sorted_bwd(impl, group_max, act, res, dy_cD)
         (dw_c,) = split_back(dw_c)
         first = 0 if plan.experts == sizes_E.shape[0] else c * plan.experts
         dw = {k: _add_at(dw[k], first, dw_c[k]) for k in dw}
@@ -315,7 +316,9 @@ def _swiglu_chunked_bwd(impl, max_group, n_chunks, whole, residuals, dy_nD):
 _swiglu_chunked.defvjp(_swiglu_chunked_fwd, _swiglu_chunked_bwd)
 
 
-def grouped_buffers(x_ESCD, w: dict, dtype, filled_ES, impl: str, row_chunks=1) -> jax.Array:
+def grouped_buffers(
+    x_ESCD, w: dict, dtype, filled_ES, impl: str, row_chunks=1, act: Activation = SWIGLU
+) -> jax.Array:
     """`experts.expert_swiglu`'s computation on capacity buffers (E experts x S segments x C
     slots, each segment filled from the front) as one grouped matmul over the filled rows
     only: the rows are compacted by expert, run, and put back (empty slots give zeros).
@@ -326,5 +329,7 @@ def grouped_buffers(x_ESCD, w: dict, dtype, filled_ES, impl: str, row_chunks=1) 
     filled_n = (jnp.arange(C)[None, None, :] < filled_ES[:, :, None]).reshape(-1)
     order_n, sizes_E = sort_rows(expert_n, filled_n, E)
     x_nD = x_ESCD.reshape(E * S * C, D)[order_n]
-    y_nD = grouped_swiglu(x_nD, w, sizes_E, expert_n[order_n], dtype, impl, S * C, row_chunks)
+    y_nD = grouped_swiglu(
+        x_nD, w, sizes_E, expert_n[order_n], dtype, impl, S * C, row_chunks, act=act
+    )
     return y_nD[inverse(order_n)].reshape(E, S, C, D)

@@ -52,6 +52,7 @@ from moe_jax.model.experts import (
     filled_slots,
     gathered_swiglu,
 )
+from moe_jax.model.glu import Activation
 from moe_jax.model.grouped import grouped_swiglu, inverse, sort_rows
 from moe_jax.model.routing import (
     Routing,
@@ -134,7 +135,7 @@ class MoE(nnx.Module):
             # of running all E experts on mostly empty buffers. Same drops as the buffers.
             y_BTD = gathered_swiglu(
                 x_BTD, merge(r_G.experts), merge(r_G.weights), merge(r_G.keep), self.experts,
-                self.dtype, route_scale=self.cfg.route_scale,
+                self.dtype, route_scale=self.cfg.route_scale, act=Activation.from_config(self.cfg),
             )  # fmt: skip
         elif self._impl() in GROUPED_IMPLS:
             # With a capacity no expert takes more than the groups' slots: the weight gradient
@@ -172,8 +173,9 @@ class MoE(nnx.Module):
         w = self.experts.weights()
         bias = w.pop("down_bias", None)
         y_nD = grouped_swiglu(
-            x_nD, w, sizes_E, expert_n, self.dtype, self._impl(), max_group, self.cfg.row_chunks
-        )
+            x_nD, w, sizes_E, expert_n, self.dtype, self._impl(), max_group, self.cfg.row_chunks,
+            act=Activation.from_config(self.cfg),
+        )  # fmt: skip
         if bias is not None:
             y_nD = y_nD + down_bias(bias[expert_n], self.dtype)
         y_BTKD = y_nD[inverse(order_n)].reshape(B, T, K, D)
@@ -194,6 +196,7 @@ class MoE(nnx.Module):
             self.dtype,
             filled_ES=filled_GE.T,
             impl=self._impl(),
+            act=Activation.from_config(self.cfg),
         )
         y_GSD = y_EGCD.transpose(1, 0, 2, 3).reshape(G, E * cap, D)
         return jax.vmap(from_buffers, in_axes=(0, 0, 0, None))(y_GSD, r_G.slot, r_G.weights, scale)
