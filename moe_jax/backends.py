@@ -125,29 +125,37 @@ def cudnn_installed() -> bool:
     return True
 
 
-def takes(impl: str, dtype=None, length: int | None = None) -> bool:
+def takes(impl: str, dtype=None, length: int | None = None, sinks: bool = False) -> bool:
     """Whether a fused kernel takes these operands here: cuDNN attention computes in 16 bits
-    only, and needs cuDNN on the host; splash tiles the sequence by 128. Where auto's kernel
-    does not, the CPU's path runs."""
+    only, needs cuDNN on the host and has no attention sinks (JAX's API takes none); splash
+    tiles the sequence by 128. Where auto's kernel does not, the CPU's path runs."""
     import jax.numpy as jnp
 
     if impl == "cudnn":
         return (dtype is None or jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16)) and (
-            cudnn_installed()
+            cudnn_installed() and not sinks
         )
     if impl == "splash" and length is not None:
         return length % 128 == 0
     return True
 
 
-def choose(kernel: str, impl: str, *, dtype=None, length: int | None = None) -> str:
+def choose(
+    kernel: str, impl: str, *, dtype=None, length: int | None = None, sinks: bool = False
+) -> str:
     """The implementation of `kernel` to trace: `impl`, or the target's own for auto (the
-    CPU's where that kernel does not take the operands' `dtype` or sequence `length`). A
-    kernel named for another backend is refused here, in one line, not by the compiler."""
+    CPU's where that kernel does not take the operands' `dtype`, sequence `length` or
+    attention `sinks`). A kernel named for another backend, or for sinks it cannot take, is
+    refused here, in one line, not by the compiler."""
     backend = target()
     if impl == "auto":
         pick = AUTO.get(backend, AUTO["cpu"])[kernel]
-        return pick if takes(pick, dtype, length) else AUTO["cpu"][kernel]
+        return pick if takes(pick, dtype, length, sinks) else AUTO["cpu"][kernel]
+    if impl == "cudnn" and sinks:
+        raise KernelError(
+            "attention.impl=cudnn takes no attention sinks (JAX's cuDNN attention has no sink "
+            "logits); set attention.impl=auto or blocked, which take them"
+        )
     need = ONLY_ON.get(impl)
     on_cpu_too = backend == "cpu" and impl in INTERPRETED_ON_CPU
     if need is not None and backend != need and not on_cpu_too:

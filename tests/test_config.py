@@ -139,8 +139,8 @@ VALIDATION_CASES = {
         "attention.qk_norm='layer' is not supported; use one of none, rms, l2",
     ),
     "rope_scaling_type": (
-        ["attention.rope_scaling.type=yarn"],
-        "attention.rope_scaling.type='yarn' is not supported; use one of none, linear, llama3",
+        ["attention.rope_scaling.type=ntk"],
+        "attention.rope_scaling.type='ntk' is not supported; use one of none, linear, llama3, yarn",
     ),
     "score": (["moe.score=relu"], "moe.score='relu' is not supported; use one of softmax, sigmoid"),
     "route_scale": (

@@ -332,8 +332,8 @@ def write_config(directory, **values) -> None:
     [
         ({"architectures": ["GPT2LMHeadModel"]}, "unsupported architecture 'GPT2LMHeadModel'"),
         (
-            {"architectures": ["LlamaForCausalLM"], "rope_scaling": {"rope_type": "yarn"}},
-            "rope type 'yarn'",
+            {"architectures": ["LlamaForCausalLM"], "rope_scaling": {"rope_type": "longrope"}},
+            "rope type 'longrope'",
         ),
         ({"architectures": ["LlamaForCausalLM"], "mlp_bias": True}, "mlp_bias=true"),
         ({"architectures": ["MixtralForCausalLM"], "hidden_act": "gelu"}, "hidden_act='gelu'"),

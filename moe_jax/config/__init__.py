@@ -114,13 +114,22 @@ class Config:
         n = self.attention.nope_interval
         return not (n > 0 and (layer + 1) % n == 0)
 
+    def uses_window(self, layer: int) -> bool:
+        """Whether `layer` attends within attention.sliding_window (not every
+        full_attention_interval-th layer)."""
+        a = self.attention
+        n = a.full_attention_interval
+        return a.sliding_window > 0 and not (n > 0 and (layer + 1) % n == 0)
+
     def is_moe(self, layer: int) -> bool:
         return self.moe.n_experts > 0 and (layer + 1) % self.moe.interleave_step == 0
 
     @property
     def layer_period(self) -> int:
-        """Smallest block of layers whose (RoPE, MoE) pattern repeats."""
-        return math.lcm(max(self.attention.nope_interval, 1), self.moe.interleave_step)
+        """Smallest block of layers whose (RoPE, window, MoE) pattern repeats."""
+        a = self.attention
+        intervals = (a.nope_interval, a.full_attention_interval, self.moe.interleave_step)
+        return math.lcm(*(max(n, 1) for n in intervals))
 
     def check(self) -> None:
         """Every section's own checks, then the rules that span sections."""

@@ -142,6 +142,10 @@ class AttentionConfig:
     attn_scale: float = 0.1
     chunk_size: int = 0  # chunked local attention on RoPE layers; 0 = off
     sliding_window: int = 0  # attend to the last `sliding_window` positions; 0 = off
+    # with sliding_window: every full_attention_interval-th layer attends to the whole
+    # context instead (gpt-oss: 2, layers 1, 3, ...); 0 = the window on every layer
+    full_attention_interval: int = 0
+    sinks: bool = False  # a learned sink logit per query head in each softmax (gpt-oss)
     qkv_bias: bool = False
     o_bias: bool = False
     # Kernel (moe_jax/backends.py): auto (the backend's own) | blocked (blocked softmax with a
@@ -159,7 +163,12 @@ class AttentionConfig:
             f"attention.n_heads ({self.n_heads}) must be divisible by attention.n_kv_heads "
             f"({self.n_kv_heads}) for grouped-query attention",
         )
-        non_negative(self, "attention", ["nope_interval"])
+        non_negative(self, "attention", ["nope_interval", "full_attention_interval"])
+        require(
+            self.full_attention_interval == 0 or self.sliding_window > 0,
+            "attention.full_attention_interval picks the layers without the sliding window; "
+            "set attention.sliding_window too, or full_attention_interval=0",
+        )
         require(
             self.chunk_size >= 0,
             f"attention.chunk_size must be >= 0 (0 = off), got {self.chunk_size}",

@@ -230,7 +230,40 @@ def rope_from_hf(hf: HFConfig, default_theta: float) -> tuple[float, RopeScaling
             high_freq_factor=need("high_freq_factor"),
             original_max_position=int(original),
         )
-    raise hf.refuse(f"rope type '{kind}'", "only default, linear and llama3 RoPE exist here")
+    if kind == "yarn":
+        # transformers' defaults: null/0 betas are 32 and 1, a missing truncate is true, a
+        # top-level original_max_position_embeddings wins (Phi-3 style), and a null factor is
+        # max_position_embeddings / original (DeepSeek-V3)
+        original = int(
+            hf.values.get(
+                "original_max_position_embeddings",
+                params.get("original_max_position_embeddings", hf["max_position_embeddings"]),
+            )
+        )
+        if "factor" not in params:  # transformers requires the key, if only to be null
+            raise InteropError(f"{hf.architecture}: yarn RoPE parameters lack 'factor'")
+        factor = params["factor"]
+        if factor is None:
+            factor = hf["max_position_embeddings"] / original
+        attention = params.get("attention_factor")
+        # Ours reads 0 as "derive it"; transformers would scale q and k by an explicit 0
+        hf.require(
+            attention is None or attention > 0,
+            f"yarn attention_factor={attention}",
+            "a positive attention factor, or none to derive it",
+        )
+        return float(theta), RopeScalingConfig(
+            type="yarn",
+            factor=float(factor),
+            original_max_position=original,
+            beta_fast=float(params.get("beta_fast") or 32.0),
+            beta_slow=float(params.get("beta_slow") or 1.0),
+            truncate=bool(params.get("truncate", True)),
+            attention_factor=float(attention or 0.0),
+            mscale=float(params.get("mscale") or 0.0),
+            mscale_all_dim=float(params.get("mscale_all_dim") or 0.0),
+        )
+    raise hf.refuse(f"rope type '{kind}'", "only default, linear, llama3 and yarn RoPE exist here")
 
 
 def rope_to_hf(a: AttentionConfig) -> dict:
@@ -239,6 +272,21 @@ def rope_to_hf(a: AttentionConfig) -> dict:
         return {"rope_type": "default", "rope_theta": a.rope_theta}
     if s.type == "linear":
         return {"rope_type": "linear", "rope_theta": a.rope_theta, "factor": s.factor}
+    if s.type == "yarn":
+        out = {
+            "rope_type": "yarn",
+            "rope_theta": a.rope_theta,
+            "factor": s.factor,
+            "original_max_position_embeddings": s.original_max_position,
+            "beta_fast": s.beta_fast,
+            "beta_slow": s.beta_slow,
+            "truncate": s.truncate,
+        }
+        # 0 is "unset" here, an absent key to transformers (which would use an explicit 0)
+        for key in ("attention_factor", "mscale", "mscale_all_dim"):
+            if getattr(s, key):
+                out[key] = getattr(s, key)
+        return out
     return {
         "rope_type": "llama3",
         "rope_theta": a.rope_theta,

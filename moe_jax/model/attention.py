@@ -1,4 +1,6 @@
-"""Grouped-query attention with RoPE/NoPE, QK-norm, chunked-local and sliding-window masks.
+"""Grouped-query attention with RoPE/NoPE, QK-norm, chunked-local and sliding-window masks,
+and attention sinks (gpt-oss: a learned logit per head that joins every row's softmax
+denominator and takes no value, so a head can attend to nothing).
 
 RoPE, chunks and NoPE temperature tuning use the tokens' positions. With a KV cache
 (prefill, decoding) the causal mask and the sliding window come from positions too: the keys
@@ -39,7 +41,7 @@ from moe_jax import backends
 from moe_jax.config import Config
 from moe_jax.model import attention_kernels, gather
 from moe_jax.model.norm import RMSNorm, rms_norm
-from moe_jax.model.rope import apply_rope, rope_inv_freq
+from moe_jax.model.rope import apply_rope, rope_attention_factor, rope_inv_freq
 from moe_jax.sharding import param
 
 KVCache = dict[str, jax.Array]  # {"k": [B, S, K, hd], "v": [B, S, K, hd]}
@@ -90,8 +92,9 @@ def temperature_scale(positions_BT: jax.Array, floor_scale: float, attn_scale: f
     return jnp.log1p(jnp.floor((pos + 1.0) / floor_scale)) * attn_scale + 1.0
 
 
-def attend(q_BTHD, k_BSKD, v_BSKD, mask_BTS, scale: float) -> jax.Array:
-    """Masked softmax attention, query heads grouped over the K key/value heads (GQA)."""
+def attend(q_BTHD, k_BSKD, v_BSKD, mask_BTS, scale: float, sinks_KG=None) -> jax.Array:
+    """Masked softmax attention, query heads grouped over the K key/value heads (GQA);
+    `sinks_KG`: each query head's sink logit, in every row's denominator."""
     B, T, H, hd = q_BTHD.shape
     K = k_BSKD.shape[2]
     q_BTKGD = (q_BTHD * scale).reshape(B, T, K, H // K, hd)
@@ -100,9 +103,15 @@ def attend(q_BTHD, k_BSKD, v_BSKD, mask_BTS, scale: float) -> jax.Array:
     )
     logits_BKGTS = jnp.where(mask_BTS[:, None, None], logits_BKGTS, jnp.finfo(jnp.float32).min)
     # The max only keeps exp() in range; softmax does not depend on it, so no gradient flows.
-    shift = jax.lax.stop_gradient(jnp.max(logits_BKGTS, axis=-1, keepdims=True))
+    shift = jnp.max(logits_BKGTS, axis=-1, keepdims=True)
+    if sinks_KG is not None:
+        sink_1KG11 = sinks_KG.astype(jnp.float32)[None, :, :, None, None]
+        shift = jnp.maximum(shift, sink_1KG11)
+    shift = jax.lax.stop_gradient(shift)
     weights_BKGTS = jnp.exp(logits_BKGTS - shift)
     denom_BTKG = jnp.einsum("bkgts->btkg", weights_BKGTS)
+    if sinks_KG is not None:
+        denom_BTKG = denom_BTKG + jnp.exp(sink_1KG11 - shift)[..., 0].transpose(0, 3, 1, 2)
     out_BTKGD = jnp.einsum("bkgts,bskd->btkgd", weights_BKGTS.astype(v_BSKD.dtype), v_BSKD)
     out_BTKGD = out_BTKGD / denom_BTKG[..., None].astype(out_BTKGD.dtype)
     return out_BTKGD.reshape(B, T, H, hd)
@@ -139,12 +148,13 @@ class Attention(nnx.Module):
         self.use_rope = cfg.uses_rope(layer)
         self.rope_style = a.rope_style
         self.inv_freq = tuple(rope_inv_freq(hd, a.rope_theta, a.rope_scaling).tolist())
+        self.rope_scale = rope_attention_factor(a.rope_scaling)  # YaRN's, on q and k
         self.qk_norm = a.qk_norm
         self.norm_eps = cfg.model.norm_eps
         self.temperature_tuning = a.temperature_tuning and not self.use_rope
         self.floor_scale, self.attn_scale = a.floor_scale, a.attn_scale
         self.chunk_size = a.chunk_size if self.use_rope else 0  # NoPE layers attend globally
-        self.window = a.sliding_window
+        self.window = a.sliding_window if cfg.uses_window(layer) else 0
         self.impl = a.impl  # resolved for the target backend when traced (`backends.choose`)
 
         self.wq = param(rngs, init, (D, H, hd), ("embed", "heads", "head_dim"))
@@ -160,6 +170,15 @@ class Attention(nnx.Module):
         if a.qk_norm == "rms":
             self.q_norm = RMSNorm(hd, cfg.model.norm_eps, rngs=rngs)
             self.k_norm = RMSNorm(hd, cfg.model.norm_eps, rngs=rngs)
+        if a.sinks:
+            self.sinks = param(rngs, zeros, (H,), ("heads",))
+
+    def _sinks_KG(self) -> jax.Array | None:
+        """The sink logits [K, G] (query head h = k G + g), float32; None without sinks."""
+        if not hasattr(self, "sinks"):
+            return None
+        K = self.n_kv_heads
+        return self.sinks[...].astype(jnp.float32).reshape(K, self.n_heads // K)
 
     def _project(self, x_BTD: jax.Array, name: str) -> jax.Array:
         y = gather.einsum("btd,dhk->bthk", x_BTD, getattr(self, f"w{name}"), self.dtype)
@@ -187,8 +206,10 @@ class Attention(nnx.Module):
         if self.qk_norm == "rms":  # Qwen3: learned, before RoPE, every layer
             q_BTHD, k_BTKD = self.q_norm(q_BTHD), self.k_norm(k_BTKD)
         if self.use_rope:
-            q_BTHD = apply_rope(q_BTHD, positions_BT, self.inv_freq, self.rope_style)
-            k_BTKD = apply_rope(k_BTKD, positions_BT, self.inv_freq, self.rope_style)
+            rope = lambda x: apply_rope(
+                x, positions_BT, self.inv_freq, self.rope_style, self.rope_scale
+            )
+            q_BTHD, k_BTKD = rope(q_BTHD), rope(k_BTKD)
             if self.qk_norm == "l2":  # Llama 4: weightless, after RoPE, RoPE layers only
                 q_BTHD = rms_norm(q_BTHD, self.norm_eps)
                 k_BTKD = rms_norm(k_BTKD, self.norm_eps)
@@ -207,7 +228,13 @@ class Attention(nnx.Module):
 
     def _self_attention(self, q_BTHD, k_BTKD, v_BTKD, positions_BT, segments_BT) -> jax.Array:
         """Attention over the call's own tokens by the kernel chosen for the target backend."""
-        impl = backends.choose("attention", self.impl, dtype=q_BTHD.dtype, length=q_BTHD.shape[1])
+        impl = backends.choose(
+            "attention",
+            self.impl,
+            dtype=q_BTHD.dtype,
+            length=q_BTHD.shape[1],
+            sinks=hasattr(self, "sinks"),
+        )
         if impl == "blocked":
             return self._blocked(q_BTHD, k_BTKD, v_BTKD, positions_BT, segments_BT)
         ids_BT = attention_kernels.mask_ids(positions_BT, segments_BT, self.chunk_size)
@@ -217,7 +244,13 @@ class Attention(nnx.Module):
             )
         q_BTHD = q_BTHD * self.head_dim**-0.5  # as `_blocked` scales it: splash does not
         return attention_kernels.splash(
-            q_BTHD, k_BTKD, v_BTKD, ids_BT, window=self.window, checkpoint=ATTENTION_OUT
+            q_BTHD,
+            k_BTKD,
+            v_BTKD,
+            ids_BT,
+            window=self.window,
+            checkpoint=ATTENTION_OUT,
+            sinks_KG=self._sinks_KG(),
         )
 
     def _cached(self, q_BTHD, k_BTKD, v_BTKD, positions_BT, cache: KVCache):
@@ -232,7 +265,10 @@ class Attention(nnx.Module):
         k_pos_BS = jnp.broadcast_to(jnp.arange(S, dtype=positions_BT.dtype), (B, S))
         k_BSKD, v_BSKD = cache["k"].astype(self.dtype), cache["v"].astype(self.dtype)
         scale = self.head_dim**-0.5
-        attend_block = lambda q, pos: attend(q, k_BSKD, v_BSKD, self._mask(pos, k_pos_BS), scale)
+        sinks_KG = self._sinks_KG()
+        attend_block = lambda q, pos: attend(
+            q, k_BSKD, v_BSKD, self._mask(pos, k_pos_BS), scale, sinks_KG
+        )
         T = q_BTHD.shape[1]
         if T <= PREFILL_BLOCK:  # decoding, a short prompt
             return attend_block(q_BTHD, positions_BT), cache
@@ -282,7 +318,7 @@ class Attention(nnx.Module):
             parts[last] if first == last else jnp.concatenate(parts[first : last + 1], axis=1)
         )
         heads_first = lambda a: a.transpose(0, 2, 1, 3)  # [B, S, K, hd] -> [B, K, S, hd]
-        outs = []
+        outs, sinks_KG = [], self._sinks_KG()
         for i, (q_lo, q_hi, k_lo, _) in enumerate(blocks):
             first = k_lo // sizes[0]  # every chunk but the last has sizes[0] positions
             Tq = sizes[i]
@@ -298,6 +334,7 @@ class Attention(nnx.Module):
                 heads_first(seen(k_parts, first, i)),
                 heads_first(seen(v_parts, first, i)),
                 mask_BTS,
+                sinks_KG,
             )
             outs.append(out_BKMD.reshape(B, K, H // K, Tq, hd).transpose(0, 3, 1, 2, 4))
         out_BTKGD = outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=1)
@@ -314,25 +351,36 @@ def _masked_logits(q_BKMD, k_BKSD, mask_BTS) -> jax.Array:
     return logits_BKGTS.reshape(B, K, M, S)
 
 
+def _row_sinks(sinks_KG, T: int) -> jax.Array:
+    """[K, M] sink logits of the M = G * T rows (row m is head m // T), float32."""
+    return jnp.repeat(sinks_KG.astype(jnp.float32), T, axis=1)
+
+
 @jax.custom_vjp
-def block_attention(q_BKMD, k_BKSD, v_BKSD, mask_BTS) -> jax.Array:
+def block_attention(q_BKMD, k_BKSD, v_BKSD, mask_BTS, sinks_KG=None) -> jax.Array:
     """Masked softmax attention of M = G * T query rows (already scaled) to S keys, grouped by
-    key/value head: out [B, K, M, hd].
+    key/value head: out [B, K, M, hd]. `sinks_KG`: a sink logit per query head, added to its
+    rows' denominators (None: none).
 
     A hand-written backward, flash-attention style: only the output and the rows' log-sum-exp
     are kept, the probabilities are recomputed from q and k, and the two matmuls that contract
     over the query rows (dK = dS^T q, dV = P^T dO) take explicitly transposed [S, M] operands.
     Left to autodiff, XLA:CPU turned those into transposes of both orientations of the logits
     and slow matmul forms: this is ~25% faster for the medium benchmark's attention."""
-    return _block_attention_fwd(q_BKMD, k_BKSD, v_BKSD, mask_BTS)[0]
+    return _block_attention_fwd(q_BKMD, k_BKSD, v_BKSD, mask_BTS, sinks_KG)[0]
 
 
-def _block_attention_fwd(q_BKMD, k_BKSD, v_BKSD, mask_BTS):
+def _block_attention_fwd(q_BKMD, k_BKSD, v_BKSD, mask_BTS, sinks_KG=None):
     logits_BKMS = _masked_logits(q_BKMD, k_BKSD, mask_BTS)
     # The max only keeps exp() in range; the softmax does not depend on it.
     max_BKM = jnp.max(logits_BKMS, axis=-1)
+    if sinks_KG is not None:
+        sink_KM = _row_sinks(sinks_KG, mask_BTS.shape[1])
+        max_BKM = jnp.maximum(max_BKM, sink_KM)
     weights_BKMS = jnp.exp(logits_BKMS - max_BKM[..., None])
     denom_BKM = jnp.sum(weights_BKMS, axis=-1)
+    if sinks_KG is not None:
+        denom_BKM = denom_BKM + jnp.exp(sink_KM - max_BKM)
     # Normalised after the value product: divides the [M, hd] output, not the [M, S] weights.
     out_BKMD = jnp.einsum(
         "bkms,bksd->bkmd",
@@ -343,11 +391,11 @@ def _block_attention_fwd(q_BKMD, k_BKSD, v_BKSD, mask_BTS):
     out_BKMD = (out_BKMD / denom_BKM[..., None]).astype(q_BKMD.dtype)
     lse_BKM = max_BKM + jnp.log(denom_BKM)
     out_BKMD, lse_BKM = checkpoint_name((out_BKMD, lse_BKM), ATTENTION_OUT)
-    return out_BKMD, (q_BKMD, k_BKSD, v_BKSD, mask_BTS, out_BKMD, lse_BKM)
+    return out_BKMD, (q_BKMD, k_BKSD, v_BKSD, mask_BTS, sinks_KG, out_BKMD, lse_BKM)
 
 
 def _block_attention_bwd(residuals, dout_BKMD):
-    q_BKMD, k_BKSD, v_BKSD, mask_BTS, out_BKMD, lse_BKM = residuals
+    q_BKMD, k_BKSD, v_BKSD, mask_BTS, sinks_KG, out_BKMD, lse_BKM = residuals
     f32 = jnp.float32
     probs_BKMS = jnp.exp(_masked_logits(q_BKMD, k_BKSD, mask_BTS) - lse_BKM[..., None])
     dprobs_BKMS = jnp.einsum("bkmd,bksd->bkms", dout_BKMD, v_BKSD, preferred_element_type=f32)
@@ -368,11 +416,20 @@ def _block_attention_bwd(residuals, dout_BKMD):
     dk_BKSD = jnp.einsum(
         "bksm,bkmd->bksd", dlogits_BKSM.astype(q_BKMD.dtype), q_BKMD, preferred_element_type=f32
     )
+    dsinks_KG = None
+    if sinks_KG is not None:
+        # The sink is a column of logits with no value: its gradient is P_sink (0 - rowdot).
+        T = mask_BTS.shape[1]
+        dsink_BKM = -jnp.exp(_row_sinks(sinks_KG, T) - lse_BKM) * rowdot_BKM
+        B, K, M = dsink_BKM.shape
+        dsinks_KG = jnp.sum(dsink_BKM.reshape(B, K, M // T, T), axis=(0, 3))
+        dsinks_KG = dsinks_KG.astype(sinks_KG.dtype)
     return (
         dq_BKMD.astype(q_BKMD.dtype),
         dk_BKSD.astype(k_BKSD.dtype),
         dv_BKSD.astype(v_BKSD.dtype),
         None,
+        dsinks_KG,
     )
 
 

@@ -49,11 +49,12 @@ def mask_ids(
     return seg_BT * n + chunk_BT
 
 
-def per_device(fn, B: int, K: int, n_ids: int):
-    """`fn(q_BTHD, k_BTKD, v_BTKD, *ids_BT)` run on each device's rows and heads under the
-    active mesh (as is without one). Rows split over the batch axes whose sizes divide B (the
-    rest replicate, as `moe` does for a batch they do not divide); heads over `tensor` when
-    it divides the key/value heads (the config checks that it does)."""
+def per_device(fn, B: int, K: int, n_ids: int, n_per_head: int = 0):
+    """`fn(q_BTHD, k_BTKD, v_BTKD, *ids_BT, *per_head_K...)` run on each device's rows and
+    heads under the active mesh (as is without one). Rows split over the batch axes whose
+    sizes divide B (the rest replicate, as `moe` does for a batch they do not divide); heads
+    over `tensor` when it divides the key/value heads (the config checks that it does), the
+    `n_per_head` last arguments' leading [K, ...] axis with them."""
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty:
         return fn
@@ -65,10 +66,9 @@ def per_device(fn, B: int, K: int, n_ids: int):
     heads = "tensor" if "tensor" in mesh.shape and K % mesh.shape["tensor"] == 0 else None
     x = P(tuple(batch) or None, None, heads, None)
     ids = P(tuple(batch) or None, None)
+    in_specs = (x, x, x) + (ids,) * n_ids + (P(heads),) * n_per_head
     # Pallas and cuDNN calls carry no varying-axes types, so shard_map cannot check them.
-    return jax.shard_map(
-        fn, mesh=mesh, in_specs=(x, x, x) + (ids,) * n_ids, out_specs=x, check_vma=False
-    )
+    return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=x, check_vma=False)
 
 
 # ----------------------------------------------------------------------------- splash (TPU)
@@ -114,30 +114,37 @@ def splash(
     *,
     window: int = 0,
     checkpoint: str | None = None,
+    sinks_KG: jax.Array | None = None,
 ) -> jax.Array:
     """Causal self-attention by the splash kernel; q already scaled. `checkpoint` names the
-    output and log-sum-exp the backward keeps (as `block_attention`'s), for remat policies."""
+    output and log-sum-exp the backward keeps (as `block_attention`'s), for remat policies;
+    `sinks_KG`: each query head's sink logit (the kernel's own `sinks`)."""
     from jax.experimental.pallas.ops.tpu.splash_attention import SegmentIds
 
     B, T, H, hd = q_BTHD.shape
     K = k_BTKD.shape[2]
 
-    def local(q_bTHD, k_bTKD, v_bTKD, *ids):
+    ids = () if ids_BT is None else (ids_BT,)
+    sinks = () if sinks_KG is None else (sinks_KG,)
+
+    def local(q_bTHD, k_bTKD, v_bTKD, *rest):
         b, _, h, _ = q_bTHD.shape
         k_heads = k_bTKD.shape[2]
         kernel = _splash_kernel(T, h // k_heads, window, checkpoint)
         q_bKGTD = q_bTHD.reshape(b, T, k_heads, h // k_heads, hd).transpose(0, 2, 3, 1, 4)
         k_bKTD, v_bKTD = (a.transpose(0, 2, 1, 3) for a in (k_bTKD, v_bTKD))
+        ids_bT, sinks_kG = rest[: len(ids)], rest[len(ids) :]
 
         def row(q_KGTD, k_KTD, v_KTD, *ids_T):
             seg = SegmentIds(ids_T[0], ids_T[0]) if ids_T else None
-            return jax.vmap(lambda q, k, v: kernel(q, k, v, segment_ids=seg))(q_KGTD, k_KTD, v_KTD)
+            head = lambda q, k, v, *s: kernel(q, k, v, segment_ids=seg, sinks=s[0] if s else None)
+            return jax.vmap(head)(q_KGTD, k_KTD, v_KTD, *sinks_kG)
 
-        out_bKGTD = jax.vmap(row)(q_bKGTD, k_bKTD, v_bKTD, *ids)
+        out_bKGTD = jax.vmap(row)(q_bKGTD, k_bKTD, v_bKTD, *ids_bT)
         return out_bKGTD.transpose(0, 3, 1, 2, 4).reshape(b, T, h, hd)
 
-    ids = () if ids_BT is None else (ids_BT,)
-    return per_device(local, B, K, len(ids))(q_BTHD, k_BTKD, v_BTKD, *ids)
+    run = per_device(local, B, K, len(ids), len(sinks))
+    return run(q_BTHD, k_BTKD, v_BTKD, *ids, *sinks)
 
 
 # ----------------------------------------------------------------------------- cuDNN (GPU)

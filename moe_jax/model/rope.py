@@ -1,4 +1,4 @@
-"""Rotary position embeddings with Llama-3/4-style frequency scaling.
+"""Rotary position embeddings with linear, Llama-3/4-style and YaRN frequency scaling.
 
 Two layouts of the rotated pairs exist in the wild and checkpoints depend on which one:
 `half` rotates (x[i], x[i + d/2]) (Llama 2/3, Mixtral, Qwen), `interleaved` rotates
@@ -36,18 +36,70 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScalingConfig) -> np
             smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
             scaled = np.where(is_medium, smoothed, scaled)
         inv_freq = scaled
+    elif scaling.type == "yarn":
+        inv_freq = _yarn_inv_freq(inv_freq, head_dim, theta, scaling)
     return inv_freq
 
 
+def _yarn_inv_freq(
+    inv_freq_F: np.ndarray, head_dim: int, theta: float, s: RopeScalingConfig
+) -> np.ndarray:
+    """YaRN's "NTK-by-parts" (arXiv:2309.00071), step for step as transformers'
+    `_compute_yarn_parameters`: frequency i turns old_len * inv_freq[i] / 2pi times over the
+    original context; those turning fewer than beta_slow times are interpolated (divided by
+    factor), those turning more than beta_fast times kept, and a linear ramp over the index i
+    blends the two between."""
+    # transformers reads 0 (or null) as "unset"; a zero count would also make the log below blow up
+    beta_fast, beta_slow = s.beta_fast or 32.0, s.beta_slow or 1.0
+
+    def index_turning(n_turns: float) -> float:  # the (fractional) i turning n_turns times
+        old_len = s.original_max_position
+        return head_dim * math.log(old_len / (n_turns * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = index_turning(beta_fast), index_turning(beta_slow)
+    if s.truncate:  # gpt-oss turns this off; the rounded band differs by up to a dim each side
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001  # transformers' guard against a zero-width ramp, kept for equal results
+    ramp_F = np.clip((np.arange(head_dim // 2, dtype=np.float64) - low) / (high - low), 0, 1)
+    return inv_freq_F / s.factor * ramp_F + inv_freq_F * (1 - ramp_F)
+
+
+def rope_attention_factor(scaling: RopeScalingConfig) -> float:
+    """The factor cos and sin are multiplied by (so q.k by its square): 1 except for YaRN,
+    whose interpolated positions flatten attention and the paper sharpens it back."""
+    if scaling.type != "yarn":
+        return 1.0
+    if scaling.attention_factor:  # 0 = derive it, as transformers does for a missing one
+        return float(scaling.attention_factor)
+
+    def mscale(m: float) -> float:
+        return 1.0 if scaling.factor <= 1 else 0.1 * m * math.log(scaling.factor) + 1.0
+
+    # DeepSeek-V3 gives both and so a ratio (1 where they are equal: its factor goes into the
+    # softmax scale instead); transformers ignores one given without the other.
+    if scaling.mscale and scaling.mscale_all_dim:
+        return mscale(scaling.mscale) / mscale(scaling.mscale_all_dim)
+    return mscale(1.0)
+
+
 def apply_rope(
-    x_BTHD: jax.Array, positions_BT: jax.Array, inv_freq: np.ndarray, style: str
+    x_BTHD: jax.Array,
+    positions_BT: jax.Array,
+    inv_freq: np.ndarray,
+    style: str,
+    scale: float = 1.0,
 ) -> jax.Array:
-    """Rotate each head's feature pairs by angle position * inv_freq (computed in float32)."""
+    """Rotate each head's feature pairs by angle position * inv_freq (computed in float32) and
+    multiply by `scale` (`rope_attention_factor`; applied to q and k alike, like transformers)."""
     angles_BTF = positions_BT.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq, jnp.float32)
     # Materialised once: left to fusion, XLA:CPU recomputed sin and cos for every head and
     # element of the rotated tensors (and again in the backward), 0.34 s of the medium step.
     cos, sin = jax.lax.optimization_barrier((jnp.cos(angles_BTF), jnp.sin(angles_BTF)))
     cos, sin = cos[:, :, None, :], sin[:, :, None, :]  # [B, T, 1, D/2]
+    if scale != 1.0:  # on the [B, T, 1, D/2] tables, not on every head's rotated values
+        cos, sin = cos * scale, sin * scale
     x = x_BTHD.astype(jnp.float32)
     if style == "half":
         x1, x2 = jnp.split(x, 2, axis=-1)

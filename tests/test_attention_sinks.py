@@ -1,0 +1,139 @@
+"""Attention sinks (gpt-oss: a learned logit per query head that joins each row's softmax and
+takes no value) and layers alternating between a sliding window and full attention.
+
+Reference: the softmax over the masked logits with the sink as one more column, which is then
+dropped (transformers' `eager_attention_forward` for gpt-oss), written with plain jnp ops and
+differentiated by autodiff. float32 throughout (matmuls at full precision, conftest): the
+blocked path sums the same terms in another order, ~1e-6 relative; 2e-5 is ample and a sink
+left out or counted in the wrong row is off by its whole weight (~0.1-0.5 here).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from moe_jax import backends
+from moe_jax.model.attention import Attention, attention_mask
+from tests.helpers import forward, forward_cached, tiny_config
+
+TOL = dict(rtol=2e-5, atol=2e-5)
+B, T = 2, 384  # several query blocks of the blocked path, three of splash's tiles
+
+
+def naive(q_BTHD, k_BTKD, v_BTKD, mask_BTS, sinks_H, scale):
+    H, K = q_BTHD.shape[2], k_BTKD.shape[2]
+    k_BTHD, v_BTHD = (jnp.repeat(a, H // K, axis=2) for a in (k_BTKD, v_BTKD))
+    logits_BHTS = jnp.einsum("bthd,bshd->bhts", q_BTHD * scale, k_BTHD)
+    logits_BHTS = jnp.where(mask_BTS[:, None], logits_BHTS, -jnp.inf)
+    sink_BHT1 = jnp.broadcast_to(sinks_H[None, :, None, None], (*logits_BHTS.shape[:3], 1))
+    probs = jax.nn.softmax(jnp.concatenate([logits_BHTS, sink_BHT1], axis=-1), axis=-1)
+    return jnp.einsum("bhts,bshd->bthd", probs[..., :-1], v_BTHD)
+
+
+def _setup(*overrides, seed=0):
+    cfg = tiny_config("attention.sinks=true", *overrides)
+    attn = Attention(cfg, 0, rngs=nnx.Rngs(0))
+    H, K, hd = attn.n_heads, attn.n_kv_heads, attn.head_dim
+    ks = jax.random.split(jax.random.key(seed), 4)
+    attn.sinks[...] = jax.random.normal(ks[3], (H,))
+    qkv = (
+        jax.random.normal(ks[0], (B, T, H, hd)),
+        jax.random.normal(ks[1], (B, T, K, hd)),
+        jax.random.normal(ks[2], (B, T, K, hd)),
+    )
+    return attn, qkv
+
+
+def _value_and_grads(attn, impl, q, k, v, positions):
+    """Output and the gradients of q, k, v and the sinks of a loss weighting every output
+    element differently."""
+    attn.impl = impl
+    graph, params, rest = nnx.split(attn, nnx.Param, ...)
+
+    def loss(params, q, k, v):
+        out = nnx.merge(graph, params, rest)._self_attention(q, k, v, positions, None)
+        weights = jnp.cos(jnp.arange(out.size, dtype=out.dtype)).reshape(out.shape)
+        return jnp.sum(out * weights), out
+
+    grad = jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True)
+    (_, out), (d_params, dq, dk, dv) = jax.jit(grad)(params, q, k, v)
+    return out, (dq, dk, dv, d_params["sinks"][...])
+
+
+@pytest.mark.parametrize("window", [0, 100], ids=["causal", "window"])
+def test_blocked_sinks_equal_the_extra_softmax_column(window):
+    attn, (q, k, v) = _setup(f"attention.sliding_window={window}")
+    positions = jnp.broadcast_to(jnp.arange(T), (B, T))
+    got = _value_and_grads(attn, "blocked", q, k, v, positions)
+
+    idx = jnp.arange(T)
+    mask = attention_mask(positions, positions, window=window, order=(idx, idx))
+
+    def ref_loss(sinks, q, k, v):
+        out = naive(q, k, v, mask, sinks, attn.head_dim**-0.5)
+        return jnp.sum(out * jnp.cos(jnp.arange(out.size, dtype=out.dtype)).reshape(out.shape))
+
+    ref_grads = jax.grad(ref_loss, argnums=(1, 2, 3, 0))(attn.sinks[...], q, k, v)
+    want = (naive(q, k, v, mask, attn.sinks[...], attn.head_dim**-0.5), ref_grads)
+    for name, a, b in zip(("out", "dq", "dk", "dv", "dsinks"), (got[0], *got[1]),
+                          (want[0], *want[1]), strict=True):  # fmt: skip
+        np.testing.assert_allclose(a, b, **TOL, err_msg=name)
+    assert float(jnp.max(jnp.abs(got[1][3]))) > 1e-2  # the sinks really learn
+
+
+@pytest.mark.parametrize("window", [0, 100], ids=["causal", "window"])
+def test_splash_takes_the_sinks_like_blocked(window):
+    """The splash kernel's own `sinks` (interpreted here): values and every gradient."""
+    attn, (q, k, v) = _setup(f"attention.sliding_window={window}", seed=1)
+    positions = jnp.broadcast_to(jnp.arange(T), (B, T))
+    want = _value_and_grads(attn, "blocked", q, k, v, positions)
+    got = _value_and_grads(attn, "splash", q, k, v, positions)
+    for name, a, b in zip(("out", "dq", "dk", "dv", "dsinks"), (got[0], *got[1]),
+                          (want[0], *want[1]), strict=True):  # fmt: skip
+        np.testing.assert_allclose(a, b, **TOL, err_msg=name)
+
+
+def test_cudnn_takes_no_sinks_and_auto_falls_back_to_blocked():
+    with backends.targeting("gpu"):
+        assert backends.choose("attention", "auto", dtype=jnp.bfloat16, sinks=True) == "blocked"
+        with pytest.raises(backends.KernelError, match="takes no attention sinks"):
+            backends.choose("attention", "cudnn", dtype=jnp.bfloat16, sinks=True)
+
+
+def test_full_attention_interval_alternates_window_and_full_layers():
+    cfg = tiny_config(
+        "model.n_layers=4", "attention.sliding_window=8", "attention.full_attention_interval=2",
+        "attention.nope_interval=0", "moe.interleave_step=1",
+    )  # fmt: skip
+    assert [Attention(cfg, i, rngs=nnx.Rngs(0)).window for i in range(4)] == [8, 0, 8, 0]
+    assert cfg.layer_period == 2
+
+
+@pytest.mark.parametrize("scan", [False, True])
+def test_decoding_with_sinks_and_alternating_windows_equals_the_full_forward(scan):
+    """Prefill 20 tokens, then decode 20 one at a time, through the KV cache (`attend`, the
+    masks by position): the logits of the full 40-token forward (the blocked path, masks by
+    index), with a window of 8 on every other layer, so both masks and the sinks matter."""
+    from moe_jax.model import Transformer
+
+    cfg = tiny_config(
+        "model.n_layers=4", "attention.sinks=true", "attention.sliding_window=8",
+        "attention.full_attention_interval=2", f"model.scan_layers={str(scan).lower()}",
+    )  # fmt: skip
+    model = Transformer(cfg, rngs=nnx.Rngs(0))
+    for _, p in nnx.iter_graph(model):  # sinks far from 0 (their init), so they count
+        if isinstance(p, nnx.Param) and p[...].shape[-1:] == (cfg.attention.n_heads,):
+            p[...] = jax.random.normal(jax.random.key(3), p[...].shape) * 2
+    toks = jax.random.randint(jax.random.key(2), (2, 40), 0, cfg.model.vocab_size)
+    full = forward(model, toks)[0]
+    pos = jnp.broadcast_to(jnp.arange(40), (2, 40))
+    logits, _, cache = forward_cached(model, toks[:, :20], pos[:, :20], model.init_cache(2, 40))
+    steps = [logits]
+    for t in range(20, 40):
+        logits, _, cache = forward_cached(model, toks[:, t : t + 1], pos[:, t : t + 1], cache)
+        steps.append(logits)
+    np.testing.assert_allclose(jnp.concatenate(steps, axis=1), full, rtol=1e-5, atol=1e-5)
