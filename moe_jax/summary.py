@@ -93,7 +93,7 @@ def param_breakdown(cfg: Config) -> ParamBreakdown:
             used = 0
         total[comp] += size
         active[comp] += used
-        if comp not in ("embedding", "norms") and not names[-1].endswith("bias"):
+        if comp not in ("embedding", "norms") and not names[-1].endswith(("bias", "sinks")):
             active_matmul += used
     if cfg.model.tie_embeddings:  # the tied table is still multiplied with as the output head
         active_matmul += cfg.model.vocab_size * cfg.model.d_model

@@ -112,6 +112,31 @@ SPECS = {
         ),
         1,
     ),
+    "gpt_oss": (
+        "GptOssForCausalLM",
+        "GptOssConfig",
+        dict(
+            intermediate_size=32,
+            num_hidden_layers=4,  # layer_types: sliding, full, sliding, full
+            head_dim=16,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            sliding_window=6,
+            # low enough that the redrawn weights' gate and up values cross it
+            swiglu_limit=0.3,
+            rope_parameters=dict(
+                rope_type="yarn",
+                rope_theta=150000.0,
+                factor=4.0,
+                beta_fast=32.0,
+                beta_slow=1.0,
+                original_max_position_embeddings=64,  # x factor = max_position_embeddings
+                truncate=False,
+            ),
+            max_position_embeddings=256,
+        ),
+        1,
+    ),
     "llama": (
         "LlamaForCausalLM",
         "LlamaConfig",
@@ -282,6 +307,52 @@ def test_sharded_and_fused_checkpoints_import_identically(mixtral_dir):
         assert_same_params(plain, other)
 
 
+def test_gpt_oss_mxfp4_checkpoint_imports_its_dequantised_experts(tmp_path):
+    """A checkpoint as gpt-oss is released: the experts as MXFP4 `*_blocks` / `*_scales` and
+    a quantization_config. The weights are made MXFP4-exact first, so that a float checkpoint
+    of the same model exists: both import to identical params, and our logits equal those of
+    transformers' own MXFP4 loading (`Mxfp4Config(dequantize=True)`) of the packed files."""
+    import json
+
+    from safetensors.numpy import save_file
+
+    from moe_jax.interop import mxfp4
+
+    experts = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
+    model = hf_model("gpt_oss", seed=3)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(experts):
+                exact = mxfp4.dequantize(*mxfp4.quantize(p.numpy())).astype(np.float32)
+                p.copy_(torch.from_numpy(exact))
+    model.save_pretrained(tmp_path / "float")
+    packed = tmp_path / "mxfp4"
+    packed.mkdir()
+    tensors = {}
+    for name, p in model.state_dict().items():
+        if name.endswith(experts):
+            tensors[f"{name}_blocks"], tensors[f"{name}_scales"] = mxfp4.quantize(p.numpy())
+        else:
+            tensors[name] = np.ascontiguousarray(p.numpy())
+    assert sum(a.dtype == np.uint8 for a in tensors.values()) == 4 * 4  # 4 layers' experts
+    save_file(tensors, str(packed / "model.safetensors"))
+    config = json.loads((tmp_path / "float" / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4"}
+    (packed / "config.json").write_text(json.dumps(config))
+
+    cfg, ours = load_hf(packed)
+    assert cfg == load_hf(tmp_path / "float")[0]
+    assert_same_params(ours, load_hf(tmp_path / "float")[1])
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(
+        packed,
+        quantization_config=transformers.Mxfp4Config(dequantize=True),
+        attn_implementation="eager",
+        dtype=torch.float32,
+    )
+    x = tokens(2, 16, seed=4)
+    np.testing.assert_allclose(our_logits(ours, x), hf_logits(theirs.eval(), x), rtol=0, atol=TOL)
+
+
 def test_llama4_multimodal_checkpoint_imports_its_text_model(tmp_path):
     """A Llama4ForConditionalGeneration checkpoint: text config nested, text weights under
     `language_model.`, vision weights ignored."""
@@ -420,6 +491,14 @@ def test_export_refuses_configs_no_family_can_hold(tmp_path):
     assert not (tmp_path / "out").exists()
     with pytest.raises(InteropError, match="cannot write MixtralForCausalLM: .*qk_norm"):
         save_hf(cfg, model, tmp_path / "out", architecture="MixtralForCausalLM")
+    # gpt-oss's parts in a Qwen3-MoE-shaped model: only gpt-oss has them, and not the QK-norm
+    over = ["attention.nope_interval=0", "attention.sinks=true", "moe.swiglu_limit=7"]
+    cfg = load_config("configs/tiny.yaml", over)
+    model = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
+    with pytest.raises(InteropError, match="cannot write Qwen3MoeForCausalLM: .*sinks.*clamped"):
+        save_hf(cfg, model, tmp_path / "out", architecture="Qwen3MoeForCausalLM")
+    with pytest.raises(InteropError, match="cannot write GptOssForCausalLM: .*qk_norm"):
+        save_hf(cfg, model, tmp_path / "out", architecture="GptOssForCausalLM")
 
 
 def test_export_never_overwrites(tmp_path):

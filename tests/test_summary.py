@@ -54,6 +54,22 @@ def test_qwen3_30b_a3b_matches_published_sizes():
     assert 3.3e9 <= active < 3.4e9, active
 
 
+@pytest.mark.parametrize(
+    "name, total_b, active_b",
+    # The gpt-oss model card (arXiv:2508.10925, table 1): 20.91B total, 3.61B active;
+    # 116.83B total, 5.13B active. Its "active" excludes the embedding table (a lookup, not a
+    # matmul) and counts the unembedding: our active matmul params. Given to 4 digits, so
+    # 0.1% is outside rounding yet catches a missing router (13M of 5.13B at 120b) or one
+    # expert's weights; the sinks (2.3K) are below any published digit.
+    [("gpt_oss_20b", 20.91, 3.61), ("gpt_oss_120b", 116.83, 5.13)],
+)
+def test_gpt_oss_matches_published_sizes(name, total_b, active_b):
+    cfg = load_config(CONFIGS / f"{name}.yaml")
+    total, _ = param_counts(cfg)
+    assert rel_err(total, total_b * 1e9) < 1e-3, total
+    assert rel_err(param_breakdown(cfg).active_matmul, active_b * 1e9) < 1e-3
+
+
 def test_llama4_scout_text_model_is_near_published_sizes():
     # Meta: 17B active, 109B total, where the total includes the ~0.9B vision encoder and
     # projector this text-only model lacks; so total lies in [107B, 109B) and active rounds to 17B.
@@ -87,6 +103,7 @@ def materialised_param_count(cfg) -> int:
             "moe.router_bias=true",
             "moe.expert_bias=true",
             "model.vision=24",
+            "attention.sinks=true",
         ],
     ],
     ids=["tiny", "tiny_all_params"],

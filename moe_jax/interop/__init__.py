@@ -5,10 +5,11 @@
     save_hf(cfg, model, "path/to/out")                 # -> a directory transformers loads
 
 Families: Llama4ForCausalLM (and the text part of Llama4ForConditionalGeneration),
-MixtralForCausalLM, Qwen3MoeForCausalLM, and the dense LlamaForCausalLM / Qwen3ForCausalLM
-(`moe.n_experts = 0`). A setting that changes the math and that our model lacks is refused
-with an `InteropError` naming it. Imported MoE models never drop tokens
-(`moe.capacity_factor = 0`), like transformers. CLI: `python -m moe_jax.interop --help`.
+MixtralForCausalLM, Qwen3MoeForCausalLM, GptOssForCausalLM (its MXFP4 experts dequantised on
+import), and the dense LlamaForCausalLM / Qwen3ForCausalLM (`moe.n_experts = 0`). A setting
+that changes the math and that our model lacks is refused with an `InteropError` naming it.
+Imported MoE models never drop tokens (`moe.capacity_factor = 0`), like transformers.
+CLI: `python -m moe_jax.interop --help`.
 """
 
 from moe_jax.interop.convert import FAMILIES, config_from_hf, load_hf, pick_family, save_hf

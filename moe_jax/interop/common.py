@@ -42,6 +42,17 @@ class Source:
         self.used.add(full)
         return self.reader.get(full)
 
+    def packed(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
+        """A uint8 tensor (MXFP4 blocks or scales) of `shape`, as stored."""
+        full = self.prefix + name
+        found = self.reader.shape(full) if self.reader.has(full) else None
+        if found is not None and found != tuple(shape):
+            raise InteropError(
+                f"tensor '{full}' has shape {list(found)} but config.json implies {list(shape)}"
+            )
+        self.used.add(full)
+        return self.reader.get_packed(full)
+
 
 @dataclass(frozen=True)
 class Rule:
@@ -435,13 +446,31 @@ def has_nope_layers(cfg: Config) -> bool:
     return not all(cfg.uses_rope(i) for i in range(cfg.model.n_layers))
 
 
-def check_llama_style(cfg: Config, u: Unsupported, qk_norm: str) -> None:
-    """What every rotate-half family (Llama, Qwen3, Mixtral, Qwen3-MoE) requires."""
+def check_llama_style(
+    cfg: Config, u: Unsupported, qk_norm: str, sinks=False, full_attention_interval=False
+) -> None:
+    """What every rotate-half family (Llama, Qwen3, Mixtral, Qwen3-MoE, gpt-oss) requires;
+    `sinks`, `full_attention_interval`: the family has them (gpt-oss)."""
     a = cfg.attention
     u.check(a.rope_style == "half", "attention.rope_style must be 'half'")
     u.check(a.qk_norm == qk_norm, f"attention.qk_norm must be '{qk_norm}'")
     u.check(not has_nope_layers(cfg), "NoPE layers (attention.nope_interval) are not supported")
     u.check(a.chunk_size == 0, "chunked attention (attention.chunk_size) is not supported")
+    if not sinks:
+        check_no_gpt_oss_parts(cfg, u, full_attention_interval)
+
+
+def check_no_gpt_oss_parts(cfg: Config, u: Unsupported, full_attention_interval=False) -> None:
+    """What of gpt-oss other families lack: attention sinks, clamped SwiGLU experts, layers
+    alternating window and full attention."""
+    u.check(not cfg.attention.sinks, "attention sinks (attention.sinks) are not supported")
+    u.check(cfg.moe.swiglu_limit == 0, "clamped SwiGLU experts (moe.swiglu_limit) not supported")
+    if not full_attention_interval:
+        u.check(
+            cfg.attention.full_attention_interval == 0,
+            "alternating window and full layers (attention.full_attention_interval) are not "
+            "supported",
+        )
 
 
 def check_moe_softmax(cfg: Config, u: Unsupported) -> None:

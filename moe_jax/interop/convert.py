@@ -18,7 +18,7 @@ import numpy as np
 from flax import nnx
 
 from moe_jax.config import Config, ConfigError, validate
-from moe_jax.interop import llama, llama4, mixtral, qwen3
+from moe_jax.interop import gpt_oss, llama, llama4, mixtral, qwen3
 from moe_jax.interop.common import Family, HFConfig, Source, top_rules
 from moe_jax.interop.safetensors_io import InteropError, ShardWriter, TensorReader
 from moe_jax.model import Transformer
@@ -26,7 +26,8 @@ from moe_jax.run.output import new_output
 from moe_jax.tokenizer import Tokenizer
 
 FAMILIES: dict[str, Family] = {
-    f.architecture: f for f in (llama4.FAMILY, mixtral.FAMILY, qwen3.MOE, llama.FAMILY, qwen3.DENSE)
+    f.architecture: f
+    for f in (llama4.FAMILY, mixtral.FAMILY, qwen3.MOE, gpt_oss.FAMILY, llama.FAMILY, qwen3.DENSE)
 }
 DEFAULT_SHARD_BYTES = 2 * 1024**3
 # Tensors a checkpoint may carry that mean nothing to the model (old Llama checkpoints saved
@@ -61,10 +62,12 @@ def read_hf_config(directory: str | Path) -> tuple[Family, HFConfig, str]:
     if arch not in FAMILIES:
         supported = ", ".join([*FAMILIES, llama4.MULTIMODAL_ARCH])
         raise InteropError(f"unsupported architecture '{arch}' in '{path}'; supported: {supported}")
-    if values.get("quantization_config"):
+    quant = values.get("quantization_config")
+    mxfp4 = arch == gpt_oss.ARCH and isinstance(quant, dict)
+    if quant and not (mxfp4 and quant.get("quant_method") == gpt_oss.QUANT_METHOD):
         raise InteropError(
             f"'{path}' describes a quantized checkpoint (quantization_config); only float "
-            "checkpoints can be imported, dequantize it first"
+            "checkpoints (and gpt-oss's MXFP4 experts) can be imported, dequantize it first"
         )
     family = FAMILIES[arch]
     return family, HFConfig(values, family.defaults, arch), prefix

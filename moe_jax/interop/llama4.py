@@ -34,6 +34,7 @@ from moe_jax.interop.common import (
     attention_rules,
     aux_coef,
     check_hf_basics,
+    check_no_gpt_oss_parts,
     common_hf_config,
     every_nth,
     linear,
@@ -139,6 +140,7 @@ def from_config(cfg: Config) -> dict:
     u.check(a.rope_style == "interleaved", "attention.rope_style must be 'interleaved'")
     u.check(a.qk_norm in ("none", "l2"), "attention.qk_norm must be 'l2' or 'none'")
     u.check(a.sliding_window == 0, "sliding-window attention is not supported")
+    check_no_gpt_oss_parts(cfg, u)
     u.check(a.qkv_bias == a.o_bias, "attention biases must be all on or all off")
     u.check(float(a.floor_scale).is_integer(), "attention.floor_scale must be a whole number")
     if e.n_experts > 0:

@@ -89,6 +89,14 @@ class TensorReader:
             "imported (dequantize the checkpoint first)"
         )
 
+    def get_packed(self, name: str) -> np.ndarray:
+        """A uint8 tensor as it is stored (MXFP4 blocks and scales; `interop.mxfp4`)."""
+        handle = self._handle(self._file(name))
+        dtype = handle.get_slice(name).get_dtype()
+        if dtype != "U8":
+            raise InteropError(f"tensor '{name}' has dtype {dtype}; packed tensors are U8")
+        return handle.get_tensor(name)
+
     def _file(self, name: str) -> Path:
         if name not in self._file_of:
             raise InteropError(f"tensor '{name}' is missing from '{self.directory}'")
