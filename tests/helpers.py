@@ -57,3 +57,17 @@ def randomize_biases(module: nnx.Module, seed: int = 0) -> None:
             value = jax.random.normal(key, p[...].shape, p[...].dtype) * 0.3
             sharding = getattr(p[...], "sharding", None)
             p[...] = jax.device_put(value, sharding) if sharding is not None else value
+
+
+def dequantised_copy(model: nnx.Module, qmodel: nnx.Module) -> nnx.Module:
+    """`model` (float) with each weight that `qmodel` (its `quantize_model`) holds in int8
+    replaced by that weight dequantised: the float model an int8 one must compute exactly."""
+    from moe_jax.model.int8 import Int8Param
+
+    dequantised = nnx.clone(model)
+    for path, v in nnx.to_flat_state(nnx.state(qmodel, Int8Param)):
+        target = dequantised
+        for name in path[:-1]:
+            target = target[name] if isinstance(name, int) else getattr(target, name)
+        getattr(target, path[-1])[...] = v[...]
+    return dequantised

@@ -36,7 +36,7 @@ from moe_jax.run.layout import RunError
 from moe_jax.run.policy import inspect_run
 from moe_jax.sampling import Sampler
 from moe_jax.trainer import train
-from tests.helpers import forward, tiny_config
+from tests.helpers import dequantised_copy, forward, tiny_config
 from tests.test_sampling import greedy_reference
 from tests.test_train import _cfg
 
@@ -158,12 +158,7 @@ def test_every_int8_weight_is_scaled_per_output_channel_and_reads_back_exactly()
         assert np.all(np.abs(w - scale * np.asarray(raw["q"])) <= scale * (0.5 + 1e-5)), path
     assert seen == set(INPUT_AXES)
 
-    dequantised = nnx.clone(model)
-    for path, v in nnx.to_flat_state(nnx.state(qmodel, Int8Param)):
-        target = dequantised
-        for name in path[:-1]:
-            target = target[name] if isinstance(name, int) else getattr(target, name)
-        getattr(target, path[-1])[...] = v[...]
+    dequantised = dequantised_copy(model, qmodel)
     for tokens in (jnp.array([[5, 17, 99, 200, 3, 8]] * 2), jnp.array([[5], [200]])):
         np.testing.assert_allclose(
             forward(qmodel, tokens)[0], forward(dequantised, tokens)[0], rtol=1e-5, atol=1e-5

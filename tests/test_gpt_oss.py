@@ -1,5 +1,7 @@
-"""Attention sinks (gpt-oss: a learned logit per query head that joins each row's softmax and
-takes no value) and layers alternating between a sliding window and full attention.
+"""gpt-oss's model parts: attention sinks (a learned logit per query head that joins each
+row's softmax and takes no value), layers alternating a sliding window and full attention, and
+the whole gpt-oss-shaped model sharded, in int8 and decoding (its HF parity and the clamped
+experts are tested in test_interop.py and test_moe.py).
 
 Reference: the softmax over the masked logits with the sink as one more column, which is then
 dropped (transformers' `eager_attention_forward` for gpt-oss), written with plain jnp ops and
@@ -17,8 +19,16 @@ import pytest
 from flax import nnx
 
 from moe_jax import backends
+from moe_jax.model import Transformer
 from moe_jax.model.attention import Attention, attention_mask
-from tests.helpers import forward, forward_cached, tiny_config
+from moe_jax.sharding import BATCH_AXES, create_sharded, make_mesh
+from tests.helpers import (
+    dequantised_copy,
+    forward,
+    forward_cached,
+    randomize_biases,
+    tiny_config,
+)
 
 TOL = dict(rtol=2e-5, atol=2e-5)
 B, T = 2, 384  # several query blocks of the blocked path, three of splash's tiles
@@ -32,6 +42,13 @@ def naive(q_BTHD, k_BTKD, v_BTKD, mask_BTS, sinks_H, scale):
     sink_BHT1 = jnp.broadcast_to(sinks_H[None, :, None, None], (*logits_BHTS.shape[:3], 1))
     probs = jax.nn.softmax(jnp.concatenate([logits_BHTS, sink_BHT1], axis=-1), axis=-1)
     return jnp.einsum("bhts,bshd->bthd", probs[..., :-1], v_BTHD)
+
+
+def shift_sinks(model: nnx.Module, by: float) -> None:
+    """Every sink logit moved by `by`, keeping its sharding."""
+    for path, p in nnx.iter_graph(model):
+        if isinstance(p, nnx.Param) and path[-1] == "sinks":
+            p[...] = p[...] + by
 
 
 def _setup(*overrides, seed=0):
@@ -118,16 +135,13 @@ def test_decoding_with_sinks_and_alternating_windows_equals_the_full_forward(sca
     """Prefill 20 tokens, then decode 20 one at a time, through the KV cache (`attend`, the
     masks by position): the logits of the full 40-token forward (the blocked path, masks by
     index), with a window of 8 on every other layer, so both masks and the sinks matter."""
-    from moe_jax.model import Transformer
-
     cfg = tiny_config(
         "model.n_layers=4", "attention.sinks=true", "attention.sliding_window=8",
         "attention.full_attention_interval=2", f"model.scan_layers={str(scan).lower()}",
+        "moe.capacity_factor=0",  # the 40-token forward would drop what decoding keeps
     )  # fmt: skip
     model = Transformer(cfg, rngs=nnx.Rngs(0))
-    for _, p in nnx.iter_graph(model):  # sinks far from 0 (their init), so they count
-        if isinstance(p, nnx.Param) and p[...].shape[-1:] == (cfg.attention.n_heads,):
-            p[...] = jax.random.normal(jax.random.key(3), p[...].shape) * 2
+    shift_sinks(model, 1.5)  # far from their init (0), so they count
     toks = jax.random.randint(jax.random.key(2), (2, 40), 0, cfg.model.vocab_size)
     full = forward(model, toks)[0]
     pos = jnp.broadcast_to(jnp.arange(40), (2, 40))
@@ -137,3 +151,66 @@ def test_decoding_with_sinks_and_alternating_windows_equals_the_full_forward(sca
         logits, _, cache = forward_cached(model, toks[:, t : t + 1], pos[:, t : t + 1], cache)
         steps.append(logits)
     np.testing.assert_allclose(jnp.concatenate(steps, axis=1), full, rtol=1e-5, atol=1e-5)
+
+
+# A tiny gpt-oss: sinks, window 8 on every other layer, YaRN, q/k/v/o biases, biased router
+# and clamped experts (a limit the tiny model's values cross), every layer MoE.
+GPT_OSS = [
+    "model.n_layers=4", "attention.nope_interval=0", "attention.sinks=true",
+    "attention.sliding_window=8", "attention.full_attention_interval=2",
+    "attention.qkv_bias=true", "attention.o_bias=true", "attention.rope_scaling.type=yarn",
+    "attention.rope_scaling.factor=4", "attention.rope_scaling.original_max_position=16",
+    "moe.interleave_step=1", "moe.router_bias=true", "moe.expert_bias=true",
+    "moe.swiglu_limit=0.3", "moe.n_experts=8", "moe.capacity_factor=0",
+]  # fmt: skip
+
+
+def test_sharded_gpt_oss_equals_one_device_values_and_gradients():
+    """fsdp 2 x expert 2 x tensor 2 (the sinks split over tensor with their heads): the loss
+    and every parameter's gradient of the unsharded model, to float32 summation order (1e-5
+    of each tensor's largest entry)."""
+    over = ["mesh.fsdp=2", "mesh.expert=2", "mesh.tensor=2", "train.batch_size=8"]
+    cfg = tiny_config(*GPT_OSS, *over)
+    mesh = make_mesh(cfg)
+    build = lambda: Transformer(cfg, rngs=nnx.Rngs(0))
+    ref, sharded = build(), create_sharded(build, mesh)
+    for m in (ref, sharded):
+        randomize_biases(m)
+        shift_sinks(m, 1.0)
+    toks = jax.random.randint(jax.random.key(1), (8, 24), 0, cfg.model.vocab_size)
+
+    def loss(model, toks):
+        logits, stats = model(toks)[:2]
+        return jnp.mean(jax.nn.logsumexp(logits, -1) - logits[..., 0]) + stats["lb_loss"]
+
+    grad = nnx.jit(nnx.value_and_grad(loss))
+    l_ref, g_ref = grad(ref, toks)
+    with jax.set_mesh(mesh):
+        xs = jax.device_put(toks, jax.sharding.NamedSharding(mesh, jax.P(BATCH_AXES)))
+        l_sh, g_sh = grad(sharded, xs)
+    np.testing.assert_allclose(l_sh, l_ref, rtol=1e-5)
+    ref_flat = dict(nnx.to_flat_state(g_ref))
+    for path, g in nnx.to_flat_state(g_sh):
+        want = np.asarray(ref_flat[path][...])
+        np.testing.assert_allclose(
+            g[...], want, rtol=1e-4, atol=1e-5 * max(1.0, np.abs(want).max()), err_msg=str(path)
+        )
+    assert float(jnp.max(jnp.abs(g_ref.blocks.layers[0].attn.sinks[...]))) > 1e-4
+
+
+def test_int8_gpt_oss_computes_its_dequantised_weights():
+    """int8 weights beside float sinks, biases and router: exactly what a float model holding
+    the dequantised weights computes (float32 reassociation: 1e-5), on the expert buffers (a
+    prompt) and the gathered picked experts (one token each, 2 x 2 < 8 experts)."""
+    from moe_jax.model.int8 import quantize_model
+
+    cfg = tiny_config(*GPT_OSS, "model.init_std=0.05")
+    model = Transformer(cfg, rngs=nnx.Rngs(0))
+    randomize_biases(model)
+    shift_sinks(model, 1.0)
+    qmodel = quantize_model(model)
+    dequantised = dequantised_copy(model, qmodel)
+    for tokens in (jnp.array([[5, 17, 99, 200, 3, 8] * 3] * 2), jnp.array([[5], [200]])):
+        np.testing.assert_allclose(
+            forward(qmodel, tokens)[0], forward(dequantised, tokens)[0], rtol=1e-5, atol=1e-5
+        )
