@@ -198,7 +198,9 @@ def _generate(
 
     # Prefill: the first new token comes from each row's own last prompt position.
     cache = unstacked(merged().init_cache(B, P + N))
-    positions_BP = jnp.broadcast_to(jnp.arange(P, dtype=jnp.int32), (B, P))
+    # Padding past a row's prompt at position -1: written to no sliding-window ring cache.
+    arange_P = jnp.arange(P, dtype=jnp.int32)
+    positions_BP = jnp.where(arange_P[None, :] < prompt_len_B[:, None], arange_P[None, :], -1)
     # The head only at each row's last prompt position: [B, 1, V], not [B, P, V].
     logits_B1V, cache = run_model(prompt_BP, positions_BP, cache, prompt_len_B - 1)
     tok_B = pick(logits_B1V[:, 0], 0)
@@ -236,19 +238,19 @@ def shard_cache(cache: dict) -> dict:
     if mesh.empty:
         return cache
 
-    def one(a):  # [..., B, S, K, hd]
-        B, K = a.shape[-4], a.shape[-2]
-        rows = split_batch_axes(mesh)
-        n_rows = math.prod(mesh.shape[ax] for ax in rows)
-        spec = (
-            rows if rows and B % n_rows == 0 else None,
-            None,
-            "tensor" if K % mesh.shape["tensor"] == 0 else None,
-            None,
-        )
-        return jax.lax.with_sharding_constraint(a, P(*(None,) * (a.ndim - 4), *spec))
+    rows = split_batch_axes(mesh)
+    n_rows = math.prod(mesh.shape[ax] for ax in rows)
 
-    return jax.tree.map(one, cache)
+    def one(path, a):  # [..., B, S, K, hd]; a ring's positions [..., B, S]
+        is_pos = path[-1].key == "pos"
+        B = a.shape[-2] if is_pos else a.shape[-4]
+        spec = (rows if rows and B % n_rows == 0 else None, None)
+        if not is_pos:
+            K = a.shape[-2]
+            spec += ("tensor" if K % mesh.shape["tensor"] == 0 else None, None)
+        return jax.lax.with_sharding_constraint(a, P(*(None,) * (a.ndim - len(spec)), *spec))
+
+    return jax.tree_util.tree_map_with_path(one, cache)
 
 
 def _pad_stops(stop_tokens: Sequence[int]) -> np.ndarray:

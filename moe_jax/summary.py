@@ -139,6 +139,21 @@ def decode_flops(cfg: Config, batch: int, prompt_len: int, new_tokens: int) -> i
     return batch * (2 * param_breakdown(cfg).active_matmul * tokens + per_key * keys)
 
 
+def kv_cache_bytes(cfg: Config, context: int, dtype_bytes: int = 2) -> tuple[int, int]:
+    """(bytes, bytes if every layer cached the whole context) of one sequence's KV cache at
+    `context` tokens, as `Transformer.init_cache` lays it out: a sliding-window layer keeps a
+    ring of its window only (and an int32 position per slot)."""
+    a = cfg.attention
+    per_slot = 2 * a.n_kv_heads * cfg.head_dim * dtype_bytes  # k and v
+    full = cfg.model.n_layers * context * per_slot
+    held = 0
+    for layer in range(cfg.model.n_layers):
+        window = a.sliding_window if cfg.uses_window(layer) else 0
+        ring = 0 < window < context
+        held += (window * (per_slot + 4)) if ring else context * per_slot
+    return held, full
+
+
 # ----------------------------------------------------------------------------- CLI
 
 
@@ -169,6 +184,11 @@ def format_summary(cfg: Config, seq_len: int | None = None) -> str:
     lines.append(
         f"training FLOPs/token at seq_len {seq_len}: {_human(flops)} "
         f"(6 x {_human(b.active_matmul)} matmul params + {_human(attn)} attention)"
+    )
+    held, full = kv_cache_bytes(cfg, m.max_seq_len)
+    ring = f" (full caches on every layer: {full / 2**30:,.2f} GiB)" if held < full else ""
+    lines.append(
+        f"bf16 KV cache of one {m.max_seq_len:,}-token sequence: {held / 2**30:,.2f} GiB{ring}"
     )
     return "\n".join(lines)
 

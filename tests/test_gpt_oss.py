@@ -151,6 +151,25 @@ def test_decoding_with_sinks_and_alternating_windows_equals_the_full_forward(sca
         logits, _, cache = forward_cached(model, toks[:, t : t + 1], pos[:, t : t + 1], cache)
         steps.append(logits)
     np.testing.assert_allclose(jnp.concatenate(steps, axis=1), full, rtol=1e-5, atol=1e-5)
+    ring, full_layer = cache["blocks"][:2]  # layer 0 of the period: a window; 1: full
+    assert ring["k"].shape[-3] == 8 and ring["pos"].shape[-1] == 8  # the window, not 40
+    assert full_layer["k"].shape[-3] == 40 and "pos" not in full_layer
+
+
+def test_sampler_with_ring_caches_equals_repeated_full_forwards():
+    """The sampler pads prompts of 3 and 21 tokens to a 32-token bucket: the padding must
+    reach no ring (a window of 8 would otherwise lose the short row's keys to it), and greedy
+    tokens equal the argmax of repeated full forwards (`greedy_reference`)."""
+    from moe_jax.sampling import Sampler
+    from tests.test_sampling import greedy_reference
+
+    cfg = tiny_config(*GPT_OSS, "model.init_std=0.05", "model.max_seq_len=64", "train.seq_len=64")
+    model = Transformer(cfg, rngs=nnx.Rngs(0))
+    randomize_biases(model)
+    shift_sinks(model, 1.0)
+    prompts = [[5, 17, 99], list(range(30, 51))]
+    got = Sampler(model).generate(prompts, 12, temperature=0).tokens
+    np.testing.assert_array_equal(got, greedy_reference(model, prompts, 12))
 
 
 # A tiny gpt-oss: sinks, window 8 on every other layer, YaRN, q/k/v/o biases, biased router

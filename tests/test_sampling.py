@@ -124,8 +124,11 @@ def test_compiled_program_never_materialises_the_stacked_layers():
     hlo = sampler.lower([[0] * P] * B, N, temperature=0).compile().as_text()
     assert "f32[4,32,40]" in hlo  # the per-block expert weights are there...
     assert "f32[2,4,32,40]" not in hlo  # ...never stacked
-    kv = f"{B},{P + N},2,8]"  # cache [B, S, K, hd] per block, never [n_blocks, B, S, K, hd]
+    # The window layers' cache is a ring of the window (6) [B, 6, K, hd] per block, never
+    # [n_blocks, B, 6, K, hd], and no [B, P + N, ...] cache exists at all.
+    kv = f"{B},6,2,8]"
     assert f"f32[{kv}" in hlo and f"f32[2,{kv}" not in hlo
+    assert f"f32[{B},{P + N},2,8]" not in hlo
 
 
 def test_mixed_length_batch_equals_each_prompt_alone_and_full_forwards(base):

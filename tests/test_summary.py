@@ -9,6 +9,7 @@ import math
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import pytest
 from flax import nnx
 
@@ -17,6 +18,7 @@ from moe_jax.model import Transformer
 from moe_jax.summary import (
     COMPONENTS,
     format_summary,
+    kv_cache_bytes,
     param_breakdown,
     param_counts,
     train_flops_per_token,
@@ -178,3 +180,20 @@ def test_format_summary_lists_every_component():
     assert f"exact: {total:,} total, {active:,} active per token" in text
     for c in COMPONENTS:
         assert c.replace("_", " ") in text
+
+
+def test_kv_cache_bytes_count_rings_and_equal_init_cache():
+    # gpt-oss-120b by hand: 36 layers of 8 kv heads x 64 in bf16, 2048 bytes a token a layer
+    # for k and v; 18 full layers hold the whole context, 18 window layers a ring of 128 slots
+    # (and an int32 position each).
+    held, full = kv_cache_bytes(load_config(CONFIGS / "gpt_oss_120b.yaml"), 131072)
+    assert full == 36 * 131072 * 2048
+    assert held == 18 * 131072 * 2048 + 18 * 128 * (2048 + 4)
+    # What init_cache allocates, for a tiny model alternating window (8) and full layers.
+    over = ["attention.sliding_window=8", "attention.full_attention_interval=2"]
+    cfg = load_config(CONFIGS / "tiny.yaml", over)
+    model = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
+    cache = jax.eval_shape(lambda: model.init_cache(1, 64, jnp.bfloat16))
+    allocated = sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(cache))
+    assert allocated == kv_cache_bytes(cfg, 64)[0]
+    assert kv_cache_bytes(cfg, 64)[0] < kv_cache_bytes(cfg, 64)[1]

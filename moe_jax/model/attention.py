@@ -7,6 +7,10 @@ RoPE, chunks and NoPE temperature tuning use the tokens' positions. With a KV ca
 are the whole cache, written at the queries' positions, and slots not yet written always sit
 at positions after the query. Segments are not taken there (one document per row). A long
 prompt attends `PREFILL_BLOCK` queries at a time, so its logits are never [B, H, T, S] at once.
+A sliding-window layer's cache is a ring of the window's last keys (`init_cache`: "pos" holds
+each slot's position, -1 when empty), not the whole context: the call's keys are attended
+beside the ring, and the newest `window` of them written into it. A negative position marks
+a padding token (the sampler's prompts are padded to a bucket): it is written to no ring.
 
 Without a cache (training, full forwards) the keys are the queries' own tokens, and the
 causal mask and the window come from their order in the row, not from their positions, so
@@ -44,7 +48,8 @@ from moe_jax.model.norm import RMSNorm, rms_norm
 from moe_jax.model.rope import apply_rope, rope_attention_factor, rope_inv_freq
 from moe_jax.sharding import param
 
-KVCache = dict[str, jax.Array]  # {"k": [B, S, K, hd], "v": [B, S, K, hd]}
+# {"k": [B, S, K, hd], "v": [B, S, K, hd]}; a sliding-window layer's ring also "pos": [B, S]
+KVCache = dict[str, jax.Array]
 # Checkpoint name of a query block's output and log-sum-exp, all its backward keeps besides
 # q, k, v. `model.remat=dots` saves them (see `remat.py`): otherwise the backward
 # reruns the block's forward to recover them, and XLA merges only the logits with the
@@ -129,6 +134,37 @@ def query_blocks(T: int, window: int = 0, max_blocks: int = 8, min_block: int = 
         k_lo = max(0, q_lo - window + 1) if window > 0 else 0
         blocks.append((q_lo, q_hi, k_lo, q_hi))
     return blocks
+
+
+def ring_keys(cache: KVCache, k_BTKD, v_BTKD, positions_BT):
+    """(k, v, positions) a call attends to with a ring cache: the ring's keys older than the
+    call's first position (-1 for the rest), then the call's own (padding: -1)."""
+    old_BW = cache["pos"] < positions_BT[:, :1]
+    ring_pos_BW = jnp.where(old_BW, cache["pos"], -1)
+    k_BSKD = jnp.concatenate([cache["k"], k_BTKD.astype(cache["k"].dtype)], axis=1)
+    v_BSKD = jnp.concatenate([cache["v"], v_BTKD.astype(cache["v"].dtype)], axis=1)
+    pos_BS = jnp.concatenate([ring_pos_BW, jnp.maximum(positions_BT, -1)], axis=1)
+    return k_BSKD, v_BSKD, pos_BS.astype(positions_BT.dtype)
+
+
+def write_ring(cache: KVCache, k_BTKD, v_BTKD, positions_BT) -> KVCache:
+    """The ring with the call's newest W tokens (those not padding, a prefix of the row) in
+    the slots of their positions mod W. W consecutive positions take W distinct slots."""
+    W = cache["k"].shape[1]
+    T = positions_BT.shape[1]
+    m = min(T, W)
+
+    def one_row(k_WKD, v_WKD, pos_W, k_TKD, v_TKD, pos_T):
+        first = jnp.clip(jnp.sum(pos_T >= 0) - m, 0, T - m)  # the last m written tokens
+        take = lambda a: jax.lax.dynamic_slice_in_dim(a, first, m, axis=0)
+        new_pos_m = take(pos_T)
+        slot_m = jnp.where(new_pos_m >= 0, new_pos_m % W, W)  # W: out of range, dropped
+        put = lambda ring, new: ring.at[slot_m].set(new.astype(ring.dtype), mode="drop")
+        return put(k_WKD, take(k_TKD)), put(v_WKD, take(v_TKD)), put(pos_W, new_pos_m)
+
+    k, v, pos = jax.vmap(one_row)(cache["k"], cache["v"], cache["pos"], k_BTKD, v_BTKD,
+                                  positions_BT)  # fmt: skip
+    return {"k": k, "v": v, "pos": pos}
 
 
 def write_cache(cache_BSKH: jax.Array, new_BTKH: jax.Array, start_B: jax.Array) -> jax.Array:
@@ -255,19 +291,26 @@ class Attention(nnx.Module):
 
     def _cached(self, q_BTHD, k_BTKD, v_BTKD, positions_BT, cache: KVCache):
         """Write k and v into the cache at the rows' positions, then attend to the whole cache
-        (prefill or decoding), `PREFILL_BLOCK` queries at a time."""
-        start_B = positions_BT[:, 0]
-        cache = {
-            "k": write_cache(cache["k"], k_BTKD, start_B),
-            "v": write_cache(cache["v"], v_BTKD, start_B),
-        }
-        B, S = cache["k"].shape[:2]
-        k_pos_BS = jnp.broadcast_to(jnp.arange(S, dtype=positions_BT.dtype), (B, S))
-        k_BSKD, v_BSKD = cache["k"].astype(self.dtype), cache["v"].astype(self.dtype)
+        (prefill or decoding), `PREFILL_BLOCK` queries at a time. A ring (sliding-window
+        layers): attend to the ring's older keys and the call's own, then keep the newest."""
+        if "pos" in cache:
+            k_BSKD, v_BSKD, k_pos_BS = ring_keys(cache, k_BTKD, v_BTKD, positions_BT)
+            cache = write_ring(cache, k_BTKD, v_BTKD, positions_BT)
+        else:
+            start_B = positions_BT[:, 0]
+            cache = {
+                "k": write_cache(cache["k"], k_BTKD, start_B),
+                "v": write_cache(cache["v"], v_BTKD, start_B),
+            }
+            B, S = cache["k"].shape[:2]
+            k_pos_BS = jnp.broadcast_to(jnp.arange(S, dtype=positions_BT.dtype), (B, S))
+            k_BSKD, v_BSKD = cache["k"], cache["v"]
+        k_BSKD, v_BSKD = k_BSKD.astype(self.dtype), v_BSKD.astype(self.dtype)
         scale = self.head_dim**-0.5
         sinks_KG = self._sinks_KG()
+        written_B1S = (k_pos_BS >= 0)[:, None, :]  # empty ring slots hold position -1
         attend_block = lambda q, pos: attend(
-            q, k_BSKD, v_BSKD, self._mask(pos, k_pos_BS), scale, sinks_KG
+            q, k_BSKD, v_BSKD, self._mask(pos, k_pos_BS) & written_B1S, scale, sinks_KG
         )
         T = q_BTHD.shape[1]
         if T <= PREFILL_BLOCK:  # decoding, a short prompt

@@ -134,17 +134,24 @@ class Transformer(nnx.Module):
     # ------------------------------------------------------------------ KV cache
 
     def init_cache(self, batch_size: int, max_len: int, dtype=None) -> dict:
-        """Zeroed KV cache for `max_len` positions: {"blocks": [P x stacked], "tail": [...]}."""
-        a = self.cfg.attention
-        shape = (batch_size, max_len, a.n_kv_heads, self.cfg.head_dim)
+        """Zeroed KV cache for `max_len` positions: {"blocks": [P x stacked], "tail": [...]}.
+        A sliding-window layer whose window is shorter keeps a ring of the window only, with
+        each slot's position ("pos", -1: empty; see `attention`)."""
+        cfg = self.cfg
         dtype = dtype or self.dtype
-        zeros = lambda lead=(): {
-            "k": jnp.zeros(lead + shape, dtype),
-            "v": jnp.zeros(lead + shape, dtype),
-        }
-        P = self.cfg.layer_period
-        blocks = [zeros((self.n_blocks,)) for _ in range(P)] if self.n_blocks else []
-        return {"blocks": blocks, "tail": [zeros() for _ in self.tail]}
+
+        def zeros(j: int, lead=()) -> dict:  # layer j of the period
+            window = cfg.attention.sliding_window if cfg.uses_window(j) else 0
+            length = window if 0 < window < max_len else max_len
+            shape = lead + (batch_size, length, cfg.attention.n_kv_heads, cfg.head_dim)
+            cache = {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)}
+            if length < max_len:
+                cache["pos"] = jnp.full(shape[:-2], -1, jnp.int32)
+            return cache
+
+        P = cfg.layer_period
+        blocks = [zeros(j, (self.n_blocks,)) for j in range(P)] if self.n_blocks else []
+        return {"blocks": blocks, "tail": [zeros(j) for j in range(len(self.tail))]}
 
     # ------------------------------------------------------------------ forward
 
