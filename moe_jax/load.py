@@ -104,10 +104,11 @@ def load_model(
     `config.sampling_config`), else the saved one. `mesh`: restore each weight straight onto it,
     sharded by `sharding.INFERENCE_RULES` (no device or host ever holds a whole copy),
     else onto the first device. `weights`: the form to restore the weights in
-    (`moe_jax.weights`: float32, bfloat16, int8, auto); a run written by `moe_jax.quantize`
-    is int8 whatever it says. Float weights are cast as they are read; int8 of a float run is
-    quantised after a float restore (bf16 where the compute is), which holds both forms for
-    a moment. RunError before anything is read if the weights would not fit the devices."""
+    (`moe_jax.weights`: float32, bfloat16, int8, mxfp4, auto); a run written by
+    `moe_jax.quantize` keeps its quantisation whatever it says. Float weights are cast as they
+    are read; int8 or mxfp4 of a float run is quantised after a float restore (bf16 where the
+    compute is), which holds both forms for a moment. RunError before anything is read if the
+    weights would not fit the devices."""
     run_dir, manager, step, meta = run.run_dir, run.manager, run.step, run.meta
     if cfg is None:
         cfg = meta["config"]
@@ -121,7 +122,8 @@ def load_model(
         )
     kind = weights_kind(cfg, weights)
     # What is restored: int8 runs as int8; a float run as `auto` floats, quantised afterwards.
-    restore_kind = weights_kind(cfg, "auto") if kind == "int8" else kind
+    quantize_after = kind in QUANTIZATIONS and not quantized
+    restore_kind = weights_kind(cfg, "auto") if kind in QUANTIZATIONS else kind
     graphdef, abstract_params = nnx.split(abstract_model(cfg, restore_kind, quantized), nnx.Param)
     if mesh is None:
         target = on_device(abstract_params, jax.devices()[0])
@@ -133,13 +135,13 @@ def load_model(
             shardings,
         )
     try:
-        check_fits(target, also=kind if kind == "int8" and not quantized else None)
+        check_fits(target, also=kind if quantize_after else None)
     except WeightsDoNotFit as e:
         raise RunError(f"run '{run_dir}': {e}") from None
     restored = restore(manager, step, run_dir, params=ocp.args.StandardRestore(target))
     model = nnx.merge(graphdef, restored.params)
-    if kind == "int8" and not quantized:
-        model = to_kind(model, "int8")
+    if quantize_after:
+        model = to_kind(model, kind)
     return cfg, model, meta["tokenizer"]
 
 

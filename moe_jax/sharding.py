@@ -274,12 +274,9 @@ def state_shardings(tree, mesh: Mesh, rules=LOGICAL_RULES):
             axes = x.get_metadata().get("out_sharding")
             spec = logical_to_spec(tuple(axes), rules) if axes else P()
             value = x.get_raw_value()
-            if isinstance(value, dict):  # an int8 weight's {"q", "scale"} (moe_jax.model.int8)
-                # scales keep size-1 contracted axes, which split over nothing
-                unsplit = lambda a: P(
-                    *(ax if n > 1 else None for ax, n in zip(spec, a.shape, strict=True))
-                )
-                return x.replace({k: NamedSharding(mesh, unsplit(a)) for k, a in value.items()})
+            if isinstance(value, dict):  # a quantised weight's arrays (moe_jax.model.int8)
+                specs = x.raw_specs(spec, value)
+                return x.replace({k: NamedSharding(mesh, specs[k]) for k in value})
             return x.replace(NamedSharding(mesh, spec))
         return NamedSharding(mesh, P())
 

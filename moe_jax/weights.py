@@ -1,4 +1,5 @@
-"""The form a model's weights take for inference: float32, bfloat16 or int8 (`sample.weights`).
+"""The form a model's weights take for inference: float32, bfloat16, int8 or mxfp4
+(`sample.weights`).
 
     kind = weights_kind(cfg)                          # "auto" resolved: bfloat16 for a bf16 model
     model = abstract_model(cfg, kind)                 # shapes and dtypes, nothing allocated
@@ -13,6 +14,8 @@ into the form sampling uses:
   the router stay float32: they are tiny, and the router's logits pick the experts.
 - `int8`: per-channel int8 (`moe_jax.model.int8`), the quantised weights' float reads in the
   compute dtype's hands as before.
+- `mxfp4`: the routed experts in MXFP4 (`moe_jax.model.fp4`: 4.25 bits a weight, gpt-oss's
+  released form), every other matmul weight bfloat16.
 - `float32`: as trained.
 - `auto` (the default): bfloat16 when the compute dtype is bfloat16, else float32, i.e. the
   cheapest form that changes nothing.
@@ -29,7 +32,7 @@ from flax import nnx
 from moe_jax import backends
 from moe_jax.config import Config
 from moe_jax.model import Transformer
-from moe_jax.model.int8 import CONTRACTED_AXES, Int8Param, quantize_model
+from moe_jax.model.int8 import CONTRACTED_AXES, QUANTIZATIONS, QuantizedParam, quantize_model
 
 # Weights the model casts to its compute dtype before use (see the module doc).
 MATMUL_WEIGHTS = (*CONTRACTED_AXES, "embedding", "vision_proj")
@@ -48,7 +51,7 @@ def _cast_matmul_weights(model: nnx.Module, dtype) -> nnx.Module:
     for _, module in nnx.iter_modules(model):
         for name in MATMUL_WEIGHTS:
             w = getattr(module, name, None)
-            if isinstance(w, nnx.Param) and not isinstance(w, Int8Param):
+            if isinstance(w, nnx.Param) and not isinstance(w, QuantizedParam):
                 value = w.get_value()
                 if isinstance(value, jax.ShapeDtypeStruct):
                     cast = jax.ShapeDtypeStruct(value.shape, dtype, sharding=value.sharding)
@@ -62,16 +65,21 @@ def abstract_model(cfg: Config, kind: str, quantized: str | None = None) -> nnx.
     """The abstract Transformer whose params have `kind`'s dtypes (`quantized`: the run's own
     quantisation, e.g. an int8 run written by `moe_jax.quantize`, which wins)."""
     build = lambda: Transformer(cfg, rngs=nnx.Rngs(0))
-    if quantized or kind == "int8":
-        return nnx.eval_shape(lambda: quantize_model(build(), quantized or "int8"))
+    mode = quantized or (kind if kind in QUANTIZATIONS else None)
+    if mode:
+        model = nnx.eval_shape(lambda: quantize_model(build(), mode))
+        return _cast_matmul_weights(model, jnp.bfloat16) if mode == "mxfp4" else model
     model = nnx.eval_shape(build)
     return _cast_matmul_weights(model, jnp.bfloat16) if kind == "bfloat16" else model
 
 
 def to_kind(model: nnx.Module, kind: str) -> nnx.Module:
-    """A float model's weights in `kind`'s form (int8: a new model; bfloat16: cast in place)."""
+    """A float model's weights in `kind`'s form (int8, mxfp4: a new model; bfloat16: cast in
+    place)."""
     if kind == "int8":
         return quantize_model(model)
+    if kind == "mxfp4":
+        return _cast_matmul_weights(quantize_model(model, "mxfp4"), jnp.bfloat16)
     if kind == "bfloat16":
         return _cast_matmul_weights(model, jnp.bfloat16)
     return model
@@ -132,10 +140,13 @@ def _shortfall(need: dict) -> str | None:
 def check_fits(target, also: str | None = None) -> None:
     """Raise WeightsDoNotFit if restoring `target` (abstract params with their shardings)
     needs more than a device has: per accelerator, or in all on a CPU host, whose devices
-    share its memory. `also="int8"`: the int8 copy made after a float restore counts too."""
+    share its memory. `also="int8"` (or "mxfp4"): the quantised copy made after a float
+    restore counts too (a byte an element: mxfp4's 0.53 rounded up)."""
 
-    def int8_copy(path):  # an int8 byte per element besides the float one, until it is freed
-        return also == "int8" and any(getattr(k, "key", None) in CONTRACTED_AXES for k in path)
+    def int8_copy(path):  # a byte per element besides the float one, until it is freed
+        return also in QUANTIZATIONS and any(
+            getattr(k, "key", None) in CONTRACTED_AXES for k in path
+        )
 
     if short := _shortfall(_per_device(target, int8_copy)):
         raise WeightsDoNotFit(

@@ -60,12 +60,12 @@ def randomize_biases(module: nnx.Module, seed: int = 0) -> None:
 
 
 def dequantised_copy(model: nnx.Module, qmodel: nnx.Module) -> nnx.Module:
-    """`model` (float) with each weight that `qmodel` (its `quantize_model`) holds in int8
-    replaced by that weight dequantised: the float model an int8 one must compute exactly."""
-    from moe_jax.model.int8 import Int8Param
+    """`model` (float) with each weight that `qmodel` (its `quantize_model`) holds quantised
+    replaced by that weight dequantised: the float model the quantised one must compute."""
+    from moe_jax.model.int8 import QuantizedParam
 
     dequantised = nnx.clone(model)
-    for path, v in nnx.to_flat_state(nnx.state(qmodel, Int8Param)):
+    for path, v in nnx.to_flat_state(nnx.state(qmodel, QuantizedParam)):
         target = dequantised
         for name in path[:-1]:
             target = target[name] if isinstance(name, int) else getattr(target, name)

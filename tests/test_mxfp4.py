@@ -206,3 +206,34 @@ def test_quantize_errors(w, match):
     with pytest.raises(ValueError, match=match) as info:
         quantize(w)
     assert "\n" not in str(info.value)
+
+
+# ----------------------------------------------------------------------------- packed in the model
+
+
+def _ours_to_hf(a: np.ndarray) -> np.ndarray:
+    """Our [E, G, 16, F] blocks / [E, G, F] scales -> the checkpoint's [E, F, G, 16] / [E, F, G]."""
+    return np.moveaxis(a, -1, 1)
+
+
+def test_model_packing_equals_the_checkpoint_format_bit_for_bit():
+    """`model.fp4` (JAX, our layout) and `interop.mxfp4` (NumPy, the checkpoints'): the same
+    blocks and scales for one weight (ties, zeros, tiny and large blocks included), and the
+    same values back."""
+    import jax.numpy as jnp
+
+    from moe_jax.model import fp4
+
+    rng = np.random.default_rng(5)
+    w = rng.standard_normal((3, 64, 24)).astype(np.float32) * np.exp2(rng.integers(-8, 8, (3, 1, 24)))
+    w[0, :32, 0] = 0.0  # an all-zero block
+    w[1, :32, 1] = np.array([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0] * 4)  # every tie
+    ours = fp4.quantize(jnp.asarray(w))
+    blocks, scales = quantize(w)  # [E, F, G, 16], [E, F, G]: w's contracted axis is 64
+    np.testing.assert_array_equal(_ours_to_hf(np.asarray(ours["blocks"])), blocks)
+    np.testing.assert_array_equal(_ours_to_hf(np.asarray(ours["scales"])), scales)
+    np.testing.assert_array_equal(
+        np.asarray(fp4.dequantize(ours)), dequantize(blocks, scales, np.float32)
+    )
+    picked = np.asarray(fp4.dequantize(ours, jnp.array([[2, 0]])))  # a gather of experts
+    np.testing.assert_array_equal(picked[0], dequantize(blocks, scales, np.float32)[[2, 0]])

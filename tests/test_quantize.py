@@ -115,7 +115,7 @@ def test_matmul_weights_are_int8_embeddings_norms_router_biases_stay_float():
     assert wq["q"].shape == (2, 32, 4, 8) and wq["scale"].shape == (2, 1, 4, 8)
     w_down = qmodel.blocks.layers[1].ffn.experts.w_down.get_raw_value()  # [2, E, F, D]
     assert w_down["scale"].shape == (2, 4, 1, 32)
-    with pytest.raises(QuantizeError, match="already int8"):
+    with pytest.raises(QuantizeError, match="already quantised"):
         quantize_model(qmodel)
     with pytest.raises(QuantizeError, match="unknown quantization 'int4'; use one of: int8"):
         quantize_model(model, "int4")

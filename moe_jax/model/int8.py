@@ -1,6 +1,7 @@
-"""Weight-only int8 parameters for inference: the quantised model itself.
+"""Weight-only int8 (and MXFP4) parameters for inference: the quantised model itself.
 
     qmodel = quantize_model(model)            # a new Transformer; `model` is left as it was
+    qmodel = quantize_model(model, "mxfp4")   # the routed experts MXFP4 (`fp4.py`), the rest as is
 
 This is the model's half of int8 inference, imported by the model (`after`), the sampler and
 the checkpoint reader (which rebuilds int8 runs); int8 run directories are written by
@@ -51,7 +52,9 @@ import jax.numpy as jnp
 from flax import nnx
 from flax.nnx import reprlib
 
-QUANTIZATIONS = ("int8",)
+from moe_jax.model import fp4
+
+QUANTIZATIONS = ("int8", "mxfp4")
 # Weights to quantise, by attribute name, and the axes each contracts over (all others are
 # output channels with a scale each). Negative: a stacked layer axis in front changes nothing.
 CONTRACTED_AXES = {
@@ -79,21 +82,55 @@ def _dequantize(raw: dict, index):
     return q[index].astype(jnp.float32) * jnp.broadcast_to(scale, q.shape)[index]
 
 
-class Int8Param(nnx.Param):
-    """A weight stored as {"q": int8 [...], "scale": float32 [...]}; reads dequantise."""
+class QuantizedParam(nnx.Param):
+    """A weight stored quantised (a dict of arrays); reads dequantise (`dequantize`)."""
+
+    dequantize = staticmethod(_dequantize)
 
     def get_value(self, *, index=...):
         raw = self.get_raw_value()
         if any(isinstance(a, jax.ShapeDtypeStruct) for a in jax.tree.leaves(raw)):
-            return jax.eval_shape(partial(_dequantize, index=index), raw)  # abstract model
-        return _dequantize(raw, index)
+            return jax.eval_shape(partial(self.dequantize, index=index), raw)  # abstract model
+        return self.dequantize(raw, index)
+
+    def tied(self, k) -> QuantizedParam:
+        """A copy whose stored integers have k (an int8 zero that depends on a layer's input,
+        see `after`) added."""
+        raw = self.get_raw_value()
+        return self.copy({n: a + k.astype(a.dtype) if n in ("q", "blocks") else a
+                          for n, a in raw.items()})  # fmt: skip
 
     def __nnx_repr__(self):
-        # Show what is stored (the int8 values and scales), not the dequantised weight.
+        # Show what is stored (the integers and scales), not the dequantised weight.
         for item in super().__nnx_repr__():
             if isinstance(item, reprlib.Attr) and item.key == "value":
                 item = reprlib.Attr("value", self.get_raw_value())
             yield item
+
+
+class Int8Param(QuantizedParam):
+    """A weight stored as {"q": int8 [...], "scale": float32 [...]}."""
+
+    @staticmethod
+    def raw_specs(spec, raw: dict) -> dict:
+        """The stored arrays' PartitionSpecs, from the weight's: scales keep size-1
+        contracted axes, which split over nothing."""
+        unsplit = lambda a: type(spec)(
+            *(ax if n > 1 else None for ax, n in zip(spec, a.shape, strict=True))
+        )
+        return {k: unsplit(a) for k, a in raw.items()}
+
+
+class Mxfp4Param(QuantizedParam):
+    """An expert weight stored as MXFP4 {"blocks", "scales"} (`moe_jax.model.fp4`)."""
+
+    dequantize = staticmethod(fp4.dequantize)
+
+    @staticmethod
+    def raw_specs(spec, raw: dict) -> dict:
+        """blocks [..., G, 16, F] split like the weight [..., D, F] (its blocks of 32 rows
+        where D is), the 16 bytes of a block never; scales [..., G, F] like the weight."""
+        return {"blocks": type(spec)(*spec[:-1], None, spec[-1]), "scales": spec}
 
 
 @partial(jax.jit, static_argnames="axes")
@@ -106,7 +143,7 @@ def quantize_tensor(w: jax.Array, axes: tuple[int, ...]) -> dict:
 
 
 def is_quantized(model: nnx.Module) -> bool:
-    return bool(jax.tree.leaves(nnx.state(model, Int8Param)))
+    return bool(jax.tree.leaves(nnx.state(model, QuantizedParam)))
 
 
 def check_quantization(mode: str) -> None:
@@ -117,19 +154,37 @@ def check_quantization(mode: str) -> None:
 
 
 def quantize_model(model: nnx.Module, mode: str = "int8") -> nnx.Module:
-    """A copy of `model` with its matmul weights int8 (see the module doc); the float arrays
-    of everything else are shared with `model`."""
+    """A copy of `model` with its matmul weights int8 (see the module doc), or with mode
+    "mxfp4" its routed experts' weights MXFP4 (`fp4`) and every other weight as it was; the
+    float arrays of everything not quantised are shared with `model`."""
+    from moe_jax.model.experts import Experts  # the model imports this module
+
     check_quantization(mode)
     if is_quantized(model):
         raise QuantizeError(
-            "the model is already int8; use it as it is, or quantise the float model it came from"
+            "the model is already quantised; use it as it is, or quantise the float model it "
+            "came from"
+        )
+    m = model.cfg
+    if mode == "mxfp4" and (m.model.d_model % fp4.BLOCK or m.moe.expert_hidden % fp4.BLOCK):
+        raise QuantizeError(
+            f"mxfp4 packs the experts' inputs in blocks of {fp4.BLOCK}; model.d_model "
+            f"({m.model.d_model}) and moe.expert_hidden ({m.moe.expert_hidden}) must be "
+            "multiples of it"
         )
     model = nnx.clone(model)
     for _, module in nnx.iter_modules(model):
         for name, axes in CONTRACTED_AXES.items():
             w = getattr(module, name, None)
-            if isinstance(w, nnx.Param):
-                setattr(module, name, Int8Param(quantize_tensor(w[...], axes), **w.get_metadata()))
+            if not isinstance(w, nnx.Param):
+                continue
+            if mode == "int8":
+                quantized = Int8Param(quantize_tensor(w[...], axes), **w.get_metadata())
+            elif isinstance(module, Experts):
+                quantized = Mxfp4Param(fp4.quantize(w[...]), **w.get_metadata())
+            else:
+                continue
+            setattr(module, name, quantized)
     return model
 
 
@@ -148,7 +203,7 @@ def after(x: jax.Array, node):
     hoist the int8 -> float conversion alone; an optimization barrier is removed by XLA:CPU
     before it hoists.) A node without int8 weights comes back as it is.
     """
-    is_int8 = lambda v: isinstance(v, Int8Param)
+    is_int8 = lambda v: isinstance(v, QuantizedParam)
     if isinstance(node, nnx.Variable):
         if not is_int8(node):
             return node
@@ -159,10 +214,7 @@ def after(x: jax.Array, node):
     k = (x.reshape(-1)[0] * 0.0).astype(jnp.int8)
 
     def tie(v):
-        if not is_int8(v):
-            return v
-        raw = v.get_raw_value()
-        return v.copy({"q": raw["q"] + k, "scale": raw["scale"]})
+        return v.tied(k) if is_int8(v) else v
 
     if isinstance(node, nnx.Variable):
         return tie(node)
