@@ -91,6 +91,28 @@ def test_expert_parallel_equals_unsharded(mesh_name, variant):
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, **TOL), g_sh, g_ref)
 
 
+@pytest.mark.parametrize("mesh_name", ["one_device", "data8", "fsdp2_expert2_tensor2"])
+def test_decoding_reads_only_the_picked_experts_where_all_are_local(mesh_name):
+    """A few tokens whose rows the batch axes split: where every expert is on each device
+    (no expert axis), the layer gathers the picked experts' weights instead of running all
+    E experts' buffers (which held a float32 product of every expert weight, a layer's whole
+    experts, in gpt-oss-20b's batch-1 decode); with an expert axis the buffers stay. Either
+    way the unsharded layer's outputs."""
+    cfg, mesh, ref, sharded = moe_pair(MESHES[mesh_name], "moe.capacity_factor=0")
+    x = jax.random.normal(jax.random.key(1), (8, 1, cfg.model.d_model))  # 8 x 1 x 2 > E = 8
+    x = x[:2] if mesh_name == "one_device" else x  # 2 x 1 x 2 < 8: few tokens per device
+    want = nnx.jit(lambda m, x: m(x)[0])(ref, x)
+    with jax.set_mesh(mesh):
+        xs = jax.device_put(x, NamedSharding(mesh, P(BATCH_AXES)))
+        got = nnx.jit(lambda m, x: m(x)[0])(sharded, xs)
+        jaxpr = str(jax.make_jaxpr(lambda x: sharded(x)[0])(xs))
+    np.testing.assert_allclose(got, want, **TOL)
+    m = cfg.moe
+    local_rows = x.shape[0] // n_batch_shards(mesh)
+    gathered = f"[{local_rows},1,{m.top_k},{cfg.model.d_model},"
+    assert (gathered in jaxpr) == (mesh_name != "fsdp2_expert2_tensor2")
+
+
 @pytest.mark.parametrize("unrolled", [True, False], ids=["unrolled", "lax_map"])
 def test_expert_parallel_training_sizes_equal_unsharded(monkeypatch, unrolled):
     """The per-expert path of training-size buffers (forced on these small ones), unrolled or

@@ -216,20 +216,28 @@ def _shard_step(x_bTD, router, router_bias, w, *valid, cfg, dtype, impl, ax, spe
     run = dict(cfg=cfg, dtype=dtype, impl=impl, ep=ax.ep, tp=ax.tp)
     if ax.replicated:
         return own_experts(x_bTD, w, r, **run), r.sums
-    # The tensor shards' partial sums travel home unsummed and are added after the combine,
-    # on [b, T, D] rather than the expert rows (E C / (b T) times fewer bytes with buffers:
-    # 2.5 at capacity 1.25 top-2, E when dropless).
-    if exchange:
-        whole = None
-        if later:
-            whole = lambda w: {
-                n: gathered(a, n, window=True) if n in later else a for n, a in w.items()
-            }
-        y_bTD = ragged_exchange(x_bTD, w, r, **run, whole=whole)
+    b, T, K = r.experts.shape
+    if ax.ep == 1 and b * T * K < cfg.n_experts:
+        # Every expert is here and few tokens (decoding a batch the batch axes split, or one
+        # device's mesh): only the picked experts' weights are read (`own_experts`). The
+        # buffers read all of them: gpt-oss-20b's batch-1 decode on one H100 held a float32
+        # product of every expert weight a layer, 36 GiB of temporaries (AOT, 2026-11-26).
+        y_bTD = own_experts(x_bTD, w, r, **run)
     else:
-        y_bTD = buffer_exchange(x_bTD, w, r, **run)
-    if ax.tp is not None:
-        y_bTD = jax.lax.psum(y_bTD, ax.tp)
+        # The tensor shards' partial sums travel home unsummed and are added after the
+        # combine, on [b, T, D] rather than the expert rows (E C / (b T) times fewer bytes
+        # with buffers: 2.5 at capacity 1.25 top-2, E when dropless).
+        if exchange:
+            whole = None
+            if later:
+                whole = lambda w: {
+                    n: gathered(a, n, window=True) if n in later else a for n, a in w.items()
+                }
+            y_bTD = ragged_exchange(x_bTD, w, r, **run, whole=whole)
+        else:
+            y_bTD = buffer_exchange(x_bTD, w, r, **run)
+        if ax.tp is not None:
+            y_bTD = jax.lax.psum(y_bTD, ax.tp)
     sums = jax.lax.psum(r.sums, ax.batch_axes) if ax.batch_axes else r.sums
     return y_bTD, sums
 
@@ -305,8 +313,9 @@ def ragged_exchange(x_bTD, w, r: Routing, *, cfg: MoEConfig, dtype, impl, ep, tp
 
 
 def own_experts(x_bTD, w, r: Routing, *, cfg: MoEConfig, dtype, impl, ep, tp) -> jax.Array:
-    """Inside the replicated map: this device's experts' share of every token's output,
-    summed over `expert` (and the hidden dim's partials over `tensor`)."""
+    """Inside the replicated map (or where every expert is local): this device's experts'
+    share of every token's output, summed over `expert` (and the hidden dim's partials over
+    `tensor`)."""
     E, D = cfg.n_experts, x_bTD.shape[-1]
     E_loc = E // ep
     first = jax.lax.axis_index("expert") * E_loc if ep > 1 else 0
