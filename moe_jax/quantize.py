@@ -1,6 +1,6 @@
-"""int8 copies of run directories, for inference.
+"""int8 (or MXFP4-expert) copies of run directories, for inference.
 
-    python -m moe_jax.quantize RUN_DIR --out RUN_DIR_INT8 [--step N]
+    python -m moe_jax.quantize RUN_DIR --out RUN_DIR_INT8 [--step N] [--mode int8|mxfp4]
     python sample.py --run RUN_DIR_INT8   # or: python sample.py --run RUN_DIR sample.weights=int8
     qmodel = quantize_model(model)            # in Python: a new Transformer, `model` unchanged
 
@@ -45,9 +45,14 @@ __all__ = [
 ]
 
 
-def quantize_run(run_dir: str | Path, out_dir: str | Path, step: int | None = None) -> str:
-    """Write an int8 copy of `run_dir`'s checkpoint (latest or `step`) as the new run directory
-    `out_dir` (same config, tokenizer and step; params only). -> a one-line report."""
+def quantize_run(
+    run_dir: str | Path, out_dir: str | Path, step: int | None = None, mode: str = "int8"
+) -> str:
+    """Write an int8 copy (`mode` "mxfp4": the routed experts MXFP4, the rest as trained) of
+    `run_dir`'s checkpoint (latest or `step`) as the new run directory `out_dir` (same config,
+    tokenizer and step; params only). Sampling restores it in that form straight away, where
+    the float run would be restored whole first. -> a one-line report."""
+    check_quantization(mode)
     run_dir, out_dir = Path(run_dir), Path(out_dir)
     if out_dir.exists():
         raise QuantizeError(f"--out '{out_dir}' already exists; choose a new directory")
@@ -62,7 +67,7 @@ def quantize_run(run_dir: str | Path, out_dir: str | Path, step: int | None = No
         return run.meta, *load_model(run)
 
     meta, cfg, model, tokenizer = newest_again(read, step)
-    qmodel = quantize_model(model)
+    qmodel = quantize_model(model, mode)
     write_inference_run(
         out_dir,
         meta["step"],
@@ -71,13 +76,13 @@ def quantize_run(run_dir: str | Path, out_dir: str | Path, step: int | None = No
             "config": cfg,
             "tokenizer": tokenizer,
             "fingerprint": meta.get("fingerprint", ""),
-            "quantization": "int8",
+            "quantization": mode,
             "source": f"{run_dir.absolute()} step {meta['step']}",
         },
     )
     float_bytes, int8_bytes = param_bytes(model), param_bytes(qmodel)
     return (
-        f"wrote {out_dir}: int8 copy of {run_dir} step {meta['step']}, parameters "
+        f"wrote {out_dir}: {mode} copy of {run_dir} step {meta['step']}, parameters "
         f"{float_bytes / 2**20:.1f} MiB -> {int8_bytes / 2**20:.1f} MiB "
         f"({int8_bytes / float_bytes:.2f}x)"
     )
@@ -88,12 +93,14 @@ def main(argv: list[str]) -> int:
         prog="python -m moe_jax.quantize",
         description="Write an int8 weight-only copy of a run's checkpoint as a new run directory.",
     )
+    p.add_argument("--mode", default="int8", choices=QUANTIZATIONS,
+                   help="int8 (every matmul weight) or mxfp4 (the routed experts)")  # fmt: skip
     p.add_argument("run", help="run directory written by train.py")
     p.add_argument("--out", required=True, help="new run directory for the int8 copy")
     p.add_argument("--step", type=int, help="checkpoint step (default: the latest)")
     args = p.parse_args(argv)
     try:
-        print(quantize_run(args.run, args.out, args.step))
+        print(quantize_run(args.run, args.out, args.step, args.mode))
     except (RunError, QuantizeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -279,6 +279,29 @@ def test_sample_cli_on_an_int8_run_equals_quantize_on_load(trained, capsys):
     assert capsys.readouterr().out == from_run and from_run.startswith("def ")
 
 
+def test_mxfp4_copy_restores_packed_and_samples_as_quantising_on_load(tmp_path, capsys):
+    """`--mode mxfp4`: the run directory holds the experts packed (and says so), restores
+    them packed (no float copy first), and samples what `sample.weights=mxfp4` of the float
+    run samples."""
+    from moe_jax.load import load_sampler
+    from moe_jax.model.int8 import Mxfp4Param
+
+    run, packed = tmp_path / "run", tmp_path / "run_mxfp4"
+    train(_cfg(run, "moe.expert_hidden=32"), stop_at=2)
+    assert quantize_main([str(run), "--out", str(packed), "--mode", "mxfp4"]) == 0
+    assert "mxfp4 copy of" in capsys.readouterr().out
+    assert (packed / "config.yaml").read_text().startswith("# mxfp4 copy of ")
+    _, sampler, _ = load_sampler(packed)
+    params = nnx.to_flat_state(nnx.state(sampler.inference_model(), Mxfp4Param))
+    assert {p[-1] for p, _ in params} == {"w_gate", "w_up", "w_down"}
+    _, on_load, _ = load_sampler(run, ["sample.weights=mxfp4"])
+    prompts = [[5, 17, 99], [7, 1, 2, 3]]
+    np.testing.assert_array_equal(
+        sampler.generate(prompts, 6, temperature=0).tokens,
+        on_load.generate(prompts, 6, temperature=0).tokens,
+    )
+
+
 @pytest.mark.parametrize(
     "argv, message",
     [
@@ -287,6 +310,7 @@ def test_sample_cli_on_an_int8_run_equals_quantize_on_load(trained, capsys):
         (["{tmp}/missing", "--out", "{tmp}/x"], "run directory '{tmp}/missing' does not exist"),
         (["{run_int8}", "--out", "{tmp}/x"], "'{run_int8}' is already int8-quantised"),
         (["{run}", "--out", "{tmp}/x", "--step", "7"], "no checkpoint for step 7"),
+        (["{run}", "--out", "{tmp}/x", "--mode", "mxfp4"], "moe.expert_hidden (40) must be"),
     ],
 )
 def test_quantize_cli_bad_input_is_one_line_exit_2_nothing_written(
