@@ -33,17 +33,15 @@ class Source:
         return self.reader.has(self.prefix + name)
 
     def __call__(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
-        full = self.prefix + name
-        found = self.reader.shape(full) if self.reader.has(full) else None
-        if found is not None and found != tuple(shape):
-            raise InteropError(
-                f"tensor '{full}' has shape {list(found)} but config.json implies {list(shape)}"
-            )
-        self.used.add(full)
-        return self.reader.get(full)
+        return self.reader.get(self._used(name, shape))
 
     def packed(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
         """A uint8 tensor (MXFP4 blocks or scales) of `shape`, as stored."""
+        return self.reader.get_packed(self._used(name, shape))
+
+    def _used(self, name: str, shape: tuple[int, ...]) -> str:
+        """The full name of tensor `name`, checked to have `shape` (where present: a missing
+        one is named by the read), and recorded as read."""
         full = self.prefix + name
         found = self.reader.shape(full) if self.reader.has(full) else None
         if found is not None and found != tuple(shape):
@@ -51,7 +49,7 @@ class Source:
                 f"tensor '{full}' has shape {list(found)} but config.json implies {list(shape)}"
             )
         self.used.add(full)
-        return self.reader.get_packed(full)
+        return full
 
 
 @dataclass(frozen=True)
