@@ -122,9 +122,8 @@ def expert_swiglu(
     grow with E. Small buffers (decoding) run as batched matmuls over every slot, which
     stream the weights in one pass (the per-expert map made batch-8 decoding ~25% slower).
     `impl` (moe.impl, resolved): "ragged" / "megablox" run big buffers' filled rows as one
-    grouped matmul (`grouped.grouped_buffers`); "batched" runs every slot of any buffer as
-    one batched matmul, padding included (the GPU's form, see `backends.py`); the grouped
-    ones in `row_chunks` windows (moe.row_chunks)."""
+    grouped matmul (`grouped.grouped_buffers`, in `row_chunks` windows); "batched" every slot
+    of any buffer as one batched matmul, padding included (the GPU's, see `backends.py`)."""
     E, S, C, D = x_ESCD.shape
     w_in = {n: a for n, a in w.items() if n != "down_bias"}
     grouped = S * C >= MAP_MIN_CAPACITY and impl in GROUPED_IMPLS
