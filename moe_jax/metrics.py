@@ -1,6 +1,7 @@
 """FLOPs / MFU accounting and the metric writers (JSONL always, TensorBoard alongside).
 
-Records are flat dicts with a "kind" ("info", "train" or "eval") and a "step". The JSONL file
+Records are flat dicts with a "kind" ("info", "train", "eval", or "downstream": the harness
+tasks' metrics named "<task>/<metric>", moe_jax/eval/in_training.py) and a "step". The JSONL file
 `RUN_DIR/metrics.jsonl` is the source of truth (read by `moe_jax.plot`); a resumed run appends
 to it, and readers keep the *last* record of each (kind, step), so steps repeated after a crash
 between two checkpoints are superseded by the rerun. TensorBoard event files go to `RUN_DIR/tb`.

@@ -10,6 +10,8 @@ writes into DIR (default: RUN_DIR)
     expert_load.png  per MoE layer, the fraction of top-k assignments each expert received over
                      training (a balanced router is a flat 1/E)
     dropped.png      per MoE layer, the percentage of top-k assignments dropped by capacity
+    downstream.png   with `eval.tasks`: each harness task's metrics over training, one panel a
+                     task (moe_jax/eval/in_training.py)
 The `*_figure` functions return the matplotlib figures (None when there is nothing to show).
 """
 
@@ -123,6 +125,27 @@ def dropped_figure(records: list[dict]) -> Figure | None:
     return fig
 
 
+def downstream_figure(records: list[dict]) -> Figure | None:
+    """One panel per harness task: its metrics ('<task>/<metric>') against the step."""
+    evals = [r for r in records if r["kind"] == "downstream"]
+    names = sorted({k for r in evals for k in r if k not in ("kind", "step")})
+    if not names:
+        return None
+    tasks = sorted({n.split("/", 1)[0] for n in names})
+    fig, axes = plt.subplots(
+        len(tasks), 1, figsize=(8, 2.5 * len(tasks)), sharex=True, squeeze=False
+    )
+    for task, ax in zip(tasks, axes[:, 0], strict=True):
+        for name in (n for n in names if n.split("/", 1)[0] == task):
+            points = [(r["step"], r[name]) for r in evals if name in r]
+            ax.plot(*zip(*points, strict=True), "o-", label=name.split("/", 1)[1])
+        ax.set_title(task)
+        ax.grid(alpha=0.3)
+        ax.legend()
+    axes[-1, 0].set_xlabel("step")
+    return fig
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m moe_jax.plot", description=__doc__.split("\n")[0]
@@ -158,6 +181,7 @@ def main(argv: list[str] | None = None) -> int:
             ("loss.png", loss_figure),
             ("expert_load.png", expert_load_figure),
             ("dropped.png", dropped_figure),
+            ("downstream.png", downstream_figure),
         ):
             fig = make(records)
             if fig is not None:

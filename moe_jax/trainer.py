@@ -6,10 +6,11 @@
 The loop: every `log_every` steps a metrics record (means over the window: loss, CE, aux
 losses, LR, grad norm, tokens/s, MFU, per-MoE-layer expert load and dropped fraction) goes to
 RUN_DIR/metrics.jsonl, TensorBoard and the console; every `eval_every` steps (and at the end)
-the validation loss and perplexity; every `checkpoint.every` steps (and at the end) an async
-checkpoint. SIGTERM / Ctrl-C: checkpoint after the current step and return. A non-finite loss
-or gradient norm stops training before anything is saved from it (checked for every step
-before each save), so the last checkpoint is always a good one.
+the validation loss and perplexity, and with `eval.tasks` the harness tasks' metrics every
+`eval.every` steps (moe_jax/eval/in_training.py); every `checkpoint.every` steps (and at the
+end) an async checkpoint. SIGTERM / Ctrl-C: checkpoint after the current step and return. A
+non-finite loss or gradient norm stops training before anything is saved from it (checked for
+every step before each save), so the last checkpoint is always a good one.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from tqdm import tqdm
 
 from moe_jax.config import Config
 from moe_jax.data import load_run_data
+from moe_jax.eval.in_training import TaskEval
 from moe_jax.metrics import MetricsWriter, compute_units, unit_peak_flops
 from moe_jax.run.init_from import init_source, start_state
 from moe_jax.run.layout import RunError
@@ -144,6 +146,7 @@ def train(cfg: Config, *, stop_at: int | None = None) -> TrainResult:
     source = init_source(cfg, resume.step if resume else None, log)
     data = load_run_data(cfg, resume.tokenizer if resume else source.tokenizer if source else None)
     _log_data(cfg, data, resume, log)
+    tasks = TaskEval.start(cfg, data.tokenizer)  # eval.tasks checked before anything is written
     log(platform_line())
     mesh = make_mesh(cfg)
     check_batch_split(mesh, cfg.train.batch_size)
@@ -189,7 +192,7 @@ def train(cfg: Config, *, stop_at: int | None = None) -> TrainResult:
             _, state = init_state(cfg, tx, mesh=mesh)
         # Outside the mesh: under it, a measured matmul would run replicated on every device.
         peak = unit_peak_flops(cfg.train.peak_flops)
-        run = Run(cfg, mesh, graphdef, tx, it, data, ckpt, log, peak)
+        run = Run(cfg, mesh, graphdef, tx, it, data, ckpt, log, peak, tasks)
         with jax.set_mesh(mesh):
             start, saved = (resume.step, resume.step) if resume else (0, None)
             return run.loop(state, start=start, last_saved=saved, stop_at=stop_at)
@@ -287,6 +290,7 @@ class Run:
     ckpt: Checkpointer
     log: object
     unit_peak: tuple[float, str]  # one compute unit's FLOP/s and where the figure comes from
+    tasks: TaskEval | None  # the harness tasks of eval.tasks
 
     def loop(
         self, state, *, start: int, last_saved: int | None, stop_at: int | None
@@ -326,6 +330,8 @@ class Run:
                     self._log_window(state, step, end, window, writer, bar)
                 if step % t.eval_every == 0 or final:
                     self._evaluate(state, step, window, writer)
+                if self.tasks is not None and self.tasks.due(step, final):
+                    self._evaluate_tasks(state, step, window, writer)
                 if step % cfg.checkpoint.every == 0 or final or stopping:
                     self._save(state, step, window)
                 if stopping:  # the value the save above saw, not a later signal
@@ -427,6 +433,19 @@ class Run:
             f"eval step {step}: val loss {self.val_loss:.4f}, ppl {ppl:.2f} "
             f"(unigram baseline {self.unigram:.4f})"
         )
+        window.excluded += time.perf_counter() - t0
+
+    def _evaluate_tasks(self, state, step: int, window: _Window, writer) -> None:
+        """The harness tasks on this step's params (their time left out of the throughput)."""
+        _wait_for_steps(state)
+        t0 = time.perf_counter()
+        record = self.tasks.run(self.graphdef, state["params"], self.mesh, step)
+        if record is None:
+            self.log(f"warning: downstream evals stopped: {self.tasks.failed}")
+        else:
+            writer.write(record)
+            shown = [f"{k} {v:.4f}" for k, v in record.items() if k not in ("kind", "step")]
+            self.log(f"tasks step {step}: {', '.join(shown)}")
         window.excluded += time.perf_counter() - t0
 
     def _save(self, state, step: int, window: _Window) -> None:

@@ -240,7 +240,7 @@ def test_mxfp4_experts_compute_their_dequantised_weights_and_sample():
     other weight as it was; the model computes what a float model holding the dequantised
     experts computes (1e-5), on the buffers and the gathered picked experts, and the sampler
     (its decode loop dequantising in each layer's turn) gives that model's greedy tokens."""
-    from moe_jax.model.int8 import Mxfp4Param, QuantizeError, QuantizedParam, quantize_model
+    from moe_jax.model.int8 import Mxfp4Param, QuantizedParam, QuantizeError, quantize_model
     from moe_jax.sampling import Sampler
     from tests.test_sampling import greedy_reference
 

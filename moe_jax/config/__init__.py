@@ -2,7 +2,7 @@
 
 OmegaConf does the merging and type coercion against the dataclass schema; each section
 checks its own fields (`model.py`: model, attention, moe; `run.py`: data, train, mesh,
-checkpoint, sample), `Config.check` the rules across sections, and every failure is one
+checkpoint, sample, eval), `Config.check` the rules across sections, and every failure is one
 `ConfigError` whose message names the problem and the fix. The result is a tree of frozen
 (hence hashable) dataclasses, so a config can be a static argument to `jax.jit`.
 
@@ -43,6 +43,7 @@ from moe_jax.config.run import (
     WEIGHT_KINDS,
     CheckpointConfig,
     DataConfig,
+    EvalConfig,
     MeshConfig,
     SampleConfig,
     TrainConfig,
@@ -67,6 +68,7 @@ __all__ = [
     "Config",
     "ConfigError",
     "DataConfig",
+    "EvalConfig",
     "MeshConfig",
     "ModelConfig",
     "MoEConfig",
@@ -93,6 +95,7 @@ class Config:
     mesh: MeshConfig = field(default_factory=MeshConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     sample: SampleConfig = field(default_factory=SampleConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     run_dir: str = "runs/tiny"
     seed: int = 0
     # Start a new run from the params of another run directory (trained, or imported with
@@ -135,7 +138,7 @@ class Config:
         """Every section's own checks, then the rules that span sections."""
         numbers_in_range(self)
         for section in (self.model, self.attention, self.moe, self.mesh, self.train,
-                        self.data, self.checkpoint, self.sample):  # fmt: skip
+                        self.data, self.checkpoint, self.sample, self.eval):  # fmt: skip
             section.check()
         _check_across_sections(self)
 

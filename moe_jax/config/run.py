@@ -1,5 +1,5 @@
-"""How a run trains, reads data, spans devices, saves and samples: the data, train, mesh,
-checkpoint and sample sections, each checking its own fields."""
+"""How a run trains, reads data, spans devices, saves, samples and is evaluated: the data,
+train, mesh, checkpoint, sample and eval sections, each checking its own fields."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from moe_jax.config.checks import (
 
 DEFAULT_WARMUP_STEPS = 50  # train.warmup_steps=null: this many, at most a tenth of the run
 SCHEDULES = ("cosine", "linear", "wsd")  # train.schedule (train_step.lr_schedule)
-WEIGHT_KINDS = ("auto", "float32", "bfloat16", "int8")  # sample.weights (moe_jax/weights.py)
+WEIGHT_KINDS = ("auto", "float32", "bfloat16", "int8", "mxfp4")  # sample.weights (weights.py)
 SFT_FORMATS = ("none", "prompt_completion", "chat")  # data.sft (moe_jax/data/sft.py)
 MESH_AXES = ("data", "fsdp", "expert", "tensor")  # the axes a mesh.* size names
 # Logits divided by the temperature stay finite in float32 (|logit| < 1e30) inside this range.
@@ -318,7 +318,8 @@ class SampleConfig:
     batch_size: int = 1
     prompt_len: int = 128
     # Form of the weights when sampling (moe_jax/weights.py): auto (bfloat16 if model.dtype is
-    # bfloat16, else float32: no result changes) | float32 | bfloat16 | int8 (per channel)
+    # bfloat16, else float32: no result changes) | float32 | bfloat16 | int8 (per channel) |
+    # mxfp4 (the routed experts in MXFP4, the rest bfloat16: gpt-oss as released)
     weights: str = "auto"
 
     def check(self) -> None:
@@ -327,3 +328,38 @@ class SampleConfig:
         require(problem is None, problem)
         one_of(self.weights, WEIGHT_KINDS, "sample.weights")
         positive(self, "sample", ["max_new_tokens", "batch_size", "prompt_len"])
+
+
+@dataclass(frozen=True)
+class EvalConfig:
+    # lm-evaluation-harness tasks run on the params at eval steps (moe_jax/eval/in_training.py;
+    # the `eval` extra): names comma-separated, e.g. "hellaswag,arc_easy"; "" = none. Their
+    # metrics go to metrics.jsonl (kind "downstream"), TensorBoard and downstream.png.
+    tasks: str = ""
+    every: int = 0  # steps between task evals (and at the end); 0 = train.eval_every's
+    limit: int | None = None  # documents per task; None = all
+    num_fewshot: int | None = None  # None = each task's own
+    batch_size: int = 8  # rows per compiled scoring / generation program
+    include_path: str | None = None  # a directory of task YAML files of your own
+
+    def check(self) -> None:
+        names = [t.strip() for t in self.tasks.split(",")]
+        require(
+            self.tasks == "" or all(names),
+            f"eval.tasks '{self.tasks}' has an empty name; give harness task names separated "
+            'by commas, or "" for none',
+        )
+        non_negative(self, "eval", ["every"])
+        positive(self, "eval", ["batch_size"])
+        require(
+            self.limit is None or self.limit > 0,
+            f"eval.limit must be positive (documents per task) or null, got {self.limit}",
+        )
+        require(
+            self.num_fewshot is None or self.num_fewshot >= 0,
+            f"eval.num_fewshot must be >= 0 or null (each task's own), got {self.num_fewshot}",
+        )
+        require(
+            self.include_path is None or self.include_path.strip() != "",
+            "eval.include_path is empty; name a directory of task YAML files, or null",
+        )
