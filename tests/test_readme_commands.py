@@ -8,7 +8,7 @@ quantize use the default run, export the RoPE run ...).
 
 What runs, and how, to fit the budget (measured: ~45 s of CPU time for the whole file):
 - train.py, sample.py and the `python -m moe_jax.*` tools (summary, plot, quantize, interop,
-  prepare)
+  prepare, eval: the harness offline, on the repository's local task)
   run for real, in this process through `runpy` (no interpreter start-up per command, and one
   compile serves the commands that share a program): train.py with FAST_TRAIN appended (3
   steps of a smaller model), sample.py with FAST_SAMPLE. An `XLA_FLAGS=...device_count=N`
@@ -77,6 +77,7 @@ TOOLS = (
     "moe_jax.quantize",
     "moe_jax.interop",
     "moe_jax.prepare",
+    "moe_jax.eval",
 )
 DEVICE_COUNT = re.compile(r"--xla_force_host_platform_device_count=(\d+)")
 COORDINATOR_PORT = re.compile(r"^(mesh\.coordinator_address=.*:)\d+$")
@@ -219,6 +220,15 @@ def test_readme_commands_run(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("MOE_JAX_HUGEPAGES", "0")  # no re-exec of this process
     todo = [c for c in commands if c.kind in ("run", "download")]
+    if importlib.util.find_spec("lm_eval") is None:  # the eval extra: its commands need it
+        evals = lambda c: any(w.startswith(("eval.", "moe_jax.eval")) for w in c.words)
+        todo = [c for c in todo if not evals(c)]
+    else:  # the local task only: no hub, no downloads
+        from tests.eval_tasks import OFFLINE, offline
+
+        for name, value in OFFLINE.items():
+            monkeypatch.setenv(name, value)
+        offline()
     done = set()
     for cmd in sorted(todo, key=lambda c: "HF_DIR" in c.words):  # stable: README order
         if str(cmd) in done:  # the same command again (the README repeats `python train.py`)
