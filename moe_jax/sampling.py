@@ -138,8 +138,9 @@ def stack_blocks(blocks: list):
     return jax.tree.map(lambda *a: jnp.stack(a), *blocks) if blocks else []
 
 
-def _model_of(graphdef, params, param_blocks):
-    """The model with its layer blocks re-stacked (see `unstack_blocks`)."""
+def model_of(graphdef, params, param_blocks):
+    """The model with its layer blocks re-stacked (see `unstack_blocks`): inside a program
+    the stacking copies nothing."""
     full = jax.tree.map(lambda a: a, params)  # a shallow copy of the State
     if param_blocks:
         full["blocks"] = stack_blocks(param_blocks)
@@ -172,7 +173,7 @@ def _generate(
     N = max_new_tokens
     row_keys_B = jax.vmap(lambda r: jax.random.fold_in(key, r))(jnp.arange(B))
 
-    merged = partial(_model_of, graphdef, params, param_blocks)
+    merged = partial(model_of, graphdef, params, param_blocks)
 
     def unstacked(cache):
         cache = shard_cache(cache)
@@ -325,10 +326,7 @@ class Sampler:
 
     def inference_model(self) -> Transformer:
         """The model exactly as generation runs it (no capacity drops), for references."""
-        params = jax.tree.map(lambda a: a, self.params)
-        if self.param_blocks:
-            params["blocks"] = stack_blocks(self.param_blocks)
-        return nnx.merge(self.graphdef, params)
+        return model_of(self.graphdef, self.params, self.param_blocks)
 
     def generate(
         self,

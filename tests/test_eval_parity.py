@@ -25,42 +25,12 @@ pytest.importorskip("accelerate", reason="the harness's hf backend needs acceler
 from tests.eval_tasks import MC, ROLL, offline, write_tasks  # noqa: E402
 from tests.helpers import TINY_BASE  # noqa: E402
 from tests.test_interop import hf_model  # noqa: E402
-from tests.test_tokenizer import CHAT_TEMPLATE  # noqa: E402
+from tests.test_tokenizer import write_bpe  # noqa: E402
 
 TOL = 1e-4
 TASKS = "toy_mc,toy_roll,toy_gen"
 MAX_LENGTH = 32  # the rolling documents span several windows
 VOCAB = 300
-
-
-def write_tokenizer(directory: Path) -> None:
-    """A byte-level BPE of 300 ids trained on the tasks' text, BOS <|endoftext|> put first,
-    EOS <|im_end|>, a chat template."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-
-    special = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=VOCAB,
-        special_tokens=special,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator([json.dumps(MC + ROLL) * 20], trainer)
-    tok.post_processor = processors.TemplateProcessing(
-        single="<|endoftext|> $A", special_tokens=[("<|endoftext|>", 0)]
-    )
-    directory.mkdir(parents=True, exist_ok=True)
-    tok.save(str(directory / "tokenizer.json"))
-    config = {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "bos_token": "<|endoftext|>",
-        "eos_token": "<|im_end|>",
-        "chat_template": CHAT_TEMPLATE,
-    }
-    (directory / "tokenizer_config.json").write_text(json.dumps(config))
 
 
 @pytest.fixture(scope="module")
@@ -76,12 +46,12 @@ def checkpoints(tmp_path_factory):
     hf_dir = root / "hf"
     # No sliding window: a window would hide a wrong start of a sequence from later tokens.
     hf_model("mixtral", seed=3, vocab_size=VOCAB, sliding_window=None).save_pretrained(hf_dir)
-    write_tokenizer(hf_dir)
+    write_bpe(hf_dir, json.dumps(MC + ROLL) * 20)  # trained on the tasks' text
     small = ["train.batch_size=2", "train.seq_len=16", "data.embedded_max_bytes=50000"]
     import_run(hf_dir, root / "imported", None, small)
 
     tok_dir = root / "tok"
-    write_tokenizer(tok_dir)
+    write_bpe(tok_dir, json.dumps(MC + ROLL) * 20)  # trained on the tasks' text
     over = [
         *TINY_BASE, *small, "attention.nope_interval=0", f"model.vocab_size={VOCAB}",
         f"data.tokenizer={tok_dir}", "train.steps=1", "train.warmup_steps=0",

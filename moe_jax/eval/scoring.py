@@ -33,32 +33,23 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from tqdm import tqdm
 
 from moe_jax.eval import EvalError
 from moe_jax.eval.buckets import batches, bucket
-from moe_jax.sampling import Sampler, stack_blocks
+from moe_jax.sampling import Sampler, model_of
 from moe_jax.sharding import split_batch_axes
 
 MIN_SCORED = 8  # fewest scored positions per row a program computes: short continuations share
-
-
-def _model(graphdef, params, param_blocks):
-    """The sampler's model with its layer blocks re-stacked (inside the program: no copy)."""
-    full = jax.tree.map(lambda a: a, params)  # a shallow copy of the State
-    if param_blocks:
-        full["blocks"] = stack_blocks(param_blocks)
-    return nnx.merge(graphdef, full)
 
 
 def _score(graphdef, params, param_blocks, tokens_BT, length_B, start_B, target_BC, n_B):
     """-> (log-probability of each row's continuation [B], whether it is greedy [B]).
     Row b reads tokens_BT[b, :length_B[b]]; its n_B[b] targets are predicted at positions
     start_B[b] .. start_B[b] + n_B[b] - 1."""
-    model = _model(graphdef, params, param_blocks)
+    model = model_of(graphdef, params, param_blocks)
     T, C = tokens_BT.shape[1], target_BC.shape[1]
     segments_BT = (jnp.arange(T)[None, :] < length_B[:, None]).astype(jnp.int32)
     x_BTD, _ = model(tokens_BT, segments=segments_BT, head=False)
