@@ -155,6 +155,7 @@ def compile_step(cfg, topo, step: str, verbose: bool = False, hlo_path: str | No
     """Compile `step` ("train" | "decode") of `cfg` for `topo`. -> report dict.
     Raises DoesNotFit, or ConfigError / SamplingError for a config the step cannot take."""
     from moe_jax import backends, hlo
+    from moe_jax.model import exchange_rounds
     from moe_jax.summary import decode_flops, train_flops_per_token
 
     mesh = _step_mesh(cfg, topo, step)
@@ -178,7 +179,11 @@ def compile_step(cfg, topo, step: str, verbose: bool = False, hlo_path: str | No
         with open(hlo_path, "w") as f:
             f.write(text)
     s = cfg.sample
-    analysis = hlo.analyze(text, unknown_trips=max(s.max_new_tokens - 1, 1))
+    analysis = hlo.analyze(
+        text,
+        unknown_trips=max(s.max_new_tokens - 1, 1),
+        scoped_trips={exchange_rounds.ROUND_LOOP_SCOPE: exchange_rounds.ROUND_LOOP_TRIPS},
+    )
     if step == "train":
         tokens = cfg.train.batch_size * cfg.train.seq_len
         model_flops = train_flops_per_token(cfg) * tokens
@@ -214,6 +219,7 @@ def compile_step(cfg, topo, step: str, verbose: bool = False, hlo_path: str | No
         # kernels whose FLOPs flops_per_device leaves out (no cost estimate: splash attention)
         "uncosted_kernels": analysis.count(hlo.UNCOSTED),
         "loops_of_unknown_trip_count": analysis.unknown_trip_loops,
+        "exchange_round_loops": analysis.scoped_loops,  # counted at one round
         "compile_s": round(compile_s, 1),
     }
     if step == "train":  # the weights' share of the collectives, as the sharding implies it
@@ -278,6 +284,11 @@ def format_report(r: dict, config_name: str) -> str:
         extra.append(
             f"{r['loops_of_unknown_trip_count']} loop(s) counted at sample.max_new_tokens - 1 "
             "iterations (the decode loop's most)"
+        )
+    if r.get("exchange_round_loops"):
+        extra.append(
+            f"{r['exchange_round_loops']} loop(s) of the ragged exchange's extra rounds counted "
+            "at none (one round: moe.recv_factor)"
         )
     if "host_peak_rss_bytes" in r:
         extra.append(f"host peak RSS {r['host_peak_rss_bytes'] / GIB:.2f} GiB")

@@ -131,6 +131,7 @@ class Analysis:
     collectives: dict[str, Collective]
     opcodes: Counter  # executed count of every opcode
     unknown_trip_loops: int  # while loops counted at `unknown_trips` iterations
+    scoped_loops: int = 0  # while loops counted at their name scope's `scoped_trips`
 
     def count(self, opcode: str) -> int:
         return self.opcodes.get(opcode, 0)
@@ -323,6 +324,7 @@ def _constant(inst: Instruction) -> str:
     return inst.operands[0] if inst.opcode == "constant" and inst.operands else ""
 
 
+SCOPED_LOOP = "scoped-loop"  # Analysis.opcodes' count of loops counted by their name scope
 UNCOSTED = "uncosted-kernel"  # Analysis.count(UNCOSTED): kernels whose FLOPs are not counted
 
 
@@ -340,7 +342,19 @@ def _uncosted_kernel(inst: Instruction) -> bool:
     )
 
 
-def analyze(text: str, unknown_trips: int = 1) -> Analysis:
+def _scope_trips(loop: Instruction, scoped_trips: dict[str, int]) -> int | None:
+    """The trips given for the loop's innermost name scope (op_name ".../SCOPE/while")."""
+    m = re.search(r'op_name="[^"]*?([\w.\-]+)/while"', loop.attrs)
+    return scoped_trips.get(m.group(1)) if m else None
+
+
+def analyze(
+    text: str, unknown_trips: int = 1, scoped_trips: dict[str, int] | None = None
+) -> Analysis:
+    """`scoped_trips`: loops of unknown trip count in these name scopes run this many times
+    (the ragged exchange's extra rounds: `exchange_rounds.ROUND_LOOP_SCOPE`); the others run
+    `unknown_trips` times."""
+    scoped_trips = scoped_trips or {}
     comps, entry, types = parse(text)
     producers = {i.name: i for body in comps.values() for i in body}
     memo: dict[str, tuple[float, dict, Counter, int]] = {}
@@ -349,7 +363,7 @@ def analyze(text: str, unknown_trips: int = 1) -> Analysis:
         if name in memo:
             return memo[name]
         memo[name] = (0.0, {}, Counter(), 0)  # guards against cycles (none in valid HLO)
-        flops, coll, ops, unknown = 0.0, {}, Counter(), 0
+        flops, coll, ops, unknown = 0.0, {}, Counter(), 0  # ops["scoped-loop"]: scoped_trips
 
         def add(sub, times=1):
             nonlocal flops, unknown
@@ -379,6 +393,8 @@ def analyze(text: str, unknown_trips: int = 1) -> Analysis:
                 continue  # the start names the same computation
             if inst.opcode == "while":
                 trips = _trip_count(inst, comps, producers)
+                if trips is None and (trips := _scope_trips(inst, scoped_trips)) is not None:
+                    ops[SCOPED_LOOP] += 1
                 unknown += trips is None
                 for sub in inst.called:
                     add(visit(sub), unknown_trips if trips is None else trips)
@@ -393,7 +409,7 @@ def analyze(text: str, unknown_trips: int = 1) -> Analysis:
         return memo[name]
 
     flops, coll, ops, unknown = visit(entry)
-    return Analysis(flops, coll, ops, unknown)
+    return Analysis(flops, coll, ops, unknown, ops[SCOPED_LOOP])
 
 
 def collectives_json(coll: dict[str, Collective]) -> dict[str, dict[str, int]]:

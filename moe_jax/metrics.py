@@ -30,6 +30,13 @@ from jax.experimental import multihost_utils
 
 METRICS_FILE = "metrics.jsonl"
 
+# Per-MoE-layer series of a train record -> their TensorBoard group (one scalar a layer).
+LAYER_SERIES = {
+    "dropped_frac": "moe_dropped",
+    "exchange_rounds": "moe_exchange_rounds",
+    "overflow_frac": "moe_exchange_overflow",
+}
+
 # Dense bf16 matmul FLOP/s of one device by the start of jax's `device_kind`, the first match
 # wins (vendors' data sheets; H100 and H200 SXM without sparsity).
 BF16_PEAK_FLOPS = (
@@ -140,9 +147,9 @@ class MetricsWriter:
                 continue
             if isinstance(value, int | float):
                 self._tb.add_scalar(f"{prefix}/{key}", value, step)
-            elif key == "dropped_frac":
+            elif key in LAYER_SERIES:
                 for layer, v in enumerate(value):
-                    self._tb.add_scalar(f"moe_dropped/layer{layer}", v, step)
+                    self._tb.add_scalar(f"{LAYER_SERIES[key]}/layer{layer}", v, step)
             elif key == "expert_load":
                 # Load of the busiest expert relative to a perfectly even split (1 = balanced).
                 for layer, loads in enumerate(value):

@@ -10,6 +10,9 @@ writes into DIR (default: RUN_DIR)
     expert_load.png  per MoE layer, the fraction of top-k assignments each expert received over
                      training (a balanced router is a flat 1/E)
     dropped.png      per MoE layer, the percentage of top-k assignments dropped by capacity
+    exchange.png     when the ragged exchange ever overflowed its first round: per MoE layer,
+                     its rounds per step and the percentage of rows past the first round
+                     (moe.recv_factor, moe_jax/model/exchange_rounds.py)
     downstream.png   with `eval.tasks`: each harness task's metrics over training, one panel a
                      task (moe_jax/eval/in_training.py)
 The `*_figure` functions return the matplotlib figures (None when there is nothing to show).
@@ -125,6 +128,30 @@ def dropped_figure(records: list[dict]) -> Figure | None:
     return fig
 
 
+def exchange_figure(records: list[dict]) -> Figure | None:
+    """Per MoE layer, the ragged exchange's rounds per step and its overflow (rows past the
+    first round); None while no record shows an overflow (then it is one round, always)."""
+    train = [r for r in records if r["kind"] == "train" and np.size(r.get("overflow_frac", []))]
+    if not any(np.max(r["overflow_frac"]) > 0 for r in train):
+        return None
+    steps = [r["step"] for r in train]
+    rounds_SL = np.array([r["exchange_rounds"] for r in train])  # [logged steps, MoE layers]
+    overflow_SL = 100 * np.array([r["overflow_frac"] for r in train])
+    fig, (ax_r, ax_o) = plt.subplots(2, 1, figsize=(8, 6), sharex=True)
+    names = _moe_layer_names(records, rounds_SL.shape[1])
+    for name, rounds_S, overflow_S in zip(names, rounds_SL.T, overflow_SL.T, strict=True):
+        ax_r.plot(steps, rounds_S, lw=1, label=name)
+        ax_o.plot(steps, overflow_S, lw=1, label=name)
+    ax_r.set_ylabel("rounds per step")
+    ax_r.set_title("ragged exchange: rounds of the receive buffer (moe.recv_factor)")
+    ax_o.set_ylabel("% of rows past round 1")
+    ax_o.set_xlabel("step")
+    for ax in (ax_r, ax_o):
+        ax.grid(alpha=0.3)
+    ax_r.legend()
+    return fig
+
+
 def downstream_figure(records: list[dict]) -> Figure | None:
     """One panel per harness task: its metrics ('<task>/<metric>') against the step."""
     evals = [r for r in records if r["kind"] == "downstream"]
@@ -181,6 +208,7 @@ def main(argv: list[str] | None = None) -> int:
             ("loss.png", loss_figure),
             ("expert_load.png", expert_load_figure),
             ("dropped.png", dropped_figure),
+            ("exchange.png", exchange_figure),
             ("downstream.png", downstream_figure),
         ):
             fig = make(records)

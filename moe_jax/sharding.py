@@ -99,7 +99,8 @@ def _check_divisible(cfg: Config, sizes: dict[str, int], inference: bool) -> Non
     checks = [
         ("moe.n_experts", e.n_experts, "expert"),
         ("attention.n_heads", a.n_heads, "tensor"),
-        ("attention.n_kv_heads", a.n_kv_heads, "tensor"),
+        # mla has no key/value heads (its latent cache is not split over tensor)
+        *([("attention.n_kv_heads", a.n_kv_heads, "tensor")] if a.kind == "gqa" else []),
         ("model.vocab_size", m.vocab_size, "tensor"),
     ]
     if any(not cfg.is_moe(i) for i in range(m.n_layers)):

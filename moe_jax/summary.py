@@ -106,10 +106,22 @@ def param_counts(cfg: Config) -> tuple[int, int]:
     return sum(b.total.values()), sum(b.active.values())
 
 
+def attention_dims(cfg: Config, cached: bool = False) -> tuple[int, int]:
+    """(dims a score contracts, dims an output contracts) per head and key: head_dim twice for
+    GQA; for MLA the expanded form's dn + dr and dv, or with a cache (`cached`) the absorbed
+    form's R + dr twice (its value is the whole cached row, moe_jax/model/mla.py)."""
+    a = cfg.attention
+    if a.kind != "mla":
+        return cfg.head_dim, cfg.head_dim
+    if cached:
+        return (a.kv_lora_rank + a.qk_rope_head_dim,) * 2
+    return a.qk_nope_head_dim + a.qk_rope_head_dim, a.v_head_dim
+
+
 def attention_flops_per_token(cfg: Config, seq_len: int) -> int:
     """QK^T and AV matmuls, forward + backward, over all `seq_len` keys (the convention of the
     peers' figures in shared/PEERS.md)."""
-    return 12 * cfg.model.n_layers * cfg.attention.n_heads * cfg.head_dim * seq_len
+    return 6 * cfg.model.n_layers * cfg.attention.n_heads * sum(attention_dims(cfg)) * seq_len
 
 
 def train_flops_per_token(cfg: Config, seq_len: int | None = None) -> int:
@@ -130,9 +142,9 @@ def decode_flops(cfg: Config, batch: int, prompt_len: int, new_tokens: int) -> i
     """Model FLOPs of sampling `new_tokens` after a `prompt_len` prompt, `batch` rows: the
     prefill's tokens and the `new_tokens - 1` fed back (the last is sampled, never fed), each
     `2 * N` for the matmuls, plus QK^T and AV forward (4 * n_layers * n_heads * head_dim per
-    key): over all `prompt_len` keys in the prefill (the training convention), over the keys
-    written so far in decode."""
-    per_key = 4 * cfg.model.n_layers * cfg.attention.n_heads * cfg.head_dim
+    key; MLA's absorbed form: its `attention_dims`): over all `prompt_len` keys in the prefill
+    (the training convention), over the keys written so far in decode."""
+    per_key = 2 * cfg.model.n_layers * cfg.attention.n_heads * sum(attention_dims(cfg, True))
     fed = new_tokens - 1
     tokens = prompt_len + fed
     keys = prompt_len * prompt_len + fed * prompt_len + fed * (fed + 1) // 2
@@ -142,9 +154,12 @@ def decode_flops(cfg: Config, batch: int, prompt_len: int, new_tokens: int) -> i
 def kv_cache_bytes(cfg: Config, context: int, dtype_bytes: int = 2) -> tuple[int, int]:
     """(bytes, bytes if every layer cached the whole context) of one sequence's KV cache at
     `context` tokens, as `Transformer.init_cache` lays it out: a sliding-window layer keeps a
-    ring of its window only (and an int32 position per slot)."""
+    ring of its window only (and an int32 position per slot); an MLA layer its latent and
+    shared RoPE key, kv_lora_rank + qk_rope_head_dim values a token for all heads."""
     a = cfg.attention
     per_slot = 2 * a.n_kv_heads * cfg.head_dim * dtype_bytes  # k and v
+    if a.kind == "mla":
+        per_slot = (a.kv_lora_rank + a.qk_rope_head_dim) * dtype_bytes
     full = cfg.model.n_layers * context * per_slot
     held = 0
     for layer in range(cfg.model.n_layers):
@@ -169,9 +184,14 @@ def format_summary(cfg: Config, seq_len: int | None = None) -> str:
     b = param_breakdown(cfg)
     m, a, e = cfg.model, cfg.attention, cfg.moe
     moe = f"{e.n_experts} experts top-{e.top_k}" if e.n_experts else "dense"
+    heads = f"{a.n_heads} heads / {a.n_kv_heads} kv x {cfg.head_dim}"
+    if a.kind == "mla":
+        heads = (
+            f"{a.n_heads} MLA heads (qk {a.qk_nope_head_dim}+{a.qk_rope_head_dim}, v "
+            f"{a.v_head_dim}, latent {a.kv_lora_rank}, q rank {a.q_lora_rank})"
+        )
     lines = [
-        f"{m.n_layers} layers, d_model {m.d_model}, {a.n_heads} heads / {a.n_kv_heads} kv x "
-        f"{cfg.head_dim}, {moe}, vocab {m.vocab_size}",
+        f"{m.n_layers} layers, d_model {m.d_model}, {heads}, {moe}, vocab {m.vocab_size}",
         f"{'component':<16}{'total':>12}{'active/token':>14}",
     ]
     for c in COMPONENTS:

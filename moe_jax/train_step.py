@@ -53,6 +53,7 @@ from moe_jax import backends
 from moe_jax.config import Config, TrainConfig
 from moe_jax.loss import head_statistics
 from moe_jax.model import Transformer, gather
+from moe_jax.model.transformer import LAYER_FRACTIONS
 from moe_jax.sharding import BATCH_AXES, logical_to_spec, state_shardings, with_shardings
 from moe_jax.train_state import make_state
 
@@ -223,7 +224,8 @@ def loss_fn(
         "ce": ce_sum / jnp.maximum(count, 1.0),
         "logit_z": logit_z_sum / jnp.maximum(count, 1.0),
     }
-    metrics |= {k: aux[k] for k in ("aux_loss", "lb_loss", "z_loss", "expert_load", "dropped_frac")}
+    metrics |= {k: aux[k] for k in ("aux_loss", "lb_loss", "z_loss", "expert_load")}
+    metrics |= {k: aux[k] for k in LAYER_FRACTIONS}
     return loss, metrics
 
 

@@ -484,4 +484,6 @@ def _format_train(r: dict, end: int) -> str:
         parts.append(f"{r['tokens_per_s'] / 1e3:.1f}k tok/s, MFU {100 * r['mfu']:.1f}%")
     if np.size(r["dropped_frac"]):
         parts.append(f"dropped {100 * np.mean(r['dropped_frac']):.1f}%")
+    if np.size(r["exchange_rounds"]) and np.max(r["exchange_rounds"]) > 1:
+        parts.append(f"exchange rounds {np.max(r['exchange_rounds']):.2f}")
     return " | ".join(parts)

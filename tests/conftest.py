@@ -75,3 +75,16 @@ def pytest_runtest_logreport(report):
     killed at its time limit still shows why the tests before it failed."""
     if report.failed and os.environ.get("MOE_JAX_INSTAFAIL") == "1":
         print(f"\nFAILED {report.nodeid} ({report.when})\n{report.longreprtext}", flush=True)
+
+
+@pytest.fixture
+def ragged_on_cpu(monkeypatch):
+    """The ragged exchange on this CPU, with the emulated collective, for the tiny tests'
+    exchanges too (smaller than a training step's, they would keep the buffers)."""
+    from moe_jax import backends
+    from moe_jax.model import exchange_rounds, experts
+    from tests.helpers import emulated_ragged_all_to_all
+
+    monkeypatch.setitem(backends.EXCHANGE, "cpu", "ragged")
+    monkeypatch.setattr(experts, "MAP_MIN_CAPACITY", 1)
+    monkeypatch.setattr(exchange_rounds, "ragged_all_to_all", emulated_ragged_all_to_all)

@@ -15,7 +15,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from moe_jax.model import experts
+from moe_jax.model import experts, grouped
 from moe_jax.model.experts import expert_swiglu
 from moe_jax.model.grouped import (
     chunk_plan,
@@ -114,6 +114,32 @@ def test_sort_rows_and_grouped_buffers_by_hand():
     ref = expert_swiglu(x, w, jnp.float32)  # every slot, batched
     mask = (jnp.arange(C)[None, None, :] < filled[:, :, None])[..., None]
     np.testing.assert_allclose(y, jnp.where(mask, ref, 0), rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("tile", [4, 7, 64])  # many segments, windows clamped, n < tile
+def test_hand_written_weight_gradients_equal_ragged_dots_autodiff(tile, monkeypatch):
+    """Both weight gradients of `ragged_hand_grad`, the groups padded to max_group and the
+    loop over segments, and the rows' gradient, equal jax's autodiff of ragged_dot: 37 rows
+    in 5 groups (one empty, one spanning several tiles), 3 rows past the groups."""
+    monkeypatch.setattr(grouped, "WGRAD_TILE", tile)
+    keys = jax.random.split(jax.random.key(0), 3)
+    n, K, N = 37, 6, 5
+    sizes = jnp.array([3, 0, 17, 1, 13], jnp.int32)
+    x = jax.random.normal(keys[0], (n, K))
+    w = jax.random.normal(keys[1], (5, K, N))
+    dy = jax.random.normal(keys[2], (n, N))
+    ref_dx, ref_dw = jax.vjp(lambda x, w: jax.lax.ragged_dot(x, w, sizes), x, w)[1](dy)
+    # padded: 5 x 17 rows; the segments' windows: (ceil(37 / tile) + 5 + 1) x min(tile, 37)
+    plan = {4: "tiled", 7: "tiled", 64: "padded"}[tile]  # 64, 84 and 259 rows against 85
+    assert grouped.weight_grad_plan(n, 5, 17) == plan
+    assert grouped.weight_grad_plan(n, 5, None) == "tiled"
+    for max_group in (17, None):
+        f = lambda x, w, m=max_group: grouped.ragged_hand_grad(x, w, sizes, m)
+        dx, dw = jax.vjp(f, x, w)[1](dy)
+        np.testing.assert_allclose(dx, ref_dx, **TOL)
+        np.testing.assert_allclose(dw, ref_dw, **TOL)
+    np.testing.assert_allclose(grouped.padded_weight_grad(x, dy, sizes, 17), ref_dw, **TOL)
+    np.testing.assert_allclose(grouped.tiled_weight_grad(x, dy, sizes), ref_dw, **TOL)
 
 
 @pytest.mark.parametrize("bounded", [False, True])

@@ -145,18 +145,8 @@ class Config:
 
 def _check_across_sections(cfg: Config) -> None:
     m, a, e = cfg.model, cfg.attention, cfg.moe
-    if a.head_dim is None:
-        require(
-            m.d_model % a.n_heads == 0,
-            f"model.d_model ({m.d_model}) must be divisible by attention.n_heads ({a.n_heads}), "
-            "or set attention.head_dim explicitly",
-        )
-    require(cfg.head_dim > 0, f"attention.head_dim must be positive, got {cfg.head_dim}")
-    if any(cfg.uses_rope(i) for i in range(m.n_layers)):
-        require(
-            cfg.head_dim % 2 == 0,
-            f"head_dim ({cfg.head_dim}) must be even for RoPE; change attention.head_dim",
-        )
+    if a.kind == "gqa":  # mla sizes its heads by its own fields (AttentionConfig)
+        _check_head_dim(cfg)
     if any(not cfg.is_moe(i) for i in range(m.n_layers)):
         positive(m, "model", ["ffn_hidden"])
     kept = set(m.remat_saved) | set(m.remat_offloaded)
@@ -182,6 +172,22 @@ def _check_across_sections(cfg: Config) -> None:
         cfg.init_from is None or cfg.init_from.strip() != "",
         "init_from is empty; name the run directory to start from, or set it to null",
     )
+
+
+def _check_head_dim(cfg: Config) -> None:
+    m, a = cfg.model, cfg.attention
+    if a.head_dim is None:
+        require(
+            m.d_model % a.n_heads == 0,
+            f"model.d_model ({m.d_model}) must be divisible by attention.n_heads ({a.n_heads}), "
+            "or set attention.head_dim explicitly",
+        )
+    require(cfg.head_dim > 0, f"attention.head_dim must be positive, got {cfg.head_dim}")
+    if any(cfg.uses_rope(i) for i in range(m.n_layers)):
+        require(
+            cfg.head_dim % 2 == 0,
+            f"head_dim ({cfg.head_dim}) must be even for RoPE; change attention.head_dim",
+        )
 
 
 def validate(cfg: Config) -> None:

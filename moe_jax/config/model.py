@@ -23,6 +23,14 @@ REMAT_NAMES = {
 ROPE_STYLES = ("half", "interleaved")
 QK_NORMS = ("none", "rms", "l2")
 ROPE_SCALINGS = ("none", "linear", "llama3", "yarn")
+ATTENTION_KINDS = ("gqa", "mla")
+# The sizes of multi-head latent attention (attention.kind=mla) and DeepSeek-V3's values
+MLA_SIZES = {
+    "kv_lora_rank": 512,
+    "qk_nope_head_dim": 128,
+    "qk_rope_head_dim": 64,
+    "v_head_dim": 128,
+}
 SCORES = ("softmax", "sigmoid")
 ROUTE_SCALES = ("output", "input")
 
@@ -151,6 +159,20 @@ class AttentionConfig:
     # Kernel (moe_jax/backends.py): auto (the backend's own) | blocked (blocked softmax with a
     # hand-written backward, XLA:CPU's) | cudnn (GPU fused attention) | splash (TPU Pallas)
     impl: str = "auto"
+    # gqa: grouped-query attention (the fields above) | mla: DeepSeek-V2/V3's multi-head
+    # latent attention (moe_jax/model/mla.py): every head's keys and values are expanded from
+    # one low-rank latent per token, and the KV cache holds that latent and one shared RoPE
+    # key (kv_lora_rank + qk_rope_head_dim values a token). mla takes no n_kv_heads (every
+    # head has its own keys, from the latent) nor head_dim (the three sizes below instead),
+    # and none of the sliding window, chunks, sinks, QK-norm, NoPE layers or biases.
+    kind: str = "gqa"
+    # mla: the queries' low-rank bottleneck, q = W_qb RMSNorm(W_qa x) (DeepSeek-V3: 1536);
+    # 0 = none, q = W_q x (DeepSeek-V2-Lite)
+    q_lora_rank: int = 0
+    kv_lora_rank: int = 0  # mla: width of the latent the keys and values come from (V3: 512)
+    qk_nope_head_dim: int = 0  # mla: each head's query/key dims without RoPE (V3: 128)
+    qk_rope_head_dim: int = 0  # mla: the query/key dims with RoPE; one key for all heads (V3: 64)
+    v_head_dim: int = 0  # mla: each head's value dims (V3: 128)
 
     def check(self) -> None:
         positive(self, "attention", ["n_heads", "n_kv_heads", "rope_theta"])
@@ -158,11 +180,11 @@ class AttentionConfig:
         one_of(self.qk_norm, QK_NORMS, "attention.qk_norm")
         one_of(self.rope_scaling.type, ROPE_SCALINGS, "attention.rope_scaling.type")
         one_of(self.impl, IMPLS["attention"], "attention.impl")
-        require(
-            self.n_heads % self.n_kv_heads == 0,
-            f"attention.n_heads ({self.n_heads}) must be divisible by attention.n_kv_heads "
-            f"({self.n_kv_heads}) for grouped-query attention",
-        )
+        one_of(self.kind, ATTENTION_KINDS, "attention.kind")
+        if self.kind == "mla":
+            self._check_mla()
+        else:
+            self._check_gqa()
         non_negative(self, "attention", ["nope_interval", "full_attention_interval"])
         require(
             self.full_attention_interval == 0 or self.sliding_window > 0,
@@ -186,6 +208,53 @@ class AttentionConfig:
             require(
                 scaling.high_freq_factor >= scaling.low_freq_factor,
                 "attention.rope_scaling.high_freq_factor must be >= low_freq_factor",
+            )
+
+    def _check_gqa(self) -> None:
+        require(
+            self.n_heads % self.n_kv_heads == 0,
+            f"attention.n_heads ({self.n_heads}) must be divisible by attention.n_kv_heads "
+            f"({self.n_kv_heads}) for grouped-query attention",
+        )
+        for name in ("q_lora_rank", *MLA_SIZES):
+            require(
+                getattr(self, name) == 0,
+                f"attention.{name} sizes multi-head latent attention; set attention.kind=mla "
+                f"too, or {name}=0",
+            )
+
+    def _check_mla(self) -> None:
+        """What attention.kind=mla needs, and what it does not combine with."""
+        for name, deepseek_v3 in MLA_SIZES.items():
+            value = getattr(self, name)
+            require(
+                value > 0,
+                f"attention.kind=mla needs attention.{name} > 0 (DeepSeek-V3: {deepseek_v3}), "
+                f"got {value}",
+            )
+        non_negative(self, "attention", ["q_lora_rank"])
+        require(
+            self.qk_rope_head_dim % 2 == 0,
+            f"attention.qk_rope_head_dim ({self.qk_rope_head_dim}) must be even for RoPE",
+        )
+        unsupported = {
+            "head_dim": (self.head_dim is not None, "null (mla sizes its heads by "
+                         "qk_nope_head_dim, qk_rope_head_dim and v_head_dim)"),
+            "sliding_window": (self.sliding_window != 0, "0"),
+            "chunk_size": (self.chunk_size != 0, "0"),
+            "sinks": (self.sinks, "false"),
+            "qk_norm": (self.qk_norm != "none", "none (mla normalises its latents instead)"),
+            "nope_interval": (self.nope_interval != 0, "0 (every mla layer has RoPE)"),
+            "qkv_bias": (self.qkv_bias, "false"),
+            "o_bias": (self.o_bias, "false"),
+        }  # fmt: skip
+        for name, (is_set, fix) in unsupported.items():
+            value = getattr(self, name)
+            shown = str(value).lower() if isinstance(value, bool) else value  # as YAML writes it
+            require(
+                not is_set,
+                f"attention.kind=mla does not support attention.{name}={shown}; "
+                f"set attention.{name}={fix}",
             )
 
 
@@ -225,6 +294,11 @@ class MoEConfig:
     # forward and backward, so their [rows, expert_hidden] intermediates exist for one chunk
     # at a time; the backward recomputes each chunk's gate/up products (moe_jax/model/grouped.py).
     row_chunks: int = 1
+    # The ragged exchange's receive buffer, in rows: this factor times the rows a shard sends
+    # (the average it receives). Rows past it go in further rounds, never dropped
+    # (moe_jax/model/exchange_rounds.py); <= 0: the worst case (every token of every shard
+    # to one shard), one round always.
+    recv_factor: float = 1.25
 
     def check(self) -> None:
         one_of(self.score, SCORES, "moe.score")

@@ -48,7 +48,8 @@ from moe_jax.model.norm import RMSNorm, rms_norm
 from moe_jax.model.rope import apply_rope, rope_attention_factor, rope_inv_freq
 from moe_jax.sharding import param
 
-# {"k": [B, S, K, hd], "v": [B, S, K, hd]}; a sliding-window layer's ring also "pos": [B, S]
+# {"k": [B, S, K, hd], "v": [B, S, K, hd]}; a sliding-window layer's ring also "pos": [B, S];
+# an MLA layer's {"latent": [B, S, 1, kv_lora_rank + qk_rope_head_dim]} instead (mla.py)
 KVCache = dict[str, jax.Array]
 # Checkpoint name of a query block's output and log-sum-exp, all its backward keeps besides
 # q, k, v. `model.remat=dots` saves them (see `remat.py`): otherwise the backward
@@ -99,7 +100,8 @@ def temperature_scale(positions_BT: jax.Array, floor_scale: float, attn_scale: f
 
 def attend(q_BTHD, k_BSKD, v_BSKD, mask_BTS, scale: float, sinks_KG=None) -> jax.Array:
     """Masked softmax attention, query heads grouped over the K key/value heads (GQA);
-    `sinks_KG`: each query head's sink logit, in every row's denominator."""
+    `sinks_KG`: each query head's sink logit, in every row's denominator. The values' head
+    dim may differ from the queries' and keys' (MLA's)."""
     B, T, H, hd = q_BTHD.shape
     K = k_BSKD.shape[2]
     q_BTKGD = (q_BTHD * scale).reshape(B, T, K, H // K, hd)
@@ -119,7 +121,7 @@ def attend(q_BTHD, k_BSKD, v_BSKD, mask_BTS, scale: float, sinks_KG=None) -> jax
         denom_BTKG = denom_BTKG + jnp.exp(sink_1KG11 - shift)[..., 0].transpose(0, 3, 1, 2)
     out_BTKGD = jnp.einsum("bkgts,bskd->btkgd", weights_BKGTS.astype(v_BSKD.dtype), v_BSKD)
     out_BTKGD = out_BTKGD / denom_BTKG[..., None].astype(out_BTKGD.dtype)
-    return out_BTKGD.reshape(B, T, H, hd)
+    return out_BTKGD.reshape(B, T, H, v_BSKD.shape[-1])
 
 
 def query_blocks(T: int, window: int = 0, max_blocks: int = 8, min_block: int = 64):
@@ -171,6 +173,24 @@ def write_cache(cache_BSKH: jax.Array, new_BTKH: jax.Array, start_B: jax.Array) 
     """Write each row's new keys/values at that row's start position."""
     update = lambda c, n, s: jax.lax.dynamic_update_slice_in_dim(c, n.astype(c.dtype), s, axis=0)
     return jax.vmap(update)(cache_BSKH, new_BTKH, start_B)
+
+
+def in_prefill_blocks(attend_block, q_BTHD: jax.Array, positions_BT: jax.Array) -> jax.Array:
+    """`attend_block(q, positions)` (queries against a whole cache) for the call's queries:
+    at once when decoding or for a short prompt, else `PREFILL_BLOCK` queries at a time, one
+    block after another, each with its [B, H, T_blk, S] logits, not the whole [B, H, T, S].
+    The last block is padded with copies of the last query (rows computed, then dropped)."""
+    B, T = positions_BT.shape
+    if T <= PREFILL_BLOCK:
+        return attend_block(q_BTHD, positions_BT)
+    n = -(-T // PREFILL_BLOCK)
+    pad = n * PREFILL_BLOCK - T
+    q_pad = jnp.pad(q_BTHD, ((0, 0), (0, pad), (0, 0), (0, 0)), mode="edge")
+    pos_pad = jnp.pad(positions_BT, ((0, 0), (0, pad)), mode="edge")
+    blocks = lambda a: jnp.moveaxis(a.reshape(B, n, PREFILL_BLOCK, *a.shape[2:]), 1, 0)
+    out_nBtHD = jax.lax.map(lambda qp: attend_block(*qp), (blocks(q_pad), blocks(pos_pad)))
+    out_BTHD = jnp.moveaxis(out_nBtHD, 0, 1).reshape(B, n * PREFILL_BLOCK, *out_nBtHD.shape[3:])
+    return out_BTHD[:, :T]
 
 
 class Attention(nnx.Module):
@@ -312,20 +332,7 @@ class Attention(nnx.Module):
         attend_block = lambda q, pos: attend(
             q, k_BSKD, v_BSKD, self._mask(pos, k_pos_BS) & written_B1S, scale, sinks_KG
         )
-        T = q_BTHD.shape[1]
-        if T <= PREFILL_BLOCK:  # decoding, a short prompt
-            return attend_block(q_BTHD, positions_BT), cache
-        # A long prompt: query blocks one after another, each with its [B, H, T_blk, S]
-        # logits, not the whole [B, H, T, S]. The last block is padded with copies of the
-        # last query (rows computed, then dropped).
-        n = -(-T // PREFILL_BLOCK)
-        pad = n * PREFILL_BLOCK - T
-        q_pad = jnp.pad(q_BTHD, ((0, 0), (0, pad), (0, 0), (0, 0)), mode="edge")
-        pos_pad = jnp.pad(positions_BT, ((0, 0), (0, pad)), mode="edge")
-        blocks = lambda a: jnp.moveaxis(a.reshape(B, n, PREFILL_BLOCK, *a.shape[2:]), 1, 0)
-        out_nBtHD = jax.lax.map(lambda qp: attend_block(*qp), (blocks(q_pad), blocks(pos_pad)))
-        out_BTHD = jnp.moveaxis(out_nBtHD, 0, 1).reshape(B, n * PREFILL_BLOCK, *q_BTHD.shape[2:])
-        return out_BTHD[:, :T], cache
+        return in_prefill_blocks(attend_block, q_BTHD, positions_BT), cache
 
     def _mask(self, q_pos_BT, k_pos_BS, order=None, segments=None):
         return attention_mask(
@@ -338,50 +345,63 @@ class Attention(nnx.Module):
         )
 
     def _blocked(self, q_BTHD, k_BTKD, v_BTKD, positions_BT, segments_BT=None) -> jax.Array:
-        """Self-attention over the call's own tokens, one query block at a time.
+        """`blocked_self_attention` with this layer's scale, masks and sinks."""
+        masks = dict(window=self.window, chunk_size=self.chunk_size, sinks_KG=self._sinks_KG())
+        args = (q_BTHD, k_BTKD, v_BTKD, positions_BT, segments_BT)
+        return blocked_self_attention(*args, scale=self.head_dim**-0.5, **masks)
 
-        q, k and v are cut into the query blocks' chunks with one `lax.split` each, and a block
-        attends to the concatenation of the key chunks it can see (from the chunk holding its
-        window's first key; the mask drops the rest). In the backward the chunks' gradients
-        are then summed chunk by chunk and concatenated once, where per-block slices of the
-        whole sequence each came back padded to full length and were added up (8 full-size
-        arrays per tensor and layer). Heads are laid out [B, K, G * T, hd] (the G query heads
-        sharing a key/value head stacked as rows) so every matmul of `block_attention` is a
-        plain batched matmul. Causality comes from the tokens' indices (see the module doc)."""
-        B, T, H, hd = q_BTHD.shape
-        K = self.n_kv_heads
-        blocks = query_blocks(T, self.window)
-        sizes = [q_hi - q_lo for q_lo, q_hi, _, _ in blocks]
-        q_BTKGD = (q_BTHD * hd**-0.5).reshape(B, T, K, H // K, hd)
-        q_parts, k_parts, v_parts, pos_parts = (
-            jax.lax.split(a, sizes, axis=1) for a in (q_BTKGD, k_BTKD, v_BTKD, positions_BT)
+
+def blocked_self_attention(
+    q_BTHD, k_BTKD, v_BTKD, pos_BT, seg_BT=None, *, scale, window=0, chunk_size=0, sinks_KG=None
+) -> jax.Array:
+    """Self-attention over the call's own tokens, one query block at a time: q scaled by
+    `scale`, masked as `attention_mask` masks with `window` and `chunk_size`, `sinks_KG` as
+    `block_attention` takes them. The values' head dim may differ from q's and k's (MLA's).
+
+    q, k and v are cut into the query blocks' chunks with one `lax.split` each, and a block
+    attends to the concatenation of the key chunks it can see (from the chunk holding its
+    window's first key; the mask drops the rest). In the backward the chunks' gradients
+    are then summed chunk by chunk and concatenated once, where per-block slices of the
+    whole sequence each came back padded to full length and were added up (8 full-size
+    arrays per tensor and layer). Heads are laid out [B, K, G * T, hd] (the G query heads
+    sharing a key/value head stacked as rows) so every matmul of `block_attention` is a
+    plain batched matmul. Causality comes from the tokens' indices (see the module doc)."""
+    B, T, H, hd = q_BTHD.shape
+    K, hv = k_BTKD.shape[2], v_BTKD.shape[-1]
+    blocks = query_blocks(T, window)
+    sizes = [q_hi - q_lo for q_lo, q_hi, _, _ in blocks]
+    q_BTKGD = (q_BTHD * scale).reshape(B, T, K, H // K, hd)
+    q_parts, k_parts, v_parts, pos_parts = (
+        jax.lax.split(a, sizes, axis=1) for a in (q_BTKGD, k_BTKD, v_BTKD, pos_BT)
+    )
+    seg_parts = None if seg_BT is None else jax.lax.split(seg_BT, sizes, axis=1)
+    seen = lambda parts, first, last: (
+        parts[last] if first == last else jnp.concatenate(parts[first : last + 1], axis=1)
+    )
+    heads_first = lambda a: a.transpose(0, 2, 1, 3)  # [B, S, K, hd] -> [B, K, S, hd]
+    outs = []
+    for i, (q_lo, q_hi, k_lo, _) in enumerate(blocks):
+        first = k_lo // sizes[0]  # every chunk but the last has sizes[0] positions
+        Tq = sizes[i]
+        q_BKMD = q_parts[i].transpose(0, 2, 3, 1, 4).reshape(B, K, -1, hd)
+        mask_BTS = attention_mask(
+            pos_parts[i],
+            seen(pos_parts, first, i),
+            chunk_size=chunk_size,
+            window=window,
+            order=(jnp.arange(q_lo, q_hi), jnp.arange(first * sizes[0], q_hi)),
+            segments=None if seg_parts is None else (seg_parts[i], seen(seg_parts, first, i)),
         )
-        seg_parts = None if segments_BT is None else jax.lax.split(segments_BT, sizes, axis=1)
-        seen = lambda parts, first, last: (
-            parts[last] if first == last else jnp.concatenate(parts[first : last + 1], axis=1)
+        out_BKMD = block_attention(
+            q_BKMD,
+            heads_first(seen(k_parts, first, i)),
+            heads_first(seen(v_parts, first, i)),
+            mask_BTS,
+            sinks_KG,
         )
-        heads_first = lambda a: a.transpose(0, 2, 1, 3)  # [B, S, K, hd] -> [B, K, S, hd]
-        outs, sinks_KG = [], self._sinks_KG()
-        for i, (q_lo, q_hi, k_lo, _) in enumerate(blocks):
-            first = k_lo // sizes[0]  # every chunk but the last has sizes[0] positions
-            Tq = sizes[i]
-            q_BKMD = q_parts[i].transpose(0, 2, 3, 1, 4).reshape(B, K, -1, hd)
-            mask_BTS = self._mask(
-                pos_parts[i],
-                seen(pos_parts, first, i),
-                order=(jnp.arange(q_lo, q_hi), jnp.arange(first * sizes[0], q_hi)),
-                segments=None if seg_parts is None else (seg_parts[i], seen(seg_parts, first, i)),
-            )
-            out_BKMD = block_attention(
-                q_BKMD,
-                heads_first(seen(k_parts, first, i)),
-                heads_first(seen(v_parts, first, i)),
-                mask_BTS,
-                sinks_KG,
-            )
-            outs.append(out_BKMD.reshape(B, K, H // K, Tq, hd).transpose(0, 3, 1, 2, 4))
-        out_BTKGD = outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=1)
-        return out_BTKGD.reshape(B, T, H, hd)
+        outs.append(out_BKMD.reshape(B, K, H // K, Tq, hv).transpose(0, 3, 1, 2, 4))
+    out_BTKGD = outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=1)
+    return out_BTKGD.reshape(B, T, H, hv)
 
 
 def _masked_logits(q_BKMD, k_BKSD, mask_BTS) -> jax.Array:

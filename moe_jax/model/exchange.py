@@ -20,6 +20,7 @@ from jax.sharding import PartitionSpec as P
 
 from moe_jax import backends
 from moe_jax.config import MoEConfig
+from moe_jax.model import exchange_rounds as rounds_lib
 from moe_jax.model import experts as experts_lib
 from moe_jax.model import gather
 from moe_jax.model.experts import down_bias, expert_swiglu, filled_slots, gathered_swiglu
@@ -34,56 +35,6 @@ from moe_jax.model.routing import (
     to_buffers,
 )
 from moe_jax.sharding import split_batch_axes
-
-# The ragged exchange's collective; the CPU tests swap in an emulation (XLA:CPU has none).
-ragged_all_to_all = jax.lax.ragged_all_to_all
-
-
-class RaggedExchange(NamedTuple):
-    """A shard's `ragged_all_to_all` arguments (input_offsets, send_sizes, output_offsets,
-    recv_sizes), flat [ep * E_loc] over (peer shard, local expert of the owner): one slice per
-    expert and shard, so rows arrive grouped by expert. `there`: the rows to the experts'
-    owners; `back`: their results home; `sizes_e`: rows received per local expert."""
-
-    there: tuple[jax.Array, ...]
-    back: tuple[jax.Array, ...]
-    sizes_e: jax.Array
-
-
-def exclusive_cumsum(a: jax.Array) -> jax.Array:
-    return jnp.cumsum(a) - a
-
-
-def exchange_offsets(send_PE: jax.Array, axis: str) -> RaggedExchange:
-    """Offsets of the exchange, from send_PE [ep, E_loc]: the rows this shard sends to peer
-    p's local expert e, laid out in its send buffer sorted by (global) expert p * E_loc + e.
-
-    Each owner lays its receive buffer out expert by expert, then by source shard, so that
-    its local experts' rows are contiguous groups for the grouped matmul (no second sort);
-    since ragged_all_to_all's output_offsets are offsets in the *receiver's* buffer, the
-    owner computes them and sends them back to the sources (two small all_to_alls)."""
-    ep, E_loc = send_PE.shape
-    a2a = lambda a: jax.lax.all_to_all(a, axis, 0, 0)
-    start_PE = exclusive_cumsum(send_PE.reshape(-1)).reshape(ep, E_loc)
-    got = a2a(jnp.stack([send_PE, start_PE], axis=1))  # [ep, 2, E_loc] from each source
-    recv_PE, home_PE = got[:, 0], got[:, 1]  # its rows for my expert e, where they start there
-    land_PE = exclusive_cumsum(recv_PE.T.reshape(-1)).reshape(E_loc, ep).T  # expert-major
-    out_PE = a2a(land_PE)  # where my rows land at each owner
-    flat = lambda *a: tuple(x.reshape(-1) for x in a)
-    return RaggedExchange(
-        there=flat(start_PE, send_PE, out_PE, recv_PE),
-        back=flat(land_PE, recv_PE, home_PE, send_PE),
-        sizes_e=jnp.sum(recv_PE, axis=0),
-    )
-
-
-def move_rows(x_nD: jax.Array, n_out: int, offsets: tuple, axis: str) -> jax.Array:
-    """`ragged_all_to_all` of x's row slices into a zero [n_out, D] buffer."""
-    # The collective's result is typed like its `output` operand (jax 0.10.2), so the zeros
-    # vary over the axes x does: an invariant result failed the grouped backward's typing.
-    out_mD = jnp.zeros((n_out, x_nD.shape[1]), x_nD.dtype)
-    out_mD = jax.lax.pcast(out_mD, tuple(jax.typeof(x_nD).mat.varying), to="varying")
-    return ragged_all_to_all(x_nD, out_mD, *offsets, axis_name=axis)
 
 
 class Axes(NamedTuple):
@@ -217,6 +168,7 @@ def _shard_step(x_bTD, router, router_bias, w, *valid, cfg, dtype, impl, ax, spe
     if ax.replicated:
         return own_experts(x_bTD, w, r, **run), r.sums
     b, T, K = r.experts.shape
+    exchanged = {}
     if ax.ep == 1 and b * T * K < cfg.n_experts:
         # Every expert is here and few tokens (decoding a batch the batch axes split, or one
         # device's mesh): only the picked experts' weights are read (`own_experts`). The
@@ -233,13 +185,15 @@ def _shard_step(x_bTD, router, router_bias, w, *valid, cfg, dtype, impl, ax, spe
                 whole = lambda w: {
                     n: gathered(a, n, window=True) if n in later else a for n, a in w.items()
                 }
-            y_bTD = ragged_exchange(x_bTD, w, r, **run, whole=whole)
+            y_bTD, exchanged = ragged_exchange(x_bTD, w, r, **run, whole=whole)
         else:
             y_bTD = buffer_exchange(x_bTD, w, r, **run)
         if ax.tp is not None:
             y_bTD = jax.lax.psum(y_bTD, ax.tp)
-    sums = jax.lax.psum(r.sums, ax.batch_axes) if ax.batch_axes else r.sums
-    return y_bTD, sums
+    # "rounds" is the same everywhere already; "overflow" sums over the owners.
+    sums = r.sums | {k: v for k, v in exchanged.items() if k == "overflow"}
+    sums = jax.lax.psum(sums, ax.batch_axes) if ax.batch_axes else sums
+    return y_bTD, sums | {k: v for k, v in exchanged.items() if k == "rounds"}
 
 
 def buffer_exchange(x_bTD, w: dict, r: Routing, *, cfg: MoEConfig, dtype, impl, ep, tp):
@@ -268,12 +222,16 @@ def buffer_exchange(x_bTD, w: dict, r: Routing, *, cfg: MoEConfig, dtype, impl, 
     return from_buffers(y, r.slot, r.weights, cfg.route_scale)
 
 
-def ragged_exchange(x_bTD, w, r: Routing, *, cfg: MoEConfig, dtype, impl, ep, tp, whole=None):
+def ragged_exchange(
+    x_bTD, w, r: Routing, *, cfg: MoEConfig, dtype, impl, ep, tp, whole=None
+) -> tuple[jax.Array, dict]:
     """This shard's kept assignments, sorted by expert, sent as rows (no padding) to the
     shards owning their experts, run there as one grouped matmul and sent back
-    (`ragged_all_to_all` both ways; offsets: `exchange_offsets`). The output is unsummed over
-    `tensor`, like the buffers'. `whole`: the expert weights come split over fsdp, gathered
-    by the grouped matmul (`grouped_swiglu`)."""
+    (`ragged_all_to_all` both ways, in rounds of a bounded receive buffer:
+    `exchange_rounds.py`). -> (the output, unsummed over `tensor` like the buffers', and the
+    exchange's statistics: "rounds", and "overflow" rows past the first round, summed here
+    over this owner). `whole`: the expert weights come split over fsdp, gathered by the
+    grouped matmul (`grouped_swiglu`)."""
     E, D = cfg.n_experts, x_bTD.shape[-1]
     E_loc = E // ep
     b, T, K = r.experts.shape
@@ -284,32 +242,51 @@ def ragged_exchange(x_bTD, w, r: Routing, *, cfg: MoEConfig, dtype, impl, ep, tp
     sent_s = order_n[:n_send]
     x_sD = x_bTD.reshape(b * T, D)[sent_s // K]
     x_sD = scale_inputs(x_sD, r.weights.reshape(-1)[sent_s], cfg.route_scale).astype(dtype)
-    # Receive buffer: the most rows that can ever arrive, so nothing is ever lost. A token's
-    # k experts are distinct, so at most min(k, E_loc) of its assignments go to one shard,
-    # from b T tokens on each of ep shards; with a capacity, no expert takes more than C rows
-    # from each shard either.
-    n_recv = ep * min(b * T * min(K, E_loc), E_loc * r.cap)
-    if ep > 1:
-        offsets = exchange_offsets(sizes_E.reshape(ep, E_loc), "expert")
-        x_mD, sizes_e = move_rows(x_sD, n_recv, offsets.there, "expert"), offsets.sizes_e
-    else:  # every expert here: the rows are already in place (n_recv == n_send)
-        x_mD, sizes_e = x_sD, sizes_E
-    expert_m = jnp.repeat(jnp.arange(E_loc), sizes_e, total_repeat_length=n_recv)
+    # The most rows that can ever arrive: a token's k experts are distinct, so at most
+    # min(k, E_loc) of its assignments go to one shard, from b T tokens on each of ep shards;
+    # with a capacity, no expert takes more than C rows from each shard either.
+    n_worst = ep * min(b * T * min(K, E_loc), E_loc * r.cap)
+    w_in = {n: a for n, a in w.items() if n != "down_bias"}
+    if "down_bias" in w:  # added once in the later sum over `tensor`
+        w_in["down_bias"] = w["down_bias"]
+    run = functools.partial(
+        _grouped_rows, cfg=cfg, dtype=dtype, impl=impl, tp=tp, whole=whole, max_rows=ep * r.cap
+    )
+    if ep == 1:  # every expert here: the rows are already in place, one round
+        y_sD = run(x_sD, w_in, sizes_E)
+        stats = {"rounds": jnp.ones(()), "overflow": jnp.zeros(())}
+    else:
+        rows = rounds_lib.receive_rows(n_send, n_worst, cfg.recv_factor)
+        plan = rounds_lib.exchange_plan(sizes_E.reshape(ep, E_loc), "expert")
+        rounds = rounds_lib.plan_rounds(plan, rows)
+        y_sD = rounds_lib.exchange_in_rounds(
+            x_sD, w_in, plan, rounds.count, run=run, rows=rows, axis="expert",
+            bounded=rows < n_worst,
+        )  # fmt: skip
+        stats = {"rounds": rounds.count, "overflow": rounds.overflow}
+    stats = {k: v.astype(jnp.float32) for k, v in stats.items()}
+    # Each assignment's row; dropped ones sort past the kept rows and read zeros.
+    y_nD = y_sD.at[inverse(order_n)].get(mode="fill", fill_value=0)
+    return sum_choices(y_nD.reshape(b, T, K, D), r.weights, r.keep, cfg.route_scale), stats
+
+
+def _grouped_rows(x_mD, w, sizes_e, *, cfg: MoEConfig, dtype, impl, tp, whole, max_rows):
+    """Received rows, grouped by local expert (`sizes_e`; rows past them are padding),
+    through their experts: SwiGLU and the down bias, unsummed over `tensor`."""
+    E_loc, n = sizes_e.shape[0], x_mD.shape[0]
+    expert_m = jnp.repeat(jnp.arange(E_loc), sizes_e, total_repeat_length=n)
     if tp is not None:  # the grouped backward types its input cotangent: see expert_swiglu
         x_mD = jax.lax.pcast(x_mD, tp, to="varying")
-    w_in = {n: a for n, a in w.items() if n != "down_bias"}
+    w_in = {k: a for k, a in w.items() if k != "down_bias"}
     # No expert gets more than C rows from each of the ep shards: the weight gradient runs
     # padded to that (`grouped_matmul`), not as a dense product over every local expert.
     y_mD = grouped_swiglu(
-        x_mD, w_in, sizes_e, expert_m, dtype, impl, ep * r.cap, cfg.row_chunks, whole,
+        x_mD, w_in, sizes_e, expert_m, dtype, impl, min(max_rows, n), cfg.row_chunks, whole,
         act=Activation.from_config(cfg),
     )  # fmt: skip
-    if "down_bias" in w:  # added once in the later sum over `tensor`
+    if "down_bias" in w:
         y_mD = y_mD + down_bias(w["down_bias"][expert_m], dtype, tp, summed=False)
-    y_sD = move_rows(y_mD, n_send, offsets.back, "expert") if ep > 1 else y_mD
-    # Each assignment's row; dropped ones sort past the kept rows and read zeros.
-    y_nD = y_sD.at[inverse(order_n)].get(mode="fill", fill_value=0)
-    return sum_choices(y_nD.reshape(b, T, K, D), r.weights, r.keep, cfg.route_scale)
+    return y_mD
 
 
 def own_experts(x_bTD, w, r: Routing, *, cfg: MoEConfig, dtype, impl, ep, tp) -> jax.Array:

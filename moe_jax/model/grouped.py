@@ -47,8 +47,8 @@ def inverse(order_n: jax.Array) -> jax.Array:
 
 def grouped_matmul(x_nK, w_EKN, sizes_E, impl: str, max_group: int | None = None) -> jax.Array:
     """Rows in groups of sizes_E (in expert order) times their expert's [K, N] weight; rows
-    past the groups give zeros. `max_group` (static): no group has more rows, so the weight
-    gradient runs as a batched matmul over groups padded to it (`ragged_padded_grad`)."""
+    past the groups give zeros. The weight gradient is written by hand (`ragged_hand_grad`);
+    `max_group` (static): no group has more rows."""
     if impl == "megablox":
         from jax.experimental.pallas.ops.tpu.megablox import gmm
 
@@ -63,38 +63,91 @@ def grouped_matmul(x_nK, w_EKN, sizes_E, impl: str, max_group: int | None = None
         y = gmm(x_pad, w_EKN, sizes_E, x_nK.dtype, tiling, None, None, False, backends.interpret())
         y = y[:n] if pad else y
         return jnp.where(in_groups_n[:, None], y, 0)
-    if max_group is not None:
-        return ragged_padded_grad(x_nK, w_EKN, sizes_E, max_group)
-    return jax.lax.ragged_dot(x_nK, w_EKN, sizes_E)
+    return ragged_hand_grad(x_nK, w_EKN, sizes_E, max_group)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def ragged_padded_grad(x_nK, w_EKN, sizes_E, max_group: int) -> jax.Array:
-    """`ragged_dot` whose weight gradient is a batched matmul over the groups, each padded to
-    `max_group` rows. Left to autodiff, that gradient (a ragged_dot with ragged contracting
-    dims) compiled on TPU to a dense product over every expert for every row: E_loc times the
-    FLOPs (Qwen3-30B-A3B on v5p-128: compiled/model FLOPs 1.89 for the whole step)."""
+def ragged_hand_grad(x_nK, w_EKN, sizes_E, max_group: int | None) -> jax.Array:
+    """`ragged_dot` with its weight gradient written by hand. Left to autodiff, that gradient
+    (a ragged_dot with ragged contracting dims) compiled on TPU to a dense product over every
+    expert for every row: E times the FLOPs (Qwen3-30B-A3B on v5p-128: compiled/model FLOPs
+    1.89 for the whole step). Here it is the cheaper of two, both exact (`weight_grad_plan`):
+    a batched matmul over the groups each padded to `max_group` rows (where a capacity makes
+    that tight), or a loop over the rows' segments (`tiled_weight_grad`)."""
     return jax.lax.ragged_dot(x_nK, w_EKN, sizes_E)
 
 
-def _ragged_padded_grad_fwd(x_nK, w_EKN, sizes_E, max_group):
+def _ragged_hand_grad_fwd(x_nK, w_EKN, sizes_E, max_group):
     return jax.lax.ragged_dot(x_nK, w_EKN, sizes_E), (x_nK, w_EKN, sizes_E)
 
 
-def _ragged_padded_grad_bwd(max_group, residuals, dy_nN):
+def _ragged_hand_grad_bwd(max_group, residuals, dy_nN):
     x_nK, w_EKN, sizes_E = residuals
     dx_nK = jax.lax.ragged_dot(dy_nN, jnp.swapaxes(w_EKN, 1, 2), sizes_E)
+    if weight_grad_plan(x_nK.shape[0], sizes_E.shape[0], max_group) == "padded":
+        dw_EKN = padded_weight_grad(x_nK, dy_nN, sizes_E, max_group)
+    else:
+        dw_EKN = tiled_weight_grad(x_nK, dy_nN, sizes_E)
+    return dx_nK, dw_EKN.astype(w_EKN.dtype), None
+
+
+ragged_hand_grad.defvjp(_ragged_hand_grad_fwd, _ragged_hand_grad_bwd)
+
+# Rows of a `tiled_weight_grad` segment's window: megablox's row tile (MaxText's default).
+WGRAD_TILE = MEGABLOX_TILE[0]
+
+
+def weight_grad_plan(n: int, n_groups: int, max_group: int | None) -> str:
+    """ "padded" where the groups padded to `max_group` have no more rows than the segments'
+    windows (at most n / tile + groups of `tile` rows), else "tiled"."""
+    tile = min(WGRAD_TILE, n)
+    tiled_rows = (-(-n // tile) + n_groups + 1) * tile
+    return "padded" if max_group is not None and n_groups * max_group <= tiled_rows else "tiled"
+
+
+def padded_weight_grad(x_nK, dy_nN, sizes_E, max_group: int) -> jax.Array:
+    """dW_e = x_e^T dy_e as one batched matmul over the groups, each padded to max_group rows."""
     starts_E = jnp.cumsum(sizes_E) - sizes_E
     rows_ER = starts_E[:, None] + jnp.arange(max_group)[None, :]
     in_group_ER = jnp.arange(max_group)[None, :] < sizes_E[:, None]
     rows_ER = jnp.where(in_group_ER, rows_ER, x_nK.shape[0])  # past the end: reads zeros
     x_ERK = x_nK.at[rows_ER].get(mode="fill", fill_value=0)
     dy_ERN = dy_nN.at[rows_ER].get(mode="fill", fill_value=0)
-    dw_EKN = jnp.einsum("erk,ern->ekn", x_ERK, dy_ERN, preferred_element_type=jnp.float32)
-    return dx_nK, dw_EKN.astype(w_EKN.dtype), None
+    return jnp.einsum("erk,ern->ekn", x_ERK, dy_ERN, preferred_element_type=jnp.float32)
 
 
-ragged_padded_grad.defvjp(_ragged_padded_grad_fwd, _ragged_padded_grad_bwd)
+def tiled_weight_grad(x_nK, dy_nN, sizes_E) -> jax.Array:
+    """dW_e = x_e^T dy_e (float32) as a loop over *segments*: the rows cut at every tile
+    boundary and every group boundary, so each segment lies in one tile and one group (at
+    most n / tile + E + 1 of them); each adds the product of its `tile`-row window, masked to
+    its rows, to its group's gradient. The FLOPs are those of (n + E tile) rows, whatever
+    the groups' sizes, and nothing of the rows' size is materialised."""
+    n, K = x_nK.shape
+    E, N = sizes_E.shape[0], dy_nN.shape[1]
+    tile = min(WGRAD_TILE, n)
+    ends_E = jnp.cumsum(sizes_E)
+    # cut at every tile and group start, and where the groups end (the rows past them)
+    cuts_S = jnp.sort(jnp.concatenate([jnp.arange(0, n, tile), ends_E - sizes_E, ends_E[-1:]]))
+    next_S = jnp.minimum(jnp.concatenate([cuts_S[1:], jnp.array([n])]), n)
+    # a segment's group: the first whose rows end past its start (E: past every group)
+    group_S = jnp.searchsorted(ends_E, cuts_S, side="right")
+    rows_t = jnp.arange(tile)
+
+    def add_segment(dw_EKN, seg):
+        start, stop, group = seg
+        at = jnp.minimum(start, n - tile)  # the window stays inside the rows
+        mine_t = (at + rows_t >= start) & (at + rows_t < stop)
+        x_tK = jax.lax.dynamic_slice_in_dim(x_nK, at, tile)
+        dy_tN = jnp.where(mine_t[:, None], jax.lax.dynamic_slice_in_dim(dy_nN, at, tile), 0)
+        prod_KN = jnp.einsum("tk,tn->kn", x_tK, dy_tN, preferred_element_type=jnp.float32)
+        return dw_EKN.at[group].add(prod_KN, mode="drop"), None  # group E: dropped
+
+    dw_EKN = jnp.zeros((E, K, N), jnp.float32)
+    # Inside a shard_map the carry must vary over the axes the products do.
+    varying = tuple(jax.typeof(x_nK).mat.varying | jax.typeof(dy_nN).mat.varying)
+    if varying:
+        dw_EKN = jax.lax.pcast(dw_EKN, varying, to="varying")
+    return jax.lax.scan(add_segment, dw_EKN, (cuts_S, next_S, group_S))[0]
 
 
 @jax.custom_vjp

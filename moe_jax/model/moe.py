@@ -22,8 +22,11 @@ Semantics (DESIGN.md):
   second `all_to_all` brings the results home. With the grouped impl on GPU / TPU
   (`backends.exchange`), only the kept assignments travel instead: sorted by expert, sent by
   `ragged_all_to_all` straight into each owner's rows grouped by its local expert, run as
-  one grouped matmul and sent back the same way (no padding on the wire when dropless). Expert
-  weights never move. Aux statistics are psum-ed over the batch axes, so they are global.
+  one grouped matmul and sent back the same way (no padding on the wire when dropless). Each
+  owner's receive buffer holds `moe.recv_factor` times the average rows, not the worst case
+  (every token of every shard to one owner); rows past it go in further rounds, never dropped
+  (`exchange_rounds.py`; the rounds and the overflow are per-layer metrics). Expert weights
+  never move. Aux statistics are psum-ed over the batch axes, so they are global.
 - Padding (`valid_BT` False, from segment 0 of a packed batch) is not routed: it takes no
   slot of any expert's capacity, its output is 0 (plus the shared expert's), and it counts
   in no statistic. Capacity stays sized by the group's token count, padding included, so

@@ -73,15 +73,27 @@ def rope_attention_factor(scaling: RopeScalingConfig) -> float:
         return 1.0
     if scaling.attention_factor:  # 0 = derive it, as transformers does for a missing one
         return float(scaling.attention_factor)
-
-    def mscale(m: float) -> float:
-        return 1.0 if scaling.factor <= 1 else 0.1 * m * math.log(scaling.factor) + 1.0
-
     # DeepSeek-V3 gives both and so a ratio (1 where they are equal: its factor goes into the
-    # softmax scale instead); transformers ignores one given without the other.
+    # softmax scale instead, `rope_softmax_factor`); transformers ignores one given without
+    # the other.
     if scaling.mscale and scaling.mscale_all_dim:
-        return mscale(scaling.mscale) / mscale(scaling.mscale_all_dim)
-    return mscale(1.0)
+        return _yarn_mscale(scaling, scaling.mscale) / _yarn_mscale(scaling, scaling.mscale_all_dim)
+    return _yarn_mscale(scaling, 1.0)
+
+
+def rope_softmax_factor(scaling: RopeScalingConfig) -> float:
+    """The factor DeepSeek's attention (MLA, `mla.py`) multiplies its softmax scale by: YaRN's
+    mscale(mscale_all_dim) squared, as transformers' `yarn_apply_mscale` (1 unless YaRN with
+    mscale_all_dim set). The interpolated positions flatten attention over all the head's
+    dims, not only the rotated ones, so the sharpening goes into the scale of the whole q.k."""
+    if scaling.type != "yarn" or not scaling.mscale_all_dim:
+        return 1.0
+    return _yarn_mscale(scaling, scaling.mscale_all_dim) ** 2
+
+
+def _yarn_mscale(scaling: RopeScalingConfig, m: float) -> float:
+    """YaRN's attention sharpening 0.1 m ln(factor) + 1 (1 where nothing is interpolated)."""
+    return 1.0 if scaling.factor <= 1 else 0.1 * m * math.log(scaling.factor) + 1.0
 
 
 def apply_rope(

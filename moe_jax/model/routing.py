@@ -114,7 +114,8 @@ def route_group(
 
 def aux_stats(sums: dict, n_tokens: int, cfg: MoEConfig) -> dict:
     """Global aux losses and metrics from summed per-group statistics, per token: the
-    call's `n_tokens`, or the valid tokens counted in sums["tokens"] (at least 1)."""
+    call's `n_tokens`, or the valid tokens counted in sums["tokens"] (at least 1). Sums of
+    the ragged exchange, where it ran: "rounds" and "overflow" rows."""
     if "tokens" in sums:
         n_tokens = jnp.maximum(sums["tokens"], 1.0)
     E, K = cfg.n_experts, cfg.top_k
@@ -124,6 +125,10 @@ def aux_stats(sums: dict, n_tokens: int, cfg: MoEConfig) -> dict:
         "z_loss": sums["z"] / n_tokens,
         "expert_load": load_E,
         "dropped_frac": (n_tokens * K - sums["kept"]) / (n_tokens * K),  # exact 0 if none
+        # The ragged exchange's rounds (exchange_rounds.py), and the fraction of the kept rows
+        # that did not fit the first: 1 and 0 on every other path.
+        "exchange_rounds": sums.get("rounds", jnp.ones((), jnp.float32)),
+        "overflow_frac": sums.get("overflow", 0.0) / jnp.maximum(sums["kept"], 1.0),
     }
 
 

@@ -36,7 +36,9 @@ position per row only (`logits`): the last prompt token of a prefill, without [B
 
 `aux`: "aux_loss" (weighted lb + z losses, add it to the LM loss), "lb_loss" and "z_loss"
 (unweighted means over MoE layers), "expert_load" [n_moe_layers, E] (fraction of top-k
-assignments per expert), "dropped_frac" [n_moe_layers] (fraction dropped by capacity).
+assignments per expert), "dropped_frac" [n_moe_layers] (fraction dropped by capacity),
+"exchange_rounds" and "overflow_frac" [n_moe_layers] (the ragged exchange's rounds and the
+fraction of rows past the first round; 1 and 0 on the other paths).
 """
 
 from __future__ import annotations
@@ -52,17 +54,23 @@ from moe_jax.config import Config
 from moe_jax.model import gather
 from moe_jax.model.attention import Attention, KVCache
 from moe_jax.model.int8 import after
+from moe_jax.model.mla import MLAttention, latent_cache
 from moe_jax.model.moe import MoE, SwiGLU
 from moe_jax.model.norm import RMSNorm
 from moe_jax.model.remat import remat
 from moe_jax.sharding import at_block_boundary, param
+
+# Per-MoE-layer scalars of `aux` ([n_moe_layers] each): what capacity dropped, and how the
+# ragged exchange's rounds went (model/exchange_rounds.py).
+LAYER_FRACTIONS = ("dropped_frac", "exchange_rounds", "overflow_frac")
 
 
 class DecoderLayer(nnx.Module):
     def __init__(self, cfg: Config, layer: int, *, rngs: nnx.Rngs):
         D, eps = cfg.model.d_model, cfg.model.norm_eps
         self.attn_norm = RMSNorm(D, eps, rngs=rngs)
-        self.attn = Attention(cfg, layer, rngs=rngs)
+        kind = MLAttention if cfg.attention.kind == "mla" else Attention
+        self.attn = kind(cfg, layer, rngs=rngs)
         self.ffn_norm = RMSNorm(D, eps, rngs=rngs)
         self.is_moe = cfg.is_moe(layer)
         if self.is_moe:
@@ -136,11 +144,14 @@ class Transformer(nnx.Module):
     def init_cache(self, batch_size: int, max_len: int, dtype=None) -> dict:
         """Zeroed KV cache for `max_len` positions: {"blocks": [P x stacked], "tail": [...]}.
         A sliding-window layer whose window is shorter keeps a ring of the window only, with
-        each slot's position ("pos", -1: empty; see `attention`)."""
+        each slot's position ("pos", -1: empty; see `attention`). An MLA layer keeps its
+        latent instead of k and v ({"latent"}, see `mla`)."""
         cfg = self.cfg
         dtype = dtype or self.dtype
 
         def zeros(j: int, lead=()) -> dict:  # layer j of the period
+            if cfg.attention.kind == "mla":
+                return latent_cache(cfg, (*lead, batch_size, max_len), dtype)
             window = cfg.attention.sliding_window if cfg.uses_window(j) else 0
             length = window if 0 < window < max_len else max_len
             shape = lead + (batch_size, length, cfg.attention.n_kv_heads, cfg.head_dim)
@@ -268,7 +279,7 @@ class Transformer(nnx.Module):
                 "lb_loss": zero,
                 "z_loss": zero,
                 "expert_load": jnp.zeros((0, moe.n_experts), jnp.float32),
-                "dropped_frac": jnp.zeros((0,), jnp.float32),
+                **{k: jnp.zeros((0,), jnp.float32) for k in LAYER_FRACTIONS},
             }
         stacked = jax.tree.map(lambda *a: jnp.stack(a), *per_layer)
         lb, z = jnp.mean(stacked["lb_loss"]), jnp.mean(stacked["z_loss"])
@@ -277,7 +288,7 @@ class Transformer(nnx.Module):
             "lb_loss": lb,
             "z_loss": z,
             "expert_load": stacked["expert_load"],
-            "dropped_frac": stacked["dropped_frac"],
+            **{k: stacked[k] for k in LAYER_FRACTIONS},
         }
 
 

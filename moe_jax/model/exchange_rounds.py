@@ -1,0 +1,207 @@
+"""The ragged exchange's rows, moved to their experts' owners in rounds of a bounded receive
+buffer, and never dropped (`exchange.ragged_exchange` runs the experts between the moves).
+
+Each owner lays the rows it receives out expert by expert, then by source shard: its
+*unbounded layout*, as long as the rows that happen to arrive (at worst every token of every
+shard). Round `r` moves the rows of that layout's window `[r R, (r + 1) R)`: each slice
+(source, local expert) is clipped to the window on both sides, the sender sending the part
+inside it and the owner placing it at the same place less `r R`, so every round's rows are
+again grouped by local expert for one grouped matmul. `R` is set by `moe.recv_factor` over
+the average rows a shard receives; the rounds run until the fullest owner's rows are done
+(the same count on every device, since the rounds' collectives meet), and the common case,
+a router no more unbalanced than the factor allows, is one round.
+
+The backward is written by hand (`exchange_in_rounds`): `while_loop` has no reverse mode, and a
+loop of a static worst-case length would keep every round's residuals. The first round keeps
+its residuals as an unbounded exchange would; later rounds recompute their forward in the
+backward (an extra expert forward only for the rows that overflowed).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Callable
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+# The exchange's collective; the CPU tests swap in an emulation (XLA:CPU has none).
+ragged_all_to_all = jax.lax.ragged_all_to_all
+
+# The name scope of the rounds' loops: `moe_jax.hlo` counts their FLOPs and collectives at
+# ROUND_LOOP_TRIPS extra rounds (a loop of unknown trip count otherwise).
+ROUND_LOOP_SCOPE = "exchange_rounds"
+ROUND_LOOP_TRIPS = 0  # the common case, one round (the first runs outside the loops)
+
+# A round's rows are a multiple of this (sublane-aligned), so factors a little apart share
+# a compiled shape.
+ROW_MULTIPLE = 8
+
+
+class RaggedExchange(NamedTuple):
+    """A round's `ragged_all_to_all` arguments (input_offsets, send_sizes, output_offsets,
+    recv_sizes), flat [ep * E_loc] over (peer shard, local expert of the owner). `there`: the
+    rows to the experts' owners; `back`: their results home; `sizes_e`: rows received per
+    local expert in this round."""
+
+    there: tuple[jax.Array, ...]
+    back: tuple[jax.Array, ...]
+    sizes_e: jax.Array
+
+
+class Plan(NamedTuple):
+    """Where every slice of the exchange lies, [ep, E_loc]. As a sender, over (owner,
+    its local expert): `start` in my send rows, `send` rows, `land` in the owner's unbounded
+    layout. As an owner, over (source, my local expert): `recv` rows, `recv_land` in my
+    layout, `home` where they start in the source's send rows."""
+
+    start: jax.Array
+    send: jax.Array
+    land: jax.Array
+    recv: jax.Array
+    recv_land: jax.Array
+    home: jax.Array
+
+
+def exclusive_cumsum(a: jax.Array) -> jax.Array:
+    return jnp.cumsum(a) - a
+
+
+def exchange_plan(send_PE: jax.Array, axis: str) -> Plan:
+    """From send_PE [ep, E_loc], the rows this shard sends to peer p's local expert e, laid out
+    in its send rows sorted by (global) expert p * E_loc + e. The owners' layouts are theirs
+    to compute, so they send each source where its slices land (two small all_to_alls)."""
+    ep, E_loc = send_PE.shape
+    a2a = lambda a: jax.lax.all_to_all(a, axis, 0, 0)
+    start_PE = exclusive_cumsum(send_PE.reshape(-1)).reshape(ep, E_loc)
+    got = a2a(jnp.stack([send_PE, start_PE], axis=1))  # [ep, 2, E_loc] from each source
+    recv_PE, home_PE = got[:, 0], got[:, 1]  # its rows for my expert e, where they start there
+    land_PE = exclusive_cumsum(recv_PE.T.reshape(-1)).reshape(E_loc, ep).T  # expert-major
+    out_PE = a2a(land_PE)  # where my rows land at each owner
+    return Plan(start_PE, send_PE, out_PE, recv_PE, land_PE, home_PE)
+
+
+def round_offsets(plan: Plan, r, rows: int) -> RaggedExchange:
+    """The exchange of round `r`: every slice clipped to the window [r rows, (r + 1) rows) of
+    its owner's layout. Slices with nothing in the window get offsets 0 (in range)."""
+    lo = r * rows
+
+    def clip(land, size):  # -> (where the part in the window starts, its rows)
+        a = jnp.clip(land, lo, lo + rows)
+        return a, jnp.clip(land + size, lo, lo + rows) - a
+
+    at_s, n_s = clip(plan.land, plan.send)  # my slices at their owners
+    at_o, n_o = clip(plan.recv_land, plan.recv)  # the slices sent to me
+    some = lambda n, offset: jnp.where(n > 0, offset, 0).reshape(-1)
+    flat = lambda a: a.reshape(-1)
+    skip_s, skip_o = at_s - plan.land, at_o - plan.recv_land  # rows of the slice before it
+    there = (some(n_s, plan.start + skip_s), flat(n_s), some(n_s, at_s - lo), flat(n_o))
+    back = (some(n_o, at_o - lo), flat(n_o), some(n_o, plan.home + skip_o), flat(n_s))
+    return RaggedExchange(there, back, jnp.sum(n_o, axis=0))
+
+
+def move_rows(x_nD: jax.Array, n_out: int, offsets: tuple, axis: str) -> jax.Array:
+    """`ragged_all_to_all` of x's row slices into a zero [n_out, D] buffer."""
+    # The collective's result is typed like its `output` operand (jax 0.10.2), so the zeros
+    # vary over the axes x does: an invariant result failed the grouped backward's typing.
+    out_mD = jnp.zeros((n_out, x_nD.shape[1]), x_nD.dtype)
+    out_mD = jax.lax.pcast(out_mD, tuple(jax.typeof(x_nD).mat.varying), to="varying")
+    return ragged_all_to_all(x_nD, out_mD, *offsets, axis_name=axis)
+
+
+def receive_rows(n_send: int, n_worst: int, factor: float) -> int:
+    """Rows of a round's receive buffer: `factor` times the rows a shard sends (what it
+    receives on average), a multiple of ROW_MULTIPLE, never more than can ever arrive.
+    factor <= 0: the worst case, one round always."""
+    if factor <= 0:
+        return n_worst
+    rows = math.ceil(factor * n_send / ROW_MULTIPLE) * ROW_MULTIPLE
+    return max(1, min(n_worst, rows))
+
+
+class Rounds(NamedTuple):
+    """How a step's exchange went, the same on every device: `count` rounds, and `overflow`
+    rows that did not fit the first round's buffers (summed over the owners it is given)."""
+
+    count: jax.Array
+    overflow: jax.Array
+
+
+def plan_rounds(plan: Plan, rows: int) -> Rounds:
+    """Rounds for the fullest owner of the whole mesh: every device runs them (the rounds'
+    collectives, and any gathers inside the expert computation, must meet)."""
+    n = jnp.sum(plan.recv)
+    count = jnp.maximum((n + rows - 1) // rows, 1)
+    axes = tuple(jax.typeof(count).mat.varying)
+    if axes:
+        count = jax.lax.pmax(count, axes)
+    return Rounds(count, jnp.maximum(n - rows, 0))
+
+
+RunRows = Callable[[jax.Array, dict, jax.Array], jax.Array]
+
+
+def exchange_in_rounds(
+    x_sD: jax.Array,
+    w: dict,
+    plan: Plan,
+    count: jax.Array,
+    *,
+    run: RunRows,
+    rows: int,
+    axis: str,
+    bounded: bool = True,
+) -> jax.Array:
+    """Each of my send rows through `run(x_mD, w, sizes_e)` at its expert's owner, in `count`
+    rounds of `rows` received rows: -> y_sD, the results at home, in my send rows' order.
+    `bounded` False: `rows` holds whatever can arrive, one round always (no loop)."""
+    if not bounded:
+        return _one_round(run, rows, axis, x_sD, w, plan, 0)
+    return _in_rounds(run, rows, axis, x_sD, w, plan, count)
+
+
+def _one_round(run, rows, axis, x_sD, w, plan, r):
+    """Round r's part of the result (its rows; zeros elsewhere)."""
+    off = round_offsets(plan, r, rows)
+    y_mD = run(move_rows(x_sD, rows, off.there, axis), w, off.sizes_e)
+    return move_rows(y_mD, x_sD.shape[0], off.back, axis)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _in_rounds(run, rows, axis, x_sD, w, plan, count):
+    return _in_rounds_fwd(run, rows, axis, x_sD, w, plan, count)[0]
+
+
+def _in_rounds_fwd(run, rows, axis, x_sD, w, plan, count):
+    one = functools.partial(_one_round, run, rows, axis)
+    y_sD, first_vjp = jax.vjp(lambda x, w: one(x, w, plan, 0), x_sD, w)
+
+    def body(carry):
+        r, y_sD = carry
+        return r + 1, y_sD + one(x_sD, w, plan, r)
+
+    with jax.named_scope(ROUND_LOOP_SCOPE):
+        _, y_sD = jax.lax.while_loop(lambda c: c[0] < count, body, (jnp.int32(1), y_sD))
+    return y_sD, (first_vjp, x_sD, w, plan, count)
+
+
+def _in_rounds_bwd(run, rows, axis, residuals, dy_sD):
+    first_vjp, x_sD, w, plan, count = residuals
+    one = functools.partial(_one_round, run, rows, axis)
+
+    def body(carry):  # round r's forward again, then its transpose
+        r, dx_sD, dw = carry
+        _, vjp = jax.vjp(lambda x, w: one(x, w, plan, r), x_sD, w)
+        ddx_sD, ddw = vjp(dy_sD)
+        return r + 1, dx_sD + ddx_sD, jax.tree.map(jnp.add, dw, ddw)
+
+    dx_sD, dw = first_vjp(dy_sD)
+    with jax.named_scope(ROUND_LOOP_SCOPE):
+        loop = jax.lax.while_loop(lambda c: c[0] < count, body, (jnp.int32(1), dx_sD, dw))
+    _, dx_sD, dw = loop
+    return dx_sD, dw, None, None
+
+
+_in_rounds.defvjp(_in_rounds_fwd, _in_rounds_bwd)

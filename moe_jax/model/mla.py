@@ -1,0 +1,199 @@
+"""Multi-head latent attention (MLA) of DeepSeek-V2/V3 (`attention.kind=mla`): every head's
+keys and values are expanded from one low-rank latent per token, so a KV cache holds that
+latent instead of each head's k and v.
+
+For a token x [D], as transformers' `DeepseekV3Attention` computes it (R = kv_lora_rank,
+dn / dr = qk_nope_head_dim / qk_rope_head_dim, dv = v_head_dim, H heads):
+
+    q = W_qb RMSNorm(W_qa x)  (q_lora_rank > 0)  or  W_q x     [H, dn + dr] = [q_nope | q_pe]
+    [c | k_pe] = W_kva x  ([R | dr]),  c = RMSNorm(c)          the latent (kv_a_proj_with_mqa)
+    k_nope_h = W_uk_h c  [dn],  v_h = W_uv_h c  [dv]           kv_b_proj, split in two
+    q_pe (each head) and k_pe (ONE key, shared by all heads) rotated by RoPE
+    score_h(t, s) = scale (q_nope_h(t) . k_nope_h(s) + q_pe_h(t) . k_pe(s)), causal
+    y = W_o [sum_s softmax_s(score_h) v_h(s)]_h
+    scale = (dn + dr) ** -0.5, times YaRN's mscale(mscale_all_dim) ** 2 (`rope_softmax_factor`)
+
+RoPE: `half` is transformers' default; `interleaved` rotates the pairs (x[2i], x[2i+1]) by
+frequency i, as its `rope_interleave=True` does, which then writes the rotated pairs
+de-interleaved ([evens | odds]) where ours stay in place. That is one fixed permutation of
+q_pe and k_pe alike, so every q_pe . k_pe, and so the attention, is the same.
+
+Without a cache (training, scoring), the form above: k = [k_nope_h | k_pe] and v_h for every
+head, then multi-head attention through attention.py's blocked path or the backend's fused
+kernel (`_self_attention`). Per key and head that contracts dn + dr dims for the score and dv
+for the output, where the absorbed form below contracts R + dr twice (576 against 192 and 128
+in DeepSeek-V3): a forward over many queries is compute-bound, so it expands.
+
+With a cache (prefill, decoding) each token writes only [c | k_pe] (`latent_cache`: R + dr
+values, against 2 H dh for GQA with H kv heads), and attention runs the ABSORBED form: W_uk
+folds into the query, q_nope_h . (W_uk_h c) = (W_uk_h^T q_nope_h) . c, so
+q_h' = [W_uk_h^T q_nope_h | q_pe_h] attends the cache as multi-query attention, one key and
+value "head" [c | k_pe] shared by all H queries. The output stays in latent space,
+sum_s p_h(s) c(s), until W_uv_h takes it to v_h's (W_uv is linear: sum_s p_h(s) v_h(s)).
+Decoding is bound by reading the cache, and this reads each cached value once per step. The
+value is the whole cached row, its last dr outputs dropped: the matmul reads the cache as it
+lies, where a value of c alone would slice a copy of it every step (dr / R more value FLOPs).
+
+Shapes in names: N = dn, P = dr (the RoPE part), Q = dn + dr, V = dv, R the latent, L = R + dr.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
+
+from moe_jax import backends
+from moe_jax.config import Config
+from moe_jax.model import attention_kernels, gather
+from moe_jax.model.attention import (
+    ATTENTION_OUT,
+    KVCache,
+    attend,
+    attention_mask,
+    blocked_self_attention,
+    in_prefill_blocks,
+    write_cache,
+)
+from moe_jax.model.norm import RMSNorm
+from moe_jax.model.rope import apply_rope, rope_attention_factor, rope_inv_freq, rope_softmax_factor
+from moe_jax.sharding import param
+
+# DeepSeek's q_a_layernorm and kv_a_layernorm keep their class's default eps (transformers'
+# too), not the model's rms_norm_eps.
+LATENT_NORM_EPS = 1e-6
+
+
+def latent_cache(cfg: Config, lead: tuple[int, ...], dtype) -> KVCache:
+    """A zeroed MLA cache for `lead` = (..., B, S): {"latent": [..., B, S, 1, R + dr]}, each
+    token's normed latent c then its rotated k_pe, as one key/value head (the absorbed form's
+    MQA): the same [B, S, K, hd] layout as attention.py's k and v, so writing it and splitting
+    it over a mesh (`sampling.shard_cache`: one head, never over `tensor`) are theirs."""
+    a = cfg.attention
+    return {"latent": jnp.zeros((*lead, 1, a.kv_lora_rank + a.qk_rope_head_dim), dtype)}
+
+
+class MLAttention(nnx.Module):
+    def __init__(self, cfg: Config, layer: int, *, rngs: nnx.Rngs):
+        a = cfg.attention
+        D, H, rank_q = cfg.model.d_model, a.n_heads, a.q_lora_rank
+        R, N, P, V = a.kv_lora_rank, a.qk_nope_head_dim, a.qk_rope_head_dim, a.v_head_dim
+        init = nnx.initializers.normal(cfg.model.init_std)
+        self.n_heads, self.kv_lora_rank, self.nope_dim, self.rope_dim = H, R, N, P
+        self.dtype = jnp.dtype(backends.compute_dtype(cfg.model.dtype))
+        self.rope_style = a.rope_style
+        self.inv_freq = tuple(rope_inv_freq(P, a.rope_theta, a.rope_scaling).tolist())
+        self.rope_scale = rope_attention_factor(a.rope_scaling)  # YaRN's, on q_pe and k_pe
+        self.scale = (N + P) ** -0.5 * rope_softmax_factor(a.rope_scaling)
+        self.impl = a.impl  # resolved for the target backend when traced (`backends.choose`)
+
+        heads = (None, "heads", "head_dim")  # the latent dims are small: never split
+        if rank_q > 0:
+            self.wq_a = param(rngs, init, (D, rank_q), ("embed", None))
+            self.q_a_norm = RMSNorm(rank_q, LATENT_NORM_EPS, rngs=rngs)
+            self.wq_b = param(rngs, init, (rank_q, H, N + P), heads)
+        else:
+            self.wq = param(rngs, init, (D, H, N + P), ("embed", "heads", "head_dim"))
+        self.wkv_a = param(rngs, init, (D, R + P), ("embed", None))
+        self.kv_a_norm = RMSNorm(R, LATENT_NORM_EPS, rngs=rngs)
+        self.wk_b = param(rngs, init, (R, H, N), heads)  # W_uk
+        self.wv_b = param(rngs, init, (R, H, V), heads)  # W_uv
+        self.wo = param(rngs, init, (H, V, D), ("heads", "head_dim", "embed"))
+
+    def _w(self, v: nnx.Param) -> jax.Array:
+        """A weight without a model dim (nothing for `gather.einsum` to gather), as computed."""
+        return v[...].astype(self.dtype)
+
+    def _query(self, x_BTD: jax.Array) -> jax.Array:
+        if hasattr(self, "wq"):
+            return gather.einsum("btd,dhq->bthq", x_BTD, self.wq, self.dtype)
+        q_BTr = self.q_a_norm(gather.einsum("btd,dr->btr", x_BTD, self.wq_a, self.dtype))
+        return jnp.einsum("btr,rhq->bthq", q_BTr, self._w(self.wq_b))
+
+    def __call__(
+        self,
+        x_BTD: jax.Array,
+        positions_BT: jax.Array,
+        cache: KVCache | None = None,
+        segments_BT: jax.Array | None = None,
+    ) -> tuple[jax.Array, KVCache | None]:
+        if cache is not None and segments_BT is not None:
+            raise ValueError(
+                "segments are for forwards without a KV cache (training, scoring); a cached "
+                "prefill or decode takes one document per row: drop segments or the cache"
+            )
+        q_BTHQ, kv_BTL = checkpoint_name(
+            (self._query(x_BTD), gather.einsum("btd,dl->btl", x_BTD, self.wkv_a, self.dtype)),
+            "qkv_proj",
+        )
+        N, R = self.nope_dim, self.kv_lora_rank
+        rope = lambda a: apply_rope(
+            a, positions_BT, self.inv_freq, self.rope_style, self.rope_scale
+        )
+        q_nope_BTHN, q_pe_BTHP = q_BTHQ[..., :N], rope(q_BTHQ[..., N:])
+        c_BTR = self.kv_a_norm(kv_BTL[..., :R])
+        k_pe_BT1P = rope(kv_BTL[:, :, None, R:])
+        if cache is None:
+            out_BTHV = self._expanded(
+                q_nope_BTHN, q_pe_BTHP, c_BTR, k_pe_BT1P, positions_BT, segments_BT
+            )
+        else:
+            out_BTHV, cache = self._absorbed(
+                q_nope_BTHN, q_pe_BTHP, c_BTR, k_pe_BT1P, positions_BT, cache
+            )
+        y_BTD = gather.einsum("bthv,hvd->btd", out_BTHV, self.wo, self.dtype)
+        return checkpoint_name(y_BTD, "out_proj"), cache
+
+    def _expanded(self, q_nope_BTHN, q_pe_BTHP, c_BTR, k_pe_BT1P, positions_BT, segments_BT):
+        """Self-attention over the call's tokens with every head's keys and values expanded."""
+        B, T, H, P = q_pe_BTHP.shape
+        k_nope_BTHN = jnp.einsum("btr,rhn->bthn", c_BTR, self._w(self.wk_b))
+        v_BTHV = jnp.einsum("btr,rhv->bthv", c_BTR, self._w(self.wv_b))
+        k_pe_BTHP = jnp.broadcast_to(k_pe_BT1P, (B, T, H, P))
+        q_BTHQ = jnp.concatenate([q_nope_BTHN, q_pe_BTHP], axis=-1)
+        k_BTHQ = jnp.concatenate([k_nope_BTHN, k_pe_BTHP], axis=-1)
+        return self._self_attention(q_BTHQ, k_BTHQ, v_BTHV, positions_BT, segments_BT)
+
+    def _self_attention(self, q_BTHQ, k_BTHQ, v_BTHV, positions_BT, segments_BT) -> jax.Array:
+        """Multi-head causal attention (K = H) by the kernel chosen for the target backend."""
+        impl = backends.choose("attention", self.impl, dtype=q_BTHQ.dtype, length=q_BTHQ.shape[1])
+        if impl == "blocked":  # takes a value head dim of its own
+            return blocked_self_attention(
+                q_BTHQ, k_BTHQ, v_BTHV, positions_BT, segments_BT, scale=self.scale
+            )
+        # The fused kernels are called with one head dim for q, k and v: v (dv 128 under
+        # dn + dr = 192 in DeepSeek-V3) is padded with zeros to it and those outputs dropped
+        # (zeros padded to q and k would change no score). cuDNN >= 9.10 on Hopper takes
+        # dv != dn + dr itself (jax's "mla" check), but that was not run here: the padded call
+        # is the one the GQA layers run, on any GPU.
+        width = max(q_BTHQ.shape[-1], v_BTHV.shape[-1])
+        pad = lambda a: jnp.pad(a, ((0, 0), (0, 0), (0, 0), (0, width - a.shape[-1])))
+        ids_BT = attention_kernels.mask_ids(positions_BT, segments_BT, 0)
+        if impl == "cudnn":  # which scales q by width ** -0.5 itself
+            q_BTHQ = q_BTHQ * (self.scale * width**0.5)
+            kernel = attention_kernels.cudnn
+        else:  # splash takes q already scaled
+            q_BTHQ = q_BTHQ * self.scale
+            kernel = attention_kernels.splash
+        out = kernel(pad(q_BTHQ), pad(k_BTHQ), pad(v_BTHV), ids_BT, checkpoint=ATTENTION_OUT)
+        return out[..., : v_BTHV.shape[-1]]
+
+    def _absorbed(self, q_nope_BTHN, q_pe_BTHP, c_BTR, k_pe_BT1P, positions_BT, cache):
+        """Write [c | k_pe] into the latent cache at the rows' positions, then attend the
+        whole cache in the absorbed form (the module doc), `PREFILL_BLOCK` queries at a time.
+        Causal by position: slots not yet written sit at positions after every query."""
+        R = self.kv_lora_rank
+        q_lat_BTHR = jnp.einsum("bthn,rhn->bthr", q_nope_BTHN, self._w(self.wk_b))
+        q_BTHL = jnp.concatenate([q_lat_BTHR, q_pe_BTHP], axis=-1)
+        new_BT1L = jnp.concatenate([c_BTR[:, :, None], k_pe_BT1P], axis=-1)
+        latent_BS1L = write_cache(cache["latent"], new_BT1L, positions_BT[:, 0])
+        B, S = latent_BS1L.shape[:2]
+        k_pos_BS = jnp.broadcast_to(jnp.arange(S, dtype=positions_BT.dtype), (B, S))
+        kv_BS1L = latent_BS1L.astype(self.dtype)
+        attend_block = lambda q, pos: attend(
+            q, kv_BS1L, kv_BS1L, attention_mask(pos, k_pos_BS), self.scale
+        )
+        out_BTHL = in_prefill_blocks(attend_block, q_BTHL, positions_BT)
+        out_BTHV = jnp.einsum("bthr,rhv->bthv", out_BTHL[..., :R], self._w(self.wv_b))
+        return out_BTHV, {"latent": latent_BS1L}
