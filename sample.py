@@ -208,6 +208,12 @@ def sample(args: argparse.Namespace, prompt: str | None) -> int:
     else:
         texts = [prompt + continuation(tokenizer, ids, seq) for seq in out.sequences()]
         print(SEPARATOR.join(texts))
+    if hasattr(out, "acceptance_rate"):  # sample.speculative (moe_jax/speculative.py)
+        print(
+            f"speculative decoding: {100 * out.acceptance_rate:.1f}% of {int(out.drafted.sum())} "
+            f"drafts accepted, {out.steps} steps for {int(out.lengths.max())} tokens",
+            file=sys.stderr,
+        )
     return 0
 
 

@@ -27,6 +27,7 @@ from moe_jax.run.policy import check_compatible
 from moe_jax.run.store import CheckpointRemoved, open_checkpoints, read_meta, restore
 from moe_jax.sampling import Sampler
 from moe_jax.sharding import INFERENCE_RULES, make_mesh, state_shardings
+from moe_jax.speculative import SpeculativeSampler
 from moe_jax.tokenizer import Tokenizer
 from moe_jax.weights import WeightsDoNotFit, abstract_model, check_fits, to_kind, weights_kind
 
@@ -179,7 +180,8 @@ def load_sampler(run_dir, overrides: Sequence[str] = (), step: int | None = None
     """-> (config, Sampler, tokenizer) of a run's checkpoint (default: the latest), restored
     onto the mesh its config names after `overrides` (mesh.*, model.dtype, sample.*, as
     sample.py takes them): sharded, in the `sample.weights` form, held once. ConfigError /
-    RunError (a mesh that does not divide the model, weights that do not fit) name the fix."""
+    RunError (a mesh that does not divide the model, weights that do not fit) name the fix.
+    With sample.speculative, a `SpeculativeSampler` (drafts from the model's MTP module)."""
 
     def read(step):
         run = open_run(run_dir, step)  # its meta read once, for the config and the weights
@@ -187,6 +189,7 @@ def load_sampler(run_dir, overrides: Sequence[str] = (), step: int | None = None
         one_device = all(getattr(cfg.mesh, ax) == 1 for ax in MESH_AXES)
         mesh = None if one_device else make_mesh(cfg, inference=True)
         cfg, model, tokenizer = load_model(run, cfg=cfg, mesh=mesh, weights=cfg.sample.weights)
-        return cfg, Sampler(model, mesh=mesh, consume=True), tokenizer
+        kind = SpeculativeSampler if cfg.sample.speculative else Sampler
+        return cfg, kind(model, mesh=mesh, consume=True), tokenizer
 
     return newest_again(read, step)

@@ -51,6 +51,8 @@ def loss_figure(records: list[dict]) -> Figure:
         2, 1, figsize=(8, 6.5), sharex=True, gridspec_kw={"height_ratios": [3, 1]}
     )
     ax.plot(steps, [r["ce"] for r in train], label="train cross-entropy", lw=1)
+    if train and "mtp_ce" in train[0]:  # model.mtp_depth (its weighted sum is in the loss)
+        ax.plot(steps, [r["mtp_ce"] for r in train], label="train MTP cross-entropy", lw=1)
     if evals:
         ax.plot(
             [r["step"] for r in evals],

@@ -177,10 +177,10 @@ def _generate(
 
     def unstacked(cache):
         cache = shard_cache(cache)
-        return {"blocks": unstack_blocks(cache["blocks"], len(param_blocks)), "tail": cache["tail"]}
+        return cache | {"blocks": unstack_blocks(cache["blocks"], len(param_blocks))}
 
     def run_model(tokens_BT, positions_BT, cache, logits_at_B=None):
-        stacked = {"blocks": stack_blocks(cache["blocks"]), "tail": cache["tail"]}
+        stacked = cache | {"blocks": stack_blocks(cache["blocks"])}
         logits_BTV, _, new = merged()(
             tokens_BT, positions=positions_BT, cache=stacked, logits_at=logits_at_B
         )
@@ -358,10 +358,14 @@ class Sampler:
         self._listener, self._pending, self._next_step = on_token, {}, 0
         try:
             with self._on_mesh():
-                out_BN, steps = self.compiled(*args, **statics, stream=on_token is not None)
-            out_BN = np.asarray(out_BN)  # waits for the program (and its callbacks) to finish
+                outputs = self.compiled(*args, **statics, stream=on_token is not None)
+            outputs = jax.device_get(outputs)  # waits for the program (and its callbacks)
         finally:
             self._listener = None
+        return self._generation(*outputs)
+
+    def _generation(self, out_BN: np.ndarray, steps) -> Generation:
+        """The program's outputs as the caller gets them (`moe_jax.speculative` adds its own)."""
         return Generation(out_BN, np.sum(out_BN >= 0, axis=1).astype(np.int32), int(steps))
 
     def lower(self, prompts, max_new_tokens: int, *, sharding=None, **kw) -> jax.stages.Lowered:

@@ -11,6 +11,10 @@ component by its path (see `_component`); an unknown path is an error rather tha
 Active parameters per token: everything a token touches, i.e. every parameter except that a
 routed expert tensor counts only `top_k / n_experts` of its size (the embedding table, the
 output head and the always-on shared expert count in full).
+
+DeepSeek-V3's multi-token prediction module (`model.mtp_depth`) is counted apart, as its card
+counts it ("671B + 14B MTP"): its own parameters (`mtp_total`), and as a checkpoint stores it,
+with its own copies of the embedding and the head (`mtp_stored`), which here are shared.
 """
 
 from __future__ import annotations
@@ -42,6 +46,11 @@ class ParamBreakdown:
     total: dict[str, int]  # component -> parameter count
     active: dict[str, int]  # component -> parameters one token touches
     active_matmul: int  # active weights a token multiplies with (see train_flops_per_token)
+    # The MTP module (model.mtp_depth), in none of the above: its own parameters, those one
+    # token touches, and its active matmul weights, each depth's use of the shared head included
+    mtp_total: int = 0
+    mtp_active: int = 0
+    mtp_matmul: int = 0
 
 
 def _component(names: Sequence[str]) -> str:
@@ -58,7 +67,7 @@ def _component(names: Sequence[str]) -> str:
         return "routed_experts"
     if "shared" in names:
         return "shared_experts"
-    if names[-1].startswith("router"):
+    if names[-1].startswith("router") or names[-1] == "correction_bias":
         return "router"
     if "attn" in names:
         return "attention"
@@ -76,12 +85,13 @@ def param_breakdown(cfg: Config) -> ParamBreakdown:
     total = dict.fromkeys(COMPONENTS, 0)
     active = dict.fromkeys(COMPONENTS, 0)
     active_matmul = 0
+    mtp = dict.fromkeys(("total", "active", "matmul"), 0)
     E, K = cfg.moe.n_experts, cfg.moe.top_k
     for path, var in nnx.to_flat_state(nnx.state(abstract, nnx.Param)):
         names = [str(p) for p in path]
         shape = var.shape
         size = math.prod(shape)
-        comp = _component(names)
+        comp = "mtp_proj" if names[-1] == "eh_proj" else _component(names)
         used = size
         if comp == "routed_experts":
             # Expert axis leads, after the stacked-blocks axis when the layer sits in a block.
@@ -91,17 +101,34 @@ def param_breakdown(cfg: Config) -> ParamBreakdown:
             used = size // E * K
         elif comp == "vision_proj":  # projects image embeddings, not the text tokens
             used = 0
+        matmul = comp not in ("embedding", "norms") and not names[-1].endswith(("bias", "sinks"))
+        if names[0] == "mtp":
+            mtp["total"] += size
+            mtp["active"] += used
+            mtp["matmul"] += used if matmul else 0
+            continue
         total[comp] += size
         active[comp] += used
-        if comp not in ("embedding", "norms") and not names[-1].endswith(("bias", "sinks")):
+        if matmul:
             active_matmul += used
-    if cfg.model.tie_embeddings:  # the tied table is still multiplied with as the output head
-        active_matmul += cfg.model.vocab_size * cfg.model.d_model
-    return ParamBreakdown(total, active, active_matmul)
+    m = cfg.model
+    if m.tie_embeddings:  # the tied table is still multiplied with as the output head
+        active_matmul += m.vocab_size * m.d_model
+    mtp["matmul"] += m.mtp_depth * m.vocab_size * m.d_model  # each depth's logits
+    return ParamBreakdown(total, active, active_matmul, *mtp.values())
+
+
+def mtp_stored(cfg: Config) -> int:
+    """The MTP module's parameters as a checkpoint stores them (DeepSeek-V3's card: 14B):
+    its own, and per depth a copy of the embedding and (untied) of the head."""
+    m = cfg.model
+    copies = (1 if m.tie_embeddings else 2) * m.vocab_size * m.d_model
+    return param_breakdown(cfg).mtp_total + m.mtp_depth * copies
 
 
 def param_counts(cfg: Config) -> tuple[int, int]:
-    """(total parameters, active parameters per token) of `Transformer(cfg)`."""
+    """(total parameters, active parameters per token) of `Transformer(cfg)`, its MTP module
+    apart (`ParamBreakdown.mtp_total`)."""
     b = param_breakdown(cfg)
     return sum(b.total.values()), sum(b.active.values())
 
@@ -120,8 +147,9 @@ def attention_dims(cfg: Config, cached: bool = False) -> tuple[int, int]:
 
 def attention_flops_per_token(cfg: Config, seq_len: int) -> int:
     """QK^T and AV matmuls, forward + backward, over all `seq_len` keys (the convention of the
-    peers' figures in shared/PEERS.md)."""
-    return 6 * cfg.model.n_layers * cfg.attention.n_heads * sum(attention_dims(cfg)) * seq_len
+    peers' figures in shared/PEERS.md), in the main layers and the MTP layers."""
+    layers = cfg.model.n_layers + cfg.model.mtp_depth
+    return 6 * layers * cfg.attention.n_heads * sum(attention_dims(cfg)) * seq_len
 
 
 def train_flops_per_token(cfg: Config, seq_len: int | None = None) -> int:
@@ -129,13 +157,15 @@ def train_flops_per_token(cfg: Config, seq_len: int | None = None) -> int:
 
     N = active matmul parameters: the active parameters per token minus the embedding lookup
     table, norm scales and biases, plus the output head (counted even when tied to the
-    embedding). 6 = 2 FLOPs per multiply-add x (forward + 2 backward matmuls). The second term
-    is attention's QK^T and AV matmuls over `seq_len` keys (no causal or chunk discount), the
-    convention of the peers' figures (shared/PEERS.md, outside this repository). `seq_len`
-    defaults to `cfg.train.seq_len`.
+    embedding), and the MTP layers' (`mtp_matmul`: a training step runs them). 6 = 2 FLOPs per
+    multiply-add x (forward + 2 backward matmuls). The second term is attention's QK^T and AV
+    matmuls over `seq_len` keys (no causal or chunk discount), the convention of the peers'
+    figures (shared/PEERS.md, outside this repository). `seq_len` defaults to
+    `cfg.train.seq_len`.
     """
     seq_len = cfg.train.seq_len if seq_len is None else seq_len
-    return 6 * param_breakdown(cfg).active_matmul + attention_flops_per_token(cfg, seq_len)
+    b = param_breakdown(cfg)
+    return 6 * (b.active_matmul + b.mtp_matmul) + attention_flops_per_token(cfg, seq_len)
 
 
 def decode_flops(cfg: Config, batch: int, prompt_len: int, new_tokens: int) -> int:
@@ -199,11 +229,19 @@ def format_summary(cfg: Config, seq_len: int | None = None) -> str:
     total, active = sum(b.total.values()), sum(b.active.values())
     lines.append(f"{'total':<16}{_human(total):>12}{_human(active):>14}")
     lines.append(f"exact: {total:,} total, {active:,} active per token")
+    if m.mtp_depth:  # apart from the total, as DeepSeek-V3's card counts it
+        stored = mtp_stored(cfg)
+        lines.append(
+            f"MTP (depth {m.mtp_depth}): {_human(b.mtp_total)} own params "
+            f"({_human(b.mtp_active)} active/token); {_human(stored)} as a checkpoint stores it "
+            f"(with copies of the embedding and head): {_human(total)} + {_human(stored)} MTP"
+        )
     attn = attention_flops_per_token(cfg, seq_len)
-    flops = 6 * b.active_matmul + attn
+    matmul = b.active_matmul + b.mtp_matmul
+    flops = 6 * matmul + attn
     lines.append(
         f"training FLOPs/token at seq_len {seq_len}: {_human(flops)} "
-        f"(6 x {_human(b.active_matmul)} matmul params + {_human(attn)} attention)"
+        f"(6 x {_human(matmul)} matmul params + {_human(attn)} attention)"
     )
     held, full = kv_cache_bytes(cfg, m.max_seq_len)
     ring = f" (full caches on every layer: {full / 2**30:,.2f} GiB)" if held < full else ""

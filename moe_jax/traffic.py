@@ -42,7 +42,7 @@ def weight_collectives(cfg: Config, mesh_shape: dict[str, int], compute_dtype) -
     again = cfg.model.remat != "none"
     out = {"all-gather": 0, "reduce-scatter": 0, "all-reduce": 0}
     for path, var in nnx.to_flat_state(nnx.state(abstract, nnx.Param)):
-        in_layers = str(path[0]) in ("blocks", "tail")
+        in_layers = str(path[0]) in ("prefix", "blocks", "tail")
         passes = (1 + (again and in_layers)) * cfg.train.grad_accum
         names = tuple(var.get_metadata().get("out_sharding") or ())
         shape = var.shape

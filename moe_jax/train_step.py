@@ -22,13 +22,16 @@ together with the segment rule). See `split_batch`.
 Loss = cross-entropy (fp32) averaged over the counted targets + the MoE aux loss the model
 returns (lb_loss_weight * load balance + z_loss_weight * router z-loss) + optionally
 `train.logit_z_loss * mean(logsumexp(logits)^2)` over the counted targets (PaLM's
-output-logit z-loss).
+output-logit z-loss) + with `model.mtp_depth` = D > 0, DeepSeek-V3's multi-token prediction
+loss `train.mtp_loss_weight / D * sum_k CE_k` (moe_jax/model/mtp.py; CE_k over depth k's
+counted targets, see `split_mtp`), its MoE layers counted among the aux loss's.
 
 Gradient accumulation: the batch is split into `grad_accum` micro-batches of B/A rows that a
 `lax.scan` runs one after another (memory of one micro-batch), and their gradients are
 summed. Each micro-batch's cross-entropy and logit z-loss are sums divided by the whole
 batch's count of targets, so the accumulated loss and gradient equal the full batch's even
-when the micro-batches count different numbers of targets. The MoE aux losses are averaged
+when the micro-batches count different numbers of targets (each MTP depth's by its own
+count). The MoE aux losses are averaged
 over the micro-batches: the load-balance loss is a product of batch means and MoE capacity is
 per routing group, so for those the micro-batch is the unit, as in every accumulation scheme.
 
@@ -53,6 +56,8 @@ from moe_jax import backends
 from moe_jax.config import Config, TrainConfig
 from moe_jax.loss import head_statistics
 from moe_jax.model import Transformer, gather
+from moe_jax.model.balancing import update_correction_bias
+from moe_jax.model.mtp import MTP_LAYER_STATS, mtp_hidden, with_mtp_stats
 from moe_jax.model.transformer import LAYER_FRACTIONS
 from moe_jax.sharding import BATCH_AXES, logical_to_spec, state_shardings, with_shardings
 from moe_jax.train_state import make_state
@@ -181,15 +186,87 @@ def n_targets(batch: Batch) -> jax.Array:
     return jnp.sum(split_batch(batch)[2])
 
 
+def _ahead(a_BX: jax.Array, s: int, T: int) -> jax.Array:
+    """[B, T]: a[:, t + s] at each t < T, 0 where t + s is past a's row."""
+    a_BX = a_BX[:, s : s + T]
+    return jnp.pad(a_BX, ((0, 0), (0, T - a_BX.shape[1])))
+
+
+def split_mtp(batch: Batch, k: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """MTP depth k's part of the batch (moe_jax/model/mtp.py), each [B, T] for the input
+    positions t: token t+k (the depth's input), token t+k+1 (its target), and float32 weights,
+    1 where the target counts: inside the row (not the last k positions), every step from t
+    to t+k+1 inside one document as the main loss counts a step (segments), and the target
+    counted by the loss mask."""
+    if not isinstance(batch, dict):
+        batch = {"tokens": batch}
+    tokens_BT1 = batch["tokens"]
+    B, T = tokens_BT1.shape[0], tokens_BT1.shape[1] - 1
+    counted_BT = jnp.broadcast_to(jnp.arange(T) < T - k, (B, T))
+    if "segments" in batch:
+        seg_BT1 = batch["segments"]
+        step_BT = (seg_BT1[:, 1:] == seg_BT1[:, :-1]) & (seg_BT1[:, :-1] != 0)  # t -> t+1
+        for j in range(k + 1):
+            counted_BT = counted_BT & (_ahead(step_BT, j, T) != 0)
+    if "loss_mask" in batch:
+        counted_BT = counted_BT & (_ahead(batch["loss_mask"], k + 1, T) != 0)
+    weights_BT = counted_BT.astype(jnp.float32)
+    return _ahead(tokens_BT1, k, T), _ahead(tokens_BT1, k + 1, T), weights_BT
+
+
+def mtp_loss(model, x_BTD, batch: Batch, chunk: int, head_DV, aux: dict, total_K=None):
+    """-> (the MTP loss, `aux` with the MTP layers' MoE counted, metrics) of one batch, from
+    the main model's last layer output `x_BTD`. Depth k's cross-entropy sum is divided by its
+    count of targets, or by `total_K[k-1]`, the whole batch's, for a micro-batch.
+    Metrics: "mtp_ce" (the mean over depths of each depth's mean), "mtp_ce_sum" and
+    "mtp_n_targets" ([D] each), and the MTP layers' MoE statistics (MTP_LAYER_STATS)."""
+    D = model.cfg.model.mtp_depth
+    inputs = split_batch(batch)[0]
+    parts = [split_mtp(batch, k) for k in range(1, D + 1)]
+    hidden = mtp_hidden(
+        model, x_BTD, [p[0] for p in parts], inputs.get("positions"), inputs.get("segments")
+    )
+    head_DV = model.head_weight() if head_DV is None else head_DV  # read once for every depth
+    sums, counts = [], []
+    for layer, (h_BTD, _), (_, targets_BT, weights_BT) in zip(
+        model.mtp, hidden, parts, strict=True
+    ):
+        # as the main loss: mesh.weight_gather=steps runs the chunks per device
+        by_steps = chunk and gather.head_statistics(
+            head_statistics, layer.head_norm(h_BTD), targets_BT, chunk, head_DV
+        )
+        logz_BT, target_logit_BT = by_steps or head_statistics(
+            layer.logits, h_BTD, targets_BT, chunk, head_DV
+        )
+        sums.append(jnp.sum((logz_BT - target_logit_BT) * weights_BT))
+        counts.append(jnp.sum(weights_BT))
+    sum_K, count_K = jnp.stack(sums), jnp.stack(counts)
+    denom_K = jnp.maximum(count_K if total_K is None else total_K, 1.0)
+    loss = model.cfg.train.mtp_loss_weight * jnp.mean(sum_K / denom_K)
+    mtp_stats = [s for _, s in hidden if s is not None]  # the MTP's MoE layers, in order
+    aux = with_mtp_stats(aux, model._aux([], mtp_stats))
+    metrics = {"mtp_ce": jnp.mean(sum_K / jnp.maximum(count_K, 1.0))}
+    metrics |= {"mtp_ce_sum": sum_K, "mtp_n_targets": count_K}
+    metrics |= {k: aux[k] for k in MTP_LAYER_STATS.values() if k in aux}
+    return loss, aux, metrics
+
+
 def loss_fn(
-    params, graphdef: nnx.GraphDef, batch: Batch, logit_z_loss: float, total=None, n_micro=1
+    params,
+    graphdef: nnx.GraphDef,
+    batch: Batch,
+    logit_z_loss: float,
+    total=None,
+    n_micro=1,
+    mtp_total=None,
 ):
     """-> (loss, metrics) for one batch: the mean over its counted targets.
 
     As one of `n_micro` micro-batches, the sums are divided by `total`, the whole batch's count
-    of targets, and the aux loss by n_micro, so that the micro-batches' losses add up to the whole
-    batch's. Metrics: "ce" and "logit_z" (means over the batch's counted targets), their sums
-    ("ce_sum", "logit_z_sum") and count ("n_targets"), and the aux statistics."""
+    of targets (and the MTP depths' by `mtp_total` [D], theirs), and the aux loss by n_micro, so
+    that the micro-batches' losses add up to the whole batch's. Metrics: "ce" and "logit_z"
+    (means over the batch's counted targets), their sums ("ce_sum", "logit_z_sum") and count
+    ("n_targets"), the aux statistics, and with model.mtp_depth those of `mtp_loss`."""
     model = nnx.merge(graphdef, params)
     inputs, targets_BT, weights_BT = split_batch(batch)
     x_BTD, aux = model(
@@ -218,7 +295,10 @@ def loss_fn(
     logit_z_sum = jnp.sum(logz_BT**2 * weights_BT)
     # A batch that counts no target has no CE (0, not 0/0); the aux loss still trains.
     denom = jnp.maximum(count if total is None else total, 1.0)
-    loss = (ce_sum + logit_z_loss * logit_z_sum) / denom + aux["aux_loss"] / n_micro
+    mtp, mtp_metrics = 0.0, {}
+    if model.cfg.model.mtp_depth:
+        mtp, aux, mtp_metrics = mtp_loss(model, x_BTD, batch, chunk, head_DV, aux, mtp_total)
+    loss = (ce_sum + logit_z_loss * logit_z_sum) / denom + aux["aux_loss"] / n_micro + mtp
     metrics = {"ce_sum": ce_sum, "logit_z_sum": logit_z_sum, "n_targets": count}
     metrics |= {
         "ce": ce_sum / jnp.maximum(count, 1.0),
@@ -226,17 +306,22 @@ def loss_fn(
     }
     metrics |= {k: aux[k] for k in ("aux_loss", "lb_loss", "z_loss", "expert_load")}
     metrics |= {k: aux[k] for k in LAYER_FRACTIONS}
-    return loss, metrics
+    return loss, metrics | mtp_metrics
 
 
 def compute_grads(params, graphdef: nnx.GraphDef, batch: Batch, t: TrainConfig):
     """-> (grads, metrics) of the batch, accumulated over `t.grad_accum` micro-batches.
 
     Metrics: "loss", "ce" and "logit_z" (means over the batch's counted targets), "n_targets"
-    (their number), and the MoE aux statistics (means over the micro-batches)."""
+    (their number), the MoE aux statistics (means over the micro-batches), and with
+    model.mtp_depth "mtp_ce" (the mean over depths of each depth's mean over the batch)."""
     A = t.grad_accum
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
     total = n_targets(batch)
+    depth = len(params["mtp"]) if "mtp" in params else 0  # model.mtp_depth
+    mtp_total = None  # each MTP depth's count of targets in the whole batch
+    if depth:
+        mtp_total = jnp.stack([jnp.sum(split_mtp(batch, k)[2]) for k in range(1, depth + 1)])
     # Micro-batch a takes rows a, a+A, a+2A, ...: each device's contiguous block of the batch
     # splits into A local micro-batches, so accumulation moves no data between devices.
     micro = lambda a_BT1: a_BT1.reshape(a_BT1.shape[0] // A, A, -1).swapaxes(0, 1)
@@ -245,13 +330,17 @@ def compute_grads(params, graphdef: nnx.GraphDef, batch: Batch, t: TrainConfig):
         micro_A = jax.lax.with_sharding_constraint(micro_A, P(None, BATCH_AXES))
 
     def accumulate(grads_sum, micro_batch):
-        (loss, metrics), grads = grad_fn(params, graphdef, micro_batch, t.logit_z_loss, total, A)
+        (loss, metrics), grads = grad_fn(
+            params, graphdef, micro_batch, t.logit_z_loss, total, A, mtp_total
+        )
         return jax.tree.map(jnp.add, grads_sum, grads), metrics | {"loss": loss}
 
     zeros = jax.tree.map(jnp.zeros_like, params)
     grads, metrics_A = jax.lax.scan(accumulate, zeros, micro_A)
-    sums = {k: jnp.sum(metrics_A.pop(k), axis=0) for k in ("loss", "ce_sum", "logit_z_sum")}
-    for k in ("ce", "logit_z", "n_targets"):  # per micro-batch: replaced by the whole batch's
+    summed = ("loss", "ce_sum", "logit_z_sum") + (("mtp_ce_sum",) if depth else ())
+    sums = {k: jnp.sum(metrics_A.pop(k), axis=0) for k in summed}
+    # per micro-batch: replaced by the whole batch's
+    for k in ("ce", "logit_z", "n_targets") + (("mtp_ce", "mtp_n_targets") if depth else ()):
         del metrics_A[k]
     metrics = jax.tree.map(lambda m: jnp.mean(m, axis=0), metrics_A)  # the aux statistics
     denom = jnp.maximum(total, 1.0)
@@ -261,6 +350,8 @@ def compute_grads(params, graphdef: nnx.GraphDef, batch: Batch, t: TrainConfig):
         "logit_z": sums["logit_z_sum"] / denom,
         "n_targets": total,
     }
+    if depth:
+        metrics["mtp_ce"] = jnp.mean(sums["mtp_ce_sum"] / jnp.maximum(mtp_total, 1.0))
     return grads, metrics
 
 
@@ -282,11 +373,10 @@ def make_train_step(
         metrics["grad_norm"] = optax.tree.norm(grads)  # before clipping
         metrics["lr"] = schedule(state["step"])
         updates, opt_state = tx.update(grads, state["opt_state"], params)
-        new_state = {
-            "step": state["step"] + 1,
-            "params": optax.apply_updates(params, updates),
-            "opt_state": opt_state,
-        }
+        new_params = optax.apply_updates(params, updates)
+        # outside the gradient: aux-loss-free balancing's bias (model/balancing.py)
+        new_params = update_correction_bias(new_params, metrics, cfg)
+        new_state = {"step": state["step"] + 1, "params": new_params, "opt_state": opt_state}
         return new_state, metrics
 
     if state_sharding is None:

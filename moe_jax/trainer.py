@@ -480,6 +480,8 @@ def _format_train(r: dict, end: int) -> str:
         f"lr {r['lr']:.2e}",
         f"gnorm {r['grad_norm']:.3f}",
     ]
+    if "mtp_ce" in r:  # model.mtp_depth: the MTP depths' mean cross-entropy
+        parts.insert(3, f"mtp ce {r['mtp_ce']:.4f}")
     if r["tokens_per_s"]:
         parts.append(f"{r['tokens_per_s'] / 1e3:.1f}k tok/s, MFU {100 * r['mfu']:.1f}%")
     if np.size(r["dropped_frac"]):

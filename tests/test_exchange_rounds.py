@@ -94,9 +94,10 @@ def assert_close(a, b):
 CASES = [
     ("expert4_data2", "balanced", 4.0, 1, 0.0),
     # 8 tokens a shard, top-2: 16 rows sent; shard 0 gets all 4 x 16 = 64 of its group's rows.
-    # factor 1.25: 20 rows -> 24 (a multiple of 8): 3 rounds, (64 - 24) / 64 past the first
-    ("expert4_data2", "adversarial", 1.25, 3, 40 / 64),
-    # factor 0.1: 1.6 -> 8 rows: 8 rounds for the fullest shard's 64 rows
+    # factor 1.25: a first buffer of 20 rows -> 24 (a multiple of 8), later ones of a quarter
+    # of 16 -> 8: 1 + 40 / 8 = 6 rounds, (64 - 24) / 64 past the first
+    ("expert4_data2", "adversarial", 1.25, 6, 40 / 64),
+    # factor 0.1: 1.6 -> 8 rows, then 8: 1 + 56 / 8 = 8 rounds
     ("expert4_data2", "adversarial", 0.1, 8, 56 / 64),
     ("expert4_data2", "tiny_factor", 0.1, None, None),
     ("fsdp2_expert2_tensor2", "adversarial", 0.5, None, None),
@@ -132,10 +133,12 @@ def test_rounds_equal_the_dense_reference_and_the_unbounded_exchange(
 
 
 def test_receive_rows_scale_with_the_average_never_past_the_worst_case():
-    assert exchange_rounds.receive_rows(4096, 65536, 1.25) == 5120
-    assert exchange_rounds.receive_rows(100, 65536, 1.0) == 104  # a multiple of 8
-    assert exchange_rounds.receive_rows(4096, 4500, 1.25) == 4500  # capacity binds first
-    assert exchange_rounds.receive_rows(4096, 65536, 0) == 65536  # off: the worst case
+    Buffers = exchange_rounds.Buffers
+    assert exchange_rounds.receive_rows(4096, 65536, 1.25) == Buffers(5120, 1024)
+    assert exchange_rounds.receive_rows(100, 65536, 1.0) == Buffers(104, 32)  # multiples of 8
+    assert exchange_rounds.receive_rows(4096, 5500, 1.25) == Buffers(5120, 380)  # the rest
+    assert exchange_rounds.receive_rows(4096, 4500, 1.25).first == 4500  # capacity binds first
+    assert exchange_rounds.receive_rows(4096, 65536, 0).first == 65536  # off: the worst case
 
 
 TRAIN = [

@@ -50,7 +50,8 @@ def moe_pair(mesh_overrides, *extra):
 
 def loss_fn(moe, x, n_groups=1):
     y, stats = moe(x, n_groups=n_groups)
-    return jnp.sum(jnp.sin(y)) + stats["lb_loss"] + stats["z_loss"], (y, stats)
+    extra = stats.get("seq_lb_loss", 0.0)  # DeepSeek's sequence-wise loss, where it is on
+    return jnp.sum(jnp.sin(y)) + stats["lb_loss"] + stats["z_loss"] + extra, (y, stats)
 
 
 @pytest.mark.parametrize("mesh_name", EQUALITY_MESHES)
@@ -68,8 +69,19 @@ def loss_fn(moe, x, n_groups=1):
             "moe.router_bias=true",
             "moe.capacity_factor=1.0",
         ],
+        [  # DeepSeek-V3's routing: groups, the choice's bias, scaling, the sequence loss
+            "moe.score=sigmoid",
+            "moe.top_k=3",
+            "moe.n_group=4",
+            "moe.topk_group=2",
+            "moe.correction_bias=true",
+            "moe.routed_scaling_factor=2.5",
+            "moe.shared_expert_hidden=16",
+            "moe.seq_aux_loss_weight=0.001",
+            "moe.capacity_factor=0",
+        ],
     ],
-    ids=["nodrop", "drops", "llama4_bias"],
+    ids=["nodrop", "drops", "llama4_bias", "deepseek"],
 )
 def test_expert_parallel_equals_unsharded(mesh_name, variant):
     cfg, mesh, ref, sharded = moe_pair(MESHES[mesh_name], *variant)

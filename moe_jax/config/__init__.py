@@ -113,6 +113,12 @@ class Config:
         a = self.attention
         return a.head_dim if a.head_dim is not None else self.model.d_model // a.n_heads
 
+    @property
+    def rotary_dim(self) -> int:
+        """The dims of each head RoPE rotates (the first ones): int(head_dim x
+        attention.partial_rotary_factor), as transformers counts them."""
+        return int(self.head_dim * self.attention.partial_rotary_factor)
+
     def uses_rope(self, layer: int) -> bool:
         n = self.attention.nope_interval
         return not (n > 0 and (layer + 1) % n == 0)
@@ -125,7 +131,12 @@ class Config:
         return a.sliding_window > 0 and not (n > 0 and (layer + 1) % n == 0)
 
     def is_moe(self, layer: int) -> bool:
-        return self.moe.n_experts > 0 and (layer + 1) % self.moe.interleave_step == 0
+        e = self.moe
+        return (
+            e.n_experts > 0
+            and layer >= e.first_dense_layers
+            and (layer + 1) % e.interleave_step == 0
+        )
 
     @property
     def layer_period(self) -> int:
@@ -147,6 +158,10 @@ def _check_across_sections(cfg: Config) -> None:
     m, a, e = cfg.model, cfg.attention, cfg.moe
     if a.kind == "gqa":  # mla sizes its heads by its own fields (AttentionConfig)
         _check_head_dim(cfg)
+    require(
+        e.first_dense_layers <= m.n_layers,
+        f"moe.first_dense_layers ({e.first_dense_layers}) exceeds model.n_layers ({m.n_layers})",
+    )
     if any(not cfg.is_moe(i) for i in range(m.n_layers)):
         positive(m, "model", ["ffn_hidden"])
     kept = set(m.remat_saved) | set(m.remat_offloaded)
@@ -185,8 +200,14 @@ def _check_head_dim(cfg: Config) -> None:
     require(cfg.head_dim > 0, f"attention.head_dim must be positive, got {cfg.head_dim}")
     if any(cfg.uses_rope(i) for i in range(m.n_layers)):
         require(
-            cfg.head_dim % 2 == 0,
+            cfg.head_dim % 2 == 0 or a.partial_rotary_factor < 1,
             f"head_dim ({cfg.head_dim}) must be even for RoPE; change attention.head_dim",
+        )
+        require(
+            cfg.rotary_dim > 0 and cfg.rotary_dim % 2 == 0,
+            f"attention.partial_rotary_factor ({a.partial_rotary_factor}) rotates "
+            f"int(head_dim x factor) = {cfg.rotary_dim} of the {cfg.head_dim} dims of a head, "
+            "which must be even and > 0; change attention.partial_rotary_factor",
         )
 
 

@@ -84,6 +84,11 @@ class ModelConfig:
     # Width of precomputed image embeddings the model accepts (`model(tokens, images=...,
     # image_mask=...)`, projected to d_model); 0 = text only, no projection parameter.
     vision: int = 0
+    # DeepSeek-V3's multi-token prediction (moe_jax/model/mtp.py): this many extra modules,
+    # module k predicting the token k+1 ahead from the main model's (or module k-1's) hidden
+    # state and token t+k, trained with train.mtp_loss_weight; depth 1 also drafts for
+    # speculative decoding (sample.speculative). 0 = none (DeepSeek-V3: 1).
+    mtp_depth: int = 0
 
     @property
     def remat_saved(self) -> tuple[str, ...]:
@@ -127,6 +132,10 @@ class ModelConfig:
         require(
             self.vision >= 0, f"model.vision must be >= 0 (0 = no image inputs), got {self.vision}"
         )
+        require(
+            self.mtp_depth >= 0,
+            f"model.mtp_depth must be >= 0 (0 = no multi-token prediction), got {self.mtp_depth}",
+        )
 
 
 def _names(value: str) -> tuple[str, ...]:
@@ -144,6 +153,9 @@ class AttentionConfig:
     rope_style: str = "half"
     rope_scaling: RopeScalingConfig = field(default_factory=RopeScalingConfig)
     qk_norm: str = "none"  # none | rms (learned, before RoPE) | l2 (weightless, after RoPE)
+    # RoPE on the first int(head_dim x this) dims of each head only, the rest carrying no
+    # position (GLM-4.5: 0.5); 1 = every dim
+    partial_rotary_factor: float = 1.0
     nope_interval: int = 0  # every nope_interval-th layer has no RoPE; 0 = none
     temperature_tuning: bool = False  # Llama 4 attention temperature on NoPE layers
     floor_scale: float = 8192.0
@@ -181,6 +193,11 @@ class AttentionConfig:
         one_of(self.rope_scaling.type, ROPE_SCALINGS, "attention.rope_scaling.type")
         one_of(self.impl, IMPLS["attention"], "attention.impl")
         one_of(self.kind, ATTENTION_KINDS, "attention.kind")
+        require(
+            0 < self.partial_rotary_factor <= 1,
+            "attention.partial_rotary_factor is the fraction of each head's dims RoPE rotates: "
+            f"it must be in (0, 1] (1 = all), got {self.partial_rotary_factor}",
+        )
         if self.kind == "mla":
             self._check_mla()
         else:
@@ -246,6 +263,8 @@ class AttentionConfig:
             "qk_norm": (self.qk_norm != "none", "none (mla normalises its latents instead)"),
             "nope_interval": (self.nope_interval != 0, "0 (every mla layer has RoPE)"),
             "qkv_bias": (self.qkv_bias, "false"),
+            "partial_rotary_factor": (self.partial_rotary_factor != 1, "1 (mla rotates its "
+                                      "qk_rope_head_dim dims)"),
             "o_bias": (self.o_bias, "false"),
         }  # fmt: skip
         for name, (is_set, fix) in unsupported.items():
@@ -273,6 +292,23 @@ class MoEConfig:
     shared_expert_hidden: int = 0  # 0 = no shared expert
     router_bias: bool = False
     expert_bias: bool = False
+    # DeepSeek-V3's routing (moe_jax/model/routing.py). Group-limited: the experts in n_group
+    # equal groups, each token choosing among the topk_group groups with the best sum of
+    # their top-2 scores only (n_group 1: off).
+    n_group: int = 1
+    topk_group: int = 1
+    # A per-expert bias added to the scores to choose the top-k only, never to the weights
+    # (`correction_bias`, HF's e_score_correction_bias); with bias_update_rate > 0 it is
+    # trained without a gradient: after each step it moves by rate * sign(mean load - load),
+    # auxiliary-loss-free balancing (DeepSeek-V3 sec. 2.1.2: 0.001).
+    correction_bias: bool = False
+    bias_update_rate: float = 0.0
+    routed_scaling_factor: float = 1.0  # the routed experts' weights times this (V3: 2.5)
+    # The first this many layers dense (HF first_k_dense_replace; DeepSeek-V3: 3).
+    first_dense_layers: int = 0
+    # > 0: DeepSeek-V3's sequence-wise balance loss, the load-balance loss of each sequence
+    # (a batch row) averaged over them, at this weight (V3: 1e-4), added to lb_loss_weight's.
+    seq_aux_loss_weight: float = 0.0
     # > 0: gpt-oss's clamped SwiGLU in the experts (moe_jax/model/glu.py): gate clamped from
     # above and up on both sides at this limit, h = gate * sigmoid(alpha gate) * (up + 1);
     # 0: plain SwiGLU
@@ -328,5 +364,31 @@ class MoEConfig:
             positive(self, "moe", ["expert_hidden"])
             non_negative(self, "moe", ["shared_expert_hidden"])
         non_negative(self, "moe", ["lb_loss_weight", "z_loss_weight", "swiglu_limit"])
+        non_negative(self, "moe", ["bias_update_rate", "seq_aux_loss_weight", "first_dense_layers"])
+        positive(self, "moe", ["n_group", "topk_group", "routed_scaling_factor"])
+        if self.n_experts > 0:
+            self._check_deepseek_routing()
         if self.swiglu_limit > 0:
             positive(self, "moe", ["swiglu_alpha"])
+
+    def _check_deepseek_routing(self) -> None:
+        E, G = self.n_experts, self.n_group
+        require(
+            E % G == 0 and (G == 1 or E // G >= 2),
+            f"moe.n_group ({G}) must divide moe.n_experts ({E}) into groups of at least 2 "
+            "experts (a group's score is its top-2's sum); change moe.n_group",
+        )
+        require(
+            self.topk_group <= G,
+            f"moe.topk_group ({self.topk_group}) must be at most moe.n_group ({G})",
+        )
+        require(
+            self.top_k <= self.topk_group * (E // G),
+            f"moe.top_k ({self.top_k}) picks from the topk_group best groups' "
+            f"{self.topk_group * (E // G)} experts only; raise moe.topk_group or lower moe.top_k",
+        )
+        require(
+            self.bias_update_rate == 0 or self.correction_bias,
+            "moe.bias_update_rate trains the routing's correction bias; set "
+            "moe.correction_bias=true too, or moe.bias_update_rate=0",
+        )

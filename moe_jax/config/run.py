@@ -164,6 +164,10 @@ class TrainConfig:
     # float32 either way. bfloat16 saves 4 of the 12 bytes per parameter of the train state.
     moments_dtype: str = "float32"
     logit_z_loss: float = 0.0
+    # Weight (lambda) of the multi-token prediction loss, lambda / model.mtp_depth times the
+    # sum of the MTP depths' cross-entropies (moe_jax/model/mtp.py); DeepSeek-V3: 0.3 for its
+    # first 10T tokens, then 0.1. Unused with model.mtp_depth=0.
+    mtp_loss_weight: float = 0.3
     # Positions per chunk of the output head in the loss (moe_jax/loss.py): the [B, T, V]
     # float32 logits are never held whole, for one more head matmul in the backward; must
     # divide train.seq_len. 0 = all positions at once; -1 = auto (moe_jax/backends.py: 0 on
@@ -234,6 +238,7 @@ class TrainConfig:
             f"train.resume_step must be >= 0 (0 = the latest), got {self.resume_step}",
         )
         non_negative(self, "train", ["weight_decay", "clip_norm", "logit_z_loss"])
+        non_negative(self, "train", ["mtp_loss_weight"])
         for n in ("b1", "b2"):
             require(0.0 <= getattr(self, n) < 1.0, f"train.{n} must be within [0, 1)")
         positive(self, "train", ["eps"])
@@ -321,6 +326,11 @@ class SampleConfig:
     # bfloat16, else float32: no result changes) | float32 | bfloat16 | int8 (per channel) |
     # mxfp4 (the routed experts in MXFP4, the rest bfloat16: gpt-oss as released)
     weights: str = "auto"
+    # Speculative decoding (moe_jax/speculative.py): the model's MTP module (model.mtp_depth
+    # >= 1) drafts one token a step and the main model checks it in the same forward; the
+    # text is the greedy text token for token, so the sampler refuses temperatures but 0
+    # (checked there: sample.py's --temperature overrides sample.temperature).
+    speculative: bool = False
 
     def check(self) -> None:
         values = {name: getattr(self, name) for name, _, _ in SAMPLING_RULES}

@@ -172,6 +172,11 @@ def main(argv: list[str]) -> int:
                     f"this run does with moe.capacity_factor=0 (it trained with "
                     f"{cfg.moe.capacity_factor})"
                 )
+            if cfg.model.mtp_depth:
+                print(
+                    "note: the multi-token prediction module (model.mtp_depth) is not written; "
+                    "the exported model is the main model, which is all transformers runs"
+                )
     except (InteropError, ConfigError, DataError, RunError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

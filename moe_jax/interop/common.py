@@ -204,10 +204,26 @@ def head_dim(hf: HFConfig) -> int:
     return hf["head_dim"] or hf["hidden_size"] // hf["num_attention_heads"]
 
 
-def rope_from_hf(hf: HFConfig, default_theta: float) -> tuple[float, RopeScalingConfig]:
+def rope_params(hf: HFConfig) -> dict:
+    """config.json's RoPE parameters as transformers takes them (legacy `rope_scaling` first)."""
+    return dict(hf.values.get("rope_scaling") or hf.values.get("rope_parameters") or {})
+
+
+def partial_rotary_from_hf(hf: HFConfig, default: float = 1.0) -> float:
+    """The fraction of each head's dims RoPE rotates, as transformers resolves it: inside the
+    RoPE parameters over the top-level key over the family's default (GLM-4.5's 0.5)."""
+    params, key = rope_params(hf), "partial_rotary_factor"
+    value = params[key] if key in params else hf.values.get(key, default)
+    return 1.0 if value is None else float(value)
+
+
+def rope_from_hf(
+    hf: HFConfig, default_theta: float, partial: bool = False
+) -> tuple[float, RopeScalingConfig]:
     """(theta, scaling) as transformers resolves them: `rope_scaling` (legacy) over
-    `rope_parameters`, `rope_theta` inside them over the top-level key over the class default."""
-    params = dict(hf.values.get("rope_scaling") or hf.values.get("rope_parameters") or {})
+    `rope_parameters`, `rope_theta` inside them over the top-level key over the class default.
+    A partial_rotary_factor other than 1 is refused unless `partial` (the family has it)."""
+    params = rope_params(hf)
     hf.require(
         not any(isinstance(v, dict) for v in params.values()),
         "RoPE parameters per layer type",
@@ -215,8 +231,8 @@ def rope_from_hf(hf: HFConfig, default_theta: float) -> tuple[float, RopeScaling
     )
     theta = params.get("rope_theta", hf.values.get("rope_theta", default_theta))
     kind = params.get("rope_type", params.get("type", "default"))
-    partial = params.get("partial_rotary_factor", hf.values.get("partial_rotary_factor"))
-    hf.require(partial in (None, 1, 1.0), f"partial_rotary_factor={partial}", "RoPE on all dims")
+    factor = partial_rotary_from_hf(hf)
+    hf.require(partial or factor == 1, f"partial_rotary_factor={factor}", "RoPE on all dims")
 
     def need(key: str) -> float:
         if key not in params:
@@ -276,6 +292,11 @@ def rope_from_hf(hf: HFConfig, default_theta: float) -> tuple[float, RopeScaling
 
 
 def rope_to_hf(a: AttentionConfig) -> dict:
+    partial = {"partial_rotary_factor": a.partial_rotary_factor}
+    return _rope_to_hf(a) | (partial if a.partial_rotary_factor != 1 else {})
+
+
+def _rope_to_hf(a: AttentionConfig) -> dict:
     s = a.rope_scaling
     if s.type == "none":
         return {"rope_type": "default", "rope_theta": a.rope_theta}
@@ -349,21 +370,6 @@ def common_hf_config(cfg: Config, architecture: str, model_type: str) -> dict:
     }
 
 
-class Unsupported:
-    """Collects why a config cannot be written as a family (for one clear error)."""
-
-    def __init__(self, architecture: str):
-        self.architecture, self.reasons = architecture, []
-
-    def check(self, ok: bool, reason: str) -> None:
-        if not ok:
-            self.reasons.append(reason)
-
-    def raise_if_any(self) -> None:
-        if self.reasons:
-            raise InteropError(f"cannot write {self.architecture}: {'; '.join(self.reasons)}")
-
-
 # ----------------------------------------------------------------------------- our configs
 
 
@@ -377,6 +383,8 @@ class Family:
     to_config: Callable[[HFConfig, Config], Config]  # config.json over a base config
     from_config: Callable[[Config], dict]  # our config -> config.json, or InteropError
     layer_rules: Callable[[Config, int], list[Rule]]
+    # tensor name prefixes a checkpoint may carry that an import skips (e.g. MTP layers)
+    skipped: Callable[[HFConfig], list[str]] | None = None
 
 
 def check_hf_basics(hf: HFConfig) -> None:
@@ -399,12 +407,18 @@ def model_from_hf(hf: HFConfig, base: Config, ffn_hidden: int) -> ModelConfig:
         tie_embeddings=bool(hf["tie_word_embeddings"]),
         max_seq_len=hf["max_position_embeddings"],
         init_std=float(hf["initializer_range"]),
+        mtp_depth=0,  # no family imports multi-token prediction layers
     )
 
 
-def attention_from_hf(hf: HFConfig, default_theta: float, **settings) -> AttentionConfig:
-    """Heads and RoPE from config.json; `settings`: the family's other attention fields."""
-    theta, scaling = rope_from_hf(hf, default_theta)
+def attention_from_hf(
+    hf: HFConfig, default_theta: float, partial_default: float | None = None, **settings
+) -> AttentionConfig:
+    """Heads and RoPE from config.json; `settings`: the family's other attention fields.
+    `partial_default`: the family rotates part of each head, this fraction by default."""
+    theta, scaling = rope_from_hf(hf, default_theta, partial=partial_default is not None)
+    if partial_default is not None:
+        settings["partial_rotary_factor"] = partial_rotary_from_hf(hf, partial_default)
     return AttentionConfig(
         n_heads=hf["num_attention_heads"],
         n_kv_heads=hf["num_key_value_heads"] or hf["num_attention_heads"],
@@ -438,47 +452,6 @@ def dense_moe(base: Config) -> MoEConfig:
     return dataclasses.replace(
         base.moe, n_experts=0, interleave_step=1, shared_expert_hidden=0, capacity_factor=0.0
     )
-
-
-def has_nope_layers(cfg: Config) -> bool:
-    return not all(cfg.uses_rope(i) for i in range(cfg.model.n_layers))
-
-
-def check_llama_style(
-    cfg: Config, u: Unsupported, qk_norm: str, sinks=False, full_attention_interval=False
-) -> None:
-    """What every rotate-half family (Llama, Qwen3, Mixtral, Qwen3-MoE, gpt-oss) requires;
-    `sinks`, `full_attention_interval`: the family has them (gpt-oss)."""
-    a = cfg.attention
-    u.check(a.rope_style == "half", "attention.rope_style must be 'half'")
-    u.check(a.qk_norm == qk_norm, f"attention.qk_norm must be '{qk_norm}'")
-    u.check(not has_nope_layers(cfg), "NoPE layers (attention.nope_interval) are not supported")
-    u.check(a.chunk_size == 0, "chunked attention (attention.chunk_size) is not supported")
-    if not sinks:
-        check_no_gpt_oss_parts(cfg, u, full_attention_interval)
-
-
-def check_no_gpt_oss_parts(cfg: Config, u: Unsupported, full_attention_interval=False) -> None:
-    """What of gpt-oss other families lack: attention sinks, clamped SwiGLU experts, layers
-    alternating window and full attention."""
-    u.check(not cfg.attention.sinks, "attention sinks (attention.sinks) are not supported")
-    u.check(cfg.moe.swiglu_limit == 0, "clamped SwiGLU experts (moe.swiglu_limit) not supported")
-    if not full_attention_interval:
-        u.check(
-            cfg.attention.full_attention_interval == 0,
-            "alternating window and full layers (attention.full_attention_interval) are not "
-            "supported",
-        )
-
-
-def check_moe_softmax(cfg: Config, u: Unsupported) -> None:
-    """What the softmax-routed families (Mixtral, Qwen3-MoE) require of a MoE config."""
-    e = cfg.moe
-    u.check(e.n_experts > 0, "moe.n_experts must be > 0")
-    u.check(e.score == "softmax", "moe.score must be 'softmax'")
-    u.check(e.route_scale == "output", "moe.route_scale must be 'output'")
-    u.check(e.shared_expert_hidden == 0, "a shared expert is not supported")
-    u.check(not e.router_bias and not e.expert_bias, "router/expert biases are not supported")
 
 
 def aux_coef(cfg: Config) -> float:

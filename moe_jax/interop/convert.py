@@ -18,7 +18,7 @@ import numpy as np
 from flax import nnx
 
 from moe_jax.config import Config, ConfigError, validate
-from moe_jax.interop import gpt_oss, llama, llama4, mixtral, qwen3
+from moe_jax.interop import deepseek, glm4_moe, gpt_oss, llama, llama4, mixtral, qwen3
 from moe_jax.interop.common import Family, HFConfig, Source, top_rules
 from moe_jax.interop.safetensors_io import InteropError, ShardWriter, TensorReader
 from moe_jax.model import Transformer
@@ -27,7 +27,16 @@ from moe_jax.tokenizer import Tokenizer
 
 FAMILIES: dict[str, Family] = {
     f.architecture: f
-    for f in (llama4.FAMILY, mixtral.FAMILY, qwen3.MOE, gpt_oss.FAMILY, llama.FAMILY, qwen3.DENSE)
+    for f in (
+        llama4.FAMILY,
+        mixtral.FAMILY,
+        qwen3.MOE,
+        gpt_oss.FAMILY,
+        deepseek.FAMILY,
+        glm4_moe.FAMILY,
+        llama.FAMILY,
+        qwen3.DENSE,
+    )
 }
 DEFAULT_SHARD_BYTES = 2 * 1024**3
 # Tensors a checkpoint may carry that mean nothing to the model (old Llama checkpoints saved
@@ -98,12 +107,14 @@ def _our_config(family: Family, hf: HFConfig, directory, base: Config | None) ->
 
 def _layer_path(cfg: Config, layer: int) -> tuple[tuple, int | None]:
     """Where layer `layer` lives: (path prefix, index into the stacked block axis or None)."""
-    P = cfg.layer_period
-    n_blocks = cfg.model.n_layers // P
-    b, j = divmod(layer, P)
+    P, k = cfg.layer_period, cfg.moe.first_dense_layers
+    if layer < k:  # the dense prefix (moe.first_dense_layers)
+        return ("prefix", layer), None
+    n_blocks = (cfg.model.n_layers - k) // P
+    b, j = divmod(layer - k, P)
     if b < n_blocks:
         return ("blocks", "layers", j), b
-    return ("tail", layer - n_blocks * P), None
+    return ("tail", layer - k - n_blocks * P), None
 
 
 def _placements(cfg: Config, family: Family):
@@ -151,6 +162,7 @@ def load_hf(
     assert buffers.keys() == variables.keys(), sorted(variables.keys() ^ buffers.keys())
 
     ignored = {prefix + "lm_head.weight"} if cfg.model.tie_embeddings else set()
+    skipped = tuple(prefix + p for p in (family.skipped(hf) if family.skipped else []))
     unused = [
         n
         for n in reader.names()
@@ -158,6 +170,7 @@ def load_hf(
         and n not in used
         and n not in ignored
         and not n.endswith(_IGNORED_SUFFIXES)
+        and not n.startswith(skipped)
     ]
     if unused:
         raise InteropError(
@@ -209,7 +222,8 @@ def save_hf(
     `architecture` or the first that represents `cfg` exactly (else `InteropError`); float32
     weights in `save_pretrained`'s layout and file names; with a `tokenizer` that has files
     (Hugging Face, SentencePiece), those files beside them and its BOS / EOS ids in
-    config.json (where generation stops). `directory` must not exist or be empty; it is
+    config.json (where generation stops). The multi-token prediction module (model.mtp_depth)
+    is not written: no family's mapping has it yet. `directory` must not exist or be empty; it is
     written through a temporary sibling and renamed at the end, so a failure leaves nothing
     behind. Returns the architecture written.
     """

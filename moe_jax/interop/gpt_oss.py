@@ -21,18 +21,17 @@ import numpy as np
 
 from moe_jax.config import Config
 from moe_jax.interop import mxfp4
+from moe_jax.interop.checks import Unsupported, check_llama_style, check_no_deepseek_routing
 from moe_jax.interop.common import (
     Family,
     HFConfig,
     HFTensors,
     Rule,
     Source,
-    Unsupported,
     attention_from_hf,
     attention_rules,
     aux_coef,
     check_hf_basics,
-    check_llama_style,
     common_hf_config,
     every_nth,
     linear,
@@ -131,6 +130,7 @@ def from_config(cfg: Config) -> dict:
     u.check(e.shared_expert_hidden == 0, "a shared expert is not supported")
     u.check(e.router_bias and e.expert_bias, "router and expert biases must be on")
     u.check(e.swiglu_limit > 0, "the experts must be clamped (moe.swiglu_limit > 0)")
+    check_no_deepseek_routing(cfg, u)
     u.raise_if_any()
     n = cfg.model.n_layers
     return common_hf_config(cfg, ARCH, "gpt_oss") | {

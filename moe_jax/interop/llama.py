@@ -5,15 +5,14 @@ from __future__ import annotations
 import dataclasses
 
 from moe_jax.config import Config
+from moe_jax.interop.checks import Unsupported, check_llama_style
 from moe_jax.interop.common import (
     Family,
     HFConfig,
     Rule,
-    Unsupported,
     attention_from_hf,
     attention_rules,
     check_hf_basics,
-    check_llama_style,
     common_hf_config,
     dense_moe,
     model_from_hf,

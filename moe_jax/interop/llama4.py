@@ -23,18 +23,22 @@ import dataclasses
 import numpy as np
 
 from moe_jax.config import Config
+from moe_jax.interop.checks import (
+    Unsupported,
+    check_full_rotary,
+    check_no_deepseek_routing,
+    check_no_gpt_oss_parts,
+)
 from moe_jax.interop.common import (
     Family,
     HFConfig,
     HFTensors,
     Rule,
     Source,
-    Unsupported,
     attention_from_hf,
     attention_rules,
     aux_coef,
     check_hf_basics,
-    check_no_gpt_oss_parts,
     common_hf_config,
     every_nth,
     linear,
@@ -141,6 +145,7 @@ def from_config(cfg: Config) -> dict:
     u.check(a.qk_norm in ("none", "l2"), "attention.qk_norm must be 'l2' or 'none'")
     u.check(a.sliding_window == 0, "sliding-window attention is not supported")
     check_no_gpt_oss_parts(cfg, u)
+    check_full_rotary(cfg, u)
     u.check(a.qkv_bias == a.o_bias, "attention biases must be all on or all off")
     u.check(float(a.floor_scale).is_integer(), "attention.floor_scale must be a whole number")
     if e.n_experts > 0:
@@ -152,6 +157,7 @@ def from_config(cfg: Config) -> dict:
             "the shared expert must be as wide as a routed expert",
         )
         u.check(not e.router_bias and not e.expert_bias, "router/expert biases are not supported")
+        check_no_deepseek_routing(cfg, u)
     u.raise_if_any()
     n = m.n_layers
     rope = [cfg.uses_rope(i) for i in range(n)]

@@ -10,17 +10,15 @@ from __future__ import annotations
 import dataclasses
 
 from moe_jax.config import Config
+from moe_jax.interop.checks import Unsupported, check_llama_style, check_moe_softmax
 from moe_jax.interop.common import (
     Family,
     HFConfig,
     Rule,
-    Unsupported,
     attention_from_hf,
     attention_rules,
     aux_coef,
     check_hf_basics,
-    check_llama_style,
-    check_moe_softmax,
     common_hf_config,
     linear,
     model_from_hf,

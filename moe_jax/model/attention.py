@@ -203,7 +203,7 @@ class Attention(nnx.Module):
         self.dtype = jnp.dtype(backends.compute_dtype(cfg.model.dtype))
         self.use_rope = cfg.uses_rope(layer)
         self.rope_style = a.rope_style
-        self.inv_freq = tuple(rope_inv_freq(hd, a.rope_theta, a.rope_scaling).tolist())
+        self.inv_freq = tuple(rope_inv_freq(cfg.rotary_dim, a.rope_theta, a.rope_scaling).tolist())
         self.rope_scale = rope_attention_factor(a.rope_scaling)  # YaRN's, on q and k
         self.qk_norm = a.qk_norm
         self.norm_eps = cfg.model.norm_eps

@@ -91,8 +91,7 @@ def expert_parallel(
     valid_BT,
     *,
     weights: dict,
-    router,
-    router_bias,
+    router: dict,
     cfg: MoEConfig,
     dtype,
     impl: str,
@@ -100,6 +99,7 @@ def expert_parallel(
     replicated: bool,
 ) -> tuple[jax.Array, dict]:
     """The MoE layer over `mesh`: -> (y_BTD, the statistic sums over all tokens).
+    `router`: route_group's router arguments by name, the same on every device.
     `replicated`: a batch the batch axes do not split (see `own_experts`)."""
     ax = mesh_axes(mesh, replicated)
     specs = expert_specs(ax)
@@ -118,10 +118,10 @@ def expert_parallel(
     return jax.shard_map(
         step,
         mesh=mesh,
-        in_specs=(x_spec, P(), P(), {n: specs[n][0] for n in weights})
+        in_specs=(x_spec, {n: P() for n in router}, {n: specs[n][0] for n in weights})
         + (P(ax.batch_axes or None, None),) * len(valid),
         out_specs=(x_spec, P()),
-    )(x_BTD, router, router_bias, weights, *valid)
+    )(x_BTD, router, weights, *valid)
 
 
 def _gathered_weight(a, name, *, specs, ax: Axes, fs_plan, dtype, window=False):
@@ -141,17 +141,18 @@ def _gathered_weight(a, name, *, specs, ax: Axes, fs_plan, dtype, window=False):
     return gather.gather(a, fs_plan, axis)
 
 
-def _shard_step(x_bTD, router, router_bias, w, *valid, cfg, dtype, impl, ax, specs, fs_plan,
-                ragged):  # fmt: skip
+def _shard_step(x_bTD, router, w, *valid, cfg, dtype, impl, ax, specs, fs_plan, ragged):
     """One shard's part: route its tokens, gather its expert weights, run a path."""
     E_loc = cfg.n_experts // ax.ep
-    r = route_group(x_bTD, router, router_bias, cfg, dtype, *valid)
+    r = route_group(x_bTD, **router, cfg=cfg, dtype=dtype, valid_bT=valid[0] if valid else None)
     # Small exchanges (decoding) keep the buffers, whose experts then run as batched matmuls
     # over every slot (see expert_swiglu), as the ragged impl's own do.
     exchange = ragged and not ax.replicated and ax.ep * r.cap >= experts_lib.MAP_MIN_CAPACITY
     # Row windows cut by experts gather their own experts' weights, one window at a time
     # (grouped.grouped_swiglu's `whole`); everything else is gathered here.
-    by_experts = cfg.row_chunks > 1 and E_loc % cfg.row_chunks == 0  # grouped.chunk_plan's cut
+    # (grouped.chunk_plan's cut: by experts where a capacity bounds each expert's rows;
+    # dropless, by rows, every window through every local expert, gathered once up front)
+    by_experts = cfg.row_chunks > 1 and E_loc % cfg.row_chunks == 0 and cfg.capacity_factor > 0
     later = ("w_gate", "w_up", "w_down") if exchange and ax.fs and by_experts else ()
     gathered = functools.partial(_gathered_weight, specs=specs, ax=ax, fs_plan=fs_plan, dtype=dtype)
     # The gathered weights vary over fsdp (the gather's transpose is the reduce-scatter); over
@@ -240,8 +241,8 @@ def ragged_exchange(
     # with a capacity at most C per expert.
     n_send = min(b * T * K, E * r.cap)
     sent_s = order_n[:n_send]
-    x_sD = x_bTD.reshape(b * T, D)[sent_s // K]
-    x_sD = scale_inputs(x_sD, r.weights.reshape(-1)[sent_s], cfg.route_scale).astype(dtype)
+    x_in = (x_bTD.reshape(b * T, D), r.weights.reshape(-1))
+    prep = functools.partial(_send_rows, K=K, route_scale=cfg.route_scale, dtype=dtype)
     # The most rows that can ever arrive: a token's k experts are distinct, so at most
     # min(k, E_loc) of its assignments go to one shard, from b T tokens on each of ep shards;
     # with a capacity, no expert takes more than C rows from each shard either.
@@ -253,21 +254,29 @@ def ragged_exchange(
         _grouped_rows, cfg=cfg, dtype=dtype, impl=impl, tp=tp, whole=whole, max_rows=ep * r.cap
     )
     if ep == 1:  # every expert here: the rows are already in place, one round
-        y_sD = run(x_sD, w_in, sizes_E)
+        y_sD = run(prep(x_in, sent_s), w_in, sizes_E)
         stats = {"rounds": jnp.ones(()), "overflow": jnp.zeros(())}
     else:
-        rows = rounds_lib.receive_rows(n_send, n_worst, cfg.recv_factor)
+        buffers = rounds_lib.receive_rows(n_send, n_worst, cfg.recv_factor)
         plan = rounds_lib.exchange_plan(sizes_E.reshape(ep, E_loc), "expert")
-        rounds = rounds_lib.plan_rounds(plan, rows)
+        rounds = rounds_lib.plan_rounds(plan, buffers)
         y_sD = rounds_lib.exchange_in_rounds(
-            x_sD, w_in, plan, rounds.count, run=run, rows=rows, axis="expert",
-            bounded=rows < n_worst,
+            x_in, w_in, sent_s, plan, rounds.count, prep=prep, run=run, buffers=buffers,
+            axis="expert", bounded=buffers.first < n_worst,
         )  # fmt: skip
         stats = {"rounds": rounds.count, "overflow": rounds.overflow}
     stats = {k: v.astype(jnp.float32) for k, v in stats.items()}
     # Each assignment's row; dropped ones sort past the kept rows and read zeros.
     y_nD = y_sD.at[inverse(order_n)].get(mode="fill", fill_value=0)
     return sum_choices(y_nD.reshape(b, T, K, D), r.weights, r.keep, cfg.route_scale), stats
+
+
+def _send_rows(x_in, sent_s, *, K, route_scale, dtype):
+    """The rows this shard sends, in expert order: each kept assignment's token (`sent_s`:
+    the assignments, token-major), input-scaled for route_scale "input"."""
+    x_nD, weights_n = x_in
+    x_sD = scale_inputs(x_nD[sent_s // K], weights_n[sent_s], route_scale)
+    return x_sD.astype(dtype)
 
 
 def _grouped_rows(x_mD, w, sizes_e, *, cfg: MoEConfig, dtype, impl, tp, whole, max_rows):

@@ -3,13 +3,15 @@ buffer, and never dropped (`exchange.ragged_exchange` runs the experts between t
 
 Each owner lays the rows it receives out expert by expert, then by source shard: its
 *unbounded layout*, as long as the rows that happen to arrive (at worst every token of every
-shard). Round `r` moves the rows of that layout's window `[r R, (r + 1) R)`: each slice
-(source, local expert) is clipped to the window on both sides, the sender sending the part
-inside it and the owner placing it at the same place less `r R`, so every round's rows are
-again grouped by local expert for one grouped matmul. `R` is set by `moe.recv_factor` over
-the average rows a shard receives; the rounds run until the fullest owner's rows are done
-(the same count on every device, since the rounds' collectives meet), and the common case,
-a router no more unbalanced than the factor allows, is one round.
+shard). Each round moves the rows of a window of that layout: each slice (source, local
+expert) is clipped to the window on both sides, the sender sending the part inside it and the
+owner placing it at the same place less the window's start, so every round's rows are again
+grouped by local expert for one grouped matmul. The first window holds `moe.recv_factor`
+times the average rows a shard receives; the later ones EXTRA_FRACTION of the average each,
+so an overflow costs work in proportion to it, not a whole second round. The rounds run until
+the fullest owner's rows are done (the same count on every device, since the rounds'
+collectives meet), and the common case, a router no more unbalanced than the factor allows,
+is one round.
 
 The backward is written by hand (`exchange_in_rounds`): `while_loop` has no reverse mode, and a
 loop of a static worst-case length would keep every round's residuals. The first round keeps
@@ -34,6 +36,9 @@ ragged_all_to_all = jax.lax.ragged_all_to_all
 # ROUND_LOOP_TRIPS extra rounds (a loop of unknown trip count otherwise).
 ROUND_LOOP_SCOPE = "exchange_rounds"
 ROUND_LOOP_TRIPS = 0  # the common case, one round (the first runs outside the loops)
+
+# The later rounds' windows, as a fraction of the average rows a shard receives.
+EXTRA_FRACTION = 0.25
 
 # A round's rows are a multiple of this (sublane-aligned), so factors a little apart share
 # a compiled shape.
@@ -83,10 +88,9 @@ def exchange_plan(send_PE: jax.Array, axis: str) -> Plan:
     return Plan(start_PE, send_PE, out_PE, recv_PE, land_PE, home_PE)
 
 
-def round_offsets(plan: Plan, r, rows: int) -> RaggedExchange:
-    """The exchange of round `r`: every slice clipped to the window [r rows, (r + 1) rows) of
-    its owner's layout. Slices with nothing in the window get offsets 0 (in range)."""
-    lo = r * rows
+def round_offsets(plan: Plan, lo, rows: int) -> RaggedExchange:
+    """The exchange of the window [lo, lo + rows) of every owner's layout: every slice
+    clipped to it. Slices with nothing in the window get offsets 0 (in range)."""
 
     def clip(land, size):  # -> (where the part in the window starts, its rows)
         a = jnp.clip(land, lo, lo + rows)
@@ -111,14 +115,20 @@ def move_rows(x_nD: jax.Array, n_out: int, offsets: tuple, axis: str) -> jax.Arr
     return ragged_all_to_all(x_nD, out_mD, *offsets, axis_name=axis)
 
 
-def receive_rows(n_send: int, n_worst: int, factor: float) -> int:
-    """Rows of a round's receive buffer: `factor` times the rows a shard sends (what it
-    receives on average), a multiple of ROW_MULTIPLE, never more than can ever arrive.
-    factor <= 0: the worst case, one round always."""
-    if factor <= 0:
-        return n_worst
-    rows = math.ceil(factor * n_send / ROW_MULTIPLE) * ROW_MULTIPLE
-    return max(1, min(n_worst, rows))
+class Buffers(NamedTuple):
+    """Rows of the first round's receive buffer and of each later one's."""
+
+    first: int
+    extra: int
+
+
+def receive_rows(n_send: int, n_worst: int, factor: float) -> Buffers:
+    """The receive buffers: the first `factor` times the rows a shard sends (what it receives
+    on average), the later ones EXTRA_FRACTION of that, each a multiple of ROW_MULTIPLE and
+    none past what can ever arrive. factor <= 0: the worst case, one round always."""
+    aligned = lambda x: max(ROW_MULTIPLE, math.ceil(x / ROW_MULTIPLE) * ROW_MULTIPLE)
+    first = n_worst if factor <= 0 else min(n_worst, aligned(factor * n_send))
+    return Buffers(first, max(1, min(n_worst - first, aligned(EXTRA_FRACTION * n_send))))
 
 
 class Rounds(NamedTuple):
@@ -129,79 +139,92 @@ class Rounds(NamedTuple):
     overflow: jax.Array
 
 
-def plan_rounds(plan: Plan, rows: int) -> Rounds:
+def plan_rounds(plan: Plan, buffers: Buffers) -> Rounds:
     """Rounds for the fullest owner of the whole mesh: every device runs them (the rounds'
     collectives, and any gathers inside the expert computation, must meet)."""
-    n = jnp.sum(plan.recv)
-    count = jnp.maximum((n + rows - 1) // rows, 1)
+    over = jnp.maximum(jnp.sum(plan.recv) - buffers.first, 0)
+    count = 1 + (over + buffers.extra - 1) // buffers.extra
     axes = tuple(jax.typeof(count).mat.varying)
     if axes:
         count = jax.lax.pmax(count, axes)
-    return Rounds(count, jnp.maximum(n - rows, 0))
+    return Rounds(count, over)
 
 
 RunRows = Callable[[jax.Array, dict, jax.Array], jax.Array]
+Prep = Callable[[tuple, jax.Array], jax.Array]
 
 
 def exchange_in_rounds(
-    x_sD: jax.Array,
+    x_in: tuple,
     w: dict,
+    index: jax.Array,
     plan: Plan,
     count: jax.Array,
     *,
+    prep: Prep,
     run: RunRows,
-    rows: int,
+    buffers: Buffers,
     axis: str,
     bounded: bool = True,
 ) -> jax.Array:
-    """Each of my send rows through `run(x_mD, w, sizes_e)` at its expert's owner, in `count`
-    rounds of `rows` received rows: -> y_sD, the results at home, in my send rows' order.
-    `bounded` False: `rows` holds whatever can arrive, one round always (no loop)."""
+    """My send rows `prep(x_in, index)` each through `run(x_mD, w, sizes_e)` at its expert's
+    owner, in `count` rounds of `buffers`' received rows: -> y_sD, the results at home, in my
+    send rows' order. The send rows are made again from `x_in` (the layer's tokens) where a
+    round needs them, not kept: k times the tokens' bytes a layer otherwise. `index`:
+    integers (no gradient). `bounded` False: the first buffer holds whatever can arrive, one
+    round (no loop)."""
     if not bounded:
-        return _one_round(run, rows, axis, x_sD, w, plan, 0)
-    return _in_rounds(run, rows, axis, x_sD, w, plan, count)
+        return _one_round(prep, run, axis, x_in, w, index, plan, 0, buffers.first)
+    return _in_rounds(prep, run, buffers, axis, x_in, w, index, plan, count)
 
 
-def _one_round(run, rows, axis, x_sD, w, plan, r):
-    """Round r's part of the result (its rows; zeros elsewhere)."""
-    off = round_offsets(plan, r, rows)
+def _one_round(prep, run, axis, x_in, w, index, plan, lo, rows: int):
+    """The part of the result of the window [lo, lo + rows) (its rows; zeros elsewhere)."""
+    x_sD = prep(x_in, index)
+    off = round_offsets(plan, lo, rows)
     y_mD = run(move_rows(x_sD, rows, off.there, axis), w, off.sizes_e)
     return move_rows(y_mD, x_sD.shape[0], off.back, axis)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
-def _in_rounds(run, rows, axis, x_sD, w, plan, count):
-    return _in_rounds_fwd(run, rows, axis, x_sD, w, plan, count)[0]
+def _later(buffers: Buffers, r):
+    """Round r >= 1's window: (its start, its rows)."""
+    return buffers.first + (r - 1) * buffers.extra, buffers.extra
 
 
-def _in_rounds_fwd(run, rows, axis, x_sD, w, plan, count):
-    one = functools.partial(_one_round, run, rows, axis)
-    y_sD, first_vjp = jax.vjp(lambda x, w: one(x, w, plan, 0), x_sD, w)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
+def _in_rounds(prep, run, buffers, axis, x_in, w, index, plan, count):
+    return _in_rounds_fwd(prep, run, buffers, axis, x_in, w, index, plan, count)[0]
+
+
+def _in_rounds_fwd(prep, run, buffers, axis, x_in, w, index, plan, count):
+    one = functools.partial(_one_round, prep, run, axis)
+    first = lambda x, w: one(x, w, index, plan, 0, buffers.first)
+    y_sD, first_vjp = jax.vjp(first, x_in, w)
 
     def body(carry):
         r, y_sD = carry
-        return r + 1, y_sD + one(x_sD, w, plan, r)
+        return r + 1, y_sD + one(x_in, w, index, plan, *_later(buffers, r))
 
     with jax.named_scope(ROUND_LOOP_SCOPE):
         _, y_sD = jax.lax.while_loop(lambda c: c[0] < count, body, (jnp.int32(1), y_sD))
-    return y_sD, (first_vjp, x_sD, w, plan, count)
+    return y_sD, (first_vjp, x_in, w, index, plan, count)
 
 
-def _in_rounds_bwd(run, rows, axis, residuals, dy_sD):
-    first_vjp, x_sD, w, plan, count = residuals
-    one = functools.partial(_one_round, run, rows, axis)
+def _in_rounds_bwd(prep, run, buffers, axis, residuals, dy_sD):
+    first_vjp, x_in, w, index, plan, count = residuals
+    one = functools.partial(_one_round, prep, run, axis)
 
     def body(carry):  # round r's forward again, then its transpose
-        r, dx_sD, dw = carry
-        _, vjp = jax.vjp(lambda x, w: one(x, w, plan, r), x_sD, w)
-        ddx_sD, ddw = vjp(dy_sD)
-        return r + 1, dx_sD + ddx_sD, jax.tree.map(jnp.add, dw, ddw)
+        r, dx_in, dw = carry
+        _, vjp = jax.vjp(lambda x, w: one(x, w, index, plan, *_later(buffers, r)), x_in, w)
+        ddx_in, ddw = vjp(dy_sD)
+        return r + 1, jax.tree.map(jnp.add, dx_in, ddx_in), jax.tree.map(jnp.add, dw, ddw)
 
-    dx_sD, dw = first_vjp(dy_sD)
+    dx_in, dw = first_vjp(dy_sD)
     with jax.named_scope(ROUND_LOOP_SCOPE):
-        loop = jax.lax.while_loop(lambda c: c[0] < count, body, (jnp.int32(1), dx_sD, dw))
-    _, dx_sD, dw = loop
-    return dx_sD, dw, None, None
+        loop = jax.lax.while_loop(lambda c: c[0] < count, body, (jnp.int32(1), dx_in, dw))
+    _, dx_in, dw = loop
+    return dx_in, dw, None, None, None
 
 
 _in_rounds.defvjp(_in_rounds_fwd, _in_rounds_bwd)

@@ -265,11 +265,11 @@ def chunk_plan(n: int, n_experts: int, n_chunks: int, max_group: int | None) -> 
     split evenly into the chunks: chunk c runs experts [c e, (c + 1) e) on a window of e
     max_group rows, each expert's rows and weight gradient in one chunk only. Otherwise by
     rows: chunk c is rows [c R, (c + 1) R) through every expert, a group cut at a boundary
-    running as two; then each chunk's padded weight gradient covers every expert (E x
-    min(max_group, R) rows), which is why the experts' cut is preferred."""
-    if max_group is not None and n_experts % n_chunks == 0:
-        e = n_experts // n_chunks
-        return Chunks(n_chunks, min(e * max_group, n), e)
+    running as two, each chunk's weight gradient covering every expert; also where a window
+    of e max_group rows would hold every row (dropless), which would not cut at all."""
+    e = n_experts // n_chunks
+    if max_group is not None and n_experts % n_chunks == 0 and e * max_group < n:
+        return Chunks(n_chunks, e * max_group, e)
     return Chunks(n_chunks, -(-n // n_chunks), n_experts)
 
 

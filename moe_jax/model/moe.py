@@ -82,6 +82,8 @@ class MoE(nnx.Module):
         )
         if m.router_bias:
             self.router_bias = param(rngs, nnx.initializers.zeros, (E,), (None,))
+        if m.correction_bias:  # chooses experts only; trained without a gradient (routing.py)
+            self.correction_bias = param(rngs, nnx.initializers.zeros, (E,), (None,))
         self.experts = Experts(cfg, rngs=rngs)
         if m.shared_expert_hidden > 0:
             self.shared = SwiGLU(D, m.shared_expert_hidden, cfg, rngs=rngs)
@@ -102,13 +104,11 @@ class MoE(nnx.Module):
             y_BTD, stats = self._local(x_BTD, n_groups, valid_BT)
         else:  # rows split over the batch axes, or (a batch they do not divide) replicated
             replicated = x_BTD.shape[0] % n_batch_shards(mesh) != 0
-            router, bias = self._router_params()
             y_BTD, sums = expert_parallel(
                 x_BTD,
                 valid_BT,
                 weights=self.experts.weights(),
-                router=router,
-                router_bias=bias,
+                router=self._router_params(),
                 cfg=self.cfg,
                 dtype=self.dtype,
                 impl=self._impl(),
@@ -125,10 +125,10 @@ class MoE(nnx.Module):
         G, K, E = n_groups, self.cfg.top_k, self.cfg.n_experts
         assert B % G == 0, f"batch {B} does not split into {G} routing groups"
         split = lambda a: a.reshape(G, B // G, *a.shape[1:])
-        router, bias = self._router_params()
+        router = self._router_params()
         valid_GbT = None if valid_BT is None else split(valid_BT)
         r_G = jax.vmap(
-            lambda x, v: route_group(x, router, bias, self.cfg, self.dtype, v),
+            lambda x, v: route_group(x, **router, cfg=self.cfg, dtype=self.dtype, valid_bT=v),
             out_axes=Routing(0, 0, 0, 0, None, 0),
         )(split(x_BTD), valid_GbT)
         sums = jax.tree.map(lambda a: jnp.sum(a, axis=0), r_G.sums)
@@ -150,9 +150,13 @@ class MoE(nnx.Module):
             y_BTD = merge(self._buffered(split(x_BTD), r_G))
         return y_BTD, aux_stats(sums, B * T, self.cfg)
 
-    def _router_params(self):
+    def _router_params(self) -> dict:
+        """route_group's router arguments, by name."""
         bias = self.router_bias[...] if hasattr(self, "router_bias") else jnp.zeros(())
-        return self.router[...], bias
+        params = {"router_DE": self.router[...], "router_bias_E": bias}
+        if hasattr(self, "correction_bias"):
+            params["correction_E"] = self.correction_bias[...]
+        return params
 
     def _impl(self) -> str:
         impl = backends.choose("moe", self.cfg.impl)

@@ -104,7 +104,16 @@ def apply_rope(
     scale: float = 1.0,
 ) -> jax.Array:
     """Rotate each head's feature pairs by angle position * inv_freq (computed in float32) and
-    multiply by `scale` (`rope_attention_factor`; applied to q and k alike, like transformers)."""
+    multiply by `scale` (`rope_attention_factor`; applied to q and k alike, like transformers).
+
+    Partial rotary (`attention.partial_rotary_factor` < 1, GLM-4.5): with fewer frequencies
+    than pairs, the first 2 * len(inv_freq) dims of each head are rotated (and scaled) in
+    `style` as if they were the whole head, and the rest pass through unchanged, as
+    transformers' Glm4Moe `apply_rotary_pos_emb` does (`Config.rotary_dim`)."""
+    n_rot = 2 * len(inv_freq)
+    if n_rot < x_BTHD.shape[-1]:
+        rotated = apply_rope(x_BTHD[..., :n_rot], positions_BT, inv_freq, style, scale)
+        return jnp.concatenate([rotated, x_BTHD[..., n_rot:]], axis=-1)
     angles_BTF = positions_BT.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq, jnp.float32)
     # Materialised once: left to fusion, XLA:CPU recomputed sin and cos for every head and
     # element of the rotated tensors (and again in the backward), 0.34 s of the medium step.

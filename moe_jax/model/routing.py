@@ -22,19 +22,48 @@ def capacity(tokens_per_group: int, cfg: MoEConfig) -> int:
     return max(1, math.ceil(cfg.capacity_factor * tokens_per_group * cfg.top_k / cfg.n_experts))
 
 
-def route(logits_TE: jax.Array, cfg: MoEConfig) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """-> (weights_TK, experts_TK, router probabilities_TE used by the load-balance loss)."""
-    top_logits_TK, experts_TK = jax.lax.top_k(logits_TE, cfg.top_k)
+def route(
+    logits_TE: jax.Array, cfg: MoEConfig, correction_E: jax.Array | None = None
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """-> (weights_TK, experts_TK, router probabilities_TE used by the load-balance loss).
+
+    The experts: the top-k of the logits, or, with DeepSeek-V3's routing (a correction bias,
+    or groups), of the scores plus the bias, inside the topk_group best groups
+    (`limit_to_groups`). Ties go to the lower expert (lax.top_k). The weights: the picked
+    experts' scores (softmax, or sigmoid of the logit), never the bias, optionally
+    renormalised over the k, times moe.routed_scaling_factor."""
     if cfg.score == "softmax":
-        probs_TE = jax.nn.softmax(logits_TE, axis=-1)
-        weights_TK = jnp.take_along_axis(probs_TE, experts_TK, axis=-1)
+        scores_TE = probs_TE = jax.nn.softmax(logits_TE, axis=-1)
     else:
-        weights_TK = jax.nn.sigmoid(top_logits_TK)
-        sig_TE = jax.nn.sigmoid(logits_TE)
-        probs_TE = sig_TE / jnp.sum(sig_TE, axis=-1, keepdims=True)
+        scores_TE = jax.nn.sigmoid(logits_TE)
+        probs_TE = scores_TE / jnp.sum(scores_TE, axis=-1, keepdims=True)
+    if correction_E is None and cfg.n_group == 1:
+        experts_TK = jax.lax.top_k(logits_TE, cfg.top_k)[1]  # the scores' order
+    else:
+        choice_TE = scores_TE
+        if correction_E is not None:  # chooses, never weighs: no gradient through it
+            choice_TE = choice_TE + jax.lax.stop_gradient(correction_E)
+        if cfg.n_group > 1:
+            choice_TE = limit_to_groups(choice_TE, cfg.n_group, cfg.topk_group)
+        experts_TK = jax.lax.top_k(choice_TE, cfg.top_k)[1]
+    weights_TK = jnp.take_along_axis(scores_TE, experts_TK, axis=-1)
     if cfg.renormalize:
         weights_TK = weights_TK / jnp.sum(weights_TK, axis=-1, keepdims=True)
+    if cfg.routed_scaling_factor != 1.0:
+        weights_TK = weights_TK * cfg.routed_scaling_factor
     return weights_TK, experts_TK, probs_TE
+
+
+def limit_to_groups(choice_TE: jax.Array, n_group: int, topk_group: int) -> jax.Array:
+    """Group-limited routing (DeepSeek-V3): the experts in n_group equal consecutive groups,
+    each group scored by the sum of its two best choice scores; the experts outside the token's
+    topk_group best groups get -inf, so the top-k never picks them while k fits."""
+    *lead, E = choice_TE.shape
+    choice_TGe = choice_TE.reshape(*lead, n_group, E // n_group)
+    group_TG = jnp.sum(jax.lax.top_k(choice_TGe, 2)[0], axis=-1)
+    best_Tg = jax.lax.top_k(group_TG, topk_group)[1]
+    kept_TG = jnp.any(jax.nn.one_hot(best_Tg, n_group, dtype=bool), axis=-2)
+    return jnp.where(kept_TG[..., None], choice_TGe, -jnp.inf).reshape(choice_TE.shape)
 
 
 def assign_slots(
@@ -86,12 +115,13 @@ def route_group(
     cfg: MoEConfig,
     dtype,
     valid_bT: jax.Array | None = None,
+    correction_E: jax.Array | None = None,
 ) -> Routing:
-    """Route one group of tokens. With `valid_bT`, the statistic sums are over the valid
-    tokens and count them ("tokens")."""
+    """Route one group of tokens (`correction_E`: the choice's bias, see `route`). With
+    `valid_bT`, the statistic sums are over the valid tokens and count them ("tokens")."""
     b, T, _ = x_bTD.shape
     logits_bTE = x_bTD.astype(jnp.float32) @ router_DE + router_bias_E
-    weights_bTK, experts_bTK, probs_bTE = route(logits_bTE, cfg)
+    weights_bTK, experts_bTK, probs_bTE = route(logits_bTE, cfg, correction_E)
     cap = capacity(b * T, cfg)
     slot_bTK, keep_bTK = assign_slots(experts_bTK, cfg.n_experts, cap, valid_bT)
     load_bTKE = jax.nn.one_hot(experts_bTK, cfg.n_experts, dtype=jnp.float32)
@@ -109,7 +139,24 @@ def route_group(
     }
     if valid_bT is not None:
         sums["tokens"] = jnp.sum(w_bT)
+    if cfg.seq_aux_loss_weight > 0:
+        sums |= sequence_balance(load_bTKE, probs_bTE, None if valid_bT is None else w_bT, cfg)
     return Routing(weights_bTK.astype(dtype), experts_bTK, slot_bTK, keep_bTK, cap, sums)
+
+
+def sequence_balance(load_bTKE, probs_bTE, valid_bT, cfg: MoEConfig) -> dict:
+    """DeepSeek-V3's sequence-wise balance loss, summed over the group's rows: each row's
+    E sum_e f_e P_e over its own (valid) tokens, f its fraction of the top-k assignments and
+    P its mean router probability (the load-balance loss of one sequence). A row is the
+    sequence (packed documents share it); rows without a valid token count in neither sum."""
+    T = load_bTKE.shape[1]
+    n_b = jnp.full(load_bTKE.shape[:1], float(T)) if valid_bT is None else jnp.sum(valid_bT, 1)
+    f_bE = jnp.sum(load_bTKE, axis=(1, 2)) / jnp.maximum(n_b * cfg.top_k, 1.0)[:, None]
+    p_bE = jnp.sum(probs_bTE, axis=1) / jnp.maximum(n_b, 1.0)[:, None]
+    return {
+        "seq_lb": cfg.n_experts * jnp.sum(f_bE * p_bE),
+        "seqs": jnp.sum((n_b > 0).astype(jnp.float32)),
+    }
 
 
 def aux_stats(sums: dict, n_tokens: int, cfg: MoEConfig) -> dict:
@@ -120,7 +167,7 @@ def aux_stats(sums: dict, n_tokens: int, cfg: MoEConfig) -> dict:
         n_tokens = jnp.maximum(sums["tokens"], 1.0)
     E, K = cfg.n_experts, cfg.top_k
     load_E = sums["load"] / (n_tokens * K)
-    return {
+    stats = {
         "lb_loss": E * jnp.sum(load_E * sums["prob"] / n_tokens),
         "z_loss": sums["z"] / n_tokens,
         "expert_load": load_E,
@@ -130,6 +177,9 @@ def aux_stats(sums: dict, n_tokens: int, cfg: MoEConfig) -> dict:
         "exchange_rounds": sums.get("rounds", jnp.ones((), jnp.float32)),
         "overflow_frac": sums.get("overflow", 0.0) / jnp.maximum(sums["kept"], 1.0),
     }
+    if "seq_lb" in sums:  # moe.seq_aux_loss_weight > 0: the mean over the sequences
+        stats["seq_lb_loss"] = sums["seq_lb"] / jnp.maximum(sums["seqs"], 1.0)
+    return stats
 
 
 # ----------------------------------------------------------------------------- route_scale

@@ -19,6 +19,10 @@ offloaded to host memory on top of dots or full (`remat.py`).
     x_BTD, aux = model(tokens_BT, head=False); model.logits(x_BTD)   # the head applied later
     logits_BTV, aux = model(tokens_BT, images=images_BND, image_mask=mask_BT)   # model.vision > 0
 
+With `model.mtp_depth` > 0 the model also holds `mtp`, DeepSeek-V3's multi-token prediction
+layers (`mtp.py`): the forward never runs them; the loss applies them to the `head=False`
+output, and speculative sampling drafts with the first.
+
 Image inputs (`model.vision` = d_vision > 0): precomputed image embeddings [B, N, d_vision] go
 through a learned projection `vision_proj` [d_vision, d_model] and replace the token embeddings
 at the positions the boolean `image_mask` [B, T] marks, in order (row b's n-th marked position
@@ -56,6 +60,7 @@ from moe_jax.model.attention import Attention, KVCache
 from moe_jax.model.int8 import after
 from moe_jax.model.mla import MLAttention, latent_cache
 from moe_jax.model.moe import MoE, SwiGLU
+from moe_jax.model.mtp import MTPLayer
 from moe_jax.model.norm import RMSNorm
 from moe_jax.model.remat import remat
 from moe_jax.sharding import at_block_boundary, param
@@ -99,7 +104,10 @@ class Block(nnx.Module):
     """P consecutive layers whose pattern repeats through the stack."""
 
     def __init__(self, cfg: Config, *, rngs: nnx.Rngs):
-        self.layers = nnx.List([DecoderLayer(cfg, j, rngs=rngs) for j in range(cfg.layer_period)])
+        k = cfg.moe.first_dense_layers  # the pattern's layers come after the dense prefix
+        self.layers = nnx.List(
+            [DecoderLayer(cfg, k + j, rngs=rngs) for j in range(cfg.layer_period)]
+        )
 
     def __call__(self, x_BTD, positions_BT, caches, n_groups: int, segments_BT):
         new_caches, all_stats = [], []
@@ -117,8 +125,8 @@ class Transformer(nnx.Module):
         self.cfg = cfg
         self.dtype = jnp.dtype(backends.compute_dtype(m.dtype))
         init = nnx.initializers.normal(m.init_std)
-        P = cfg.layer_period
-        self.n_blocks, n_tail = divmod(m.n_layers, P)
+        P, k = cfg.layer_period, cfg.moe.first_dense_layers
+        self.n_blocks, n_tail = divmod(m.n_layers - k, P)
         self.embed = nnx.Module()
         self.embed.embedding = param(rngs, init, (m.vocab_size, m.d_model), ("vocab", "embed"))
 
@@ -130,26 +138,37 @@ class Transformer(nnx.Module):
                 return Block(cfg, rngs=rngs)
 
             self.blocks = make_blocks(rngs)
-        # Tail layers continue the pattern: layer n_blocks * P + j is like block layer j.
-        self.tail = nnx.List([DecoderLayer(cfg, j, rngs=rngs) for j in range(n_tail)])
+        # Tail layers continue the pattern: layer k + n_blocks * P + j is like block layer j.
+        self.tail = nnx.List([DecoderLayer(cfg, k + j, rngs=rngs) for j in range(n_tail)])
+        if k:  # moe.first_dense_layers: dense layers before the pattern (DeepSeek-V3's 3)
+            self.prefix = nnx.List([DecoderLayer(cfg, i, rngs=rngs) for i in range(k)])
         self.final_norm = RMSNorm(m.d_model, m.norm_eps, rngs=rngs)
         if not m.tie_embeddings:
             self.head = param(rngs, init, (m.d_model, m.vocab_size), ("embed", "vocab"))
         if m.vision:
             # Created last, so a text model and its vision variant draw identical other params.
             self.vision_proj = param(rngs, init, (m.vision, m.d_model), (None, "embed"))
+        if m.mtp_depth:  # after the rest, which it leaves as a model without it draws it
+            # one decoder layer per depth, of the last layer's kind (mtp.py)
+            last = m.n_layers - 1
+            self.mtp = nnx.List(
+                [MTPLayer(cfg, DecoderLayer(cfg, last, rngs=rngs), rngs=rngs)
+                 for _ in range(m.mtp_depth)]
+            )  # fmt: skip
 
     # ------------------------------------------------------------------ KV cache
 
-    def init_cache(self, batch_size: int, max_len: int, dtype=None) -> dict:
-        """Zeroed KV cache for `max_len` positions: {"blocks": [P x stacked], "tail": [...]}.
+    def init_cache(self, batch_size: int, max_len: int, dtype=None, *, mtp=False) -> dict:
+        """Zeroed KV cache for `max_len` positions: {"blocks": [P x stacked], "tail": [...]},
+        and "prefix" [...] for moe.first_dense_layers.
         A sliding-window layer whose window is shorter keeps a ring of the window only, with
         each slot's position ("pos", -1: empty; see `attention`). An MLA layer keeps its
-        latent instead of k and v ({"latent"}, see `mla`)."""
+        latent instead of k and v ({"latent"}, see `mla`). With `mtp`, "mtp": one per MTP
+        layer (model.mtp_depth), for `speculative` (the main forward passes it through)."""
         cfg = self.cfg
         dtype = dtype or self.dtype
 
-        def zeros(j: int, lead=()) -> dict:  # layer j of the period
+        def zeros(j: int, lead=()) -> dict:  # layer j's (or any layer's of its pattern)
             if cfg.attention.kind == "mla":
                 return latent_cache(cfg, (*lead, batch_size, max_len), dtype)
             window = cfg.attention.sliding_window if cfg.uses_window(j) else 0
@@ -160,9 +179,14 @@ class Transformer(nnx.Module):
                 cache["pos"] = jnp.full(shape[:-2], -1, jnp.int32)
             return cache
 
-        P = cfg.layer_period
-        blocks = [zeros(j, (self.n_blocks,)) for j in range(P)] if self.n_blocks else []
-        return {"blocks": blocks, "tail": [zeros(j) for j in range(len(self.tail))]}
+        P, k = cfg.layer_period, cfg.moe.first_dense_layers
+        blocks = [zeros(k + j, (self.n_blocks,)) for j in range(P)] if self.n_blocks else []
+        cache = {"blocks": blocks, "tail": [zeros(k + j) for j in range(len(self.tail))]}
+        if k:
+            cache["prefix"] = [zeros(i) for i in range(k)]
+        if mtp:  # the MTP layers' (moe_jax/speculative.py), of the last layer's kind
+            cache["mtp"] = [zeros(cfg.model.n_layers - 1) for _ in range(cfg.model.mtp_depth)]
+        return cache
 
     # ------------------------------------------------------------------ forward
 
@@ -186,6 +210,11 @@ class Transformer(nnx.Module):
         if images is not None or image_mask is not None:
             x_BTD = self._insert_images(x_BTD, images, image_mask)
 
+        new_prefix_caches = []
+        for i, layer in enumerate(getattr(self, "prefix", [])):  # dense: no stats
+            c = cache["prefix"][i] if cache else None
+            x_BTD, c, _ = layer(x_BTD, positions, c, n_groups, segments)
+            new_prefix_caches.append(c)
         block_stats, new_block_caches = [], []
         if self.n_blocks:
             x_BTD, new_block_caches, block_stats = self._run_blocks(
@@ -205,7 +234,10 @@ class Transformer(nnx.Module):
         aux = self._aux(block_stats, tail_stats)
         if cache is None:
             return logits_BTV, aux
-        return logits_BTV, aux, {"blocks": new_block_caches, "tail": new_tail_caches}
+        new_cache = {"blocks": new_block_caches, "tail": new_tail_caches}
+        if new_prefix_caches:
+            new_cache["prefix"] = new_prefix_caches
+        return logits_BTV, aux, new_cache | ({"mtp": cache["mtp"]} if "mtp" in cache else {})
 
     def logits(self, x_BTD: jax.Array, head_DV: jax.Array | None = None) -> jax.Array:
         """Final norm and head: the last layer's output [B, T, D] -> float32 logits [B, T, V].
@@ -263,14 +295,14 @@ class Transformer(nnx.Module):
         """Per-MoE-layer stats in layer order, and the mean aux losses."""
         moe = self.cfg.moe
         per_layer = []  # list of (layer index, stats dict with scalar/[E] leaves)
-        P = self.cfg.layer_period
+        P, k = self.cfg.layer_period, moe.first_dense_layers
         for j, stats in enumerate(block_stats):
             if stats is not None:
                 for b in range(self.n_blocks):
-                    per_layer.append((b * P + j, jax.tree.map(lambda a, b=b: a[b], stats)))
+                    per_layer.append((k + b * P + j, jax.tree.map(lambda a, b=b: a[b], stats)))
         for j, stats in enumerate(tail_stats):
             if stats is not None:
-                per_layer.append((self.n_blocks * P + j, stats))
+                per_layer.append((k + self.n_blocks * P + j, stats))
         per_layer = [s for _, s in sorted(per_layer, key=lambda p: p[0])]
         if not per_layer:
             zero = jnp.zeros((), jnp.float32)
@@ -283,13 +315,17 @@ class Transformer(nnx.Module):
             }
         stacked = jax.tree.map(lambda *a: jnp.stack(a), *per_layer)
         lb, z = jnp.mean(stacked["lb_loss"]), jnp.mean(stacked["z_loss"])
-        return {
+        aux = {
             "aux_loss": moe.lb_loss_weight * lb + moe.z_loss_weight * z,
             "lb_loss": lb,
             "z_loss": z,
             "expert_load": stacked["expert_load"],
-            **{k: stacked[k] for k in LAYER_FRACTIONS},
+            **{name: stacked[name] for name in LAYER_FRACTIONS},
         }
+        if "seq_lb_loss" in stacked:  # moe.seq_aux_loss_weight > 0
+            aux["seq_lb_loss"] = jnp.mean(stacked["seq_lb_loss"])
+            aux["aux_loss"] += moe.seq_aux_loss_weight * aux["seq_lb_loss"]
+        return aux
 
 
 def check_image_inputs(d_vision: int, batch_shape: tuple[int, int], images_BND, mask_BT) -> None:
