@@ -24,7 +24,7 @@ KV caches after a rejection: slot p+1 of the main layers' and of the MTP layer's
 keys of the rejected draft. The next step starts at p+1 and writes that slot again before any
 query reads it (attention masks by position: the query at p never sees slot p+1). A sliding
 window's ring attends to its keys older than the call's first position only
-(`attention.ring_keys`), so the stale entry at p+1 is never read, and the one it replaced,
+(`kv_cache.ring_keys`), so the stale entry at p+1 is never read, and the one it replaced,
 p+1-W, is outside the window of every later query. The MTP layer's cache is of the kind of
 the last main layer's (`Transformer.init_cache(mtp=True)`), carried apart from the main
 layers', and filled in the prefill from the prompt's hidden states.

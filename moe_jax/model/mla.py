@@ -49,13 +49,12 @@ from moe_jax.config import Config
 from moe_jax.model import attention_kernels, gather
 from moe_jax.model.attention import (
     ATTENTION_OUT,
-    KVCache,
     attend,
     attention_mask,
     blocked_self_attention,
     in_prefill_blocks,
-    write_cache,
 )
+from moe_jax.model.kv_cache import KVCache, check_cache_inputs, write_cache
 from moe_jax.model.norm import RMSNorm
 from moe_jax.model.rope import apply_rope, rope_attention_factor, rope_inv_freq, rope_softmax_factor
 from moe_jax.sharding import param
@@ -118,11 +117,7 @@ class MLAttention(nnx.Module):
         cache: KVCache | None = None,
         segments_BT: jax.Array | None = None,
     ) -> tuple[jax.Array, KVCache | None]:
-        if cache is not None and segments_BT is not None:
-            raise ValueError(
-                "segments are for forwards without a KV cache (training, scoring); a cached "
-                "prefill or decode takes one document per row: drop segments or the cache"
-            )
+        check_cache_inputs(cache, segments_BT)
         q_BTHQ, kv_BTL = checkpoint_name(
             (self._query(x_BTD), gather.einsum("btd,dl->btl", x_BTD, self.wkv_a, self.dtype)),
             "qkv_proj",

@@ -56,8 +56,9 @@ from jax.ad_checkpoint import checkpoint_name
 from moe_jax import backends
 from moe_jax.config import Config
 from moe_jax.model import gather
-from moe_jax.model.attention import Attention, KVCache
+from moe_jax.model.attention import Attention
 from moe_jax.model.int8 import after
+from moe_jax.model.kv_cache import KVCache
 from moe_jax.model.mla import MLAttention, latent_cache
 from moe_jax.model.moe import MoE, SwiGLU
 from moe_jax.model.mtp import MTPLayer
