@@ -247,21 +247,18 @@ def ragged_exchange(
     # min(k, E_loc) of its assignments go to one shard, from b T tokens on each of ep shards;
     # with a capacity, no expert takes more than C rows from each shard either.
     n_worst = ep * min(b * T * min(K, E_loc), E_loc * r.cap)
-    w_in = {n: a for n, a in w.items() if n != "down_bias"}
-    if "down_bias" in w:  # added once in the later sum over `tensor`
-        w_in["down_bias"] = w["down_bias"]
     run = functools.partial(
         _grouped_rows, cfg=cfg, dtype=dtype, impl=impl, tp=tp, whole=whole, max_rows=ep * r.cap
     )
     if ep == 1:  # every expert here: the rows are already in place, one round
-        y_sD = run(prep(x_in, sent_s), w_in, sizes_E)
+        y_sD = run(prep(x_in, sent_s), w, sizes_E)
         stats = {"rounds": jnp.ones(()), "overflow": jnp.zeros(())}
     else:
         buffers = rounds_lib.receive_rows(n_send, n_worst, cfg.recv_factor)
         plan = rounds_lib.exchange_plan(sizes_E.reshape(ep, E_loc), "expert")
         rounds = rounds_lib.plan_rounds(plan, buffers)
         y_sD = rounds_lib.exchange_in_rounds(
-            x_in, w_in, sent_s, plan, rounds.count, prep=prep, run=run, buffers=buffers,
+            x_in, w, sent_s, plan, rounds.count, prep=prep, run=run, buffers=buffers,
             axis="expert", bounded=buffers.first < n_worst,
         )  # fmt: skip
         stats = {"rounds": rounds.count, "overflow": rounds.overflow}
@@ -287,13 +284,13 @@ def _grouped_rows(x_mD, w, sizes_e, *, cfg: MoEConfig, dtype, impl, tp, whole, m
     if tp is not None:  # the grouped backward types its input cotangent: see expert_swiglu
         x_mD = jax.lax.pcast(x_mD, tp, to="varying")
     w_in = {k: a for k, a in w.items() if k != "down_bias"}
-    # No expert gets more than C rows from each of the ep shards: the weight gradient runs
-    # padded to that (`grouped_matmul`), not as a dense product over every local expert.
+    # No expert gets more than C rows from each of the ep shards, nor more than the round's
+    # rows: the bound that picks the weight gradient's method (`grouped.weight_grad_plan`).
     y_mD = grouped_swiglu(
         x_mD, w_in, sizes_e, expert_m, dtype, impl, min(max_rows, n), cfg.row_chunks, whole,
         act=Activation.from_config(cfg),
     )  # fmt: skip
-    if "down_bias" in w:
+    if "down_bias" in w:  # added once, in the later sum over `tensor`
         y_mD = y_mD + down_bias(w["down_bias"][expert_m], dtype, tp, summed=False)
     return y_mD
 
