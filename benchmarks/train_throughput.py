@@ -3,6 +3,7 @@
     python benchmarks/train_throughput.py                               # 2 sizes x 3 styles
     python benchmarks/train_throughput.py --sizes medium --styles qwen3 --steps 12
     python benchmarks/train_throughput.py --no-peer --set moe.capacity_factor=2.0
+    python benchmarks/train_throughput.py --sizes medium --against 05676cc   # ours vs ours at REV
 
 Ours is exactly what `train.py` runs: the config's mesh (one device unless `--set mesh.*`),
 `moe_jax.train_step.init_state` + `make_train_step` on it (AdamW with clipping and weight-decay
@@ -22,7 +23,9 @@ training loop: this VM reports memory that stays free for 2 s to its host (free 
 reporting), which takes it back, and touching it again then costs the kernel ~2 s per GB. Our
 step frees its 3.3 GB XLA temporary block after each step, so the first step after the other
 side's turn paid 7 s instead of 4 s (CPU s and kernel `sys` s per step are in the JSON;
-`--settle 0` shows it). `first_step_s` is the
+`--settle 0` shows it). `--against REV` puts moe_jax at git revision REV (a temporary worktree,
+its own copy of this script as the worker) in the peer's place, to measure a change in turns.
+`first_step_s` is the
 first call (trace + compile + run for ours). The matmul peak (fastest of 5 jitted 2048^3 fp32
 `jnp.dot`s, `moe_jax.metrics.measure_peak_flops`) is measured in our worker before each turn
 and its median is the MFU denominator; model FLOPs/token (active experts only) come from
@@ -169,10 +172,17 @@ def worker(side: str, size: str, style: str, overrides: list[str]) -> None:
 class Worker:
     """A worker process (this file with --worker) and its command channel."""
 
-    def __init__(self, side: str, size: str, style: str, overrides: list[str]):
-        cmd = [sys.executable, __file__, "--worker", side, "--sizes", size, "--styles", style]
-        cmd += [f"--set={o}" for o in overrides]
-        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    def __init__(self, side: str, size: str, style: str, overrides: list[str], tree: str = ""):
+        """`tree`: a checkout of another revision whose moe_jax and worker script to run."""
+        script, env = __file__, None
+        if tree:
+            script = os.path.join(tree, "benchmarks", os.path.basename(__file__))
+            env = os.environ | {"PYTHONPATH": tree}
+        cmd = [sys.executable, script, "--worker", "ours" if tree else side]
+        cmd += ["--sizes", size, "--styles", style] + [f"--set={o}" for o in overrides]
+        self.proc = subprocess.Popen(
+            cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env
+        )
         self.side = side
 
     def ask(self, command: str):
@@ -251,12 +261,13 @@ def figures(cfg, timed: dict, name: str, side: str) -> dict:
     }
 
 
-def measure(size, style, overrides, steps: int, warmup: int, chunk: int, settle: int, with_peer):
-    """One side-by-side measurement -> dict of figures (ours_*, peer_*, ratio, mfu)."""
+def measure(size, style, overrides, steps, warmup, chunk, settle, with_peer, tree=""):
+    """One side-by-side measurement -> dict of figures (ours_*, peer_*, ratio, mfu); the peer
+    is moe_jax checked out at `tree` when that is given."""
     cfg = bench_config(size, style, *overrides)
     workers = {"ours": Worker("ours", size, style, overrides)}
     if with_peer:
-        workers["peer"] = Worker("peer", size, style, overrides)
+        workers["peer"] = Worker("peer", size, style, overrides, tree)
     try:
         timed = take_turns(workers, steps, warmup, chunk, settle)
     finally:
@@ -305,6 +316,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--settle", type=int, default=1,
                    help="untimed steps starting each turn, both sides (see the doc)")  # fmt: skip
     p.add_argument("--no-peer", action="store_true", help="time moe_jax only")
+    p.add_argument("--against", metavar="REV", help="the peer is moe_jax at git revision REV")
     p.add_argument("--wait-idle", type=float, default=120, metavar="S",
                    help="before each measurement wait up to S s for an idle machine")  # fmt: skip
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
@@ -333,7 +345,41 @@ def main(argv: list[str]) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
 
+    tree = checkout(args.against) if args.against else ""
+    if tree is None:
+        print(f"error: no git revision {args.against!r} here; name a commit of this repository",
+              file=sys.stderr)  # fmt: skip
+        return 2
+    try:
+        return run_all(args, sizes, styles, tree)
+    finally:
+        if tree:
+            git("worktree", "remove", "--force", tree)
+
+
+def git(*args: str) -> bool:
+    """Run git in this repository -> whether it succeeded."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    return subprocess.run(["git", "-C", here, *args], capture_output=True).returncode == 0
+
+
+def checkout(rev: str) -> str | None:
+    """A temporary detached worktree of this repository at `rev` -> its path (None: no such
+    revision)."""
+    import tempfile
+
+    tree = tempfile.mkdtemp(prefix="moe_jax-rev-")
+    if git("worktree", "add", "--detach", "-f", tree, rev):
+        return tree
+    os.rmdir(tree)
+    return None
+
+
+def run_all(args, sizes: list[str], styles: list[str], tree: str) -> int:
+    """Measure every size x style and print the table and the JSON line."""
     info = machine()
+    if tree:
+        print(f"# peer: moe_jax at {args.against} ({tree})")
     print(
         f"# {info['cpu']}, {info['cores']} cores; jax {info['jax']}, torch {info['torch']} "
         f"({info['torch_threads']} threads), transformers {info['transformers']}; fp32; "
@@ -345,12 +391,12 @@ def main(argv: list[str]) -> int:
         for style in styles:
             peer = not args.no_peer
             idle = wait_until_idle(timeout_s=args.wait_idle) if args.wait_idle > 0 else False
-            r = measure(
-                size, style, args.set, args.steps, args.warmup, args.chunk, args.settle, peer
-            )
+            timing = (args.steps, args.warmup, args.chunk, args.settle)
+            r = measure(size, style, args.set, *timing, peer, tree)
             r["started_idle"] = idle
             rows.append(r)
             print_row(r)
+    info |= {"against": args.against} if tree else {}
     print(json.dumps({"benchmark": "train_throughput", **info, "results": rows}))
     return 0
 
