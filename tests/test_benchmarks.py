@@ -74,6 +74,31 @@ def test_train_throughput_times_both_sides_and_derives_its_columns(run):
     assert row["ours_mfu"] == pytest.approx(mfu)
 
 
+def _worktrees() -> list[str]:
+    out = subprocess.run(["git", "-C", str(BENCH), "worktree", "list"], capture_output=True)
+    return out.stdout.decode().splitlines()
+
+
+def test_train_throughput_against_a_revision_times_that_checkout_in_turns(run):
+    """--against REV: the peer's worker runs the script and package of a checkout of REV (here
+    this commit), timed in turns with ours; the temporary worktree goes afterwards."""
+    if subprocess.run(
+        ["git", "-C", str(BENCH), "rev-parse", "HEAD"], capture_output=True
+    ).returncode:
+        pytest.skip("not a git checkout")
+    before = _worktrees()
+    args = ["--sizes=small", "--styles=mixtral", "--steps=2", "--wait-idle=0", "--against=HEAD"]
+    proc = run("train_throughput.py", *args, *SHRINK)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "# peer: moe_jax at HEAD (" in proc.stdout
+    report = json_line(proc.stdout)
+    assert report["against"] == "HEAD"
+    (row,) = report["results"]
+    assert len(row["ours_step_times"]) == len(row["peer_step_times"]) == 2
+    assert row["ratio"] == pytest.approx(row["ours_tok_s"] / row["peer_tok_s"])
+    assert _worktrees() == before  # the temporary checkout is removed
+
+
 class FakeWorker:
     """Stands in for a worker process: logs every command it gets; a step takes 1 s."""
 
@@ -183,6 +208,7 @@ def test_profile_times_an_async_op_until_its_end_event():
         ("train_throughput.py", ["--sizes=huge"], "huge"),
         ("scaling.py", ["--size=huge"], "huge"),
         ("train_throughput.py", ["--sizes=small", "--set=moe.bogus=1"], "moe.bogus"),
+        ("train_throughput.py", ["--sizes=small", "--against=no-such-rev"], "no-such-rev"),
         ("scaling.py", ["--size=small", "--compare=moe.n_experts=x"], "moe.n_experts"),
         ("decode.py", ["--styles=bogus", "--no-peer"], "bogus"),
         ("decode.py", ["--batches=1,x"], "--batches: 'x' is not an integer"),
