@@ -155,7 +155,7 @@ TRAIN = [
     "data.embedded_max_bytes=300000",
     "train.steps=1000",  # whole runs stop early with `stop_at`: one compiled train step
     "train.eval_every=1000",
-    "checkpoint.every=2",
+    "checkpoint.every=4",
     "moe.recv_factor=0.3",
 ]
 
@@ -176,16 +176,12 @@ def _params(run_dir):
     return jax.tree.leaves(nnx.state(load_run(run_dir)[1], nnx.Param))
 
 
-def test_training_with_overflow_equals_the_unbounded_exchange_and_resumes_exactly(
-    tmp_path, ragged_on_cpu
-):
+def test_training_with_overflow_equals_the_unbounded_exchange(tmp_path, ragged_on_cpu):
     """4 steps at a factor that overflows every layer on every step equal the unbounded
-    exchange's; 2 steps, stop, resume to 4 equals the straight run bit for bit; the rounds
-    are in metrics.jsonl, and the plots draw them."""
-    straight, resumed, unbounded = tmp_path / "straight", tmp_path / "resumed", tmp_path / "all"
+    exchange's; the rounds are in metrics.jsonl, and the plots draw them. (The rounds keep no
+    state from step to step, so resuming is the trainer's: test_train's resume test.)"""
+    straight, unbounded = tmp_path / "straight", tmp_path / "all"
     _train(straight, stop_at=4)
-    _train(resumed, stop_at=2)
-    _train(resumed, stop_at=4)
     _train(unbounded, "moe.recv_factor=0", stop_at=4)
 
     rec, rec_all = _records(straight), _records(unbounded)
@@ -196,11 +192,6 @@ def test_training_with_overflow_equals_the_unbounded_exchange_and_resumes_exactl
     np.testing.assert_allclose([r["loss"] for r in rec], [r["loss"] for r in rec_all], rtol=1e-5)
     for a, b in zip(_params(straight), _params(unbounded), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)  # 4 Adam steps of ~1e-6 apart
-
-    # resume: the same compiled program on the same inputs, bit-identical on XLA:CPU
-    assert [r["loss"] for r in _records(resumed)] == [r["loss"] for r in rec]
-    for a, b in zip(_params(straight), _params(resumed), strict=True):
-        np.testing.assert_array_equal(a, b)
 
     assert plot_main([str(straight), "--out", str(tmp_path / "plots")]) == 0
     assert (tmp_path / "plots/exchange.png").stat().st_size > 0
