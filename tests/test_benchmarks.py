@@ -19,6 +19,7 @@ import pytest
 
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
 sys.path.insert(0, str(BENCH))  # the scripts import their siblings as top-level modules
+from balancing import max_vio, summarise  # noqa: E402
 from profile_step import _part, control_flow, op_spans  # noqa: E402
 from train_throughput import take_turns  # noqa: E402
 
@@ -310,3 +311,31 @@ def test_gpu_kit_sorts_kernels_by_kind():
         "loop_multiply_fusion_3": "other",
     }
     assert {n: kernel_kind(n) for n in names} == names
+
+
+def test_balancing_max_vio_and_the_summary_over_seeds_by_hand():
+    """MaxVio per layer averaged over the last logged steps; the summary's means, spreads and
+    the val-loss difference to the aux-loss run of the same seed."""
+    records = [
+        {"kind": "train", "expert_load": [[1, 1, 1, 1], [2, 0, 1, 1]]},  # dropped by tail=2
+        {"kind": "eval"},
+        {"kind": "train", "expert_load": [[2, 1, 1, 0], [1, 1, 1, 1]]},  # MaxVio 1.0, 0.0
+        {"kind": "train", "expert_load": [[1, 1, 1, 1], [4, 0, 0, 0]]},  # 0.0, 3.0
+    ]
+    assert max_vio(records, tail=2) == pytest.approx([0.5, 1.5])
+    rows = [
+        {"run": "aux loss 0.01", "seed": 0, "max_vio": [1.0, 0.5], "val_loss": 1.70},
+        {"run": "aux loss 0.01", "seed": 1, "max_vio": [0.8, 0.7], "val_loss": 1.80},
+        {"run": "aux-loss-free 0.001", "seed": 0, "max_vio": [0.1, 0.2], "val_loss": 1.72},
+        {"run": "aux-loss-free 0.001", "seed": 1, "max_vio": [0.3, 0.2], "val_loss": 1.78},
+    ]
+    s = summarise(rows)
+    assert list(s) == ["aux loss 0.01", "aux-loss-free 0.001"]
+    free = s["aux-loss-free 0.001"]
+    assert free["max_vio"] == pytest.approx([0.2, 0.2]) and free["max_vio_std"] == pytest.approx(
+        [0.1, 0]
+    )
+    assert free["val_loss"] == pytest.approx(1.75) and free["val_loss_std"] == pytest.approx(0.03)
+    assert free["val_loss_delta"] == pytest.approx(0.0)  # +0.02 and -0.02
+    assert free["val_loss_delta_std"] == pytest.approx(0.02)
+    assert s["aux loss 0.01"]["val_loss_delta"] == 0
