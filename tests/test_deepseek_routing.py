@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import shutil
 
 import jax
 import jax.numpy as jnp
@@ -159,11 +160,13 @@ def _biases(run_dir, step):
 
 def test_bias_moves_by_the_rule_outside_the_optimizer_and_resumes_exactly(tmp_path):
     """Each step moves each MoE layer's bias by rate * sign(mean load - load) of that step's
-    expert_load (metrics.jsonl), nothing else moves it; 2 steps + resume to 4 equals 4."""
+    expert_load (metrics.jsonl), nothing else moves it; resuming from step 2 to 4 equals the
+    straight 4 (a copy of the straight run resumed at its step-2 checkpoint: the checkpoint a
+    run stopped at 2 would have saved, one training run fewer)."""
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     train(tiny_config(*TRAIN, f"run_dir={straight}"), stop_at=4)
-    train(tiny_config(*TRAIN, f"run_dir={resumed}"), stop_at=2)
-    train(tiny_config(*TRAIN, f"run_dir={resumed}"), stop_at=4)
+    shutil.copytree(straight, resumed)
+    train(tiny_config(*TRAIN, f"run_dir={resumed}", "train.resume_step=2"), stop_at=4)
 
     train_records = [r for r in read_metrics(straight) if r["kind"] == "train"]
     loads = {r["step"]: np.array(r["expert_load"]) for r in train_records}
