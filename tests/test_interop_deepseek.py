@@ -226,12 +226,15 @@ def load_hf_config(name: str, tmp_path):
 # ----------------------------------------------------------------------------- checkpoints
 
 
-def test_multi_token_prediction_layers_are_skipped(case, tmp_path):
+def test_multi_token_prediction_layers_are_taken_whole_or_skipped(case, tmp_path):
     """A released checkpoint keeps its MTP module as layer num_hidden_layers (transformers'
-    from_pretrained skips it): the import skips those tensors, and only those."""
+    from_pretrained skips it; test_interop_mtp.py imports whole ones). A checkpoint holding
+    part of it is refused, naming a missing tensor, unless the import leaves the MTP layers
+    out (`mtp=False`): then it skips those tensors, and only those."""
     from safetensors.numpy import save_file
 
-    name, directory, _, cfg, ours = case
+    name, directory, model, cfg, ours = case
+    assert model.config.num_nextn_predict_layers == 1 and cfg.model.mtp_depth == 0  # none held
     reader = TensorReader(directory)
     tensors = {n: reader.get(n) for n in reader.names()}
     L = cfg.model.n_layers
@@ -243,10 +246,14 @@ def test_multi_token_prediction_layers_are_skipped(case, tmp_path):
         (d / "config.json").write_bytes((directory / "config.json").read_bytes())
         save_file(tensors | extra, d / "model.safetensors")
         if variant == "mtp":
-            assert_same_params(load_hf(d)[1], ours)
-        else:
-            with pytest.raises(InteropError, match=rf"model\.layers\.{L + 1}\.x"):
+            missing = rf"'model\.layers\.{L}\.hnorm\.weight' is missing"
+            with pytest.raises(InteropError, match=missing):
                 load_hf(d)
+            assert_same_params(load_hf(d, mtp=False)[1], ours)
+        else:
+            for mtp in (True, False):
+                with pytest.raises(InteropError, match=rf"model\.layers\.{L + 1}\.x"):
+                    load_hf(d, mtp=mtp)
 
 
 def test_fused_experts_import_identically(tmp_path):
@@ -353,7 +360,7 @@ def test_exported_config_json_carries_what_serving_engines_read(case, tmp_path):
     else:
         factor = model.config.rope_parameters["partial_rotary_factor"]
         assert written["rope_parameters"]["partial_rotary_factor"] == factor
-    assert written["num_nextn_predict_layers"] == 0  # no MTP layers are written
+    assert written["num_nextn_predict_layers"] == 0  # imported without MTP layers (none held)
 
 
 def test_glm_export_with_every_dim_rotated_says_so(tmp_path):

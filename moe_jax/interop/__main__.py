@@ -13,10 +13,15 @@ tokenizer_config.json, special_tokens_map.json and chat_template.jinja/.json whe
 copied into RUN_DIR/tokenizer/ and is the run's tokenizer (`data.tokenizer` names that copy),
 so `python sample.py --run RUN_DIR --prompt "..."` takes text, and `--chat` renders it
 through the chat template; a `data.tokenizer=...` override picks another tokenizer instead.
+A DeepSeek-V3 / GLM-4.5 checkpoint's multi-token prediction layers come with it
+(`model.mtp_depth` = num_nextn_predict_layers) where it holds them; `model.mtp_depth=0`
+imports it without them.
 
 export: writes the run's latest (or --step) checkpoint as float32 safetensors + config.json
 for the first HF architecture that represents its config exactly (or --arch), and the run's
-tokenizer files, if it has any (a byte or char tokenizer has none).
+tokenizer files, if it has any (a byte or char tokenizer has none). The multi-token
+prediction layers (model.mtp_depth) are written as DeepSeek-V3 / GLM-4.5 checkpoints hold
+them; the other architectures have none.
 
 Errors (unsupported architecture or setting, missing tensor, existing non-empty --out) print
 one `error: ...` line and exit 2; nothing existing is overwritten.
@@ -66,13 +71,17 @@ def _import_config(
     hf_dir: Path, config: str | None, overrides: list[str]
 ) -> tuple[Config, Transformer]:
     """The HF architecture over CONFIG.yaml + overrides; overriding an architecture key that
-    the HF config fixes is refused rather than silently ignored."""
+    the HF config fixes is refused rather than silently ignored, but for `model.mtp_depth=0`
+    (the multi-token prediction layers left out)."""
+    mtp = True
     for item in overrides:
-        key = item.partition("=")[0]
-        if key.split(".")[0] in ("model", "attention", "moe") and key not in RESUMABLE_CHANGES:
+        key, _, value = item.partition("=")
+        if key == "model.mtp_depth" and value.strip() == "0":
+            mtp = False
+        elif key.split(".")[0] in ("model", "attention", "moe") and key not in RESUMABLE_CHANGES:
             raise ConfigError(f"'{key}' is set by {hf_dir}/config.json and cannot be overridden")
     base = load_config(config, overrides)
-    cfg, model = load_hf(hf_dir, base, device=_host_device())
+    cfg, model = load_hf(hf_dir, base, device=_host_device(), mtp=mtp)
     # The run-time model keys the HF config sets (max_seq_len, capacity_factor) yield to the
     # ones CONFIG.yaml or the overrides give explicitly.
     merged = OmegaConf.create(config_to_yaml(cfg))
@@ -172,7 +181,7 @@ def main(argv: list[str]) -> int:
                     f"this run does with moe.capacity_factor=0 (it trained with "
                     f"{cfg.moe.capacity_factor})"
                 )
-            if cfg.model.mtp_depth:
+            if cfg.model.mtp_depth and FAMILIES[arch].mtp_rules is None:
                 print(
                     "note: the multi-token prediction module (model.mtp_depth) is not written; "
                     "the exported model is the main model, which is all transformers runs"

@@ -383,15 +383,20 @@ class Family:
     to_config: Callable[[HFConfig, Config], Config]  # config.json over a base config
     from_config: Callable[[Config], dict]  # our config -> config.json, or InteropError
     layer_rules: Callable[[Config, int], list[Rule]]
-    # tensor name prefixes a checkpoint may carry that an import skips (e.g. MTP layers)
-    skipped: Callable[[HFConfig], list[str]] | None = None
+    # Multi-token prediction (model.mtp_depth, which `to_config` sets from config.json): the
+    # rules of depth k (0-based), stored as layer `model.layers.{n_layers + k}.`; their `ours`
+    # are paths from the model's root (`mtp.{k}.enorm.scale`, or `embed.embedding` / `head`
+    # for the copies of the main model's that the layer stores). None: the family has none.
+    mtp_rules: Callable[[Config, int], list[Rule]] | None = None
 
 
 def check_hf_basics(hf: HFConfig) -> None:
     hf.require(hf["hidden_act"] == "silu", f"hidden_act='{hf['hidden_act']}'", "MLPs are SwiGLU")
 
 
-def model_from_hf(hf: HFConfig, base: Config, ffn_hidden: int) -> ModelConfig:
+def model_from_hf(hf: HFConfig, base: Config, ffn_hidden: int, mtp_depth: int = 0) -> ModelConfig:
+    """The model section; `mtp_depth`: the multi-token prediction layers config.json gives
+    (families with `Family.mtp_rules`), 0 for the others."""
     if base.model.vision:
         raise InteropError(
             "model.vision is set, but the imported Hugging Face text models have no image "
@@ -407,7 +412,7 @@ def model_from_hf(hf: HFConfig, base: Config, ffn_hidden: int) -> ModelConfig:
         tie_embeddings=bool(hf["tie_word_embeddings"]),
         max_seq_len=hf["max_position_embeddings"],
         init_std=float(hf["initializer_range"]),
-        mtp_depth=0,  # no family imports multi-token prediction layers
+        mtp_depth=mtp_depth,
     )
 
 

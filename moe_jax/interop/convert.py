@@ -5,6 +5,13 @@ tensors one at a time (memory-mapped or read per tensor), then turns the buffers
 arrays one by one, dropping each buffer as its array is made: the peak is one copy of the
 model plus one parameter. Export writes per-layer slices of our (possibly stacked)
 parameters into size-capped safetensors shards.
+
+Multi-token prediction (`model.mtp_depth`, families with `Family.mtp_rules`: DeepSeek-V3 and
+GLM-4.5) travels both ways as the layers after the main ones, `model.layers.{n_layers + k}`:
+an import takes the depth config.json gives (`num_nextn_predict_layers`) where the checkpoint
+holds those layers, and 0 where it holds none of them (`save_pretrained` of transformers,
+which does not run them, writes none though its config.json says 1) or the caller drops them
+(`mtp=False`: their tensors are skipped unread).
 """
 
 from __future__ import annotations
@@ -20,7 +27,7 @@ from flax import nnx
 from moe_jax.config import Config, ConfigError, validate
 from moe_jax.interop import deepseek, glm4_moe, gpt_oss, llama, llama4, mixtral, qwen3
 from moe_jax.interop.common import Family, HFConfig, Source, top_rules
-from moe_jax.interop.safetensors_io import InteropError, ShardWriter, TensorReader
+from moe_jax.interop.safetensors_io import INDEX_FILE, InteropError, ShardWriter, TensorReader
 from moe_jax.model import Transformer
 from moe_jax.run.output import new_output
 from moe_jax.tokenizer import Tokenizer
@@ -82,14 +89,34 @@ def read_hf_config(directory: str | Path) -> tuple[Family, HFConfig, str]:
     return family, HFConfig(values, family.defaults, arch), prefix
 
 
-def config_from_hf(directory: str | Path, base: Config | None = None) -> Config:
+def config_from_hf(
+    directory: str | Path, base: Config | None = None, *, mtp: bool = True
+) -> Config:
     """Our config for a HF checkpoint: its architecture over `base` (default: `Config()`),
     whose other sections (train, data, mesh, ...) and run-time model keys (dtype,
     scan_layers) are kept. The MoE capacity factor is 0: no token is ever dropped, as in
     transformers. `train.seq_len` is capped at the model's context. Training-only HF settings
     (dropout, router jitter) have no counterpart here; `router_aux_loss_coef` x top_k becomes
-    `moe.lb_loss_weight`."""
-    return _our_config(*read_hf_config(directory)[:2], directory, base)
+    `moe.lb_loss_weight`. `model.mtp_depth` is what `load_hf` imports (the module doc): 0
+    with `mtp=False` or where the checkpoint's tensors hold no MTP layer (a directory of
+    config.json alone: config.json's depth)."""
+    family, hf, prefix = read_hf_config(directory)
+    cfg, d = _our_config(family, hf, directory, base), Path(directory)
+    weights = (d / INDEX_FILE).is_file() or any(d.glob("*.safetensors"))
+    return _imported_mtp(cfg, TensorReader(d).names() if weights else None, prefix, mtp)[0]
+
+
+def _imported_mtp(
+    cfg: Config, names: list[str] | None, prefix: str, mtp: bool
+) -> tuple[Config, tuple[str, ...]]:
+    """`cfg` (config.json's MTP depth) with the depth imported from a checkpoint of tensors
+    `names` (None: unknown, config.json alone), and the name prefixes of the MTP layers left
+    out (skipped unread): all of them, and depth 0, with `mtp=False` or where the checkpoint
+    holds no tensor of the first."""
+    layers = _mtp_layers(cfg, prefix)
+    if not layers or mtp and (names is None or any(n.startswith(layers[0]) for n in names)):
+        return cfg, ()
+    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, mtp_depth=0)), layers
 
 
 def _our_config(family: Family, hf: HFConfig, directory, base: Config | None) -> Config:
@@ -103,6 +130,17 @@ def _our_config(family: Family, hf: HFConfig, directory, base: Config | None) ->
     except ConfigError as e:
         raise InteropError(f"{hf.architecture} config in '{directory}' does not fit: {e}") from None
     return cfg
+
+
+def _mtp_layers(cfg: Config, prefix: str = "") -> tuple[str, ...]:
+    """The tensor name prefixes of the MTP layers: the layers after the main ones."""
+    L = cfg.model.n_layers
+    return tuple(f"{prefix}model.layers.{L + k}." for k in range(cfg.model.mtp_depth))
+
+
+def _path(name: str) -> tuple:
+    """A param path from its dotted name (`mtp.0.enorm.scale`: list indices are ints)."""
+    return tuple(int(p) if p.isdigit() else p for p in name.split("."))
 
 
 def _layer_path(cfg: Config, layer: int) -> tuple[tuple, int | None]:
@@ -125,6 +163,10 @@ def _placements(cfg: Config, family: Family):
         base, b = _layer_path(cfg, i)
         for rule in family.layer_rules(cfg, i):
             yield f"model.layers.{i}.", rule, [base + tuple(n.split(".")) for n in rule.ours], b
+    # The MTP layers last: their copies of the embedding and head read the main model's.
+    for k, layer in enumerate(_mtp_layers(cfg) if family.mtp_rules else ()):
+        for rule in family.mtp_rules(cfg, k):
+            yield layer, rule, [_path(n) for n in rule.ours], None
 
 
 def _abstract_params(cfg: Config):
@@ -134,7 +176,11 @@ def _abstract_params(cfg: Config):
 
 
 def load_hf(
-    directory: str | Path, base: Config | None = None, device: jax.Device | None = None
+    directory: str | Path,
+    base: Config | None = None,
+    device: jax.Device | None = None,
+    *,
+    mtp: bool = True,
 ) -> tuple[Config, Transformer]:
     """Import a HF checkpoint directory (config.json + safetensors, single file or sharded).
 
@@ -143,10 +189,13 @@ def load_hf(
     model larger than an accelerator, e.g. to write a checkpoint). Raises `InteropError`
     (one line) for an unsupported architecture or setting, a missing tensor, a tensor of the
     wrong shape, or a tensor the mapping does not use (a setting we would otherwise ignore).
+    `mtp=False`: without the multi-token prediction layers (`model.mtp_depth` 0), their
+    tensors skipped unread.
     """
     family, hf, prefix = read_hf_config(directory)
     cfg = _our_config(family, hf, directory, base)
     reader = TensorReader(directory)
+    cfg, dropped = _imported_mtp(cfg, reader.names(), prefix, mtp)
     graphdef, variables = _abstract_params(cfg)
     buffers: dict[tuple, np.ndarray] = {}
 
@@ -162,7 +211,6 @@ def load_hf(
     assert buffers.keys() == variables.keys(), sorted(variables.keys() ^ buffers.keys())
 
     ignored = {prefix + "lm_head.weight"} if cfg.model.tie_embeddings else set()
-    skipped = tuple(prefix + p for p in (family.skipped(hf) if family.skipped else []))
     unused = [
         n
         for n in reader.names()
@@ -170,7 +218,7 @@ def load_hf(
         and n not in used
         and n not in ignored
         and not n.endswith(_IGNORED_SUFFIXES)
-        and not n.startswith(skipped)
+        and not n.startswith(dropped)
     ]
     if unused:
         raise InteropError(
@@ -223,9 +271,10 @@ def save_hf(
     weights in `save_pretrained`'s layout and file names; with a `tokenizer` that has files
     (Hugging Face, SentencePiece), those files beside them and its BOS / EOS ids in
     config.json (where generation stops). The multi-token prediction module (model.mtp_depth)
-    is not written: no family's mapping has it yet. `directory` must not exist or be empty; it is
-    written through a temporary sibling and renamed at the end, so a failure leaves nothing
-    behind. Returns the architecture written.
+    is written by the families that have it (DeepSeek-V3, GLM-4.5: `Family.mtp_rules`), as
+    the layers after the main ones; the others leave it out. `directory` must not exist or be
+    empty; it is written through a temporary sibling and renamed at the end, so a failure
+    leaves nothing behind. Returns the architecture written.
     """
     out = Path(directory)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):

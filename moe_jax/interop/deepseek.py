@@ -16,19 +16,30 @@ always on import), group-limited top-k (`n_group`, `topk_group`), renormalised w
 `moe_intermediate_size` (`mlp.experts.{e}.gate_proj` ..., or the fused transformers>=5 layout)
 and an always-on `mlp.shared_experts` of `n_shared_experts` x that width.
 
-Multi-token prediction layers (`num_nextn_predict_layers`, stored as layers
-`model.layers.{num_hidden_layers + k}`) are not imported: their tensors are skipped, as
-transformers' `from_pretrained` skips them, and export writes none
-(`num_nextn_predict_layers` 0). Training-only settings: an import balances with the
-correction bias (`moe.lb_loss_weight` 0: the Switch loss is not DeepSeek-V3's); the bias's
-update rate and the sequence-wise loss (`moe.bias_update_rate`, `moe.seq_aux_loss_weight`)
-are the base config's (the released config.json's `aux_loss_alpha` 0.001 is not the report's
-0.0001, so neither is taken as the recipe).
+Multi-token prediction (`num_nextn_predict_layers`, our `model.mtp_depth`: moe_jax/model/mtp.py)
+is imported and exported. Depth k is layer `model.layers.{num_hidden_layers + k - 1}`, which
+transformers' `from_pretrained` skips and vLLM / SGLang read: `enorm`, `hnorm`, `eh_proj`
+([D, 2D], the embedding's half first; ours transposed), a decoder layer of the last main
+layer's kind mapped as the main layers are (`input_layernorm`, `self_attn`,
+`post_attention_layernorm`, `mlp`), `shared_head.norm`, and `embed_tokens` /
+`shared_head.head`: copies of the main model's embedding and head (exact copies in the
+released checkpoints), which moe_jax ties to those. An import checks a copy it finds to be
+exact (else refuses it by name) and skips it; an export writes both, where serving engines
+look for them. An import takes config.json's depth where the checkpoint holds the first MTP
+layer, 0 where it holds none (`save_pretrained` of transformers writes none, though its
+config.json says 1) or with `load_hf(..., mtp=False)` (the layers skipped unread).
+
+Training-only settings: an import balances with the correction bias (`moe.lb_loss_weight` 0:
+the Switch loss is not DeepSeek-V3's); the bias's update rate and the sequence-wise loss
+(`moe.bias_update_rate`, `moe.seq_aux_loss_weight`) are the base config's (the released
+config.json's `aux_loss_alpha` 0.001 is not the report's 0.0001, so neither is taken as the
+recipe).
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import numpy as np
 
@@ -50,6 +61,7 @@ from moe_jax.interop.common import (
     same,
     swiglu,
 )
+from moe_jax.interop.safetensors_io import InteropError
 
 ARCH = "DeepseekV3ForCausalLM"
 
@@ -143,7 +155,7 @@ def check_deepseek_moe(cfg: Config, u: Unsupported) -> None:
 
 
 def deepseek_moe_to_hf(cfg: Config) -> dict:
-    """config.json's MoE keys (inverse of `moe_from_deepseek`)."""
+    """config.json's MoE keys (inverse of `moe_from_deepseek`) and the MTP depth."""
     e = cfg.moe
     return {
         "intermediate_size": cfg.model.ffn_hidden,
@@ -156,7 +168,7 @@ def deepseek_moe_to_hf(cfg: Config) -> dict:
         "n_group": e.n_group,
         "topk_group": e.topk_group,
         "first_k_dense_replace": e.first_dense_layers,
-        "num_nextn_predict_layers": 0,
+        "num_nextn_predict_layers": cfg.model.mtp_depth,  # the MTP layers (`mtp_rules`)
     }
 
 
@@ -194,10 +206,67 @@ def deepseek_ffn_rules(cfg: Config, layer: int) -> list[Rule]:
     return [router, bias, experts, *swiglu("ffn.shared", "mlp.shared_experts")]
 
 
-def mtp_layer_names(hf: HFConfig) -> list[str]:
-    """Tensor name prefixes of the multi-token prediction layers, which an import skips."""
-    n, depth = hf["num_hidden_layers"], hf.get("num_nextn_predict_layers", "num_mtp_layers")
-    return [f"model.layers.{n + k}." for k in range(depth or 0)]
+# ----------------------------------------------------------------------------- MTP (shared)
+
+
+def mtp_depth_from_hf(hf: HFConfig) -> int:
+    """config.json's multi-token prediction depth (`num_mtp_layers` is transformers' alias)."""
+    return hf.get("num_nextn_predict_layers", "num_mtp_layers") or 0
+
+
+def _main_copy(ours: str, hf: str, what: str, transposed: bool) -> Rule:
+    """The MTP layer's copy `hf` of the main model's `ours` (the embedding, or the head: [V, D]
+    as `lm_head.weight`, `transposed` from ours), which the placements load before it: written
+    on export; on import checked to be exact where present, its values used no further."""
+
+    def load(src: Source, main: np.ndarray) -> None:
+        if not src.has(hf):
+            return
+        want = main.T if transposed else main
+        got = src(hf, want.shape)
+        step = max(1, 2**24 // got.shape[1])  # rows at a time: no [V, D] temporary
+        blocks = range(0, len(got), step)
+        if not all(np.array_equal(got[i : i + step], want[i : i + step]) for i in blocks):
+            raise InteropError(
+                f"tensor '{src.prefix}{hf}' is not an exact copy of the main model's {what}, "
+                "which moe_jax's multi-token prediction layers share; fix the checkpoint or "
+                "import it without those layers"
+            )
+
+    def save(main: np.ndarray) -> HFTensors:
+        yield hf, main.T if transposed else main
+
+    return Rule((ours,), load, save)
+
+
+def mtp_rules(layer_rules: Callable[[Config, int], list[Rule]]):
+    """`Family.mtp_rules` of a family whose decoder layers `layer_rules` maps (the module doc):
+    depth k's (0-based) parameters `mtp.{k}.*` and the embedding / head copies."""
+
+    def rules(cfg: Config, k: int) -> list[Rule]:
+        own = f"mtp.{k}."
+        # the decoder layer, of the last main layer's kind, as that layer maps
+        layer = [
+            dataclasses.replace(r, ours=tuple(f"{own}layer.{n}" for n in r.ours))
+            for r in layer_rules(cfg, cfg.model.n_layers - 1)
+        ]
+        tied = cfg.model.tie_embeddings
+        return [
+            same(f"{own}enorm.scale", "enorm.weight"),
+            same(f"{own}hnorm.scale", "hnorm.weight"),
+            linear(f"{own}eh_proj", "eh_proj.weight"),
+            *layer,
+            same(f"{own}head_norm.scale", "shared_head.norm.weight"),
+            _main_copy("embed.embedding", "embed_tokens.weight", "embedding", transposed=False),
+            _main_copy(
+                "embed.embedding" if tied else "head",
+                "shared_head.head.weight",
+                "output head",
+                transposed=not tied,
+            ),
+        ]
+
+    return rules
 
 
 # ----------------------------------------------------------------------------- DeepSeek-V3
@@ -237,7 +306,7 @@ def to_config(hf: HFConfig, base: Config) -> Config:
     )
     return dataclasses.replace(
         base,
-        model=model_from_hf(hf, base, ffn_hidden=hf["intermediate_size"]),
+        model=model_from_hf(hf, base, hf["intermediate_size"], mtp_depth_from_hf(hf)),
         attention=attention,
         moe=moe_from_deepseek(hf, base),
     )
@@ -313,5 +382,5 @@ def layer_rules(cfg: Config, layer: int) -> list[Rule]:
 
 
 FAMILY = Family(
-    ARCH, "deepseek_v3", DEFAULTS, to_config, from_config, layer_rules, skipped=mtp_layer_names
+    ARCH, "deepseek_v3", DEFAULTS, to_config, from_config, layer_rules, mtp_rules(layer_rules)
 )

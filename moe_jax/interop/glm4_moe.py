@@ -8,7 +8,10 @@ within them (`rope_style=half`), the rest pass unrotated. The factor is read fro
 parameters, else the top-level key, else 0.5 (the config class's default, so an export
 always writes it). The MoE is DeepSeek-V3's (`deepseek.py`): sigmoid router with the
 correction bias, groups, routed scaling, shared experts, `first_k_dense_replace` dense layers;
-multi-token prediction layers are skipped on import, as there.
+and so are its multi-token prediction layers (`num_nextn_predict_layers`, layer
+`model.layers.{num_hidden_layers + k - 1}` for depth k: `enorm`, `hnorm`, `eh_proj`, this
+family's decoder layer, `shared_head.norm`, and the embedding / head copies), imported and
+exported as there.
 """
 
 from __future__ import annotations
@@ -32,7 +35,8 @@ from moe_jax.interop.deepseek import (
     deepseek_ffn_rules,
     deepseek_moe_to_hf,
     moe_from_deepseek,
-    mtp_layer_names,
+    mtp_depth_from_hf,
+    mtp_rules,
 )
 
 ARCH = "Glm4MoeForCausalLM"
@@ -80,7 +84,7 @@ def to_config(hf: HFConfig, base: Config) -> Config:
     )
     return dataclasses.replace(
         base,
-        model=model_from_hf(hf, base, ffn_hidden=hf["intermediate_size"]),
+        model=model_from_hf(hf, base, hf["intermediate_size"], mtp_depth_from_hf(hf)),
         attention=attention,
         moe=moe_from_deepseek(hf, base),
     )
@@ -108,5 +112,5 @@ def layer_rules(cfg: Config, layer: int) -> list[Rule]:
 
 
 FAMILY = Family(
-    ARCH, "glm4_moe", DEFAULTS, to_config, from_config, layer_rules, skipped=mtp_layer_names
+    ARCH, "glm4_moe", DEFAULTS, to_config, from_config, layer_rules, mtp_rules(layer_rules)
 )

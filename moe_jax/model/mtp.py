@@ -18,8 +18,9 @@ MaxText all put the embedding half first, although the paper's eq. 21 writes
 [RMSNorm(h); RMSNorm(Emb)]. The order only permutes eh_proj's input rows, so training from
 scratch cannot tell, but an imported eh_proj is right only in the checkpoint's order.
 
-Parameters of depth k (`Transformer.mtp[k-1]`) and where a Hugging Face DeepSeek-V3
-checkpoint keeps them (layer L + k - 1, L = num_hidden_layers):
+Parameters of depth k (`Transformer.mtp[k-1]`) and where a Hugging Face DeepSeek-V3 or
+GLM-4.5 checkpoint keeps them (layer L + k - 1, L = num_hidden_layers), which
+`moe_jax.interop` imports and exports (`num_nextn_predict_layers` = model.mtp_depth):
     enorm.scale [D]            model.layers.{L+k-1}.enorm.weight
     hnorm.scale [D]            model.layers.{L+k-1}.hnorm.weight
     eh_proj [2D, D]            model.layers.{L+k-1}.eh_proj.weight ([D, 2D]: transposed)
@@ -27,7 +28,9 @@ checkpoint keeps them (layer L + k - 1, L = num_hidden_layers):
                                post_attention_layernorm, mlp}.* (as the main layers map)
     head_norm.scale [D]        model.layers.{L+k-1}.shared_head.norm.weight
 The checkpoint's embed_tokens and shared_head.head of that layer are copies of the main
-model's embedding and head: here they are those parameters themselves.
+model's embedding and head: here they are those parameters themselves (an import checks that
+the copies are exact and skips them, an export writes them, as the released checkpoints and
+the serving engines that read them from that layer have them).
 
 At sampling, depth 1 drafts the next token for speculative decoding (`moe_jax.speculative`):
 its decoder layer keeps a KV cache like the main layers (`Transformer.init_cache(mtp=True)`).
