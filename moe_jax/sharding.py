@@ -34,6 +34,10 @@ LOGICAL_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     # of the whole gradient and a slice (seen for Mixtral's [1, 4096, 14336]).
     ("embed", ("fsdp", "expert")),
     ("expert_embed", "fsdp"),
+    # MLA's low-rank dim of its up-projections [rank, H, dh] (moe_jax/model/mla.py): kept
+    # whole, they and their moments replicated 0.6 GiB a layer on every chip (DeepSeek-V3:
+    # 38 GiB over 62 layers); split over fsdp, the partitioner gathers them.
+    ("latent", "fsdp"),
     ("expert_mlp_fsdp", ("tensor", "fsdp")),
     ("heads", "tensor"),
     ("kv_heads", "tensor"),
@@ -47,6 +51,8 @@ LOGICAL_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
 # not split its compute is gathered at every step: there the non-expert weights' model dim is
 # split over fsdp only (a sampling mesh with fsdp > 1 gathers them, memory for bandwidth), never
 # over `expert`, whose devices each run the same tokens through those weights.
+# the latent dims of MLA's weights split over fsdp (q_lora_rank 0: no such weight)
+MLA_RANKS = ("q_lora_rank", "kv_lora_rank")
 INFERENCE_RULES = tuple((k, "fsdp" if k == "embed" else v) for k, v in LOGICAL_RULES)
 
 
@@ -114,6 +120,8 @@ def _check_divisible(cfg: Config, sizes: dict[str, int], inference: bool) -> Non
             raise ConfigError(f"{key} ({value}) must be divisible by mesh.{ax} ({sizes[ax]})")
     # ZeRO's splits (LOGICAL_RULES: "embed", "expert_mlp_fsdp") over two axes at once
     products = [("model.d_model", m.d_model, ("fsdp",) if inference else ("fsdp", "expert"))]
+    if a.kind == "mla":  # the "latent" dim
+        products += [(f"attention.{k}", getattr(a, k), ("fsdp",)) for k in MLA_RANKS]
     if e.n_experts > 0:
         products.append(("moe.expert_hidden", e.expert_hidden, ("tensor", "fsdp")))
     for key, value, axes in products:

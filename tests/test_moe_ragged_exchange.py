@@ -74,6 +74,8 @@ CASES = [  # (mesh, capacity factor, route scale, top_k, moe.row_chunks, mesh.ga
     # 2, and over fsdp 4 (every expert local) in two steps of 2
     ("fsdp2_expert2_tensor2", 0.75, "output", 2, 2, 0),
     ("fsdp4_data2", 1.0, "input", 2, 4, 2),
+    # dropless: the tokens through the exchange in 2 checkpointed slices (chunked_exchange)
+    ("fsdp2_expert2_tensor2", 0, "output", 2, 2, 0),
 ]
 
 
@@ -130,11 +132,13 @@ def test_ragged_exchange_equals_unsharded_and_fixed_buffers(
     assert jaxpr.count("all_to_all[") == (2 if ep > 1 else 0)
     assert "ragged_dot" in jaxpr and "cond[" not in jaxpr
     assert ("scan[" in jaxpr) == (chunks > 1)
+    # dropless, the exchange's slices are checkpointed (the backward runs each again)
+    assert ("checkpoint[" in jaxpr or "remat" in jaxpr) == (chunks > 1 and cf == 0)
     # the expert weights, gathered whole: [E_loc, 32, 16 / tensor] / [E_loc, 16 / tensor, 32]
     E_loc, F = 8 // ep, 16 // mesh.shape["tensor"]
     whole = re.search(rf"\[{E_loc},(32,{F}|{F},32)\](\{{.*?\}})? = all_gather", jaxpr)
     if mesh.shape["fsdp"] > 1:  # (no fsdp: nothing to gather)
-        assert (whole is None) == (chunks > 1 and E_loc % chunks == 0)
+        assert (whole is None) == (chunks > 1 and E_loc % chunks == 0 and cf > 0)
     if group:  # two steps of `group` devices each
         assert "axis_index_groups=((0, 2), (1, 3))" in jaxpr.replace("[", "(").replace("]", ")")
     assert_close((y, s), (y_ref, s_ref))

@@ -329,6 +329,9 @@ class MoEConfig:
     # The grouped impls (ragged, megablox) run the sorted rows in this many consecutive chunks,
     # forward and backward, so their [rows, expert_hidden] intermediates exist for one chunk
     # at a time; the backward recomputes each chunk's gate/up products (moe_jax/model/grouped.py).
+    # Dropless through the ragged exchange, a shard's tokens also go through the exchange in
+    # that many slices, one after another, each recomputed in the backward: the buffers of k x
+    # the tokens' rows exist for one slice at a time (exchange.chunked_exchange).
     row_chunks: int = 1
     # The ragged exchange's receive buffer, in rows: this factor times the rows a shard sends
     # (the average it receives). Rows past it go in further rounds, never dropped

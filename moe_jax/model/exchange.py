@@ -186,7 +186,7 @@ def _shard_step(x_bTD, router, w, *valid, cfg, dtype, impl, ax, specs, fs_plan, 
                 whole = lambda w: {
                     n: gathered(a, n, window=True) if n in later else a for n, a in w.items()
                 }
-            y_bTD, exchanged = ragged_exchange(x_bTD, w, r, **run, whole=whole)
+            y_bTD, exchanged = chunked_exchange(x_bTD, w, r, **run, whole=whole)
         else:
             y_bTD = buffer_exchange(x_bTD, w, r, **run)
         if ax.tp is not None:
@@ -221,6 +221,37 @@ def buffer_exchange(x_bTD, w: dict, r: Routing, *, cfg: MoEConfig, dtype, impl, 
     )
     y = to_owner(y_eSCD.transpose(1, 0, 2, 3)).reshape(E * r.cap, D)  # back home
     return from_buffers(y, r.slot, r.weights, cfg.route_scale)
+
+
+def chunked_exchange(x_bTD, w, r: Routing, *, cfg: MoEConfig, **run) -> tuple[jax.Array, dict]:
+    """`ragged_exchange` of this shard's tokens in moe.row_chunks consecutive slices, one
+    after the other (a scan), when dropless: every buffer of k x the tokens' rows (the sent
+    rows, the received ones, their gradients) then exists for one slice at a time. Each
+    slice is checkpointed: the backward keeps its tokens only and runs its exchange and
+    experts' forward again (one more expert forward and two more exchanges a layer), where
+    the scan's stacked residuals were every slice's rows. Each slice's received rows are cut
+    in row_chunks windows again (`grouped_swiglu`). The routing is the shard's, made before
+    (a capacity's drops decide over all its tokens: that exchange is not sliced).
+    DeepSeek-V3 at 6 x 8192 tokens a chip (v5p, expert 8): the MoE backward's [491,520,
+    7168] received rows, their gradient and copies were its largest buffers, 7 GB each."""
+    b, T, K = r.experts.shape
+    n, c = b * T, cfg.row_chunks
+    if c <= 1 or n % c or cfg.capacity_factor > 0:
+        return ragged_exchange(x_bTD, w, r, cfg=cfg, **run)
+    cut = lambda a: a.reshape(c, n // c, 1, *a.shape[2:])  # slice i: rows [1, T'] of tokens
+
+    @jax.checkpoint  # in a scan: no CSE to prevent
+    def slice_out(w, xs):
+        x, weights, experts, slot, keep = xs
+        r_i = Routing(weights, experts, slot, keep, r.cap, {})
+        return ragged_exchange(x, w, r_i, cfg=cfg, **run)
+
+    one = lambda _, xs: (None, slice_out(w, xs))
+
+    xs = (cut(x_bTD), cut(r.weights), cut(r.experts), cut(r.slot), cut(r.keep))
+    _, (y, stats) = jax.lax.scan(one, None, xs)
+    stats = {"rounds": jnp.max(stats["rounds"]), "overflow": jnp.sum(stats["overflow"])}
+    return y.reshape(b, T, x_bTD.shape[-1]), stats
 
 
 def ragged_exchange(

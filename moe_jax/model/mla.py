@@ -87,7 +87,7 @@ class MLAttention(nnx.Module):
         self.scale = (N + P) ** -0.5 * rope_softmax_factor(a.rope_scaling)
         self.impl = a.impl  # resolved for the target backend when traced (`backends.choose`)
 
-        heads = (None, "heads", "head_dim")  # the latent dims are small: never split
+        heads = ("latent", "heads", "head_dim")  # the latent dim split over fsdp (ZeRO)
         if rank_q > 0:
             self.wq_a = param(rngs, init, (D, rank_q), ("embed", None))
             self.q_a_norm = RMSNorm(rank_q, LATENT_NORM_EPS, rngs=rngs)

@@ -57,12 +57,15 @@ def policy(base: str, save: tuple[str, ...] = (), offload: tuple[str, ...] = ())
     return choose
 
 
-def remat(fn, base: str, save: tuple[str, ...] = (), offload: tuple[str, ...] = ()):
-    """A scanned block's `fn` under `model.remat` = `base`, keeping the named `save` and
-    `offload` too: what its backward needs is recomputed from the block's input rather than
-    kept, but for what the policy keeps (none: `fn` unchanged)."""
+def remat(
+    fn, base: str, save: tuple[str, ...] = (), offload: tuple[str, ...] = (), *, scanned=True
+):
+    """A block's `fn` under `model.remat` = `base`, keeping the named `save` and `offload`
+    too: what its backward needs is recomputed from the block's input rather than kept, but
+    for what the policy keeps (none: `fn` unchanged). `scanned`: `fn` is a scan's body."""
     if base == "none":
         return fn
     # The scan's loop boundary already keeps XLA from merging the recomputation into the
     # forward, so CSE prevention would only cost (JAX's advice for checkpoint inside scan).
-    return jax.checkpoint(fn, policy=policy(base, save, offload), prevent_cse=False)
+    # A layer outside the scan (the dense prefix, the tail, the MTP layer) needs it.
+    return jax.checkpoint(fn, policy=policy(base, save, offload), prevent_cse=not scanned)

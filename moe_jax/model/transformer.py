@@ -47,6 +47,8 @@ fraction of rows past the first round; 1 and 0 on the other paths).
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -72,8 +74,17 @@ LAYER_FRACTIONS = ("dropped_frac", "exchange_rounds", "overflow_frac")
 
 
 class DecoderLayer(nnx.Module):
-    def __init__(self, cfg: Config, layer: int, *, rngs: nnx.Rngs):
+    def __init__(self, cfg: Config, layer: int, *, rngs: nnx.Rngs, standalone: bool = False):
+        """`standalone`: a layer outside the layer scan (the dense prefix, the tail, an MTP
+        layer), which applies `model.remat` itself (the scan's body applies it to the rest)."""
         D, eps = cfg.model.d_model, cfg.model.norm_eps
+        m = cfg.model
+        # Its input is kept by the checkpoint itself: offloading its named copy would only
+        # add a host copy of it.
+        offload = tuple(n for n in m.remat_offloaded if n != "layer_input")
+        # (Unrolled, model.scan_layers=false, no layer applies it, as the blocks do not.)
+        on = standalone and m.scan_layers
+        self.remat = (m.remat, m.remat_saved, offload) if on else ("none", (), ())
         self.attn_norm = RMSNorm(D, eps, rngs=rngs)
         kind = MLAttention if cfg.attention.kind == "mla" else Attention
         self.attn = kind(cfg, layer, rngs=rngs)
@@ -85,6 +96,22 @@ class DecoderLayer(nnx.Module):
             self.ffn = SwiGLU(D, cfg.model.ffn_hidden, cfg, rngs=rngs)
 
     def __call__(self, x_BTD, positions_BT, cache: KVCache | None, n_groups: int, segments_BT):
+        if cache is not None or self.remat[0] == "none":
+            return self._forward(x_BTD, positions_BT, cache, n_groups, segments_BT)
+        # Kept whole, the dense prefix's 3 layers and the MTP layer held DeepSeek-V3's
+        # activations at 8192 tokens (attention's q, k, v, the FFN's hidden) beside the scan's.
+        graphdef, state = nnx.split(self)
+
+        def run(state, x_BTD, positions_BT, segments_BT):
+            layer = nnx.merge(graphdef, state)
+            x_BTD, _, stats = layer._forward(x_BTD, positions_BT, None, n_groups, segments_BT)
+            return x_BTD, stats
+
+        run = remat(run, *self.remat, scanned=False)
+        x_BTD, stats = run(state, x_BTD, positions_BT, segments_BT)
+        return x_BTD, None, stats
+
+    def _forward(self, x_BTD, positions_BT, cache, n_groups: int, segments_BT):
         # Every use of the input reads this named copy, so that a remat policy keeping it
         # (model.remat_offload=layer_input) replaces the input the layer scan would keep.
         # The activations are pinned to rows over the batch axes at every layer boundary
@@ -140,9 +167,10 @@ class Transformer(nnx.Module):
 
             self.blocks = make_blocks(rngs)
         # Tail layers continue the pattern: layer k + n_blocks * P + j is like block layer j.
-        self.tail = nnx.List([DecoderLayer(cfg, k + j, rngs=rngs) for j in range(n_tail)])
+        alone = functools.partial(DecoderLayer, rngs=rngs, standalone=True)
+        self.tail = nnx.List([alone(cfg, k + j) for j in range(n_tail)])
         if k:  # moe.first_dense_layers: dense layers before the pattern (DeepSeek-V3's 3)
-            self.prefix = nnx.List([DecoderLayer(cfg, i, rngs=rngs) for i in range(k)])
+            self.prefix = nnx.List([alone(cfg, i) for i in range(k)])
         self.final_norm = RMSNorm(m.d_model, m.norm_eps, rngs=rngs)
         if not m.tie_embeddings:
             self.head = param(rngs, init, (m.d_model, m.vocab_size), ("embed", "vocab"))
@@ -153,7 +181,7 @@ class Transformer(nnx.Module):
             # one decoder layer per depth, of the last layer's kind (mtp.py)
             last = m.n_layers - 1
             self.mtp = nnx.List(
-                [MTPLayer(cfg, DecoderLayer(cfg, last, rngs=rngs), rngs=rngs)
+                [MTPLayer(cfg, alone(cfg, last), rngs=rngs)
                  for _ in range(m.mtp_depth)]
             )  # fmt: skip
 
