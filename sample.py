@@ -209,12 +209,24 @@ def sample(args: argparse.Namespace, prompt: str | None) -> int:
         texts = [prompt + continuation(tokenizer, ids, seq) for seq in out.sequences()]
         print(SEPARATOR.join(texts))
     if hasattr(out, "acceptance_rate"):  # sample.speculative (moe_jax/speculative.py)
-        print(
-            f"speculative decoding: {100 * out.acceptance_rate:.1f}% of {int(out.drafted.sum())} "
-            f"drafts accepted, {out.steps} steps for {int(out.lengths.max())} tokens",
-            file=sys.stderr,
-        )
+        print(speculation_report(out), file=sys.stderr)
     return 0
+
+
+def speculation_report(out) -> str:
+    """One line on a SpeculativeGeneration: the drafts kept, per depth where several draft
+    (depth k is checked only after depths 1..k-1 were kept), and the steps taken."""
+    percent = lambda kept, checked: f"{100 * kept / checked:.1f}%" if checked else "-"
+    kept_K, checked_K = out.accepted_by_depth.sum(0), out.drafted_by_depth.sum(0)
+    line = (
+        f"speculative decoding: {percent(kept_K.sum(), checked_K.sum())} of "
+        f"{int(checked_K.sum())} drafts accepted"
+    )
+    if len(checked_K) > 1:
+        depths = enumerate(zip(kept_K, checked_K, strict=True), start=1)
+        per_depth = [f"depth {k}: {percent(a, d)} of {int(d)}" for k, (a, d) in depths]
+        line += f" ({', '.join(per_depth)})"
+    return line + f", {out.steps} steps for {int(out.lengths.max())} tokens"
 
 
 if __name__ == "__main__":

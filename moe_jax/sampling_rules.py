@@ -39,9 +39,40 @@ def sample_tokens(
     if not (mode.top_k or mode.top_p):
         return draw(keys_B, logits_BV).astype(jnp.int32)
     # Work in rank order: one stable sort (ties by token id, as argmax) serves both filters.
+    order_BV, sorted_BV = _ranked(logits_BV)
+    keep_BV = _kept_ranks(sorted_BV, top_k, top_p, mode)
+    rank_B = draw(keys_B, jnp.where(keep_BV, sorted_BV, -jnp.inf))
+    return jnp.take_along_axis(order_BV, rank_B[:, None], axis=-1)[:, 0].astype(jnp.int32)
+
+
+def filtered_logits(logits_BV, temperature, top_k, top_p, mode: Mode) -> jax.Array:
+    """The distribution `sample_tokens` draws from (not greedy), as float32 logits [B, V] in
+    token order: divided by the temperature, -inf outside the top-k / top-p set
+    (`moe_jax.speculative_rules` needs the probabilities themselves, not only a draw)."""
+    assert not mode.greedy, "greedy picks the argmax; it draws from no distribution"
+    logits_BV = logits_BV.astype(jnp.float32) / temperature
+    if not (mode.top_k or mode.top_p):
+        return logits_BV
+    order_BV, sorted_BV = _ranked(logits_BV)
+    n_kept_B1 = jnp.sum(_kept_ranks(sorted_BV, top_k, top_p, mode), -1, keepdims=True)
+    # The kept ranks are the first n_kept: a token is kept where it ranks no lower than the
+    # last kept one (ties by id), an elementwise test in place of scattering the ranks back.
+    last_B1 = jnp.take_along_axis(order_BV, n_kept_B1 - 1, axis=-1)
+    cut_B1 = jnp.take_along_axis(logits_BV, last_B1, axis=-1)
+    id_V = jnp.arange(logits_BV.shape[-1])
+    kept_BV = (logits_BV > cut_B1) | ((logits_BV == cut_B1) & (id_V <= last_B1))
+    return jnp.where(kept_BV, logits_BV, -jnp.inf)
+
+
+def _ranked(logits_BV):
+    """(token ids by rank, logits by rank): one stable sort, ties by token id as argmax."""
     order_BV = jnp.argsort(logits_BV, axis=-1, descending=True, stable=True)
-    sorted_BV = jnp.take_along_axis(logits_BV, order_BV, axis=-1)
-    rank_V = jnp.arange(logits_BV.shape[-1])
+    return order_BV, jnp.take_along_axis(logits_BV, order_BV, axis=-1)
+
+
+def _kept_ranks(sorted_BV, top_k, top_p, mode: Mode):
+    """Which ranks the top-k and top-p filters keep [B, V] (logits sorted, tempered)."""
+    rank_V = jnp.arange(sorted_BV.shape[-1])
     keep_BV = jnp.ones(sorted_BV.shape, bool)
     if mode.top_k:
         keep_BV &= rank_V < top_k
@@ -49,14 +80,16 @@ def sample_tokens(
         probs_BV = jax.nn.softmax(jnp.where(keep_BV, sorted_BV, -jnp.inf), axis=-1)
         mass_before_BV = jnp.cumsum(probs_BV, axis=-1) - probs_BV
         keep_BV &= mass_before_BV < top_p  # the most likely token always stays
-    rank_B = draw(keys_B, jnp.where(keep_BV, sorted_BV, -jnp.inf))
-    return jnp.take_along_axis(order_BV, rank_B[:, None], axis=-1)[:, 0].astype(jnp.int32)
+    return keep_BV
 
 
 def pick_tokens(logits_BV, step, row_keys_B, n_vocab: int, temperature, top_k, top_p, mode: Mode):
     """Step `step`'s token of each row: the padded vocabulary's extra ids masked out, each
     row's key folded with the step."""
     keys_B = jax.vmap(lambda k: jax.random.fold_in(k, step))(row_keys_B)
-    in_vocab_V = jnp.arange(logits_BV.shape[-1]) < n_vocab
-    logits_BV = jnp.where(in_vocab_V, logits_BV, -jnp.inf)
-    return sample_tokens(logits_BV, keys_B, temperature, top_k, top_p, mode)
+    return sample_tokens(in_vocab(logits_BV, n_vocab), keys_B, temperature, top_k, top_p, mode)
+
+
+def in_vocab(logits_BV, n_vocab):
+    """The logits with the padded vocabulary's extra ids (those >= n_vocab) at -inf."""
+    return jnp.where(jnp.arange(logits_BV.shape[-1]) < n_vocab, logits_BV, -jnp.inf)

@@ -327,10 +327,12 @@ class SampleConfig:
     # mxfp4 (the routed experts in MXFP4, the rest bfloat16: gpt-oss as released)
     weights: str = "auto"
     # Speculative decoding (moe_jax/speculative.py): the model's MTP module (model.mtp_depth
-    # >= 1) drafts one token a step and the main model checks it in the same forward; the
-    # text is the greedy text token for token, so the sampler refuses temperatures but 0
-    # (checked there: sample.py's --temperature overrides sample.temperature).
+    # >= 1) drafts up to draft_depth tokens a step (null: one per MTP depth; at most
+    # model.mtp_depth, checked when the sampler is built) and the main model checks them in
+    # one forward; the text has the plain sampler's distribution (greedy: its text, token for
+    # token), in fewer steps.
     speculative: bool = False
+    draft_depth: int | None = None
 
     def check(self) -> None:
         values = {name: getattr(self, name) for name, _, _ in SAMPLING_RULES}
@@ -338,6 +340,11 @@ class SampleConfig:
         require(problem is None, problem)
         one_of(self.weights, WEIGHT_KINDS, "sample.weights")
         positive(self, "sample", ["max_new_tokens", "batch_size", "prompt_len"])
+        require(
+            self.draft_depth is None or self.draft_depth >= 1,
+            f"sample.draft_depth must be >= 1 (MTP depths that draft) or null (all of them), "
+            f"got {self.draft_depth}",
+        )
 
 
 @dataclass(frozen=True)

@@ -32,8 +32,9 @@ model's embedding and head: here they are those parameters themselves (an import
 the copies are exact and skips them, an export writes them, as the released checkpoints and
 the serving engines that read them from that layer have them).
 
-At sampling, depth 1 drafts the next token for speculative decoding (`moe_jax.speculative`):
-its decoder layer keeps a KV cache like the main layers (`Transformer.init_cache(mtp=True)`).
+At sampling, the depths draft a chain of next tokens for speculative decoding (depth k the
+token k ahead, `moe_jax.speculative`): each depth's decoder layer keeps a KV cache like the
+main layers (`Transformer.init_cache(mtp=True)`).
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ offloaded to host memory on top of dots or full (`remat.py`).
 
 With `model.mtp_depth` > 0 the model also holds `mtp`, DeepSeek-V3's multi-token prediction
 layers (`mtp.py`): the forward never runs them; the loss applies them to the `head=False`
-output, and speculative sampling drafts with the first.
+output, and speculative sampling drafts with them (`moe_jax.speculative`).
 
 Image inputs (`model.vision` = d_vision > 0): precomputed image embeddings [B, N, d_vision] go
 through a learned projection `vision_proj` [d_vision, d_model] and replace the token embeddings
