@@ -10,6 +10,7 @@ Budget: tiny models (d_model 32), about 30 s on 2 idle cores.
 from __future__ import annotations
 
 import jax
+import jax.extend.core
 import numpy as np
 from flax import nnx
 
@@ -35,7 +36,7 @@ def checkpoints(jaxpr) -> int:
     n = 0
     for eqn in jaxpr.eqns:
         n += eqn.primitive.name in ("checkpoint", "remat2")
-        for sub in jax.core.jaxprs_in_params(eqn.params):
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
             n += checkpoints(sub)
     return n
 
