@@ -86,6 +86,8 @@ def test_train_throughput_against_a_revision_times_that_checkout_in_turns(run):
     if subprocess.run(
         ["git", "-C", str(BENCH), "rev-parse", "HEAD"], capture_output=True
     ).returncode:
+        # --against checks a revision out of this repository: a source tree without .git
+        # (an sdist, a copied folder) has none; CI runs on a clone, where this never skips
         pytest.skip("not a git checkout")
     before = _worktrees()
     args = ["--sizes=small", "--styles=mixtral", "--steps=2", "--wait-idle=0", "--against=HEAD"]
