@@ -10,14 +10,24 @@ import functools
 import os
 import shutil
 import tempfile
+from importlib.metadata import version
 from pathlib import Path
 
 import pytest
 
-# LLVM at -O0 for the kernels XLA:CPU generates: compiling is most of a test's time and the
-# tests' models are tiny, so this halves a compile-bound test (the remat test 28 -> 17 s). It
-# changes no float semantics (no fast-math either way), only how fast the kernels run.
-FAST_COMPILE = "--xla_backend_optimization_level=0"
+# Compiling is most of a test's time and the tests' models are tiny, so XLA:CPU is told to
+# compile fast rather than to generate fast kernels: LLVM at -O0 (halved the remat test, 28 ->
+# 17 s) and, where XLA still has them (jaxlib < 0.11, the oldest leg), the classic elemental
+# fusion emitters instead of the MLIR ones (tests/test_moe.py 33 -> 20 s, the oldest leg's suite
+# 12:55 -> 8:41 on 2 cores, 2026-11-27; jaxlib 0.11 removed the flag, and an unknown XLA flag
+# aborts). Neither turns on fast-math; the suite passes with and without them.
+# `DEFAULT_EMITTERS` is the compiler option a test that inspects XLA:CPU's default pipeline
+# compiles with.
+CLASSIC_EMITTERS = tuple(map(int, version("jaxlib").split(".")[:2])) < (0, 11)
+FAST_COMPILE = "--xla_backend_optimization_level=0" + (
+    " --xla_cpu_use_fusion_emitters=false" if CLASSIC_EMITTERS else ""
+)
+DEFAULT_EMITTERS = {"xla_cpu_use_fusion_emitters": True} if CLASSIC_EMITTERS else {}
 # The GPU kit (benchmarks/gpu/run.sh) runs the tests marked `gpu` with JAX_PLATFORMS=cuda: the
 # CPU-only flags stay off there (-O0 would apply to the GPU's generated kernels too).
 os.environ.setdefault("JAX_PLATFORMS", "cpu")

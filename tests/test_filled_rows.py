@@ -18,6 +18,7 @@ from moe_jax.model import routing
 from moe_jax.model.experts import expert_swiglu, swiglu_rows
 from moe_jax.model.filled_rows import bucket_index, row_buckets, swiglu_filled
 from moe_jax.model.remat import remat
+from tests.conftest import DEFAULT_EMITTERS
 from tests.helpers import one_expert_at_a_time, tiny_config
 
 S, C, D, F = 3, 100, 16, 24
@@ -113,7 +114,10 @@ def scanned_train_grad_hlo(request):
         B, T = 2, 64
         toks = jax.random.randint(jax.random.key(0), (B, T), 0, 256)
         grad_fn = jax.jit(jax.grad(loss_fn, has_aux=True), static_argnums=(1, 3))
-        hlo = grad_fn.lower(params, graphdef, toks, 1e-4).compile().as_text()
+        # XLA:CPU's default emitters, which conftest may swap for compile speed: the copies
+        # looked for are the default pipeline's (the classic one copies more).
+        lowered = grad_fn.lower(params, graphdef, toks, 1e-4)
+        hlo = lowered.compile(compiler_options=DEFAULT_EMITTERS).as_text()
     return unrolled, hlo, cfg, routing.capacity(B * (T - 1), cfg.moe)  # loss predicts T - 1
 
 
