@@ -6,6 +6,7 @@ line that names the path. Budget: ~25 s (a few `prepare` subprocesses, tiny runs
 from __future__ import annotations
 
 import errno
+import gc
 import os
 import shutil
 import signal
@@ -60,6 +61,62 @@ def test_sigterm_inside_the_block_removes_the_sibling(tmp_path):
     assert e.value.signum == signal.SIGTERM
     assert not out.exists() and _siblings(out) == []
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # restored
+
+
+def _signal_in_a_gc_callback(signum):
+    """Send `signum` from inside a gc callback, where its handler then runs, as it once ran
+    in jax's `_xla_gc_callback` during an export: Python cannot raise from there."""
+
+    def callback(phase, info):
+        if phase == "start":
+            os.kill(os.getpid(), signum)
+            sum(range(1000))  # bytecode, where the handler runs if os.kill did not run it
+
+    gc.callbacks.append(callback)
+    try:
+        gc.collect()
+    finally:
+        gc.callbacks.remove(callback)
+
+
+@pytest.fixture
+def unraisable(monkeypatch) -> list[BaseException]:
+    """What reaches the unraisable-exception hook the process had (Python's own prints the
+    "Exception ignored in ..." traceback)."""
+    seen = []
+    monkeypatch.setattr(sys, "unraisablehook", lambda u: seen.append(u.exc_value))
+    return seen
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+@pytest.mark.parametrize("writer", ["new_output", "new_file"])
+def test_a_signal_lost_in_a_gc_callback_still_stops_before_the_commit(
+    tmp_path, unraisable, writer, signum
+):
+    """The output is not committed, its sibling is removed, and nothing reaches the
+    unraisable hook. Before: the block ran on and committed (an import SIGTERM'd inside jax's
+    gc callback exited 0 with its output), under an "Exception ignored" traceback."""
+    out = tmp_path / "out"
+    stop = KeyboardInterrupt if signum == signal.SIGINT else Interrupted
+    opened = new_output(out, "--out") if writer == "new_output" else new_file(out)
+    with pytest.raises(stop), opened as tmp:
+        _signal_in_a_gc_callback(signum)
+        (tmp / "part" if writer == "new_output" else tmp).write_text("whole")  # it goes on
+    assert not out.exists() and _siblings(out) == []
+    assert unraisable == []
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # restored
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_other_unraisable_exceptions_still_reach_the_hook(tmp_path, unraisable):
+    class Broken:
+        def __del__(self):
+            raise ValueError("a real problem")
+
+    with pytest.raises(Interrupted), new_file(tmp_path / "f"):
+        _signal_in_a_gc_callback(signal.SIGTERM)
+        Broken()  # collected at once: its exception is an unraisable one
+    assert [str(e) for e in unraisable] == ["a real problem"]
 
 
 def test_a_dead_process_sibling_is_removed_a_live_one_kept(tmp_path):

@@ -8,8 +8,10 @@ export, quantize, plot), and the one-line endings of a command stopped or out of
 
 The temporary sibling is named `.NAME.tmp-PID-RANDOM` and removed on any exception. SIGTERM
 (and SIGHUP) raise `Interrupted` inside the block, so that removal runs too; SIGINT does the
-same through KeyboardInterrupt. Only kill -9 leaves a sibling behind: the next command
-writing next to it removes every sibling whose process is gone (the pid in its name).
+same through KeyboardInterrupt. A signal that lands where Python cannot raise (a gc callback)
+is raised again before the output is committed. Only kill -9 leaves a sibling behind: the
+next command writing next to it removes every sibling whose process is gone (the pid in its
+name).
 `exit_code` / `one_line` turn those endings into what a CLI prints and returns.
 """
 
@@ -23,7 +25,7 @@ import shutil
 import signal
 import sys
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from moe_jax.run.lock import make_dir
@@ -56,16 +58,59 @@ def _handlers(signals, handler) -> Iterator[None]:
             signal.signal(s, h)
 
 
+_QUIET: list[Callable[[object], bool]] = []  # quiet_unraisable's predicates
+
+
+def quiet_unraisable(predicate: Callable[[object], bool]) -> None:
+    """Process-wide: the unraisable exceptions (`sys.unraisablehook`'s argument) `predicate`
+    accepts are not printed; every other one goes to the hook there was. One hook serves every
+    predicate; it is put back if something replaced it since (pytest does, test by test)."""
+    if predicate not in _QUIET:
+        _QUIET.append(predicate)
+    if getattr(sys.unraisablehook, "quiets", False):
+        return
+    previous = sys.unraisablehook
+
+    def hook(unraisable) -> None:
+        if not any(p(unraisable) for p in _QUIET):
+            previous(unraisable)
+
+    hook.quiets = True
+    sys.unraisablehook = hook
+
+
+def _noted_stop(unraisable) -> bool:
+    return getattr(unraisable.exc_value, "noted_by_stop_on_signals", False)
+
+
 @contextlib.contextmanager
-def stop_on_signals() -> Iterator[None]:
-    """SIGTERM and SIGHUP raise `Interrupted` in the main thread for the block's duration (the
-    default action would end the process without running any cleanup)."""
+def stop_on_signals() -> Iterator[Callable[[], None]]:
+    """SIGTERM and SIGHUP raise `Interrupted`, SIGINT KeyboardInterrupt, in the main thread
+    for the block's duration (SIGTERM's default action would end the process without running
+    any cleanup). A handler runs wherever the main thread is, and where that is a gc callback
+    or a `__del__` (jax's `_xla_gc_callback` was one) Python cannot raise: it printed the
+    exception as "ignored" and carried on, and an export SIGTERM'd there finished its output.
+    So each signal is also noted, such an exception is kept from printing, and the yielded
+    `check()` raises the first one noted again: the block calls it before it commits
+    anything (a signal noted after the commit ends nothing: the output is whole)."""
+    noted: list[int] = []
+
+    def stop(signum: int) -> BaseException:
+        e = KeyboardInterrupt() if signum == signal.SIGINT else Interrupted(signum)
+        e.noted_by_stop_on_signals = True
+        return e
 
     def handler(signum, frame):
-        raise Interrupted(signum)
+        noted.append(signum)
+        raise stop(signum)
 
-    with _handlers((signal.SIGTERM, signal.SIGHUP), handler):
-        yield
+    def check() -> None:
+        if noted:
+            raise stop(noted[0])
+
+    quiet_unraisable(_noted_stop)
+    with _handlers((signal.SIGINT, signal.SIGTERM, signal.SIGHUP), handler):
+        yield check
 
 
 STOPPING = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
@@ -134,9 +179,10 @@ def new_output(out: Path, what: str) -> Iterator[Path]:
     remove_dead_siblings(out)
     tmp = sibling_name(out)
     try:  # the signals raise from before the sibling exists: a SIGTERM never leaves it
-        with stop_on_signals():
+        with stop_on_signals() as check:
             make_dir(tmp, f"a temporary directory next to {what}")
             yield tmp
+            check()
             if out.is_dir() and not out.is_symlink() and not any(out.iterdir()):
                 out.rmdir()
             tmp.rename(out)
@@ -156,8 +202,9 @@ def new_file(path: Path) -> Iterator[Path]:
     remove_dead_siblings(path)
     tmp = sibling_name(path)
     try:
-        with stop_on_signals():
+        with stop_on_signals() as check:
             yield tmp
+            check()
             os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)

@@ -23,7 +23,6 @@ import logging
 import os
 import re
 import shutil
-import sys
 import time
 import warnings
 from pathlib import Path
@@ -43,7 +42,7 @@ from moe_jax.run.layout import (
     RunError,
 )
 from moe_jax.run.lock import RunLock, make_dir, on_process_0
-from moe_jax.run.output import disk_problem, new_output, no_space, write_text
+from moe_jax.run.output import disk_problem, new_output, no_space, quiet_unraisable, write_text
 from moe_jax.tokenizer import DataError, Tokenizer, tokenizer_from_dict
 from moe_jax.tokenizer.files import SavedFilesError, holds, write_files
 
@@ -86,20 +85,6 @@ def _is_orbax_leftover(unraisable) -> bool:
     return isinstance(e, RuntimeError) and str(e) == "Event loop is closed"
 
 
-def _drop_orbax_leftovers() -> None:
-    """Every unraisable exception but Orbax's leftovers still prints."""
-    previous = sys.unraisablehook
-    if getattr(previous, "drops_orbax_leftovers", False):
-        return
-
-    def hook(unraisable):
-        if not _is_orbax_leftover(unraisable):
-            previous(unraisable)
-
-    hook.drops_orbax_leftovers = True
-    sys.unraisablehook = hook
-
-
 def _keep_log_record(record: logging.LogRecord) -> bool:
     """Orbax logs each failure in a background save with its traceback (dozens for one full
     disk) before raising it in the main thread, where `Checkpointer` makes it one line; and
@@ -113,7 +98,7 @@ def _quiet_orbax() -> None:
     save can fail: the leftovers print from other threads as soon as one does. A leftover
     coroutine of jax's array serialisation (under Orbax's writes) that is collected unawaited
     is reported as a RuntimeWarning, not an unraisable exception: ignored too."""
-    _drop_orbax_leftovers()
+    quiet_unraisable(_is_orbax_leftover)  # every other unraisable exception still prints
     warnings.filterwarnings(
         "ignore",
         message=r"coroutine '[^']*(serialize|write_fragment)[^']*' was never awaited",
