@@ -19,7 +19,7 @@ import pytest
 # compile fast rather than to generate fast kernels: LLVM at -O0 (halved the remat test, 28 ->
 # 17 s) and, where XLA still has them (jaxlib < 0.11, the oldest leg), the classic elemental
 # fusion emitters instead of the MLIR ones (tests/test_moe.py 33 -> 20 s, the oldest leg's suite
-# 12:55 -> 8:41 on 2 cores, 2026-11-27; jaxlib 0.11 removed the flag, and an unknown XLA flag
+# 12:55 -> 9:29 on 2 cores, 2026-11-27; jaxlib 0.11 removed the flag, and an unknown XLA flag
 # aborts). Neither turns on fast-math; the suite passes with and without them.
 # `DEFAULT_EMITTERS` is the compiler option a test that inspects XLA:CPU's default pipeline
 # compiles with.
