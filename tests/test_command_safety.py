@@ -473,7 +473,8 @@ def test_quantize_export_and_import_stopped_leave_nothing(tmp_path, command):
         source = tmp_path / "run"  # Qwen3-MoE-shaped, so that it exports
         train(_cfg(source, "attention.qkv_bias=false", "moe.router_bias=false"), stop_at=2)
     # The command with one step of its writing slowed down, so that the signal surely lands
-    # while its output is being written (a tiny run's is written in milliseconds).
+    # while its output is being written (a tiny run's is written in milliseconds): its first
+    # call only (export adds the tensors one by one: slowing each made this test 24 s).
     module, owner, name, argv = {
         "quantize": ("moe_jax.quantize", "moe_jax.run.store", "keep_tokenizer_files", []),
         "export": ("moe_jax.interop", "moe_jax.interop.safetensors_io.ShardWriter", "add",
@@ -487,7 +488,9 @@ def test_quantize_export_and_import_stopped_leave_nothing(tmp_path, command):
         "except ImportError:\n"
         "    owner = getattr(importlib.import_module('.'.join(path[:-1])), path[-1])\n"
         f"real = getattr(owner, {name!r})\n"
-        "def slowly(*a, **k):\n    time.sleep(0.5)\n    return real(*a, **k)\n"
+        "calls = []\n"
+        "def slowly(*a, **k):\n    time.sleep(0.5 if not calls else 0)\n    calls.append(a)\n"
+        "    return real(*a, **k)\n"
         f"setattr(owner, {name!r}, slowly)\n"
         f"runpy.run_module({module!r}, run_name='__main__')\n"
     )
