@@ -47,12 +47,12 @@ LOGICAL_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     ("expert_mlp", "tensor"),
     ("layers", None),
 )
+# The config values that size the "latent" dim of MLA's weights (q_lora_rank 0: no such weight)
+MLA_RANKS = ("q_lora_rank", "kv_lora_rank")
 # Sampling reads every weight at every decode step, so a weight split over an axis that does
 # not split its compute is gathered at every step: there the non-expert weights' model dim is
 # split over fsdp only (a sampling mesh with fsdp > 1 gathers them, memory for bandwidth), never
 # over `expert`, whose devices each run the same tokens through those weights.
-# the latent dims of MLA's weights split over fsdp (q_lora_rank 0: no such weight)
-MLA_RANKS = ("q_lora_rank", "kv_lora_rank")
 INFERENCE_RULES = tuple((k, "fsdp" if k == "embed" else v) for k, v in LOGICAL_RULES)
 
 

@@ -77,8 +77,8 @@ class DecoderLayer(nnx.Module):
     def __init__(self, cfg: Config, layer: int, *, rngs: nnx.Rngs, standalone: bool = False):
         """`standalone`: a layer outside the layer scan (the dense prefix, the tail, an MTP
         layer), which applies `model.remat` itself (the scan's body applies it to the rest)."""
-        D, eps = cfg.model.d_model, cfg.model.norm_eps
         m = cfg.model
+        D, eps = m.d_model, m.norm_eps
         # Its input is kept by the checkpoint itself: offloading its named copy would only
         # add a host copy of it.
         offload = tuple(n for n in m.remat_offloaded if n != "layer_input")
