@@ -89,12 +89,13 @@ def pytest_runtest_logreport(report):
 
 @pytest.fixture
 def ragged_on_cpu(monkeypatch):
-    """The ragged exchange on this CPU, with the emulated collective, for the tiny tests'
-    exchanges too (smaller than a training step's, they would keep the buffers)."""
+    """The ragged exchange on this CPU, with the collective's stand-in (`ragged_stand_in`),
+    for the tiny tests' exchanges too (smaller than a training step's, they would keep the
+    buffers)."""
     from moe_jax import backends
     from moe_jax.model import exchange_rounds, experts
-    from tests.helpers import emulated_ragged_all_to_all
+    from tests import ragged_stand_in
 
     monkeypatch.setitem(backends.EXCHANGE, "cpu", "ragged")
     monkeypatch.setattr(experts, "MAP_MIN_CAPACITY", 1)
-    monkeypatch.setattr(exchange_rounds, "ragged_all_to_all", emulated_ragged_all_to_all)
+    monkeypatch.setattr(exchange_rounds, "ragged_all_to_all", ragged_stand_in.ragged_all_to_all)

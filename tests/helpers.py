@@ -5,7 +5,6 @@ from __future__ import annotations
 import zlib
 
 import jax
-import jax.numpy as jnp
 from flax import nnx
 
 from moe_jax.config import Config, load_config
@@ -72,26 +71,3 @@ def dequantised_copy(model: nnx.Module, qmodel: nnx.Module) -> nnx.Module:
             target = target[name] if isinstance(name, int) else getattr(target, name)
         getattr(target, path[-1])[...] = v[...]
     return dequantised
-
-
-def emulated_ragged_all_to_all(
-    operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, *, axis_name
-):
-    """`jax.lax.ragged_all_to_all` from all_gather and one scatter (XLA:CPU has none): every
-    shard gathers all operands and offsets, and writes the slices sent to it (slice i of a
-    sender goes to shard i // per) at their output offsets (given by the *sender*, in this
-    receiver's output), recv_sizes rows each (its own count of what each sender sends it);
-    the output's other rows stay as they were."""
-    ep = jax.lax.axis_size(axis_name)
-    per = input_offsets.shape[0] // ep
-    me = jax.lax.axis_index(axis_name)
-    gather = lambda a: jax.lax.all_gather(a, axis_name)  # [ep, ...]: every sender's
-    mine = lambda a: jax.lax.dynamic_slice_in_dim(gather(a), me * per, per, axis=1)
-    start_Pj, out_Pj = mine(input_offsets), mine(output_offsets)  # [ep senders, per]
-    size_Pj = recv_sizes.reshape(ep, per)
-    rows_n = jnp.arange(operand.shape[0])
-    in_slice_Pjn = (rows_n >= start_Pj[..., None]) & (rows_n < (start_Pj + size_Pj)[..., None])
-    dest_Pjn = out_Pj[..., None] + rows_n - start_Pj[..., None]
-    dest_Pjn = jnp.where(in_slice_Pjn, dest_Pjn, output.shape[0])  # out of range: dropped
-    values = jnp.broadcast_to(gather(operand)[:, None], (ep, per, *operand.shape))
-    return output.at[dest_Pjn.reshape(-1)].set(values.reshape(-1, *operand.shape[1:]), mode="drop")

@@ -1,6 +1,6 @@
 """Dropless expert parallelism in rounds of a bounded receive buffer (`exchange_rounds.py`):
 the rows that do not fit go in further rounds, never dropped. On 8 simulated CPU devices with
-the emulated ragged-all-to-all (`helpers.emulated_ragged_all_to_all`).
+the ragged-all-to-all's stand-in (`tests/ragged_stand_in.py`).
 
 Against the dense every-expert reference (`test_moe.dense_reference`) and the unbounded
 exchange (`moe.recv_factor=0`: one round of the worst-case buffer), values and gradients:

@@ -2,9 +2,9 @@
 by `ragged_all_to_all`) against the unsharded layer and the fixed-buffer `all_to_all` path,
 values and gradients, on 8 simulated CPU devices; and compiled for a TPU slice and GPUs.
 
-XLA:CPU has no ragged-all-to-all, so here the layer runs on `helpers.emulated_ragged_all_to_all`,
-the collective's documented semantics built from all_gather and a scatter (checked on the
-docstring's example first); the real collective is checked by the accelerator compiles.
+XLA:CPU has no ragged-all-to-all, so here the layer runs on `tests/ragged_stand_in.py`, the
+collective's documented semantics (checked in test_ragged_stand_in.py); the real collective is
+checked by the accelerator compiles.
 """
 
 import re
@@ -21,35 +21,12 @@ from moe_jax import aot, backends
 from moe_jax.model import gather
 from moe_jax.model.moe import MoE
 from moe_jax.sharding import BATCH_AXES, create_sharded, make_mesh, n_batch_shards
-from tests.helpers import emulated_ragged_all_to_all, randomize_biases, tiny_config
+from tests.helpers import randomize_biases, tiny_config
 
 # float32 throughout (the suite's matmul precision is "highest"): the paths move the same
 # values and sum the same products, only in another order, so they agree to ~1e-6 relative on
 # O(1) outputs; a row sent to the wrong expert or lost is off by a whole term (~1e-1).
 TOL = dict(rtol=1e-5, atol=1e-5)
-
-
-def test_emulation_equals_the_docstring_example():
-    """jax's own example: axis of size 2, shard 0 sends [1] to itself and [2, 2] to shard 1
-    (at its offset 0), shard 1 sends [3] to shard 0 (at 1) and [4] to itself (at 2)."""
-    mesh = jax.make_mesh((2,), ("x",), devices=jax.devices()[:2])
-    args = [
-        [[1, 2, 2], [3, 4, 0]],  # operand
-        [[0, 0, 0, 0]] * 2,  # output
-        [[0, 1], [0, 1]],  # input_offsets
-        [[1, 2], [1, 1]],  # send_sizes
-        [[0, 0], [1, 2]],  # output_offsets
-        [[1, 1], [2, 1]],  # recv_sizes
-    ]
-    shard = NamedSharding(mesh, P("x"))
-    args = [jax.device_put(jnp.array(a, jnp.int32).reshape(-1), shard) for a in args]
-    f = jax.shard_map(
-        lambda *a: emulated_ragged_all_to_all(*a, axis_name="x"),
-        mesh=mesh,
-        in_specs=P("x"),
-        out_specs=P("x"),
-    )
-    np.testing.assert_array_equal(jax.jit(f)(*args).reshape(2, 4), [[1, 3, 0, 0], [2, 2, 4, 0]])
 
 
 MOE_EP = [
@@ -127,7 +104,7 @@ def test_ragged_exchange_equals_unsharded_and_fixed_buffers(
     with gather.gathering("steps" if group else "partitioner", group):
         jaxpr, ((_, (y, s)), g) = _sharded(cfg, mesh, x)
     # The exchange's 2 small all_to_alls of offsets (none without an expert axis); the rows
-    # went by the emulation
+    # went by the stand-in
     ep = mesh.shape["expert"]
     assert jaxpr.count("all_to_all[") == (2 if ep > 1 else 0)
     assert "ragged_dot" in jaxpr and "cond[" not in jaxpr

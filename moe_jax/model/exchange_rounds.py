@@ -29,7 +29,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-# The exchange's collective; the CPU tests swap in an emulation (XLA:CPU has none).
+# The exchange's collective; the CPU tests swap in a stand-in (XLA:CPU has none):
+# tests/ragged_stand_in.py.
 ragged_all_to_all = jax.lax.ragged_all_to_all
 
 # The name scope of the rounds' loops: `moe_jax.hlo` counts their FLOPs and collectives at
