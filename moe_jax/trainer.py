@@ -181,6 +181,9 @@ def train(cfg: Config, *, stop_at: int | None = None) -> TrainResult:
             params, opt_state = ckpt.restore(
                 resume.step, abstract_state["params"], abstract_state["opt_state"], it
             )
+            if opt_state is None:  # params only (an import): a new optimizer state
+                opt_sharding = jax.tree.map(lambda a: a.sharding, abstract_state["opt_state"])
+                opt_state = jax.jit(tx.init, out_shardings=opt_sharding)(params)
             state = make_state(resume.step, params, opt_state, abstract_state["step"].sharding)
             log(f"resumed from {cfg.run_dir} at step {resume.step}")
         elif source:

@@ -479,7 +479,7 @@ def test_quantize_export_and_import_stopped_leave_nothing(tmp_path, command):
         "quantize": ("moe_jax.quantize", "moe_jax.run.store", "keep_tokenizer_files", []),
         "export": ("moe_jax.interop", "moe_jax.interop.safetensors_io.ShardWriter", "add",
                    ["export"]),
-        "import": ("moe_jax.interop", "moe_jax.run.store.Checkpointer", "save", ["import"]),
+        "import": ("moe_jax.interop", "moe_jax.run.stream_save", "write_params", ["import"]),
     }[command]  # fmt: skip
     slow = (
         "import importlib, runpy, sys, time\n"

@@ -1,14 +1,18 @@
 """Convert between Hugging Face checkpoints and moe_jax run directories.
 
-    python -m moe_jax.interop import HF_DIR --out RUN_DIR [CONFIG.yaml] [section.key=value ...]
+    python -m moe_jax.interop import HF_DIR --out RUN_DIR [--dtype D] [CONFIG.yaml] [key=value ...]
     python -m moe_jax.interop export RUN_DIR --out HF_DIR [--step N] [--arch ARCHITECTURE]
 
 import: the architecture comes from HF_DIR/config.json; CONFIG.yaml (default: the schema
 defaults) and the overrides set everything else (train, data, mesh, ...) plus the run-time
 model keys (model.dtype, model.scan_layers, model.max_seq_len, moe.capacity_factor, aux-loss
-weights). RUN_DIR gets a step-0 checkpoint: fine-tune it with
-`python train.py RUN_DIR/config.yaml [overrides]` (fresh optimizer, data from the start) or
-sample from it. The HF directory's tokenizer (tokenizer.json or tokenizer.model, with
+weights). RUN_DIR gets a step-0 checkpoint of the params only, in the checkpoint's own dtype
+(bf16 stays bf16; --dtype float32 or bfloat16 to choose), streamed: each tensor is read
+through a memory map and written a slice at a time, so host memory stays about one tensor
+whatever the model's size (a progress line on stderr gives bytes, rate and ETA). Fine-tune
+it with `python train.py RUN_DIR/config.yaml [overrides]` (float32 master weights and a new
+optimizer state made on the devices, data from the start) or sample from it. The HF
+directory's tokenizer (tokenizer.json or tokenizer.model, with
 tokenizer_config.json, special_tokens_map.json and chat_template.jinja/.json where present) is
 copied into RUN_DIR/tokenizer/ and is the run's tokenizer (`data.tokenizer` names that copy),
 so `python sample.py --run RUN_DIR --prompt "..."` takes text, and `--chat` renders it
@@ -34,23 +38,22 @@ import dataclasses
 import sys
 from pathlib import Path
 
-import jax
 from flax import nnx
 from omegaconf import OmegaConf
 
 from moe_jax.config import Config, ConfigError, config_from_yaml, config_to_yaml, load_config
 from moe_jax.data import load_run_data
-from moe_jax.interop.convert import FAMILIES, load_hf, save_hf
+from moe_jax.interop.convert import FAMILIES, open_hf, save_hf
 from moe_jax.interop.safetensors_io import InteropError
+from moe_jax.interop.stream import ImportPlan, Progress
 from moe_jax.load import load_run
 from moe_jax.model import Transformer
 from moe_jax.run.layout import TOKENIZER_DIR, RunError
-from moe_jax.run.output import Interrupted, cli_ending, new_output
+from moe_jax.run.output import Interrupted, cli_ending
 from moe_jax.run.policy import RESUMABLE_CHANGES
-from moe_jax.run.store import Checkpointer
+from moe_jax.run.stream_save import write_params_run
 from moe_jax.tokenizer import DataError, Tokenizer, load_tokenizer
 from moe_jax.tokenizer.files import HF_FILE, SP_FILE
-from moe_jax.train_step import make_optimizer
 
 
 def _require_empty(out: Path) -> None:
@@ -58,21 +61,13 @@ def _require_empty(out: Path) -> None:
         raise InteropError(f"'{out}' exists and is not empty; choose a new --out directory")
 
 
-def _host_device() -> jax.Device | None:
-    """Host memory rather than an accelerator: an imported model only passes through on its
-    way to disk (None, i.e. the default device, where JAX runs without a CPU backend)."""
-    try:
-        return jax.local_devices(backend="cpu")[0]
-    except RuntimeError:
-        return None
-
-
 def _import_config(
-    hf_dir: Path, config: str | None, overrides: list[str]
-) -> tuple[Config, Transformer]:
-    """The HF architecture over CONFIG.yaml + overrides; overriding an architecture key that
-    the HF config fixes is refused rather than silently ignored, but for `model.mtp_depth=0`
-    (the multi-token prediction layers left out)."""
+    hf_dir: Path, config: str | None, overrides: list[str], dtype: str = "source"
+) -> tuple[Config, ImportPlan]:
+    """The HF architecture over CONFIG.yaml + overrides, and the plan that streams its
+    weights; overriding an architecture key that the HF config fixes is refused rather than
+    silently ignored, but for `model.mtp_depth=0` (the multi-token prediction layers left
+    out)."""
     mtp = True
     for item in overrides:
         key, _, value = item.partition("=")
@@ -81,7 +76,7 @@ def _import_config(
         elif key.split(".")[0] in ("model", "attention", "moe") and key not in RESUMABLE_CHANGES:
             raise ConfigError(f"'{key}' is set by {hf_dir}/config.json and cannot be overridden")
     base = load_config(config, overrides)
-    cfg, model = load_hf(hf_dir, base, device=_host_device(), mtp=mtp)
+    cfg, plan = open_hf(hf_dir, base, mtp=mtp, dtype=dtype)
     # The run-time model keys the HF config sets (max_seq_len, capacity_factor) yield to the
     # ones CONFIG.yaml or the overrides give explicitly.
     merged = OmegaConf.create(config_to_yaml(cfg))
@@ -91,7 +86,7 @@ def _import_config(
         if value is not None:
             OmegaConf.update(merged, key, value)
     merged = OmegaConf.merge(merged, OmegaConf.from_dotlist(overrides))
-    return config_from_yaml(OmegaConf.to_yaml(merged)), model
+    return config_from_yaml(OmegaConf.to_yaml(merged)), plan
 
 
 def _hf_tokenizer(hf_dir: Path, cfg: Config, overrides: list[str]) -> Tokenizer | None:
@@ -111,29 +106,31 @@ def _hf_tokenizer(hf_dir: Path, cfg: Config, overrides: list[str]) -> Tokenizer 
     return tokenizer
 
 
-def import_run(hf_dir: Path, out: Path, config: str | None, overrides: list[str]) -> Config:
-    """Import HF_DIR into a new run directory `out` holding a step-0 checkpoint, and the HF
+def import_run(
+    hf_dir: Path, out: Path, config: str | None, overrides: list[str], dtype: str = "source"
+) -> Config:
+    """Import HF_DIR into a new run directory `out` holding a params-only step-0 checkpoint
+    in `dtype` ("source": the checkpoint's own), written slice by slice, and the HF
     tokenizer's files (see the module doc)."""
     _require_empty(out)
-    cfg, model = _import_config(hf_dir, config, overrides)
+    cfg, plan = _import_config(hf_dir, config, overrides, dtype)
     tokenizer = _hf_tokenizer(hf_dir, cfg, overrides)
     if tokenizer is not None:  # the run's own copy, written with its checkpoint
         cfg = dataclasses.replace(
             cfg, data=dataclasses.replace(cfg.data, tokenizer=str(out / TOKENIZER_DIR))
         )
     cfg = dataclasses.replace(cfg, run_dir=str(out))
-    # The run's tokenizer and data position, as train.py would start them.
-    data = load_run_data(cfg, tokenizer)
-    params = nnx.state(model, nnx.Param)
-    opt_state = make_optimizer(cfg.train).init(params)
-    it = data.train_iterator(cfg)
-    meta = {"config": cfg, "tokenizer": data.tokenizer, "fingerprint": data.fingerprint}
-    with new_output(out, f"--out '{out}'") as tmp:  # the whole run, or nothing
-        ckpt = Checkpointer(cfg, run_dir=tmp)
-        try:
-            ckpt.save(0, params, opt_state, it, meta)
-        finally:
-            ckpt.close()
+    data = load_run_data(cfg, tokenizer)  # the run's tokenizer and corpus, as train.py's
+    abstract = nnx.state(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0))), nnx.Param)
+    meta = {
+        "config": cfg,
+        "tokenizer": data.tokenizer,
+        "fingerprint": data.fingerprint,
+        "imported_from": str(hf_dir),
+    }
+    total = sum(plan.nbytes(p) for p in plan.shapes)
+    progress = Progress(total, "import", lambda line: print(line, file=sys.stderr, flush=True))
+    write_params_run(out, meta, abstract, plan.dtypes, plan.fill, plan.stacked, progress)
     return cfg
 
 
@@ -154,10 +151,16 @@ def main(argv: list[str]) -> int:
     imp = sub.add_parser(
         "import",
         help="HF checkpoint directory -> moe_jax run directory",
-        usage="%(prog)s HF_DIR --out RUN_DIR [CONFIG.yaml] [section.key=value ...]",
+        usage="%(prog)s HF_DIR --out RUN_DIR [--dtype D] [CONFIG.yaml] [section.key=value ...]",
     )
     imp.add_argument("hf_dir", type=Path)
     imp.add_argument("--out", type=Path, required=True, help="new run directory")
+    imp.add_argument(
+        "--dtype",
+        choices=["source", "float32", "bfloat16"],
+        default="source",
+        help="the params' dtype in the run (default: the checkpoint's own, bf16 stays bf16)",
+    )
     exp = sub.add_parser("export", help="moe_jax run directory -> HF checkpoint directory")
     exp.add_argument("run_dir", type=Path)
     exp.add_argument("--out", type=Path, required=True, help="new HF model directory")
@@ -170,7 +173,7 @@ def main(argv: list[str]) -> int:
     try:
         if args.command == "import":
             config = rest.pop(0) if rest and "=" not in rest[0] else None
-            cfg = import_run(args.hf_dir, args.out, config, rest)
+            cfg = import_run(args.hf_dir, args.out, config, rest, args.dtype)
             print(f"imported {args.hf_dir} into {cfg.run_dir} (step 0)")
         else:
             arch, cfg = export_run(args.run_dir, args.out, args.step, args.arch)

@@ -1,10 +1,9 @@
 """`load_hf` / `save_hf`: Hugging Face checkpoint directory <-> (Config, Transformer).
 
-Import builds every parameter of ours in a preallocated float32 array, filled from the HF
-tensors one at a time (memory-mapped or read per tensor), then turns the buffers into device
-arrays one by one, dropping each buffer as its array is made: the peak is one copy of the
-model plus one parameter. Export writes per-layer slices of our (possibly stacked)
-parameters into size-capped safetensors shards.
+Import streams (`stream.py`): each parameter of ours, or each shard or layer of it, is made
+from the memory-mapped HF tensors in their own dtype as it is placed on its devices or
+written, so the host holds about one tensor at a time. Export writes per-layer slices of
+our (possibly stacked) parameters into size-capped safetensors shards.
 
 Multi-token prediction (`model.mtp_depth`, families with `Family.mtp_rules`: DeepSeek-V3 and
 GLM-4.5) travels both ways as the layers after the main ones, `model.layers.{n_layers + k}`:
@@ -26,8 +25,9 @@ from flax import nnx
 
 from moe_jax.config import Config, ConfigError, validate
 from moe_jax.interop import deepseek, glm4_moe, gpt_oss, llama, llama4, mixtral, qwen3
-from moe_jax.interop.common import Family, HFConfig, Source, top_rules
+from moe_jax.interop.common import Family, HFConfig, top_rules
 from moe_jax.interop.safetensors_io import INDEX_FILE, InteropError, ShardWriter, TensorReader
+from moe_jax.interop.stream import ImportPlan, Progress
 from moe_jax.model import Transformer
 from moe_jax.run.output import new_output
 from moe_jax.tokenizer import Tokenizer
@@ -175,60 +175,63 @@ def _abstract_params(cfg: Config):
     return graphdef, dict(nnx.to_flat_state(params))
 
 
+def open_hf(
+    directory: str | Path, base: Config | None = None, *, mtp: bool = True, dtype="float32"
+) -> tuple[Config, ImportPlan]:
+    """Our config for a HF checkpoint directory and the `ImportPlan` that makes any slice of
+    any of its parameters (`stream.py`), every tensor checked (names, shapes, dtypes, the MTP
+    layers' copies) before anything is read in bulk. `dtype`: "float32", "bfloat16" or
+    "source" (each parameter in its tensors' dtype). Raises `InteropError` as `load_hf`."""
+    family, hf, prefix = read_hf_config(directory)
+    cfg = _our_config(family, hf, directory, base)
+    reader = TensorReader(directory)
+    cfg, dropped = _imported_mtp(cfg, reader.names(), prefix, mtp)
+    _, variables = _abstract_params(cfg)
+    shapes = {p: tuple(v.shape) for p, v in variables.items()}
+    plan = ImportPlan(reader, prefix, _placements(cfg, family), shapes, dtype)
+    plan.run_checks()
+    ignored = {prefix + "lm_head.weight"} if cfg.model.tie_embeddings else set()
+    unused = plan.unused(
+        lambda n: n in ignored or n.endswith(_IGNORED_SUFFIXES) or n.startswith(dropped)
+    )
+    if unused:
+        raise InteropError(
+            f"{len(unused)} tensor(s) in '{directory}' have no place in the {hf.architecture} "
+            f"mapping, e.g. '{unused[0]}'; the checkpoint uses a setting moe_jax does not support"
+        )
+    return cfg, plan
+
+
 def load_hf(
     directory: str | Path,
     base: Config | None = None,
     device: jax.Device | None = None,
     *,
     mtp: bool = True,
+    dtype: str = "float32",
+    shardings: dict | None = None,
+    progress: Progress | None = None,
 ) -> tuple[Config, Transformer]:
     """Import a HF checkpoint directory (config.json + safetensors, single file or sharded).
 
     Returns our config (see `config_from_hf`) and a `Transformer` holding the weights as
-    float32 arrays on `device` (default: JAX's default device; pass a CPU device to import a
-    model larger than an accelerator, e.g. to write a checkpoint). Raises `InteropError`
-    (one line) for an unsupported architecture or setting, a missing tensor, a tensor of the
-    wrong shape, or a tensor the mapping does not use (a setting we would otherwise ignore).
-    `mtp=False`: without the multi-token prediction layers (`model.mtp_depth` 0), their
-    tensors skipped unread.
+    `dtype` arrays ("float32", "bfloat16", or "source": each in its checkpoint's dtype) on
+    `device` (default: JAX's default device), or laid out by `shardings` ({param path:
+    Sharding}, e.g. a mesh's: each process reads only the slices its devices hold). The
+    tensors are streamed slice by slice (`stream.py`): the host never holds more than about
+    one tensor. Raises `InteropError` (one line) for an unsupported architecture or setting,
+    a missing, truncated or unreadable tensor or file, a tensor of the wrong shape, or a
+    tensor the mapping does not use (a setting we would otherwise ignore). `mtp=False`:
+    without the multi-token prediction layers (`model.mtp_depth` 0), their tensors skipped
+    unread.
     """
-    family, hf, prefix = read_hf_config(directory)
-    cfg = _our_config(family, hf, directory, base)
-    reader = TensorReader(directory)
-    cfg, dropped = _imported_mtp(cfg, reader.names(), prefix, mtp)
+    cfg, plan = open_hf(directory, base, mtp=mtp, dtype=dtype)
     graphdef, variables = _abstract_params(cfg)
-    buffers: dict[tuple, np.ndarray] = {}
-
-    def out(path: tuple, block: int | None) -> np.ndarray:
-        if path not in buffers:
-            buffers[path] = np.empty(variables[path].shape, np.float32)
-        return buffers[path] if block is None else buffers[path][block]
-
-    used: set[str] = set()
-    for name_prefix, rule, paths, block in _placements(cfg, family):
-        src = Source(reader, prefix + name_prefix, used)
-        rule.load(src, *[out(p, block) for p in paths])
-    assert buffers.keys() == variables.keys(), sorted(variables.keys() ^ buffers.keys())
-
-    ignored = {prefix + "lm_head.weight"} if cfg.model.tie_embeddings else set()
-    unused = [
-        n
-        for n in reader.names()
-        if n.startswith(prefix)
-        and n not in used
-        and n not in ignored
-        and not n.endswith(_IGNORED_SUFFIXES)
-        and not n.startswith(dropped)
-    ]
-    if unused:
-        raise InteropError(
-            f"{len(unused)} tensor(s) in '{directory}' have no place in the {hf.architecture} "
-            f"mapping, e.g. '{unused[0]}'; the checkpoint uses a setting moe_jax does not support"
-        )
-    # Each finished buffer becomes a device array and is dropped at once: one copy at a time.
-    params = nnx.from_flat_state(
-        [(p, variables[p].copy(jax.device_put(buffers.pop(p), device))) for p in sorted(variables)]
-    )
+    if shardings is None:
+        one = jax.sharding.SingleDeviceSharding(device or jax.devices()[0])
+        shardings = dict.fromkeys(variables, one)
+    arrays = plan.to_devices(shardings, progress)
+    params = nnx.from_flat_state([(p, variables[p].copy(arrays[p])) for p in sorted(variables)])
     return cfg, nnx.merge(graphdef, params)
 
 

@@ -177,7 +177,7 @@ def _experts(hf: str = "mlp.experts") -> Rule:
 def _dequantized(src: Source, name: str, scales_shape: tuple[int, ...]) -> np.ndarray:
     blocks = src.packed(f"{name}_blocks", (*scales_shape, mxfp4.BLOCK // 2))
     scales = src.packed(f"{name}_scales", scales_shape)
-    return mxfp4.dequantize(blocks, scales).astype(np.float32)
+    return mxfp4.dequantize(blocks, scales)  # bf16, as transformers decodes it
 
 
 def _interleave(gate: np.ndarray, up: np.ndarray) -> np.ndarray:

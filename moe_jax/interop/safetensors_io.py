@@ -1,11 +1,10 @@
 """Safetensors checkpoints as NumPy arrays, one tensor at a time (no torch needed).
 
 Reading: a Hugging Face checkpoint directory holds either `model.safetensors` or shards
-listed in `model.safetensors.index.json` (`weight_map`: tensor name -> shard file). Tensors
-are read one at a time through the `safetensors` NumPy API and returned as float32. NumPy has
-no bfloat16, so that API refuses BF16 tensors (the usual dtype of published checkpoints);
-those are memory-mapped from their byte range in the file and widened exactly (a bfloat16 is
-the high 16 bits of a float32).
+listed in `model.safetensors.index.json` (`weight_map`: tensor name -> shard file). Each
+tensor is memory-mapped from its byte range in its file, in its own dtype (bf16 and fp8
+through `ml_dtypes`): a converter that slices it reads only the slice, and nothing is widened
+to float32 on the way. The headers are parsed (and checked against the files' sizes) once.
 
 Writing: `ShardWriter` buffers tensors up to a shard size, writes each full shard at once and
 finally names the shards and the index the way `save_pretrained` does, so a model larger than
@@ -15,17 +14,17 @@ memory is written in per-layer pieces.
 from __future__ import annotations
 
 import json
+import math
 import os
 import struct
 from pathlib import Path
 
+import ml_dtypes
 import numpy as np
-from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
-_FLOAT_DTYPES = ("F64", "F32", "F16")  # dtypes the NumPy API reads itself
 
 
 def _new_file_mode() -> int:
@@ -39,23 +38,46 @@ class InteropError(ValueError):
     """A checkpoint or config that cannot be converted; the message names what and why."""
 
 
+# safetensors dtype -> NumPy dtype of the values as stored (bf16 and fp8 through ml_dtypes).
+DTYPES = {
+    "F64": np.dtype("<f8"),
+    "F32": np.dtype("<f4"),
+    "F16": np.dtype("<f2"),
+    "BF16": np.dtype(ml_dtypes.bfloat16),
+    "F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn),
+    "F8_E5M2": np.dtype(ml_dtypes.float8_e5m2),
+    "U8": np.dtype("u1"),
+    "I8": np.dtype("i1"),
+}
+FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")  # read as values; the others need a format
+
+
 class TensorReader:
-    """Name -> float32 array for every tensor of a checkpoint directory (single file or shards)."""
+    """Name -> the tensor as stored (its own dtype), memory-mapped: nothing is read until
+    the array (or a slice of it) is used, so a converter reads only what it keeps.
+
+    Every file's header is read and checked when the directory is opened (a missing or
+    truncated shard, an index naming a file that is not there, a tensor whose byte range
+    does not match its shape and dtype): `InteropError` naming the file and the tensor,
+    before anything is converted or written."""
 
     def __init__(self, directory: str | Path):
         self.directory = Path(directory)
-        self._handles: dict[Path, object] = {}  # open safe_open handles (memory maps)
-        self._headers: dict[Path, tuple[int, dict]] = {}  # parsed headers, for BF16 reads
+        self._headers: dict[Path, tuple[int, dict]] = {}  # data start, JSON header
         index = self.directory / INDEX_FILE
         if index.is_file():
             try:
                 weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
-            except (ValueError, KeyError) as e:
+            except (ValueError, KeyError, TypeError) as e:
                 raise InteropError(f"'{index}' is not a safetensors index ({e})") from None
             self._file_of = {name: self.directory / f for name, f in weight_map.items()}
-            for f in sorted(set(self._file_of.values())):
+            for name, f in self._file_of.items():
                 if not f.is_file():
-                    raise InteropError(f"shard '{f.name}' listed in '{index}' is missing")
+                    raise InteropError(
+                        f"shard '{f.name}' listed in '{index}' (for tensor '{name}') is missing"
+                    )
+                if name not in self._header(f)[1]:
+                    raise InteropError(f"'{index}' puts tensor '{name}' in '{f}', which lacks it")
         else:
             files = sorted(self.directory.glob("*.safetensors"))
             if not files:
@@ -65,7 +87,7 @@ class TensorReader:
                 )
             self._file_of = {}
             for f in files:
-                self._file_of.update(dict.fromkeys(self._handle(f).keys(), f))
+                self._file_of.update(dict.fromkeys(self._header(f)[1], f))
 
     def names(self) -> list[str]:
         return sorted(self._file_of)
@@ -74,55 +96,97 @@ class TensorReader:
         return name in self._file_of
 
     def shape(self, name: str) -> tuple[int, ...]:
-        return tuple(self._handle(self._file(name)).get_slice(name).get_shape())
+        return tuple(self._info(name)["shape"])
+
+    def dtype(self, name: str) -> str:
+        """The safetensors dtype name (BF16, F32, F8_E4M3, U8, ...)."""
+        return self._info(name)["dtype"]
+
+    def nbytes(self, name: str) -> int:
+        start, end = self._info(name)["data_offsets"]
+        return end - start
 
     def get(self, name: str) -> np.ndarray:
-        path = self._file(name)
-        handle = self._handle(path)
-        dtype = handle.get_slice(name).get_dtype()
-        if dtype in _FLOAT_DTYPES:
-            return handle.get_tensor(name).astype(np.float32, copy=False)
-        if dtype == "BF16":
-            return self._bf16(path, name)
-        raise InteropError(
-            f"tensor '{name}' has dtype {dtype}; only float tensors (F32, F16, BF16) can be "
-            "imported (dequantize the checkpoint first)"
-        )
+        """A float tensor (F64, F32, F16, BF16) in its own dtype, memory-mapped."""
+        dtype = self.dtype(name)
+        if dtype not in FLOAT_DTYPES:
+            raise InteropError(
+                f"tensor '{name}' in '{self._file(name)}' has dtype {dtype}; only F32, F16 and "
+                "BF16 tensors (and the FP8 / MXFP4 weights with their scales) can be imported"
+            )
+        return self.raw(name)
 
     def get_packed(self, name: str) -> np.ndarray:
         """A uint8 tensor as it is stored (MXFP4 blocks and scales; `interop.mxfp4`)."""
-        handle = self._handle(self._file(name))
-        dtype = handle.get_slice(name).get_dtype()
+        dtype = self.dtype(name)
         if dtype != "U8":
-            raise InteropError(f"tensor '{name}' has dtype {dtype}; packed tensors are U8")
-        return handle.get_tensor(name)
+            raise InteropError(
+                f"tensor '{name}' in '{self._file(name)}' has dtype {dtype}; packed tensors are U8"
+            )
+        return self.raw(name)
+
+    def raw(self, name: str) -> np.ndarray:
+        """Any tensor of a dtype in `DTYPES`, as stored, memory-mapped (read-only)."""
+        path, info = self._file(name), self._info(name)
+        dtype = DTYPES[info["dtype"]]
+        start, end = info["data_offsets"]
+        shape = tuple(info["shape"])
+        if end == start:
+            return np.zeros(shape, dtype)
+        data_start = self._header(path)[0]
+        return np.memmap(path, dtype=dtype, mode="r", offset=data_start + start, shape=shape)
 
     def _file(self, name: str) -> Path:
         if name not in self._file_of:
             raise InteropError(f"tensor '{name}' is missing from '{self.directory}'")
         return self._file_of[name]
 
-    def _handle(self, path: Path):
-        if path not in self._handles:
-            try:
-                self._handles[path] = safe_open(path, framework="np")
-            except SafetensorError as e:
-                raise InteropError(f"'{path}' is not a readable safetensors file ({e})") from None
-        return self._handles[path]
+    def _info(self, name: str) -> dict:
+        return self._header(self._file(name))[1][name]
 
-    def _bf16(self, path: Path, name: str) -> np.ndarray:
+    def _header(self, path: Path) -> tuple[int, dict]:
         if path not in self._headers:
-            with open(path, "rb") as f:
-                (n,) = struct.unpack("<Q", f.read(8))  # header length, then the JSON header
-                self._headers[path] = (8 + n, json.loads(f.read(n)))
-        data_start, header = self._headers[path]
-        info = header[name]
-        start, end = info["data_offsets"]
-        shape = tuple(info["shape"])
-        if end == start:
-            return np.zeros(shape, np.float32)
-        raw = np.memmap(path, dtype="<u2", mode="r", offset=data_start + start, shape=shape)
-        return (raw.astype(np.uint32) << 16).view(np.float32)
+            self._headers[path] = _read_header(path)
+        return self._headers[path]
+
+
+def _read_header(path: Path) -> tuple[int, dict]:
+    """(where the data starts, {tensor name: its header entry}) of a safetensors file, every
+    entry checked against the file: a known dtype, a byte range of its shape's size that
+    lies inside the file."""
+    size = path.stat().st_size
+    bad = lambda why: InteropError(f"'{path}' is not a readable safetensors file ({why})")
+    try:
+        with open(path, "rb") as f:
+            (n,) = struct.unpack("<Q", f.read(8))  # header length, then the JSON header
+            if n > size - 8:
+                raise bad(f"its header of {n} bytes is longer than the file: truncated?")
+            header = json.loads(f.read(n))
+    except (OSError, struct.error) as e:
+        raise bad(e) from None
+    except ValueError as e:
+        raise bad(f"header: {e}") from None
+    header.pop("__metadata__", None)
+    data = size - 8 - n
+    for name, info in header.items():
+        where = f"tensor '{name}' in '{path}'"
+        try:
+            dtype, shape, (start, end) = info["dtype"], info["shape"], info["data_offsets"]
+        except (KeyError, TypeError, ValueError):
+            raise InteropError(f"{where} has a malformed header entry {info!r:.80}") from None
+        if dtype not in DTYPES:
+            raise InteropError(
+                f"{where} has dtype {dtype}, which moe_jax cannot read "
+                f"(it reads {', '.join(DTYPES)})"
+            )
+        if end - start != DTYPES[dtype].itemsize * math.prod(shape) or start > end:
+            raise InteropError(f"{where}: its byte range does not hold a {dtype} {shape} tensor")
+        if end > data:
+            raise InteropError(
+                f"{where} ends at byte {end} of the data, but the file holds {data}: the file "
+                "is truncated; download it again"
+            )
+    return 8 + n, header
 
 
 class ShardWriter:

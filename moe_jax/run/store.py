@@ -393,8 +393,13 @@ class Checkpointer:
 
     def restore(self, step: int, params_target, opt_target, data_iterator):
         """-> (params, opt_state) of `step`, laid out like the targets (abstract arrays with
-        shardings); `data_iterator` is moved to the saved position in place."""
-        data_files = (self.run_dir / CHECKPOINT_DIR / str(step) / "data").glob("process_*.json")
+        shardings); `data_iterator` is moved to the saved position in place. A params-only
+        checkpoint (an import's) gives opt_state None and leaves the iterator at its start."""
+        step_dir = self.run_dir / CHECKPOINT_DIR / str(step)
+        if not (step_dir / "opt_state").is_dir():
+            args = ocp.args.StandardRestore(params_target)
+            return restore(self.manager, step, self.run_dir, params=args).params, None
+        data_files = (step_dir / "data").glob("process_*.json")
         counts = {f.stem.rpartition("-of-")[2] for f in data_files}
         if counts and str(jax.process_count()) not in counts:
             n = ", ".join(sorted(counts))
