@@ -20,7 +20,9 @@ padding: attention stays inside each document, and target t+1 counts only if seg
 together with the segment rule). See `split_batch`.
 
 Loss = cross-entropy (fp32) averaged over the counted targets + the MoE aux loss the model
-returns (lb_loss_weight * load balance + z_loss_weight * router z-loss) + optionally
+returns (lb_loss_weight * load balance + z_loss_weight * router z-loss, means over the MoE
+layers, + seq_aux_loss_weight * DeepSeek-V3's sequence-wise loss summed over them:
+`routing.aux_loss`) + optionally
 `train.logit_z_loss * mean(logsumexp(logits)^2)` over the counted targets (PaLM's
 output-logit z-loss) + with `model.mtp_depth` = D > 0, DeepSeek-V3's multi-token prediction
 loss `train.mtp_loss_weight / D * sum_k CE_k` (moe_jax/model/mtp.py; CE_k over depth k's
@@ -244,7 +246,7 @@ def mtp_loss(model, x_BTD, batch: Batch, chunk: int, head_DV, aux: dict, total_K
     denom_K = jnp.maximum(count_K if total_K is None else total_K, 1.0)
     loss = model.cfg.train.mtp_loss_weight * jnp.mean(sum_K / denom_K)
     mtp_stats = [s for _, s in hidden if s is not None]  # the MTP's MoE layers, in order
-    aux = with_mtp_stats(aux, model._aux([], mtp_stats))
+    aux = with_mtp_stats(aux, model._aux([], mtp_stats), model.cfg.moe)
     metrics = {"mtp_ce": jnp.mean(sum_K / jnp.maximum(count_K, 1.0))}
     metrics |= {"mtp_ce_sum": sum_K, "mtp_n_targets": count_K}
     metrics |= {k: aux[k] for k in MTP_LAYER_STATS.values() if k in aux}
@@ -305,6 +307,8 @@ def loss_fn(
         "logit_z": logit_z_sum / jnp.maximum(count, 1.0),
     }
     metrics |= {k: aux[k] for k in ("aux_loss", "lb_loss", "z_loss", "expert_load")}
+    if "seq_lb_loss" in aux:  # moe.seq_aux_loss_weight > 0: the sum over MoE layers
+        metrics["seq_lb_loss"] = aux["seq_lb_loss"]
     metrics |= {k: aux[k] for k in LAYER_FRACTIONS}
     return loss, metrics | mtp_metrics
 

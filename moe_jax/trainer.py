@@ -141,6 +141,7 @@ def train(cfg: Config, *, stop_at: int | None = None) -> TrainResult:
     TrainingError (divergence) or SaveError (a checkpoint could not be written).
     """
     log = _logger()
+    cfg.moe.check_training()  # before anything is read or written
     resume = inspect_run(cfg)  # read-only; refuses an incompatible run dir
     # init_from: the run a new one starts from (read-only; None when run_dir resumes its own)
     source = init_source(cfg, resume.step if resume else None, log)

@@ -18,7 +18,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from moe_jax.config import ConfigError
+from moe_jax.config import Config, ConfigError, load_config
+from moe_jax.interop import deepseek, glm4_moe
+from moe_jax.interop.common import HFConfig
 from moe_jax.load import load_run
 from moe_jax.metrics import read_metrics
 from moe_jax.model import Transformer
@@ -125,6 +127,31 @@ def test_sequence_wise_balance_loss_by_hand():
     np.testing.assert_allclose(float(r.sums["seq_lb"]), expected, rtol=1e-6)
 
 
+def test_sequence_wise_loss_is_summed_over_the_moe_layers():
+    """DeepSeek's code adds every MoE layer's alpha * loss to the total: two MoE layers whose
+    routers see only a bias (every token routed alike) give twice one layer's loss, by hand,
+    in "seq_lb_loss" and in aux_loss (where the Switch and z losses stay means)."""
+    cfg = tiny_config(
+        *TRAIN, "moe.seq_aux_loss_weight=1e-4", "moe.router_bias=true", "model.mtp_depth=0"
+    )
+    model = Transformer(cfg, rngs=nnx.Rngs(0))
+    bias = np.array([3.0, 2.0, 0, 0, 0, 0, 0, 0], np.float32)  # groups 0 and 1, experts 0, 1
+    for path, p in nnx.iter_graph(model):
+        if isinstance(p, nnx.Param) and path[-1] in ("router", "router_bias"):
+            value = np.zeros(p[...].shape, np.float32) if path[-1] == "router" else bias
+            p[...] = jnp.broadcast_to(jnp.asarray(value), p[...].shape)
+    _, aux = forward(model, jnp.ones((2, 8), jnp.int32))
+    s = 1 / (1 + np.exp(-bias))
+    f = np.array([0.5, 0.5, 0, 0, 0, 0, 0, 0])
+    one_layer = 8 * np.sum(f * s / s.sum())  # per sequence, and so their mean
+    z = np.log(np.exp(bias).sum()) ** 2
+    assert aux["expert_load"].shape == (2, 8)
+    np.testing.assert_allclose(aux["seq_lb_loss"], 2 * one_layer, rtol=1e-6)
+    np.testing.assert_allclose(aux["lb_loss"], one_layer, rtol=1e-6)  # the same f and P here
+    expected = 0.01 * one_layer + 1e-3 * z + 1e-4 * 2 * one_layer
+    np.testing.assert_allclose(aux["aux_loss"], expected, rtol=1e-6)
+
+
 # ----------------------------------------------------------------------------- training
 
 TRAIN = [
@@ -146,6 +173,7 @@ TRAIN = [
     "train.eval_every=1000",
     "checkpoint.every=2",
     "model.mtp_depth=1",  # an MTP layer with a router of its own (the last layer's kind)
+    "moe.seq_aux_loss_weight=1e-4",
 ]
 
 
@@ -169,6 +197,10 @@ def test_bias_moves_by_the_rule_outside_the_optimizer_and_resumes_exactly(tmp_pa
     train(tiny_config(*TRAIN, f"run_dir={resumed}", "train.resume_step=2"), stop_at=4)
 
     train_records = [r for r in read_metrics(straight) if r["kind"] == "train"]
+    for r in train_records:  # the sequence-wise loss, summed over the 3 MoE layers (MTP's too)
+        expected = 0.01 * r["lb_loss"] + 1e-3 * r["z_loss"] + 1e-4 * r["seq_lb_loss"]
+        np.testing.assert_allclose(r["aux_loss"], expected, rtol=1e-5)
+        assert 2 < r["seq_lb_loss"] < 3 * 8
     loads = {r["step"]: np.array(r["expert_load"]) for r in train_records}
     mtp_loads = {r["step"]: np.array(r["mtp_expert_load"]) for r in train_records}
     assert loads[3].shape == (2, 8)  # layers 2 and 3 are MoE, layer 1 the dense prefix
@@ -215,13 +247,34 @@ def test_first_dense_layers_come_first_and_decode_with_a_cache():
         (["moe.n_group=3"], "moe.n_group (3) must divide moe.n_experts (8)"),
         (["moe.topk_group=5"], "moe.topk_group (5) must be at most moe.n_group (4)"),
         (["moe.topk_group=1", "moe.top_k=3"], "moe.top_k (3) picks from the topk_group"),
-        (["moe.correction_bias=false"], "set moe.correction_bias=true too"),
         (["moe.first_dense_layers=9"], "moe.first_dense_layers (9) exceeds model.n_layers"),
     ],
 )
 def test_config_errors(overrides, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
         tiny_config(*TRAIN, *overrides)
+
+
+def test_a_correction_bias_balances_by_default_and_training_refuses_none(tmp_path):
+    """The correction bias moves at DeepSeek-V3's gamma unless told otherwise: in the configs
+    that train loss-free and in an import (over the default base config); a training run
+    whose bias neither moves nor has a balance loss stops at once, in one line."""
+    assert tiny_config(*DEEPSEEK).moe.bias_update_rate == 0.001
+    for name in ("deepseek_v3", "kimi_k2", "glm45_air"):
+        moe = load_config(f"configs/{name}.yaml").moe
+        assert (moe.correction_bias, moe.bias_update_rate, moe.lb_loss_weight) == (True, 1e-3, 0)
+    for family in (deepseek, glm4_moe):
+        cfg = family.to_config(HFConfig({}, family.DEFAULTS, family.ARCH), Config())
+        assert cfg.moe.correction_bias and cfg.moe.lb_loss_weight == 0
+        assert cfg.moe.bias_update_rate == 0.001
+        cfg.moe.check_training()
+    frozen = ["moe.bias_update_rate=0", "moe.lb_loss_weight=0", "moe.seq_aux_loss_weight=0"]
+    run_dir = tmp_path / "run"
+    with pytest.raises(ConfigError, match=r"set moe.bias_update_rate=0.001 \(DeepSeek-V3's\)"):
+        train(tiny_config(*TRAIN, *frozen, f"run_dir={run_dir}"))
+    assert not run_dir.exists()
+    tiny_config(*TRAIN, *frozen, "moe.seq_aux_loss_weight=1e-4").moe.check_training()
+    tiny_config(*TRAIN, *frozen, "moe.correction_bias=false").moe.check_training()
 
 
 def test_route_scale_and_defaults_leave_other_families_alone():

@@ -298,16 +298,19 @@ class MoEConfig:
     n_group: int = 1
     topk_group: int = 1
     # A per-expert bias added to the scores to choose the top-k only, never to the weights
-    # (`correction_bias`, HF's e_score_correction_bias); with bias_update_rate > 0 it is
-    # trained without a gradient: after each step it moves by rate * sign(mean load - load),
-    # auxiliary-loss-free balancing (DeepSeek-V3 sec. 2.1.2: 0.001).
+    # (`correction_bias`, HF's e_score_correction_bias), trained without a gradient: after
+    # each step it moves by bias_update_rate * sign(mean load - load), auxiliary-loss-free
+    # balancing (DeepSeek-V3 sec. 2.1.2: gamma 0.001, the default, so that a bias imported or
+    # switched on balances). 0 freezes the bias: training then needs a balance loss
+    # (`check_training`). Without a correction bias the rate is unused.
     correction_bias: bool = False
-    bias_update_rate: float = 0.0
+    bias_update_rate: float = 0.001
     routed_scaling_factor: float = 1.0  # the routed experts' weights times this (V3: 2.5)
     # The first this many layers dense (HF first_k_dense_replace; DeepSeek-V3: 3).
     first_dense_layers: int = 0
     # > 0: DeepSeek-V3's sequence-wise balance loss, the load-balance loss of each sequence
-    # (a batch row) averaged over them, at this weight (V3: 1e-4), added to lb_loss_weight's.
+    # (a batch row) averaged over them, at this weight (V3's alpha: 1e-4) per MoE layer: summed
+    # over the layers as DeepSeek's code adds each layer's (the Switch loss is averaged).
     seq_aux_loss_weight: float = 0.0
     # > 0: gpt-oss's clamped SwiGLU in the experts (moe_jax/model/glu.py): gate clamped from
     # above and up on both sides at this limit, h = gate * sigmoid(alpha gate) * (up + 1);
@@ -390,8 +393,16 @@ class MoEConfig:
             f"moe.top_k ({self.top_k}) picks from the topk_group best groups' "
             f"{self.topk_group * (E // G)} experts only; raise moe.topk_group or lower moe.top_k",
         )
+
+    def check_training(self) -> None:
+        """What training needs of the MoE beyond a valid config: a router with a correction
+        bias is balanced by the bias's update or by a balance loss (ConfigError otherwise)."""
+        losses = self.lb_loss_weight + self.seq_aux_loss_weight
         require(
-            self.bias_update_rate == 0 or self.correction_bias,
-            "moe.bias_update_rate trains the routing's correction bias; set "
-            "moe.correction_bias=true too, or moe.bias_update_rate=0",
+            not (self.n_experts > 0 and self.correction_bias)
+            or self.bias_update_rate > 0
+            or losses > 0,
+            "moe.correction_bias with moe.bias_update_rate=0 and no balance loss leaves the "
+            "routing unbalanced: set moe.bias_update_rate=0.001 (DeepSeek-V3's), or "
+            "moe.seq_aux_loss_weight or moe.lb_loss_weight > 0",
         )

@@ -44,9 +44,10 @@ import jax.numpy as jnp
 from flax import nnx
 
 from moe_jax import backends
-from moe_jax.config import Config
+from moe_jax.config import Config, MoEConfig
 from moe_jax.model import gather
 from moe_jax.model.norm import RMSNorm
+from moe_jax.model.routing import aux_loss
 from moe_jax.sharding import param
 
 # Per-MoE-layer statistics of the MTP layers, reported apart from the main model's (whose
@@ -100,17 +101,20 @@ def mtp_hidden(model, x_BTD, ahead_KBT: list, positions_BT=None, segments_BT=Non
     return out
 
 
-def with_mtp_stats(aux: dict, mtp_aux: dict) -> dict:
+def with_mtp_stats(aux: dict, mtp_aux: dict, cfg: MoEConfig) -> dict:
     """`aux` (the Transformer's) with the MTP layers' MoE counted among the MoE layers.
     `mtp_aux`: the same statistics of the MTP layers alone (`Transformer._aux` of their
-    stats). The scalar losses ("aux_loss", "lb_loss", "z_loss", ...) become means over the
-    main model's and the MTP's MoE layers, so that the MTP routers learn to balance as the
-    others do, each layer with the same weight (aux_loss is a weighted sum of per-layer
-    means, so the mean of the two aux_losses by layer count is the whole one); the MTP's
-    expert load and dropped fraction come as MTP_LAYER_STATS, apart from the main layers'."""
+    stats). The losses over layers take them in as every other layer: "lb_loss" and "z_loss"
+    means over the main model's and the MTP's MoE layers, "seq_lb_loss" their sum, so that
+    the MTP routers learn to balance as the others do; then "aux_loss" of those
+    (`routing.aux_loss`). The MTP's expert load and dropped fraction come as
+    MTP_LAYER_STATS, apart from the main layers'."""
     n_main, n_mtp = aux["expert_load"].shape[0], mtp_aux["expert_load"].shape[0]
     if not n_mtp:  # dense MTP layers
         return aux
     mean = lambda a, b: (a * n_main + b * n_mtp) / (n_main + n_mtp)
-    out = aux | {k: mean(v, mtp_aux[k]) for k, v in aux.items() if k in mtp_aux and v.ndim == 0}
+    out = aux | {k: mean(aux[k], mtp_aux[k]) for k in ("lb_loss", "z_loss")}
+    if "seq_lb_loss" in mtp_aux:
+        out["seq_lb_loss"] = aux.get("seq_lb_loss", 0.0) + mtp_aux["seq_lb_loss"]
+    out["aux_loss"] = aux_loss(out, cfg)
     return out | {name: mtp_aux[key] for key, name in MTP_LAYER_STATS.items()}

@@ -182,6 +182,18 @@ def aux_stats(sums: dict, n_tokens: int, cfg: MoEConfig) -> dict:
     return stats
 
 
+def aux_loss(aux: dict, cfg: MoEConfig) -> jax.Array:
+    """The MoE's term of the training loss from the model's aux statistics: the Switch
+    load-balance and router z losses as means over the MoE layers (DESIGN.md), DeepSeek-V3's
+    sequence-wise loss as their sum ("seq_lb_loss"), as DeepSeek's code adds each MoE layer's
+    alpha * loss to the total (its modeling_deepseek.py: MoEGate's seq_aux, AddAuxiliaryLoss
+    in every layer): alpha is per layer, as published."""
+    loss = cfg.lb_loss_weight * aux["lb_loss"] + cfg.z_loss_weight * aux["z_loss"]
+    if "seq_lb_loss" in aux:
+        loss = loss + cfg.seq_aux_loss_weight * aux["seq_lb_loss"]
+    return loss
+
+
 # ----------------------------------------------------------------------------- route_scale
 
 

@@ -38,11 +38,13 @@ padding) and `positions` restart at 0 at each document; attention never crosses 
 statistic (see `moe.py`). `logits_at` [B] int32 computes the final norm and the head at one
 position per row only (`logits`): the last prompt token of a prefill, without [B, T, V].
 
-`aux`: "aux_loss" (weighted lb + z losses, add it to the LM loss), "lb_loss" and "z_loss"
-(unweighted means over MoE layers), "expert_load" [n_moe_layers, E] (fraction of top-k
-assignments per expert), "dropped_frac" [n_moe_layers] (fraction dropped by capacity),
-"exchange_rounds" and "overflow_frac" [n_moe_layers] (the ragged exchange's rounds and the
-fraction of rows past the first round; 1 and 0 on the other paths).
+`aux`: "aux_loss" (the weighted losses, add it to the LM loss: `routing.aux_loss`), "lb_loss"
+and "z_loss" (unweighted means over MoE layers), with moe.seq_aux_loss_weight "seq_lb_loss"
+(DeepSeek-V3's sequence-wise loss, unweighted, summed over MoE layers), "expert_load"
+[n_moe_layers, E] (fraction of top-k assignments per expert), "dropped_frac" [n_moe_layers]
+(fraction dropped by capacity), "exchange_rounds" and "overflow_frac" [n_moe_layers] (the
+ragged exchange's rounds and the fraction of rows past the first round; 1 and 0 on the other
+paths).
 """
 
 from __future__ import annotations
@@ -66,6 +68,7 @@ from moe_jax.model.moe import MoE, SwiGLU
 from moe_jax.model.mtp import MTPLayer
 from moe_jax.model.norm import RMSNorm
 from moe_jax.model.remat import remat
+from moe_jax.model.routing import aux_loss
 from moe_jax.sharding import at_block_boundary, param
 
 # Per-MoE-layer scalars of `aux` ([n_moe_layers] each): what capacity dropped, and how the
@@ -343,18 +346,15 @@ class Transformer(nnx.Module):
                 **{k: jnp.zeros((0,), jnp.float32) for k in LAYER_FRACTIONS},
             }
         stacked = jax.tree.map(lambda *a: jnp.stack(a), *per_layer)
-        lb, z = jnp.mean(stacked["lb_loss"]), jnp.mean(stacked["z_loss"])
         aux = {
-            "aux_loss": moe.lb_loss_weight * lb + moe.z_loss_weight * z,
-            "lb_loss": lb,
-            "z_loss": z,
+            "lb_loss": jnp.mean(stacked["lb_loss"]),
+            "z_loss": jnp.mean(stacked["z_loss"]),
             "expert_load": stacked["expert_load"],
             **{name: stacked[name] for name in LAYER_FRACTIONS},
         }
-        if "seq_lb_loss" in stacked:  # moe.seq_aux_loss_weight > 0
-            aux["seq_lb_loss"] = jnp.mean(stacked["seq_lb_loss"])
-            aux["aux_loss"] += moe.seq_aux_loss_weight * aux["seq_lb_loss"]
-        return aux
+        if "seq_lb_loss" in stacked:  # moe.seq_aux_loss_weight > 0: summed (routing.aux_loss)
+            aux["seq_lb_loss"] = jnp.sum(stacked["seq_lb_loss"])
+        return aux | {"aux_loss": aux_loss(aux, moe)}
 
 
 def check_image_inputs(d_vision: int, batch_shape: tuple[int, int], images_BND, mask_BT) -> None:
