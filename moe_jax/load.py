@@ -4,6 +4,8 @@ cfg, model, tokenizer = load_run("runs/tiny")            # latest checkpoint, pa
 cfg, model, tokenizer = load_run("runs/tiny", step=200)  # a given step
     # cfg: the resolved Config saved with the checkpoint; model: a `Transformer` with the
     # checkpoint's params; tokenizer: the run's tokenizer (`.encode(text)`, `.decode(ids)`).
+    # A Hugging Face model directory (config.json + safetensors) loads too, as a run at step 0
+    # whose weights stream onto the devices (moe_jax.interop.as_run): nothing is written.
 RunError(ValueError)   # missing run dir, no checkpoint, unknown step, incompatible config;
                        # CLIs print `error: <message>` and exit 2.
 meta = read_run_meta("runs/tiny")    # {"step", "config", "tokenizer", "fingerprint", ...}
@@ -21,6 +23,7 @@ import orbax.checkpoint as ocp
 from flax import nnx
 
 from moe_jax.config import MESH_AXES, Config, sampling_config
+from moe_jax.interop.as_run import hf_meta, hf_params, is_hf_dir
 from moe_jax.model.int8 import QUANTIZATIONS
 from moe_jax.run.layout import RunError
 from moe_jax.run.policy import check_compatible
@@ -36,10 +39,11 @@ T = TypeVar("T")
 
 @dataclass(frozen=True)
 class OpenRun:
-    """A run's checkpoint opened for reading: its meta read once."""
+    """A run's checkpoint opened for reading: its meta read once. A Hugging Face directory
+    (`interop.as_run`) opens as one at step 0 without a manager."""
 
     run_dir: Path
-    manager: ocp.CheckpointManager
+    manager: ocp.CheckpointManager | None
     step: int
     meta: dict  # as `read_run_meta` returns it
 
@@ -47,6 +51,10 @@ class OpenRun:
 def open_run(run_dir: str | Path, step: int | None = None) -> OpenRun:
     """The run's checkpoint (latest or `step`) and its meta; RunError names what is missing."""
     run_dir = Path(run_dir)
+    if is_hf_dir(run_dir):  # a Hugging Face directory reads as a run at step 0
+        if step not in (None, 0):
+            raise RunError(f"'{run_dir}' is a Hugging Face directory: it has step 0 only")
+        return OpenRun(run_dir, None, 0, hf_meta(run_dir))
 
     def read(step):
         manager, step = open_checkpoints(run_dir, step)
@@ -139,8 +147,11 @@ def load_model(
         check_fits(target, also=kind if quantize_after else None)
     except WeightsDoNotFit as e:
         raise RunError(f"run '{run_dir}': {e}") from None
-    restored = restore(manager, step, run_dir, params=ocp.args.StandardRestore(target))
-    model = nnx.merge(graphdef, restored.params)
+    if manager is None:  # a Hugging Face directory: streamed onto the target
+        params = hf_params(run_dir, target, cfg)
+    else:
+        params = restore(manager, step, run_dir, params=ocp.args.StandardRestore(target)).params
+    model = nnx.merge(graphdef, params)
     if quantize_after:
         model = to_kind(model, kind)
     return cfg, model, meta["tokenizer"]
@@ -151,6 +162,8 @@ def restore_params(run_dir: str | Path, step: int | None, target, or_newest: boo
     arrays with the shardings and dtypes to restore onto; its step). Read-only, like
     `load_run`. `or_newest`: if `step` was removed while reading, the newest instead."""
     run_dir = Path(run_dir)
+    if is_hf_dir(run_dir):  # a Hugging Face directory: streamed onto the target
+        return hf_params(run_dir, target), 0
 
     def read(step):
         manager, step = open_checkpoints(run_dir, step)

@@ -30,7 +30,7 @@ from moe_jax.config import Config
 from moe_jax.data import load_run_data
 from moe_jax.eval.in_training import TaskEval
 from moe_jax.metrics import MetricsWriter, compute_units, unit_peak_flops
-from moe_jax.run.init_from import init_source, start_state
+from moe_jax.run.init_from import init_source, start_state, with_source_architecture
 from moe_jax.run.layout import RunError
 from moe_jax.run.output import no_space
 from moe_jax.run.policy import inspect_run
@@ -141,6 +141,7 @@ def train(cfg: Config, *, stop_at: int | None = None) -> TrainResult:
     TrainingError (divergence) or SaveError (a checkpoint could not be written).
     """
     log = _logger()
+    cfg = with_source_architecture(cfg)  # init_from=HF_DIR: its architecture and tokenizer
     cfg.moe.check_training()  # before anything is read or written
     resume = inspect_run(cfg)  # read-only; refuses an incompatible run dir
     # init_from: the run a new one starts from (read-only; None when run_dir resumes its own)

@@ -43,6 +43,7 @@ from omegaconf import OmegaConf
 
 from moe_jax.config import Config, ConfigError, config_from_yaml, config_to_yaml, load_config
 from moe_jax.data import load_run_data
+from moe_jax.interop.as_run import hf_tokenizer
 from moe_jax.interop.convert import FAMILIES, open_hf, save_hf
 from moe_jax.interop.safetensors_io import InteropError
 from moe_jax.interop.stream import ImportPlan, Progress
@@ -52,8 +53,7 @@ from moe_jax.run.layout import TOKENIZER_DIR, RunError
 from moe_jax.run.output import Interrupted, cli_ending
 from moe_jax.run.policy import RESUMABLE_CHANGES
 from moe_jax.run.stream_save import write_params_run
-from moe_jax.tokenizer import DataError, Tokenizer, load_tokenizer
-from moe_jax.tokenizer.files import HF_FILE, SP_FILE
+from moe_jax.tokenizer import DataError, Tokenizer
 
 
 def _require_empty(out: Path) -> None:
@@ -94,16 +94,7 @@ def _hf_tokenizer(hf_dir: Path, cfg: Config, overrides: list[str]) -> Tokenizer 
     `data.tokenizer`. Refused if it has more tokens than the model's embedding."""
     if any(item.partition("=")[0] == "data.tokenizer" for item in overrides):
         return None
-    if not ((hf_dir / HF_FILE).is_file() or (hf_dir / SP_FILE).is_file()):
-        return None
-    tokenizer = load_tokenizer(str(hf_dir))
-    if tokenizer.vocab_size > cfg.model.vocab_size:
-        raise InteropError(
-            f"the tokenizer in '{hf_dir}' has {tokenizer.vocab_size} tokens but the model's "
-            f"embedding {cfg.model.vocab_size} (vocab_size in config.json); fix the directory, "
-            "or import it with another tokenizer (data.tokenizer=byte)"
-        )
-    return tokenizer
+    return hf_tokenizer(hf_dir, cfg)
 
 
 def import_run(

@@ -10,6 +10,11 @@ have this config's architecture (every key `run.policy.incompatible_keys` compar
 `data.tokenizer` that names the same tokenizer files under another path counts as the same),
 and its tokenizer becomes the new run's. A run directory that has checkpoints of its own
 resumes them and ignores init_from, so rerunning the command after a stop goes on.
+
+init_from may name a Hugging Face model directory instead (`train.py init_from=HF_DIR`):
+its architecture and tokenizer become the run's (`with_source_architecture`), and its
+weights stream from the safetensors files onto the mesh, cast to float32 there
+(`interop.as_run.hf_params`); no converted copy is written.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ import jax
 import optax
 
 from moe_jax.config import Config
+from moe_jax.interop.as_run import is_hf_dir, with_hf_architecture
 from moe_jax.load import read_run_meta, restore_params
 from moe_jax.run.layout import RunError
 from moe_jax.run.policy import check_compatible
@@ -36,6 +42,16 @@ class InitSource:
     step: int
     tokenizer: Tokenizer
     pinned: bool = False  # init_step named the step: no other will do
+
+
+def with_source_architecture(cfg: Config) -> Config:
+    """`cfg` as a run from `init_from` trains it: where that names a Hugging Face directory,
+    with that checkpoint's architecture (config.json's, with this config's run-time keys:
+    max_seq_len, dtype, capacity factor, ...) and its tokenizer files as `data.tokenizer`
+    where it has them; else `cfg` itself."""
+    if cfg.init_from is None or not is_hf_dir(cfg.init_from):
+        return cfg
+    return with_hf_architecture(cfg.init_from, cfg, mtp=cfg.model.mtp_depth > 0)
 
 
 def _same_tokenizer(spec: str, tokenizer: Tokenizer) -> bool:

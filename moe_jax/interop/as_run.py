@@ -1,0 +1,131 @@
+"""A Hugging Face directory read wherever a run is read: `sample.py --run HF_DIR`,
+`python -m moe_jax.eval HF_DIR`, `python -m moe_jax.quantize HF_DIR --out RUN`,
+`train.py init_from=HF_DIR`. Nothing is written: the weights stream from the safetensors
+files straight onto the devices (`stream.py`), in the form asked for.
+
+    is_hf_dir(path)                    # config.json and no run of ours there
+    meta = hf_meta(path)               # as `load.read_run_meta` gives a run's: step 0, config...
+    params = hf_params(path, target)   # nnx State laid out (shardings, dtypes) like `target`
+
+The directory reads as a run at step 0 whose config is `config_from_hf`'s (the schema's
+defaults for the rest), with `data.tokenizer` the directory itself where it holds tokenizer
+files (which then are the run's tokenizer, as an import copies them), else the byte
+tokenizer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from pathlib import Path
+
+import jax
+from flax import nnx
+
+from moe_jax.config import Config
+from moe_jax.interop.convert import config_from_hf, load_hf
+from moe_jax.interop.safetensors_io import InteropError
+from moe_jax.run.layout import CHECKPOINT_DIR, CONFIG_FILE, RunError
+from moe_jax.tokenizer import Tokenizer, load_tokenizer
+from moe_jax.tokenizer.files import HF_FILE, SP_FILE
+
+
+def is_hf_dir(path: str | Path) -> bool:
+    """A Hugging Face model directory: config.json, and neither a run's config.yaml nor its
+    checkpoints."""
+    p = Path(path)
+    return (
+        (p / "config.json").is_file()
+        and not (p / CONFIG_FILE).exists()
+        and not (p / CHECKPOINT_DIR).exists()
+    )
+
+
+def hf_tokenizer(hf_dir: Path, cfg: Config) -> Tokenizer | None:
+    """The directory's tokenizer (None where it has no tokenizer files); refused if it has
+    more tokens than the model's embedding."""
+    if not ((hf_dir / HF_FILE).is_file() or (hf_dir / SP_FILE).is_file()):
+        return None
+    tokenizer = load_tokenizer(str(hf_dir))
+    if tokenizer.vocab_size > cfg.model.vocab_size:
+        raise InteropError(
+            f"the tokenizer in '{hf_dir}' has {tokenizer.vocab_size} tokens but the model's "
+            f"embedding {cfg.model.vocab_size} (vocab_size in config.json); fix the directory, "
+            "or import it with another tokenizer (data.tokenizer=byte)"
+        )
+    return tokenizer
+
+
+def with_hf_architecture(hf_dir: str | Path, cfg: Config, mtp: bool = True) -> Config:
+    """`cfg` with the architecture (model, attention, moe) of the checkpoint in `hf_dir`, but
+    the run-time keys (max_seq_len, dtype, capacity factor...: `run.policy.RESUMABLE_CHANGES`)
+    kept from `cfg`, and `data.tokenizer` the directory where it holds tokenizer files."""
+    from moe_jax.run.policy import RESUMABLE_CHANGES
+
+    try:
+        hf = config_from_hf(hf_dir, cfg, mtp=mtp)
+    except InteropError as e:
+        raise RunError(str(e)) from None
+    sections = {}
+    for section in ("model", "attention", "moe"):
+        keep = {k.split(".")[1] for k in RESUMABLE_CHANGES if k.startswith(section + ".")}
+        own = getattr(cfg, section)
+        sections[section] = dataclasses.replace(
+            getattr(hf, section), **{k: getattr(own, k) for k in keep}
+        )
+    hf = dataclasses.replace(hf, **sections)
+    if hf_tokenizer(Path(hf_dir), hf) is not None:
+        hf = dataclasses.replace(hf, data=dataclasses.replace(hf.data, tokenizer=str(hf_dir)))
+    return hf
+
+
+def hf_meta(hf_dir: str | Path) -> dict:
+    """What `read_run_meta` gives for a run: "step" 0, "config" (`config_from_hf` over the
+    defaults), "tokenizer" (the directory's, else the byte tokenizer), "hf_dir"."""
+    hf_dir = Path(hf_dir)
+    try:
+        cfg = config_from_hf(hf_dir)
+        tokenizer = hf_tokenizer(hf_dir, cfg)
+    except InteropError as e:
+        raise RunError(str(e)) from None
+    if tokenizer is not None:
+        cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, tokenizer=str(hf_dir)))
+    else:
+        tokenizer = load_tokenizer(cfg.data.tokenizer)
+    return {
+        "step": 0,
+        "config": cfg,
+        "tokenizer": tokenizer,
+        "fingerprint": "",
+        "hf_dir": str(hf_dir),
+    }
+
+
+def hf_params(hf_dir: str | Path, target, base: Config | None = None) -> nnx.State:
+    """The checkpoint's params as an nnx State laid out like `target` (abstract params whose
+    values carry their sharding and dtype; its MTP layers where it has them): each tensor
+    read in its own dtype, streamed onto the shards of its devices (each process only its
+    own), then cast there to the target's dtype (fp32 master weights for training are made
+    on the devices). `base`: the config whose run-time keys the params follow."""
+    flat = dict(nnx.to_flat_state(target))
+    shardings = {p: v.get_value().sharding for p, v in flat.items()}
+    mtp = any(p[0] == "mtp" for p in flat)
+    try:
+        _, model = load_hf(hf_dir, base, mtp=mtp, dtype="source", shardings=shardings)
+    except InteropError as e:
+        raise RunError(str(e)) from None
+    params = dict(nnx.to_flat_state(nnx.state(model, nnx.Param)))
+    if params.keys() != flat.keys():
+        raise RunError(f"'{hf_dir}' does not hold the params of this config")
+    cast = []
+    for p, v in flat.items():
+        want, array = v.get_value(), params[p].get_value()
+        if array.dtype != want.dtype:
+            array = _cast(want.dtype, want.sharding)(array)
+        cast.append((p, v.copy(array)))
+    return nnx.from_flat_state(cast)
+
+
+@functools.lru_cache(maxsize=32)
+def _cast(dtype, sharding):
+    return jax.jit(lambda x: x.astype(dtype), out_shardings=sharding)

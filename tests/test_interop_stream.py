@@ -1,0 +1,213 @@
+"""Streaming Hugging Face import (moe_jax/interop/stream.py, run/stream_save.py, as_run.py).
+
+- Memory: a many-layer tiny Qwen3-MoE checkpoint imports (onto one device, onto 8 simulated
+  devices with fsdp 8, and into a run directory) with a peak of traced host allocations
+  (tracemalloc sees NumPy's) bounded by its largest tensor, not by its total.
+- A Hugging Face directory wherever a run is read: `sample.py --run HF_DIR` prints what
+  sampling the import prints; `init_from=HF_DIR` takes the same first step as `init_from=`
+  the import; both from a bf16 checkpoint, whose import keeps bf16.
+Budget: ~15 s on 2 cores.
+"""
+
+from __future__ import annotations
+
+import json
+import runpy
+import shutil
+import tracemalloc
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+import pytest
+import torch
+from flax import nnx
+from safetensors.numpy import save_file
+
+from moe_jax.config import load_config
+from moe_jax.interop import load_hf
+from moe_jax.interop import stream as stream_mod
+from moe_jax.interop.__main__ import main as interop
+from moe_jax.load import load_run
+from moe_jax.sharding import LOGICAL_RULES, make_mesh, state_shardings
+from moe_jax.trainer import train
+from tests.test_interop import hf_model, params_of
+
+ROOT = Path(__file__).resolve().parents[1]
+L, D, H, KV, HD, E, F, V = 8, 256, 4, 2, 64, 8, 256, 1024
+CONFIG = {
+    "architectures": ["Qwen3MoeForCausalLM"],
+    "model_type": "qwen3_moe",
+    "vocab_size": V,
+    "hidden_size": D,
+    "intermediate_size": 512,
+    "moe_intermediate_size": F,
+    "num_hidden_layers": L,
+    "num_attention_heads": H,
+    "num_key_value_heads": KV,
+    "head_dim": HD,
+    "num_experts": E,
+    "num_experts_per_tok": 2,
+    "norm_topk_prob": True,
+    "max_position_embeddings": 128,
+    "tie_word_embeddings": False,
+}
+
+
+def _tensors() -> dict[str, tuple]:
+    shapes = {
+        "model.embed_tokens.weight": (V, D),
+        "model.norm.weight": (D,),
+        "lm_head.weight": (V, D),
+    }
+    for i in range(L):
+        p = f"model.layers.{i}."
+        shapes |= {
+            p + "input_layernorm.weight": (D,),
+            p + "post_attention_layernorm.weight": (D,),
+            p + "self_attn.q_proj.weight": (H * HD, D),
+            p + "self_attn.k_proj.weight": (KV * HD, D),
+            p + "self_attn.v_proj.weight": (KV * HD, D),
+            p + "self_attn.o_proj.weight": (D, H * HD),
+            p + "self_attn.q_norm.weight": (HD,),
+            p + "self_attn.k_norm.weight": (HD,),
+            p + "mlp.gate.weight": (E, D),
+        }
+        for e in range(E):
+            for name, shape in (("gate_proj", (F, D)), ("up_proj", (F, D)), ("down_proj", (D, F))):
+                shapes[p + f"mlp.experts.{e}.{name}.weight"] = shape
+    return shapes
+
+
+@pytest.fixture(scope="module")
+def deep(tmp_path_factory):
+    """(directory, largest tensor's bytes, all tensors' bytes) of an 8-layer float32
+    checkpoint written in 4 shards."""
+    directory = tmp_path_factory.mktemp("deep")
+    rng = np.random.default_rng(0)
+    names = list(_tensors().items())
+    weight_map = {}
+    for k in range(4):
+        part = {n: rng.standard_normal(s, dtype=np.float32) * 0.05 for n, s in names[k::4]}
+        save_file(part, directory / f"model-{k}.safetensors", metadata={"format": "pt"})
+        weight_map |= dict.fromkeys(part, f"model-{k}.safetensors")
+    index = {"metadata": {}, "weight_map": weight_map}
+    (directory / "model.safetensors.index.json").write_text(json.dumps(index))
+    (directory / "config.json").write_text(json.dumps(CONFIG))
+    sizes = [4 * int(np.prod(s)) for _, s in names]
+    return directory, max(sizes), sum(sizes)
+
+
+def _peak(fn) -> tuple[int, object]:
+    tracemalloc.start()
+    try:
+        result = fn()
+        return tracemalloc.get_traced_memory()[1], result
+    finally:
+        tracemalloc.stop()
+
+
+def _bound(largest: int) -> int:
+    """What an import may hold: a few tensors' worth (one of our per-layer expert stacks is
+    E x one HF expert tensor, here as big as the embedding) plus a fixed cost (JAX's tracing
+    of the few per-layer programs, Orbax's metadata)."""
+    return 4 * largest + (4 << 20)
+
+
+def test_import_memory_is_bounded_by_the_largest_tensor(deep, tmp_path, monkeypatch):
+    directory, largest, total = deep
+    # Every stacked parameter placed layer by layer, as a released model's all are.
+    monkeypatch.setattr(stream_mod, "STACK_PIECE_BYTES", 0)
+    assert total > 3 * _bound(largest)  # so that a whole-model buffer would fail the bound
+    load_hf(directory)  # compile the per-layer programs first: their tracing is not memory
+    peak, (_, model) = _peak(lambda: load_hf(directory))
+    assert peak < _bound(largest), (peak, largest, total)
+
+    # 8 simulated devices, fsdp 8: each builds its own shards; equal to the one-device import.
+    cfg = load_config(None, ["mesh.fsdp=8"])
+    mesh = make_mesh(cfg)
+    abstract = nnx.state(nnx.eval_shape(lambda: model), nnx.Param)
+    flat = nnx.to_flat_state(state_shardings(abstract, mesh, LOGICAL_RULES))
+    shardings = {p: s.get_value() for p, s in flat}
+    load_hf(directory, shardings=shardings)
+    peak, (_, sharded) = _peak(lambda: load_hf(directory, shardings=shardings))
+    assert peak < _bound(largest), (peak, largest, total)
+    embed = sharded.embed.embedding[...]
+    assert len(embed.sharding.device_set) == 8 and embed.sharding.spec != (None, None)
+    one, eight = params_of(model), params_of(sharded)
+    for path in one:
+        np.testing.assert_array_equal(one[path], eight[path], str(path))
+
+    # Into a run directory: written chunk by chunk; it loads to the same params.
+    out = tmp_path / "run"
+    args = ["import", str(directory), "--out", str(out), "data.embedded_max_bytes=20000"]
+    interop(args)  # the first import pays for Orbax's imports and first-use setup
+    shutil.rmtree(out)
+    peak, code = _peak(lambda: interop(args))
+    assert code == 0 and peak < _bound(largest), (peak, largest, total)
+    run = params_of(load_run(out)[1])
+    for path in one:
+        np.testing.assert_array_equal(one[path], run[path], str(path))
+
+
+@pytest.fixture(scope="module")
+def bf16(tmp_path_factory):
+    """(HF directory of a bf16 Llama with the byte tokenizer's vocabulary, its import)."""
+    root = tmp_path_factory.mktemp("bf16")
+    hf_model("qwen3_moe", seed=4, vocab_size=256).to(torch.bfloat16).save_pretrained(root / "hf")
+    run_args = [
+        "train.batch_size=2", "train.seq_len=16", "train.warmup_steps=1", "train.steps=1",
+        "train.eval_batches=1", "train.peak_flops=1e12", "data.embedded_max_bytes=20000",
+        "checkpoint.async_save=false",
+    ]  # fmt: skip
+    assert interop(["import", str(root / "hf"), "--out", str(root / "run"), *run_args]) == 0
+    return root / "hf", root / "run"
+
+
+def test_the_import_keeps_bf16_and_is_params_only(bf16):
+    _, run = bf16
+    step = run / "checkpoints" / "0"
+    assert sorted(p.name for p in step.iterdir() if p.is_dir()) == ["meta", "params"]
+    zarray = json.loads((step / "params" / "embed.embedding.value" / ".zarray").read_text())
+    assert zarray["dtype"] == "bfloat16"
+    cfg, model, _ = load_run(run, weights="bfloat16")
+    assert model.embed.embedding[...].dtype == ml_dtypes.bfloat16
+
+
+def test_sample_from_the_hf_directory_equals_sampling_the_import(bf16, capsys):
+    hf_dir, run = bf16
+    sample = runpy.run_path(str(ROOT / "sample.py"))["main"]
+    flags = ["--prompt", "To be", "--temperature", "0", "--max-new-tokens", "6"]
+    outputs = []
+    for where in (run, hf_dir):
+        capsys.readouterr()
+        assert sample(["--run", str(where), *flags, "--num-samples", "1"]) == 0
+        outputs.append(capsys.readouterr().out)
+    assert outputs[0] == outputs[1] and outputs[0].startswith("To be")
+
+
+def test_init_from_the_hf_directory_takes_the_import_s_first_step(bf16, tmp_path):
+    hf_dir, run = bf16
+    results = {}
+    for name, source in (("run", run), ("hf", hf_dir)):
+        cfg = load_config(
+            run / "config.yaml", [f"run_dir={tmp_path / name}", f"init_from={source}"]
+        )
+        train(cfg)
+        results[name] = params_of(load_run(tmp_path / name)[1])
+    start = params_of(load_run(run)[1])
+    assert any(not np.array_equal(v, start[p]) for p, v in results["hf"].items())  # it trained
+    for path, value in results["run"].items():
+        np.testing.assert_array_equal(value, results["hf"][path], str(path))
+
+
+def test_quantize_from_the_hf_directory_equals_quantizing_the_import(bf16, tmp_path):
+    from moe_jax.quantize import quantize_run
+
+    hf_dir, run = bf16
+    quantize_run(hf_dir, tmp_path / "from_hf")
+    quantize_run(run, tmp_path / "from_run")
+    a, b = (params_of(load_run(tmp_path / n)[1]) for n in ("from_hf", "from_run"))
+    assert a.keys() == b.keys()
+    for path, value in a.items():
+        np.testing.assert_array_equal(value, b[path], str(path))
