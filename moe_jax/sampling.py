@@ -33,8 +33,8 @@ benchmarks/decode.py and benchmarks/README.md show both costs.
 
 Decode speed is bound by reading the weights, so nothing in the loop may copy them: layers run
 unrolled here whatever `model.scan_layers` says, and the stacked layer blocks are split once
-(see `unstack_blocks`). The KV cache has `bucket + max_new_tokens` slots; each step attends
-over all of them under the position mask.
+(see `decoding.unstack_blocks`). The KV cache has `bucket + max_new_tokens` slots; each step
+attends over all of them under the position mask.
 
 Under a mesh (`Sampler(model, mesh=mesh)`, the params sharded by `sharding.INFERENCE_RULES`,
 as `load.load_run(mesh=...)` restores them) the same program runs sharded: the MoE
@@ -42,9 +42,9 @@ layers take the expert-parallel path, whose tokens move to the experts and back 
 batch axes do not divide, e.g. one sequence, runs replicated: each device runs its own
 experts and the outputs are summed), attention's heads and the experts' hidden dims split
 over `tensor`, weights split over `fsdp` are gathered as each layer runs, and the KV cache is
-split over the batch and kv-head axes (`shard_cache`). No weight is gathered across `expert`,
-so decoding reads each device's own weights once per step. `consume=True` lets the sampler
-take the model's stacked weights, freeing each once split, so they are held once.
+split over the batch and kv-head axes (`decoding.shard_cache`). No weight is gathered across
+`expert`, so decoding reads each device's own weights once per step. `consume=True` lets the
+sampler take the model's stacked weights, freeing each once split, so they are held once.
 
 An int8 model (`moe_jax.model.int8`) runs the same program: its weights enter as int8 values
 and scales, and each layer's are dequantised inside the loop in that layer's turn (XLA would
@@ -58,7 +58,9 @@ it is sampled. The callback syncs with the host every step, which costs nothing 
 on CPU or for text a person reads; batches compile without it. JAX orders callbacks on one
 device only; under a mesh they are unordered and the host puts the steps back in order.
 
-Sampling rules (temperature, top-k, top-p, one key a row): `moe_jax.sampling_rules`.
+Sampling rules (temperature, top-k, top-p, one key a row): `moe_jax.sampling_rules`. The loop's
+scaffolding (the request as one value, the model calls, row keys, stop test, streaming), which
+the speculative sampler shares: `moe_jax.decoding`.
 """
 
 from __future__ import annotations
@@ -77,10 +79,10 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from moe_jax.config import sampling_problem
+from moe_jax.decoding import Decoding, Program, Request, Weights, loop, model_of, unstack_blocks
 from moe_jax.model import Transformer
 from moe_jax.model.int8 import is_quantized, quantize_model
 from moe_jax.sampling_rules import Mode, pick_tokens
-from moe_jax.sharding import split_batch_axes
 
 MIN_BUCKET = 16  # shortest prompt bucket: shorter prompts are padded to this
 STOP_BUCKET = 8  # stop-token lists are padded to a multiple of this
@@ -103,155 +105,50 @@ class Generation:
 # ----------------------------------------------------------------------------- the program
 
 
-def unstack_blocks(tree, n: int, consume: bool = False) -> list:
-    """Stacked layer blocks [n, ...] -> n per-block trees; `consume`: delete each stacked
-    array once split, so that at most one weight is held twice at a time.
-
-    The model slices block b out of each stacked weight and cache array. XLA does not hoist
-    loop-invariant slices out of a while loop (it deems them too cheap to move), and on CPU a
-    slice is a copy, so inside the decode loop every step would copy every weight. So the
-    sampler keeps the blocks apart (the params split once, the cache carried split) and
-    re-stacks them at each model call: slice(stack(...)) folds back to the block itself at
-    compile time, and no copy is left.
-    """
-    leaves, treedef = jax.tree.flatten(tree)
-    per_leaf = []
-    for a in leaves:
-        per_leaf.append([_block(a, b) for b in range(n)])
-        if consume:
-            a.delete()
-    return [jax.tree.unflatten(treedef, [parts[b] for parts in per_leaf]) for b in range(n)]
+def _generate(graphdef, emit_host, weights: Weights, request: Request, *, program: Program):
+    """Prefill + decode loop (`decoding.loop`). -> (tokens [B, N] with -1 after a stop,
+    decode iterations run)."""
+    d = Decoding.start(graphdef, emit_host, weights, request, program)
+    c = loop(d, _prefill(d), lambda c: _step(d, c))
+    return c["out"], c["it"] - 1
 
 
-def _block(a, b: int):
-    """Block b of a stacked array; of an abstract one (compiling for other devices, see
-    `moe_jax.aot`), its shape and the sharding of its other axes."""
-    if not isinstance(a, jax.ShapeDtypeStruct):
-        return a[b]
-    sharding = a.sharding
-    if isinstance(sharding, NamedSharding):
-        sharding = NamedSharding(sharding.mesh, P(*tuple(sharding.spec)[1:]))
-    return jax.ShapeDtypeStruct(a.shape[1:], a.dtype, sharding=sharding)
-
-
-def stack_blocks(blocks: list):
-    return jax.tree.map(lambda *a: jnp.stack(a), *blocks) if blocks else []
-
-
-def model_of(graphdef, params, param_blocks):
-    """The model with its layer blocks re-stacked (see `unstack_blocks`): inside a program
-    the stacking copies nothing."""
-    full = jax.tree.map(lambda a: a, params)  # a shallow copy of the State
-    if param_blocks:
-        full["blocks"] = stack_blocks(param_blocks)
-    return nnx.merge(graphdef, full)
-
-
-def _generate(
-    graphdef,
-    emit_host: Callable,
-    params,
-    param_blocks,
-    prompt_BP,
-    prompt_len_B,
-    stop_S,
-    key,
-    temperature,
-    top_k,
-    top_p,
-    n_vocab,
-    *,
-    max_new_tokens: int,
-    mode: Mode,
-    stream: bool,
-):
-    """Prefill + decode loop. -> (tokens [B, N] with -1 after a stop, decode iterations run).
-
-    `params` lacks the stacked layer blocks; `param_blocks` holds them one block at a time.
-    """
-    B, P = prompt_BP.shape
-    N = max_new_tokens
-    row_keys_B = jax.vmap(lambda r: jax.random.fold_in(key, r))(jnp.arange(B))
-
-    merged = partial(model_of, graphdef, params, param_blocks)
-
-    def unstacked(cache):
-        cache = shard_cache(cache)
-        return cache | {"blocks": unstack_blocks(cache["blocks"], len(param_blocks))}
-
-    def run_model(tokens_BT, positions_BT, cache, logits_at_B=None):
-        stacked = cache | {"blocks": stack_blocks(cache["blocks"])}
-        logits_BTV, _, new = merged()(
-            tokens_BT, positions=positions_BT, cache=stacked, logits_at=logits_at_B
-        )
-        return logits_BTV, unstacked(new)
-
-    pick = lambda logits_BV, step: pick_tokens(
-        logits_BV, step, row_keys_B, n_vocab, temperature, top_k, top_p, mode
+def _pick(d: Decoding, logits_BV, step):
+    r = d.request
+    return pick_tokens(
+        logits_BV, step, d.row_keys_B, r.n_vocab, r.temperature, r.top_k, r.top_p, d.program.mode
     )
 
-    is_stop = lambda tok_B: jnp.any(tok_B[:, None] == stop_S[None, :], axis=-1)
 
-    def emit(step, out_tok_B):
-        if stream:
-            one_device = jax.sharding.get_abstract_mesh().empty
-            jax.debug.callback(emit_host, step, out_tok_B, ordered=one_device)
-
-    # Prefill: the first new token comes from each row's own last prompt position.
-    cache = unstacked(merged().init_cache(B, P + N))
-    # Padding past a row's prompt at position -1: written to no sliding-window ring cache.
-    arange_P = jnp.arange(P, dtype=jnp.int32)
-    positions_BP = jnp.where(arange_P[None, :] < prompt_len_B[:, None], arange_P[None, :], -1)
+def _prefill(d: Decoding) -> dict:
+    """The first new token from each row's own last prompt position -> the loop's carry."""
+    r = d.request
+    B, P = r.prompt_BP.shape
+    cache = d.unstacked(d.model().init_cache(B, P + d.N))
     # The head only at each row's last prompt position: [B, 1, V], not [B, P, V].
-    logits_B1V, cache = run_model(prompt_BP, positions_BP, cache, prompt_len_B - 1)
-    tok_B = pick(logits_B1V[:, 0], 0)
-    emit(0, tok_B)
-    out_BN = jnp.full((B, N), -1, jnp.int32).at[:, 0].set(tok_B)
+    last_B = r.prompt_len_B - 1
+    logits_B1V, cache = d.forward(r.prompt_BP, d.prompt_positions(), cache, logits_at=last_B)
+    tok_B = _pick(d, logits_B1V[:, 0], 0)
+    d.emit(0, tok_B)
+    out_BN = jnp.full((B, d.N), -1, jnp.int32).at[:, 0].set(tok_B)
+    done_B = d.is_stop(tok_B)
+    return {"it": jnp.int32(1), "tok": tok_B, "cache": cache, "out": out_BN, "done": done_B}
 
-    def cond(carry):
-        step, _, _, _, done_B = carry
-        return (step < N) & ~jnp.all(done_B)
 
-    def body(carry):
-        step, tok_B, cache, out_BN, done_B = carry
-        # Feed token `step - 1` at its row's position; sample token `step`.
-        positions_B1 = (prompt_len_B + step - 1)[:, None]
-        logits_B1V, cache = run_model(tok_B[:, None], positions_B1, cache)
-        new_B = pick(logits_B1V[:, 0], step)
-        out_tok_B = jnp.where(done_B, -1, new_B)
-        emit(step, out_tok_B)
-        out_BN = jax.lax.dynamic_update_slice(out_BN, out_tok_B[:, None], (0, step))
-        return step + 1, new_B, cache, out_BN, done_B | is_stop(new_B)
-
-    init = (jnp.int32(1), tok_B, cache, out_BN, is_stop(tok_B))
-    step, _, _, out_BN, _ = jax.lax.while_loop(cond, body, init)
-    return out_BN, step - 1
+def _step(d: Decoding, c: dict) -> dict:
+    """Feed token `step - 1` at its row's position; sample token `step`."""
+    step, done_B = c["it"], c["done"]
+    positions_B1 = (d.request.prompt_len_B + step - 1)[:, None]
+    logits_B1V, cache = d.forward(c["tok"][:, None], positions_B1, c["cache"])
+    new_B = _pick(d, logits_B1V[:, 0], step)
+    out_tok_B = jnp.where(done_B, -1, new_B)
+    d.emit(step, out_tok_B)
+    out_BN = jax.lax.dynamic_update_slice(c["out"], out_tok_B[:, None], (0, step))
+    done_B = done_B | d.is_stop(new_B)
+    return {"it": step + 1, "tok": new_B, "cache": cache, "out": out_BN, "done": done_B}
 
 
 # ----------------------------------------------------------------------------- the API
-
-
-def shard_cache(cache: dict) -> dict:
-    """The KV cache split over the mesh set by `jax.set_mesh` (if any): rows over the batch
-    axes, kv heads over `tensor`, each where it divides (decode is bound by reading the
-    weights and this cache, so neither may sit whole on every device)."""
-    mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty:
-        return cache
-
-    rows = split_batch_axes(mesh)
-    n_rows = math.prod(mesh.shape[ax] for ax in rows)
-
-    def one(path, a):  # [..., B, S, K, hd]; a ring's positions [..., B, S]
-        is_pos = path[-1].key == "pos"
-        B = a.shape[-2] if is_pos else a.shape[-4]
-        spec = (rows if rows and B % n_rows == 0 else None, None)
-        if not is_pos:
-            K = a.shape[-2]
-            spec += ("tensor" if K % mesh.shape["tensor"] == 0 else None, None)
-        return jax.lax.with_sharding_constraint(a, P(*(None,) * (a.ndim - len(spec)), *spec))
-
-    return jax.tree_util.tree_map_with_path(one, cache)
 
 
 def _pad_stops(stop_tokens: Sequence[int]) -> np.ndarray:
@@ -303,8 +200,7 @@ class Sampler:
         self.param_blocks = unstack_blocks(blocks, model.n_blocks, consume) if blocks else []
         # One jitted function per sampler: the graph is bound, not hashed at every call.
         self.compiled = jax.jit(
-            partial(_generate, self.graphdef, self._emit),
-            static_argnames=("max_new_tokens", "mode", "stream"),
+            partial(_generate, self.graphdef, self._emit), static_argnames="program"
         )
         self._listener: Callable[[int, np.ndarray], None] | None = None
         self._pending: dict[int, np.ndarray] = {}  # streamed steps not yet handed on
@@ -349,16 +245,16 @@ class Sampler:
         `on_token(step, tokens_B)` streams each step's tokens (-1 for finished rows) from
         inside the compiled loop; it compiles a separate (otherwise identical) program.
         """
-        args, statics = self._inputs(
+        request, program = self._inputs(
             prompts, max_new_tokens, temperature, top_k, top_p, seed, stop_tokens, vocab_size
         )
         if self.mesh is not None:  # prompts and sampling values replicated over the mesh
-            params, blocks, *rest = args
-            args = (params, blocks, *jax.device_put(rest, NamedSharding(self.mesh, P())))
+            request = jax.device_put(request, NamedSharding(self.mesh, P()))
+        program = program._replace(stream=on_token is not None)
         self._listener, self._pending, self._next_step = on_token, {}, 0
         try:
             with self._on_mesh():
-                outputs = self.compiled(*args, **statics, stream=on_token is not None)
+                outputs = self.compiled(self._weights(), request, program=program)
             outputs = jax.device_get(outputs)  # waits for the program (and its callbacks)
         finally:
             self._listener = None
@@ -375,13 +271,15 @@ class Sampler:
         `sharding`: give the prompts and sampling values as abstract arrays with this sharding
         instead of arrays on this host's device (the sampler's params are then abstract too:
         compiling for a TPU slice or GPU cluster from this machine, see `moe_jax.aot`)."""
-        args, statics = self._inputs(prompts, max_new_tokens, **kw)
+        request, program = self._inputs(prompts, max_new_tokens, **kw)
         if sharding is not None:
-            params, blocks, *rest = args
             as_abstract = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding)
-            args = (params, blocks, *(as_abstract(a) for a in rest))
+            request = jax.tree.map(as_abstract, request)
         with self._on_mesh():
-            return self.compiled.lower(*args, **statics, stream=False)
+            return self.compiled.lower(self._weights(), request, program=program)
+
+    def _weights(self) -> Weights:
+        return Weights(self.params, self.param_blocks)
 
     def _inputs(
         self,
@@ -394,7 +292,7 @@ class Sampler:
         stop_tokens=(),
         vocab_size=None,
     ):
-        """Checked arguments of the compiled program: (positional arrays, static kwargs)."""
+        """Checked arguments of the compiled program: (its request, its program)."""
         V, max_len = self.cfg.model.vocab_size, self.cfg.model.max_seq_len
         lengths = self._check(prompts, max_new_tokens, temperature, top_k, top_p, stop_tokens)
         if problem := sampling_problem({"seed": seed}):  # a PRNG key takes 32 bits
@@ -413,20 +311,18 @@ class Sampler:
         for row, ids in zip(prompt_BP, prompts, strict=True):
             row[: len(ids)] = ids
         greedy = temperature == 0  # then the filters cannot change the argmax
-        args = (
-            self.params,
-            self.param_blocks,
-            jnp.asarray(prompt_BP),
-            jnp.asarray(lengths, jnp.int32),
-            jnp.asarray(_pad_stops(stop_tokens)),
-            jax.random.key(seed),
-            jnp.float32(temperature if temperature > 0 else 1.0),
-            jnp.int32(min(top_k, V)),  # any top_k >= V is off; int32 holds V
-            jnp.float32(top_p),
-            jnp.int32(vocab_size or V),
+        request = Request(
+            prompt_BP=jnp.asarray(prompt_BP),
+            prompt_len_B=jnp.asarray(lengths, jnp.int32),
+            stop_S=jnp.asarray(_pad_stops(stop_tokens)),
+            key=jax.random.key(seed),
+            temperature=jnp.float32(temperature if temperature > 0 else 1.0),
+            top_k=jnp.int32(min(top_k, V)),  # any top_k >= V is off; int32 holds V
+            top_p=jnp.float32(top_p),
+            n_vocab=jnp.int32(vocab_size or V),
         )
         mode = Mode(greedy, not greedy and 0 < top_k < V, not greedy and top_p < 1)
-        return args, {"max_new_tokens": max_new_tokens, "mode": mode}
+        return request, Program(max_new_tokens, mode)
 
     def _check(self, prompts, max_new_tokens, temperature, top_k, top_p, stop_tokens):
         V = self.cfg.model.vocab_size

@@ -7,7 +7,8 @@ arXiv:2412.19437 sec. 5.4.3: 85-90% of its second-token predictions accepted).
     out.acceptance_rate, out.acceptance_rates   # drafts kept, all together and per depth
 
 The program is the plain sampler's (`moe_jax.sampling`: one jitted prefill + while loop, the
-same arguments, prompt buckets, stop tokens, streaming and mesh) with another loop body. With
+same arguments, prompt buckets, stop tokens, streaming and mesh, on the same loop skeleton,
+`moe_jax.decoding`) with another prefill and loop body. With
 K drafting depths (`draft_depth`, sample.draft_depth: 1..model.mtp_depth, default all) a row
 holds its newest token x (at position p, not yet fed) and drafts d_1..d_K of the K tokens
 after it, and each step
@@ -68,16 +69,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from moe_jax.decoding import Decoding, Program, Request, Weights, loop, shard_cache
 from moe_jax.model import Transformer, gather
-from moe_jax.sampling import (
-    Generation,
-    Sampler,
-    SamplingError,
-    model_of,
-    shard_cache,
-    stack_blocks,
-    unstack_blocks,
-)
+from moe_jax.sampling import Generation, Sampler, SamplingError
 from moe_jax.speculative_rules import DraftRule, step_keys
 
 
@@ -118,28 +112,19 @@ def _rate(accepted, checked) -> float:
 
 @dataclasses.dataclass(frozen=True)
 class _Runner:
-    """The program's model calls: the main layers with the KV cache as the plain sampler
-    carries it (its layer blocks apart, see `sampling.unstack_blocks`), the head, the MTP
-    depths; and the sampling rule."""
+    """The program's model calls beyond the plain sampler's (`decoding.Decoding`, `d`): the
+    main layers without the head, the head, the MTP depths; and the sampling rule."""
 
-    graphdef: object
-    params: object
-    param_blocks: list
+    d: Decoding
     rule: DraftRule
     K: int  # depths that draft
 
     def model(self):
-        return model_of(self.graphdef, self.params, self.param_blocks)
-
-    def unstacked(self, cache: dict) -> dict:
-        cache = shard_cache(cache)
-        return cache | {"blocks": unstack_blocks(cache["blocks"], len(self.param_blocks))}
+        return self.d.model()
 
     def main(self, tokens_BT, positions_BT, cache):
         """The main layers -> (their last output [B, T, D], the new cache)."""
-        stacked = cache | {"blocks": stack_blocks(cache["blocks"])}
-        x_BTD, _, new = self.model()(tokens_BT, positions=positions_BT, cache=stacked, head=False)
-        return x_BTD, self.unstacked(new)
+        return self.d.forward(tokens_BT, positions_BT, cache, head=False)
 
     def logits(self, x_BTD):
         """The main model's float32 logits after each position [B, T, V]."""
@@ -187,20 +172,21 @@ def wider_rings(cache, extra: int):
     return ring | {"pos": jnp.full(longer(cache["pos"]), -1, cache["pos"].dtype)}
 
 
-def _prefill(run: _Runner, prompt_BP, prompt_len_B, N: int, is_stop, emit, row_keys_B) -> dict:
+def _prefill(run: _Runner) -> dict:
     """The prompts through the main layers (as the plain sampler's prefill: padding at
     position -1) and, with every hidden state kept, through the MTP depths -> the loop's
     first carry: the first new token, its K drafts, the caches."""
-    (B, P), K = prompt_BP.shape, run.K
+    d, K = run.d, run.K
+    prompt_BP, prompt_len_B, N = d.request.prompt_BP, d.request.prompt_len_B, d.N
+    B, P = prompt_BP.shape
     cache = wider_rings(run.model().init_cache(B, P + N + 2 * K, mtp=True), 2 * K - 1)
     mtp_caches = [shard_cache(c) for c in cache.pop("mtp")[:K]]  # apart from the main layers'
-    arange_P = jnp.arange(P, dtype=jnp.int32)
-    positions_BP = jnp.where(arange_P[None, :] < prompt_len_B[:, None], arange_P[None, :], -1)
-    x_BPD, cache = run.main(prompt_BP, positions_BP, run.unstacked(cache))
+    positions_BP = d.prompt_positions()
+    x_BPD, cache = run.main(prompt_BP, positions_BP, d.unstacked(cache))
     last_B = prompt_len_B - 1
-    first_key, *draft_keys = step_keys(row_keys_B, 0, K + 1)
+    first_key, *draft_keys = step_keys(d.row_keys_B, 0, K + 1)
     tok_B, _ = run.rule.draw(run.logits(_at(x_BPD, last_B)[:, None])[:, 0], first_key)
-    emit(0, tok_B)
+    d.emit(0, tok_B)
     # The text and its hypothesis: the prompt, the new token, then each draft once drawn.
     seq_BS = _put(jnp.pad(prompt_BP, ((0, 0), (0, K + 1))), last_B + 1, tok_B)
     h_BPD, drafts, qs, carried = x_BPD, [], [], []
@@ -225,18 +211,18 @@ def _prefill(run: _Runner, prompt_BP, prompt_len_B, N: int, is_stop, emit, row_k
         "mtp": mtp_caches,
         "out": jnp.full((B, N), -1, jnp.int32).at[:, 0].set(tok_B),
         "checked": jnp.full((B, N), -1, jnp.int32),
-        "done": is_stop(tok_B) | (N <= 1),
+        "done": d.is_stop(tok_B) | (N <= 1),
         "drafted": zeros_BK,
         "accepted": zeros_BK,
     }
 
 
-def _verify(run: _Runner, c: dict, p_B, N: int, is_stop, keys: list):
+def _verify(run: _Runner, c: dict, p_B, keys: list):
     """Step 1-2 of the module doc: the main forward over the newest token and the drafts,
     the rule's verdict, and what the row emits -> (main hidden states [B, K+1, D], new
     cache, reached [B, K]: drafts checked, kept [B, K], n_kept [B], next_token [B], its
     presence [B])."""
-    K = run.K
+    K, N, is_stop = run.K, run.d.N, run.d.is_stop
     positions_BT = p_B[:, None] + jnp.arange(K + 1, dtype=jnp.int32)
     tokens_BT = jnp.concatenate([c["tok"][:, None], c["drafts"]], axis=1)
     x_BTD, cache = run.main(tokens_BT, positions_BT, c["cache"])
@@ -287,13 +273,13 @@ def _draft_chain(run: _Runner, c: dict, x_BTD, p_B, n_kept_B, ahead_BF, keys: li
     return jnp.stack(drafts, 1), jnp.stack(qs, 1), carried, caches
 
 
-def _step(run: _Runner, c: dict, prompt_len_B, N: int, is_stop, emit, row_keys_B) -> dict:
+def _step(run: _Runner, c: dict) -> dict:
     """One step of every row (the module doc): check the drafts, emit 1..K+1 tokens, draft."""
-    K = run.K
+    d, K = run.d, run.K
     active_B = ~c["done"]
-    p_B = prompt_len_B + c["n"] - 1  # the newest token's position
-    check_key, next_key, *draft_keys = step_keys(row_keys_B, c["it"], K + 2)
-    verified = _verify(run, c, p_B, N, is_stop, [check_key, next_key])
+    p_B = d.request.prompt_len_B + c["n"] - 1  # the newest token's position
+    check_key, next_key, *draft_keys = step_keys(d.row_keys_B, c["it"], K + 2)
+    verified = _verify(run, c, p_B, [check_key, next_key])
     x_BTD, cache, reached_BK, kept_BK, n_kept_B, next_B, extra_B = verified
     # The step's tokens: the kept drafts, then the main model's where it adds one (token
     # ids everywhere, even where nothing is emitted: they feed the model, whose MoE layers
@@ -305,7 +291,7 @@ def _step(run: _Runner, c: dict, prompt_len_B, N: int, is_stop, emit, row_keys_B
     is_emitted_BT = i_T[None] < count_B[:, None]
     emitted_BT = jnp.where(is_emitted_BT, step_BT, -1)
     for i in range(K + 1):
-        emit((K + 1) * (c["it"] - 1) + 1 + i, emitted_BT[:, i])
+        d.emit((K + 1) * (c["it"] - 1) + 1 + i, emitted_BT[:, i])
     # Then the drafts, from the newest token's predecessor (rows that ended: anything).
     ahead_BF = jnp.where(i_T[None] <= n_kept_B[:, None], step_BT, 0)
     ahead_BF = jnp.pad(ahead_BF, ((0, 0), (0, 2 * K)))  # room for drafts and a clamped start
@@ -315,7 +301,7 @@ def _step(run: _Runner, c: dict, prompt_len_B, N: int, is_stop, emit, row_keys_B
     checked_BT = jnp.where(jnp.pad(reached_BK, ((0, 0), (0, 1))), drafts_BT, -1)
     out_BN, checked_BN = _record(c, emitted_BT, checked_BT, count_B)
     n_B = c["n"] + count_B
-    ended_B = jnp.any(is_stop(step_BT) & is_emitted_BT, axis=1)  # (stops are padded by -1)
+    ended_B = jnp.any(d.is_stop(step_BT) & is_emitted_BT, axis=1)  # (stops are padded by -1)
     keep = lambda new, old: jnp.where(active_B.reshape(-1, *[1] * (old.ndim - 1)), new, old)
     return {
         "it": c["it"] + 1,
@@ -328,7 +314,7 @@ def _step(run: _Runner, c: dict, prompt_len_B, N: int, is_stop, emit, row_keys_B
         "mtp": mtp_caches,
         "out": out_BN,
         "checked": checked_BN,
-        "done": c["done"] | (active_B & (ended_B | (n_B >= N))),
+        "done": c["done"] | (active_B & (ended_B | (n_B >= d.N))),
         "drafted": c["drafted"] + reached_BK,
         "accepted": c["accepted"] + kept_BK,
     }
@@ -347,43 +333,16 @@ def _record(c: dict, emitted_BT, checked_BT, count_B):
 
 
 def _speculate(
-    graphdef,
-    emit_host,
-    draft_depth: int,
-    params,
-    param_blocks,
-    prompt_BP,
-    prompt_len_B,
-    stop_S,
-    key,
-    temperature,
-    top_k,
-    top_p,
-    n_vocab,
-    *,
-    max_new_tokens: int,
-    mode,
-    stream: bool,
+    graphdef, emit_host, draft_depth: int, weights: Weights, request: Request, *, program: Program
 ):
-    """Prefill + speculative decode loop (the arguments of `sampling._generate`) -> (tokens
-    [B, N] with -1 after a stop, loop iterations, drafts checked [B, K], drafts kept [B, K],
-    the draft each token was checked against [B, N] or -1)."""
-    B, N = prompt_BP.shape[0], max_new_tokens
-    row_keys_B = jax.vmap(lambda r: jax.random.fold_in(key, r))(jnp.arange(B))
-    rule = DraftRule(temperature, top_k, top_p, n_vocab, mode)
-    run = _Runner(graphdef, params, param_blocks, rule, draft_depth)
-    is_stop = lambda tokens: jnp.any(tokens[..., None] == stop_S, axis=-1)  # any shape
-
-    def emit(step, tok_B):
-        if stream:
-            one_device = jax.sharding.get_abstract_mesh().empty
-            jax.debug.callback(emit_host, step, tok_B, ordered=one_device)
-
-    init = _prefill(run, prompt_BP, prompt_len_B, N, is_stop, emit, row_keys_B)
-    # Every step emits at least one token of every unfinished row: at most N - 1 steps.
-    cond = lambda c: (c["it"] < N) & ~jnp.all(c["done"])
-    step = lambda c: _step(run, c, prompt_len_B, N, is_stop, emit, row_keys_B)
-    c = jax.lax.while_loop(cond, step, init)
+    """Prefill + speculative decode loop (`decoding.loop`, as `sampling._generate`) ->
+    (tokens [B, N] with -1 after a stop, loop iterations, drafts checked [B, K], drafts kept
+    [B, K], the draft each token was checked against [B, N] or -1)."""
+    d = Decoding.start(graphdef, emit_host, weights, request, program)
+    r = request
+    rule = DraftRule(r.temperature, r.top_k, r.top_p, r.n_vocab, program.mode)
+    run = _Runner(d, rule, draft_depth)
+    c = loop(d, _prefill(run), lambda c: _step(run, c))
     return c["out"], c["it"] - 1, c["drafted"], c["accepted"], c["checked"]
 
 
@@ -410,8 +369,7 @@ class SpeculativeSampler(Sampler):
         super().__init__(model, mesh=mesh, consume=consume)
         self.draft_depth = draft_depth
         self.compiled = jax.jit(
-            partial(_speculate, self.graphdef, self._emit, draft_depth),
-            static_argnames=("max_new_tokens", "mode", "stream"),
+            partial(_speculate, self.graphdef, self._emit, draft_depth), static_argnames="program"
         )
 
     def _generation(self, out_BN, steps, drafted_BK, accepted_BK, checked_BN):

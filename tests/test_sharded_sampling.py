@@ -223,7 +223,7 @@ def test_weights_that_do_not_fit_are_refused_before_reading(run, monkeypatch, ca
 
 
 def test_kv_cache_splits_over_batch_and_kv_heads():
-    from moe_jax.sampling import shard_cache
+    from moe_jax.decoding import shard_cache
 
     cfg = tiny_config(*RUN, "mesh.tensor=2", "mesh.expert=2", "mesh.data=2")
     mesh = make_mesh(cfg, inference=True)

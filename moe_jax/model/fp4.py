@@ -27,7 +27,6 @@ E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3
 # Rounding |x| to the E2M1 magnitudes: (midpoint, whether a tie rounds up to the even code).
 _MIDPOINTS = ((0.25, False), (0.75, True), (1.25, False), (1.75, True), (2.5, False),
               (3.5, True), (5.0, False))  # fmt: skip
-EXPERT_WEIGHTS = ("w_gate", "w_up", "w_down")  # [..., E, D, F], contracted over D (-2)
 
 
 def dequantize(raw: dict, index=...) -> jax.Array:
