@@ -107,20 +107,25 @@ def test_router_equals_transformers_deepseek_v3():
 
 
 def test_sequence_wise_balance_loss_by_hand():
+    """f counts each token's top-k of its own scores (the report's eq. 18, Megatron-LM's
+    seq_aux_loss), not the choice the correction bias makes: here a bias that sends every
+    token to experts 6 and 7."""
     cfg = tiny_config(*DEEPSEEK, "moe.seq_aux_loss_weight=1e-4", "model.d_model=8").moe
     key = jax.random.split(jax.random.key(0), 3)
     x = jax.random.normal(key[0], (3, 5, 8))
     router = jax.random.normal(key[1], (8, 8))
     valid = jnp.array([[1, 1, 1, 1, 1], [1, 1, 0, 0, 0], [0, 0, 0, 0, 0]], bool)
-    r = route_group(x, router, jnp.zeros(()), cfg, jnp.float32, valid, jnp.zeros(8))
+    correction = jnp.array([0, 0, 0, 0, 0, 0, 5.0, 5.0])
+    r = route_group(x, router, jnp.zeros(()), cfg, jnp.float32, valid, correction)
+    assert np.all(np.sort(np.asarray(r.experts), -1) == [6, 7])
     expected, seqs = 0.0, 0
     for b in range(3):
         n = int(valid[b].sum())
         if n == 0:  # a row of padding is no sequence
             continue
-        s = jax.nn.sigmoid(x[b, :n] @ router)
-        p = np.asarray(jnp.mean(s / s.sum(-1, keepdims=True), 0))
-        f = np.bincount(np.asarray(r.experts[b, :n]).ravel(), minlength=8) / (n * 2)
+        s = np.asarray(jax.nn.sigmoid(x[b, :n] @ router))
+        p = np.mean(s / s.sum(-1, keepdims=True), 0)
+        f = np.bincount(np.argsort(-s, -1)[:, :2].ravel(), minlength=8) / (n * 2)
         expected += 8 * float(np.sum(f * p))
         seqs += 1
     assert float(r.sums["seqs"]) == seqs == 2

@@ -140,17 +140,23 @@ def route_group(
     if valid_bT is not None:
         sums["tokens"] = jnp.sum(w_bT)
     if cfg.seq_aux_loss_weight > 0:
-        sums |= sequence_balance(load_bTKE, probs_bTE, None if valid_bT is None else w_bT, cfg)
+        sums |= sequence_balance(logits_bTE, probs_bTE, None if valid_bT is None else w_bT, cfg)
     return Routing(weights_bTK.astype(dtype), experts_bTK, slot_bTK, keep_bTK, cap, sums)
 
 
-def sequence_balance(load_bTKE, probs_bTE, valid_bT, cfg: MoEConfig) -> dict:
+def sequence_balance(logits_bTE, probs_bTE, valid_bT, cfg: MoEConfig) -> dict:
     """DeepSeek-V3's sequence-wise balance loss, summed over the group's rows: each row's
     E sum_e f_e P_e over its own (valid) tokens, f its fraction of the top-k assignments and
-    P its mean router probability (the load-balance loss of one sequence). A row is the
-    sequence (packed documents share it); rows without a valid token count in neither sum."""
-    T = load_bTKE.shape[1]
-    n_b = jnp.full(load_bTKE.shape[:1], float(T)) if valid_bT is None else jnp.sum(valid_bT, 1)
+    P its mean normalised score (`probs_bTE`, zero on padding): the load-balance loss of one
+    sequence. The top-k is of each token's own scores, not the choice the correction bias and
+    the groups make (the report's eq. 18, as Megatron-LM's seq_aux_loss computes it). A row
+    is the sequence (packed documents share it); rows without a valid token count in neither
+    sum."""
+    b, T, E = logits_bTE.shape
+    load_bTKE = jax.nn.one_hot(jax.lax.top_k(logits_bTE, cfg.top_k)[1], E, dtype=jnp.float32)
+    if valid_bT is not None:
+        load_bTKE = load_bTKE * valid_bT[..., None, None]
+    n_b = jnp.full((b,), float(T)) if valid_bT is None else jnp.sum(valid_bT, 1)
     f_bE = jnp.sum(load_bTKE, axis=(1, 2)) / jnp.maximum(n_b * cfg.top_k, 1.0)[:, None]
     p_bE = jnp.sum(probs_bTE, axis=1) / jnp.maximum(n_b, 1.0)[:, None]
     return {
