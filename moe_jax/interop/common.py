@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from moe_jax.config import AttentionConfig, Config, ModelConfig, MoEConfig, RopeScalingConfig
+from moe_jax.interop import fp8
 from moe_jax.interop.safetensors_io import InteropError, TensorReader
 
 HFTensors = Iterator[tuple[str, np.ndarray]]
@@ -32,8 +33,18 @@ class Source:
     def has(self, name: str) -> bool:
         return self.reader.has(self.prefix + name)
 
-    def __call__(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
-        return self.reader.get(self._used(name, shape))
+    def __call__(self, name: str, shape: tuple[int, ...]) -> np.ndarray | fp8.Deferred:
+        """Tensor `name` in its own dtype, memory-mapped; an FP8 weight with its block scales
+        (`interop.fp8`) dequantised lazily, as far as it is used."""
+        full = self._used(name, shape)
+        scale = full + fp8.SCALE_SUFFIX
+        if self.reader.dtype(full) != "F8_E4M3" or not self.reader.has(scale):
+            return self.reader.get(full)
+        s_shape = self.reader.shape(scale)
+        if why := fp8.check_scales(full, shape, s_shape):
+            raise InteropError(f"{why} (in '{self.reader.file_of(scale)}')")
+        self.used.add(scale)
+        return fp8.deferred(self.reader.raw(full), self.reader.raw(scale))
 
     def packed(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
         """A uint8 tensor (MXFP4 blocks or scales) of `shape`, as stored."""

@@ -24,7 +24,7 @@ import numpy as np
 from flax import nnx
 
 from moe_jax.config import Config, ConfigError, validate
-from moe_jax.interop import deepseek, glm4_moe, gpt_oss, llama, llama4, mixtral, qwen3
+from moe_jax.interop import deepseek, fp8, glm4_moe, gpt_oss, llama, llama4, mixtral, qwen3
 from moe_jax.interop.common import Family, HFConfig, top_rules
 from moe_jax.interop.safetensors_io import INDEX_FILE, InteropError, ShardWriter, TensorReader
 from moe_jax.interop.stream import ImportPlan, Progress
@@ -78,15 +78,32 @@ def read_hf_config(directory: str | Path) -> tuple[Family, HFConfig, str]:
     if arch not in FAMILIES:
         supported = ", ".join([*FAMILIES, llama4.MULTIMODAL_ARCH])
         raise InteropError(f"unsupported architecture '{arch}' in '{path}'; supported: {supported}")
-    quant = values.get("quantization_config")
-    mxfp4 = arch == gpt_oss.ARCH and isinstance(quant, dict)
-    if quant and not (mxfp4 and quant.get("quant_method") == gpt_oss.QUANT_METHOD):
-        raise InteropError(
-            f"'{path}' describes a quantized checkpoint (quantization_config); only float "
-            "checkpoints (and gpt-oss's MXFP4 experts) can be imported, dequantize it first"
-        )
+    _check_quantization(values.get("quantization_config"), arch, path)
     family = FAMILIES[arch]
     return family, HFConfig(values, family.defaults, arch), prefix
+
+
+def _check_quantization(quant, arch: str, path: Path) -> None:
+    """The quantised forms an import reads: gpt-oss's MXFP4 experts, and FP8 e4m3 weights in
+    128 x 128 blocks (DeepSeek-V3, Kimi K2: `interop.fp8`); any other is refused."""
+    if not quant:
+        return
+    method = quant.get("quant_method") if isinstance(quant, dict) else None
+    if method == gpt_oss.QUANT_METHOD and arch == gpt_oss.ARCH:
+        return
+    if method == "fp8":
+        fmt, block = quant.get("fmt", "e4m3"), quant.get("weight_block_size")
+        if fmt == "e4m3" and block is not None and tuple(block) == fp8.BLOCK:
+            return
+        raise InteropError(
+            f"'{path}' holds FP8 weights as fmt={fmt!r}, weight_block_size={block}; moe_jax "
+            f"reads e4m3 in {list(fp8.BLOCK)} blocks (DeepSeek-V3's form) only"
+        )
+    raise InteropError(
+        f"'{path}' describes a quantized checkpoint (quantization_config {method!r}); only float "
+        "checkpoints, FP8 block-quantised weights and gpt-oss's MXFP4 experts can be imported; "
+        "dequantize it first"
+    )
 
 
 def config_from_hf(

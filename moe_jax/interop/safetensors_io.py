@@ -136,6 +136,9 @@ class TensorReader:
         data_start = self._header(path)[0]
         return np.memmap(path, dtype=dtype, mode="r", offset=data_start + start, shape=shape)
 
+    def file_of(self, name: str) -> Path:
+        return self._file(name)
+
     def _file(self, name: str) -> Path:
         if name not in self._file_of:
             raise InteropError(f"tensor '{name}' is missing from '{self.directory}'")

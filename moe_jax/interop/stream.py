@@ -63,12 +63,13 @@ class Window:
         self.dtypes.add(np.dtype(value.dtype))
         if self.buf is None:
             return
+        # np.asarray: a memory map's slice is read, a deferred FP8 weight's computed, here
         if key is Ellipsis:
-            self.buf[...] = value[self.index]
+            self.buf[...] = np.asarray(value[self.index])
         elif isinstance(key, int):  # one row of the leading axis (an expert)
             rows = self.index[0]
             if rows.start <= key < rows.stop:
-                self.buf[key - rows.start] = value[self.index[1:]]
+                self.buf[key - rows.start] = np.asarray(value[self.index[1:]])
         else:
             raise TypeError(f"a rule wrote out[{key!r}]; rules write out[...] or out[i]")
 
