@@ -35,6 +35,42 @@ def test_auto_falls_back_where_the_fused_kernel_does_not_take_the_operands():
         assert backends.choose("attention", "auto", length=100) == "blocked"
 
 
+def test_auto_picks_the_mosaic_kernels_for_a_dropless_moe_on_one_gpu_only():
+    """Dropless on GPU: the Mosaic GPU grouped matmuls where they take the operands (16 bits,
+    dims their tiles divide, every expert on the device); the buffers otherwise, and with a
+    capacity (measured faster there: backends.AUTO's note)."""
+    qwen = {"dims": (2048, 768), "ep": 1}
+    with backends.targeting("gpu"):
+        pick = lambda **kw: backends.choose("moe", "auto", **kw)
+        assert pick(dtype="bfloat16", dropless=True, shape=qwen) == "mosaic"
+        assert pick(dtype="bfloat16", dropless=False, shape=qwen) == "batched"
+        assert pick(dtype="float32", dropless=True, shape=qwen) == "batched"
+        assert pick(dtype="bfloat16", dropless=True, shape={"dims": (2048, 40)}) == "batched"
+        assert pick(dtype="bfloat16", dropless=True, shape=qwen | {"ep": 8}) == "batched"
+        assert pick(dtype="bfloat16", dropless=True) == "batched"  # shape unknown
+    assert backends.choose("moe", "auto", dtype="bfloat16", dropless=True, shape=qwen) == "buckets"
+    with backends.targeting("tpu"):
+        assert backends.choose("moe", "auto", dropless=True, shape=qwen) == "ragged"
+
+
+def test_the_moe_layer_asks_for_its_own_shape_and_dropping():
+    from flax import nnx
+
+    from moe_jax.model.moe import MoE
+
+    def impl(*overrides):
+        cfg = tiny_config("moe.expert_hidden=128", "model.d_model=128", *overrides)
+        with backends.targeting("gpu"):
+            return MoE(cfg, rngs=nnx.Rngs(0))._impl()
+
+    assert impl("model.dtype=bfloat16", "moe.capacity_factor=0") == "mosaic"
+    assert impl("model.dtype=bfloat16") == "batched"  # tiny's capacity
+    assert impl("model.dtype=float32", "moe.capacity_factor=0") == "batched"
+    assert impl("model.dtype=bfloat16", "moe.capacity_factor=0", "moe.expert_hidden=40") == (
+        "batched"
+    )
+
+
 def test_a_kernel_for_another_backend_is_refused_in_one_line():
     with backends.targeting("tpu"), pytest.raises(ValueError, match="runs on gpu only, not tpu"):
         backends.choose("attention", "cudnn")

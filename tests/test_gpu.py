@@ -8,6 +8,8 @@ on the same GPU:
   gradients;
 - the grouped experts (`moe.impl=ragged`: `jax.lax.ragged_dot`) and the batched capacity
   buffers against the dense loop over every expert, values and gradients;
+- `moe.impl=mosaic`'s grouped matmul (jax's Mosaic GPU kernels with our VJP) against float32,
+  values and gradients, and its dropless train step against the float32 reference;
 - a train step with the backend's own kernels (bf16, cuDNN, grouped or batched MoE) against
   the reference kernels in float32;
 - greedy decoding with the KV cache against repeated full forwards.
@@ -40,6 +42,40 @@ BF16_NORM_TOL = 2e-2
 def rel_err(got, want) -> float:
     got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
     return float(np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30))
+
+
+def test_mosaic_grouped_matmul_equals_float32_values_and_gradients():
+    """moe.impl=mosaic's grouped matmul (jax's Mosaic GPU kernels, our VJP) against the same
+    products in float32: rows not a multiple of the tile, an empty group, and rows past the
+    groups (dropped), which must read exact zeros in y and dx; the empty group's dW too.
+    bf16 operands and outputs: ~4e-3 in norm; 1e-2 flags a lost tile or a wrong transpose."""
+    from moe_jax.model import mosaic_gmm
+
+    n, K, N = 3000, 256, 384
+    sizes = jnp.array([700, 0, 1100, 31, 969], jnp.int32)  # 2800 rows in groups, 200 past
+    ks = jax.random.split(jax.random.key(5), 3)
+    x = jax.random.normal(ks[0], (n, K), jnp.bfloat16)
+    w = jax.random.normal(ks[1], (5, K, N), jnp.bfloat16) * K**-0.5
+    dy = jax.random.normal(ks[2], (n, N), jnp.bfloat16)
+    assert mosaic_gmm.takes(x, w)
+
+    def reference(x, w):
+        group = jnp.searchsorted(jnp.cumsum(sizes), jnp.arange(n), side="right")
+        w_n = w[jnp.minimum(group, 4)]
+        y = jnp.einsum("nk,nkm->nm", x, w_n, precision="highest")
+        return jnp.where((group < 5)[:, None], y, 0)
+
+    f32 = lambda a: a.astype(jnp.float32)
+    want, vjp = jax.vjp(reference, f32(x), f32(w))
+    want_dx, want_dw = vjp(f32(dy))
+    got, vjp = jax.vjp(jax.jit(lambda x, w: mosaic_gmm.grouped_matmul(x, w, sizes)), x, w)
+    dx, dw = vjp(dy)
+    for name, a, b in (("y", got, want), ("dx", dx, want_dx), ("dw", dw, want_dw)):
+        assert np.all(np.isfinite(np.asarray(a, np.float32))), name
+        assert rel_err(a, b) < BF16_NORM_TOL, (name, rel_err(a, b))
+    assert not np.any(np.asarray(got[2800:], np.float32)), "rows past the groups"
+    assert not np.any(np.asarray(dx[2800:], np.float32)), "their gradient"
+    assert not np.any(np.asarray(dw[1], np.float32)), "the empty group's weight gradient"
 
 
 @pytest.mark.parametrize(
@@ -118,18 +154,35 @@ def _losses(*overrides, steps=4):
     return np.array(out)
 
 
+def test_dropless_train_step_with_the_mosaic_kernels_equals_the_reference():
+    """moe.impl=mosaic dropless (bf16, the grouped rows through jax's Mosaic GPU kernels
+    inside the one-device mesh's shard_map) against float32 with the batched buffers: the
+    losses agree to bf16 accuracy over four steps and fall the same way."""
+    # expert_hidden 128: the kernels' tiles divide it (tiny's 40 would run XLA's ragged_dot)
+    base = ("model.d_model=256", "attention.head_dim=64", "moe.expert_hidden=128",
+            "moe.capacity_factor=0")  # fmt: skip
+    fast = _losses(*base, "moe.impl=mosaic")
+    # the reference's MoE: the batched buffers (dropless here). XLA's float32 ragged_dot
+    # compiled past the test's 45 s on the H200 (2026-11-27)
+    ref = _losses(*base, "model.dtype=float32", "attention.impl=blocked", "moe.impl=batched")
+    assert np.all(np.isfinite(fast))
+    np.testing.assert_allclose(fast, ref, rtol=1e-2)
+    assert fast[-1] < fast[0] and ref[-1] < ref[0]
+
+
 def test_train_step_with_the_gpu_kernels_equals_the_reference_kernels():
     """The backend's own kernels (auto: bf16, cuDNN, the GPU MoE's batched buffers) against
-    float32 with the blocked attention and the grouped MoE (XLA's ragged_dot), four steps on
-    one batch: the losses agree to bf16 accuracy and fall the same way. (The CPU's buckets
-    as the reference ran past the stage's limit on the H200: their per-expert switch.)"""
+    float32 with the blocked attention and the same batched MoE, four steps on one batch:
+    the losses agree to bf16 accuracy and fall the same way. (As references, the CPU's
+    buckets ran past the stage's limit on the H200, their per-expert switch, and XLA's
+    float32 ragged_dot compiled past the test's 45 s, 2026-11-27.)"""
     fast = _losses("model.d_model=256", "attention.head_dim=64")
     ref = _losses(
         "model.d_model=256",
         "attention.head_dim=64",
         "model.dtype=float32",
         "attention.impl=blocked",
-        "moe.impl=ragged",
+        "moe.impl=batched",
     )
     assert np.all(np.isfinite(fast))
     np.testing.assert_allclose(fast, ref, rtol=1e-2)

@@ -137,7 +137,9 @@ def test_exchange_choice_by_backend():
             assert backends.exchange("ragged") == "ragged"
             assert backends.exchange("batched") == "buffers"  # its rows need the buffers
             assert backends.exchange("ragged", "buffers") == "buffers"
-    with pytest.raises(ValueError, match="needs moe.impl=ragged on gpu or tpu, not ragged on cpu"):
+    with pytest.raises(
+        ValueError, match="needs moe.impl=ragged .or mosaic. on gpu or tpu, not ragged on cpu"
+    ):
         backends.exchange("ragged", "ragged")
 
 

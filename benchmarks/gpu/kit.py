@@ -55,7 +55,9 @@ STAGES = {
         # full-size step compiles in 15: tiny programs' GEMM autotuning is the suspect.
         {"XLA_FLAGS": "--xla_gpu_autotune_level=0"},
     ),
-    "train": (["benchmarks/gpu/stages.py", "train"], 110),
+    # four variants, each in its own process (~40 s each on the H200)
+    "train": (["benchmarks/gpu/stages.py", "train"], 220),
+    "moe_kernels": (["benchmarks/gpu/stages.py", "kernels", "--only", "moe"], 100),
     "decode": (["benchmarks/gpu/stages.py", "decode"], 100),
     "decode_graphs": (["benchmarks/gpu/stages.py", "decode", "--variant", "graphs"], 50,
                       {"XLA_FLAGS": GRAPHS}),
@@ -114,12 +116,14 @@ def run_stage(name: str, out: Path, dry: bool, limit: float, log) -> dict:
             os.killpg(proc.pid, signal.SIGKILL)
             rc, timed_out = proc.wait(), True
         reader.join(timeout=10)
-        if name == "tests":  # pytest's closing line is the record
-            tail = [ln for ln in log_tail(out) if PYTEST_END.search(ln)]
+        if name == "tests":  # pytest's closing line and each test's outcome are the records
+            lines = stage_log(out, name)
+            tail = [ln for ln in lines if PYTEST_END.search(ln)]
             rec = {
                 "stage": name,
                 "kind": "tests",
                 "summary": tail[-1].strip("= ") if tail else None,
+                "outcomes": test_outcomes(lines),
             }
             results.write(json.dumps(rec) + "\n")
         status = {
@@ -134,8 +138,26 @@ def run_stage(name: str, out: Path, dry: bool, limit: float, log) -> dict:
     return status
 
 
-def log_tail(out: Path, n: int = 40) -> list[str]:
-    return (out / "log.txt").read_text(errors="replace").splitlines()[-n:]
+def stage_log(out: Path, name: str) -> list[str]:
+    """The log's lines since stage `name` began."""
+    lines = (out / "log.txt").read_text(errors="replace").splitlines()
+    starts = [i for i, ln in enumerate(lines) if ln.startswith(f"===== {name}: ")]
+    return lines[starts[-1] :] if starts else lines
+
+
+TEST_LINE = re.compile(r"^(tests/\S+::\S+) (PASSED|FAILED|SKIPPED|ERROR|XFAIL|XPASS)")
+
+
+def test_outcomes(lines: list[str]) -> dict[str, str]:
+    """test id -> outcome, from `pytest -v`'s lines; a test that started and never ended (the
+    stage's limit killed it) -> "unfinished"."""
+    outcomes = {}
+    for ln in lines:
+        if m := TEST_LINE.match(ln):
+            outcomes[m.group(1)] = m.group(2)
+        elif ln.startswith("tests/") and "::" in ln and ln.split()[0] not in outcomes:
+            outcomes[ln.split()[0]] = "unfinished"
+    return outcomes
 
 
 def summary(records: list[dict]) -> str:
@@ -171,13 +193,21 @@ def summary(records: list[dict]) -> str:
             )
     for r in by("tests"):
         lines.append(f"tests: {r.get('summary')}")
+        for test, outcome in (r.get("outcomes") or {}).items():
+            lines.append(f"  {outcome:10s} {test}")
+    for r in by("tile"):
+        lines.append(
+            f"tile {r.get('which', ''):5s} {r.get('tile')}: {_f(r.get('ms'), 3)} ms "
+            f"({_f(r.get('tflops'))} TF/s) {r.get('error', '')}"
+        )
     for r in by("train"):
         who = r.get("side", "moe_jax") + " " + r.get("variant", "")
         mfu = r.get("mfu")
         lines.append(
             f"train {who:36s} B {r.get('batch')} x {r.get('seq')}: "
             f"{_f(r.get('tokens_per_s'), 0)} tok/s, step {_f(r.get('step_s'), 3)} s, "
-            f"MFU {_f(mfu and 100 * mfu)}% (bf16 peak), "
+            f"MFU {_f(mfu and 100 * mfu)}% (all keys; causal "
+            f"{_f(r.get('mfu_causal') and 100 * r['mfu_causal'])}%), "
             f"{_f(r.get('model_tflops') / mm * 100 if mm and r.get('model_tflops') else None)}% of "
             f"the matmul ceiling, peak mem {_f((r.get('peak_bytes') or 0) / 2**30)} GiB, "
             f"compile {_f(r.get('compile_s'))} s {r.get('error') or r.get('skipped') or ''}"

@@ -19,6 +19,7 @@ import json
 import math
 import re
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -47,10 +48,13 @@ SIZES = {
         # params, grads and Adam (H200, 2026-11-26); B 8 with full remat was the fastest there
         # (41.6% MFU against B 4's 38.8%): profiled first; then what keeps more of the forward
         # to skip its recomputation
+        # (issue 54) remat dots was the fastest with the capacity buffers (49,866 tok/s, 42.2%
+        # by the all-keys count): the baseline; then the grouped kernels of `mosaic_gmm`
+        # dropless, profiled, and at the same capacity; then dropless with full remat
         train_variants=[
-            ["model.remat=full"],
-            ["model.remat=full", "model.remat_save=qkv_proj,attention_out,out_proj"],
             ["model.remat=dots"],
+            ["model.remat=dots", "moe.impl=mosaic", "moe.capacity_factor=0", "+profile"],
+            ["model.remat=dots", "moe.impl=mosaic"],
         ],
         train_steps=6,
         decode=dict(
@@ -61,7 +65,7 @@ SIZES = {
         matmul=256,
         copy_bytes=8 << 20,
         attn=dict(B=1, T=256, H=4, K=2, hd=64, window=64, docs=2),
-        moe=dict(tokens=256, D=64, F=32, E=8, k=2),
+        moe=dict(tokens=256, D=256, F=128, E=8, k=2),  # dims the Mosaic tiles divide
         train_overrides=[
             "model.vocab_size=512",
             "model.d_model=64",
@@ -76,7 +80,7 @@ SIZES = {
             "train.seq_len=128",
             "model.max_seq_len=256",
         ],
-        train_variants=[[], ["moe.impl=ragged", "+triton"]],
+        train_variants=[["+profile"], ["moe.impl=ragged", "moe.capacity_factor=0"]],
         train_steps=2,
         decode=dict(
             cases=[(1, "bfloat16"), (1, "int8"), (2, "bfloat16")], prompt=8, new=8, repeats=1
@@ -434,35 +438,68 @@ def _moe_impls(M: dict) -> dict:
     def ragged(x, w, sizes):
         return jax.lax.ragged_dot(x, w, sizes, preferred_element_type=jnp.float32).astype(x.dtype)
 
-    def mgpu(x, w, sizes):
-        from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu
+    def mosaic(x, w, sizes):  # moe.impl=mosaic: jax's Mosaic GPU kernels, our VJP
+        from moe_jax.model import mosaic_gmm
 
-        return ragged_dot_mgpu.ragged_dot(
-            x,
-            w,
-            group_sizes=sizes,
-            block_m=128,
-            block_n=128,
-            block_k=64,
-            max_concurrent_steps=4,
-            grid_block_n=1,
-        )
+        return mosaic_gmm.grouped_matmul(x, w, sizes)
 
-    def tokamax_impl(name):
-        def fn(x, w, sizes):
-            return import_tokamax().ragged_dot(x, w, sizes, implementation=name)
-
-        return fn
-
-    # XLA's own ragged_dot last: it did not return within the stage's time on the H200
+    # Measured on the H200 and left out since: XLA's ragged_dot (26.5 ms forward, 171 ms with
+    # the backward), its Triton lowering (missing from jax 0.11.2), tokamax's Triton
+    # ragged_dot ("Unknown implementation"), jax's Mosaic ragged_dot alone (no VJP: `mosaic`
+    # is it with ours), tokamax's Mosaic ragged_dot (7.99 ms fwd+bwd, dW_down off by 2.8e-2,
+    # 2026-11-26 and 27; its autotuning took a minute of the stage).
     return {
         "batched buffers (capacity 1.25)": (_batched(C), {}),
-        "tokamax mosaic": (tokamax_impl("mosaic"), {}),
-        "tokamax triton": (tokamax_impl("triton"), {}),
-        "pallas mosaic ragged_dot": (mgpu, {}),
-        "ragged_dot (triton lowering)": (ragged, {TRITON_FLAG: True}),
-        "ragged_dot (xla)": (ragged, {}),
+        "mosaic (moe_jax: jax's kernels, our VJP)": (mosaic, {}),
     }
+
+
+# Tiles the sweep times: (block_m, block_n, block_k, max_concurrent_steps, grid_block_n)
+FWD_TILES = [(128, 128, 64, 4, 1), (128, 128, 64, 4, 8), (128, 192, 64, 4, 1), (64, 128, 64, 6, 1)]
+WGRAD_TILES = [
+    (128, 128, 64, 4, 1),
+    (128, 128, 64, 4, 8),
+    (128, 128, 128, 3, 1),
+    (64, 128, 64, 4, 1),
+]
+
+
+def kernel_tiles(S: dict) -> None:
+    """jax's two Mosaic GPU kernels alone at each tile of the sweep: the forward's three
+    products (and dx's, with the weights transposed) and the weight gradients' three, on
+    the kernels' benchmark rows. Picks mosaic_gmm's tiles."""
+    M = S["moe"]
+    x, (wg, wu, wd), sizes, dy = _moe_inputs(M)
+    h = jax.random.normal(jax.random.key(7), (x.shape[0], M["F"]), jnp.bfloat16)
+    n, D, F = x.shape[0], M["D"], M["F"]
+    try:
+        from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu, transposed_ragged_dot_mgpu
+    except ImportError as e:
+        return record(kind="tile", error=error_text(e))
+    names = ("block_m", "block_n", "block_k", "max_concurrent_steps", "grid_block_n")
+    for which, tiles in (("fwd", FWD_TILES), ("dx", FWD_TILES), ("wgrad", WGRAD_TILES)):
+        for tile in tiles:
+            kw = dict(zip(names, tile, strict=True))
+            rec = dict(kind="tile", which=which, tile=list(tile))
+            try:
+                if which == "fwd":  # gate, up (K = D), down (K = F)
+                    mm = partial(ragged_dot_mgpu.ragged_dot, group_sizes=sizes, **kw)
+                    f = jax.jit(lambda x, h, mm=mm: (mm(x, wg), mm(x, wu), mm(h, wd)))
+                elif which == "dx":  # dy @ w^T: down's (K = D), gate and up's (K = F)
+                    mm = partial(
+                        ragged_dot_mgpu.ragged_dot, group_sizes=sizes, transpose_rhs=True, **kw
+                    )
+                    f = jax.jit(lambda x, h, mm=mm: (mm(x, wd), mm(h, wg), mm(h, wu)))
+                else:  # x^T dh twice (gate, up), h^T dy (down)
+                    mm = partial(
+                        transposed_ragged_dot_mgpu.transposed_ragged_dot, group_sizes=sizes, **kw
+                    )
+                    f = jax.jit(lambda x, h, mm=mm: (mm(x, h), mm(x, h), mm(h, dy)))
+                rec["ms"] = 1e3 * timed(f, x, h)
+                rec["tflops"] = 3 * 2 * n * D * F / rec["ms"] / 1e9
+            except Exception as e:
+                rec["error"] = error_text(e)
+            record(**rec)
 
 
 def kernels_moe(S: dict) -> None:
@@ -501,9 +538,12 @@ def kernels_moe(S: dict) -> None:
         record(**rec)
 
 
-def kernels(S: dict, dry: bool) -> None:
-    kernels_moe(S)  # first: the attention kernels were all timed on the H200 (2026-11-26)
-    kernels_attention(S, dry)
+def kernels(S: dict, dry: bool, only: str | None = None) -> None:
+    if only != "attention":  # first: the attention kernels were all timed on the H200
+        kernels_moe(S)
+        kernel_tiles(S)
+    if only != "moe":
+        kernels_attention(S, dry)
 
 
 # ----------------------------------------------------------------------------- profile
@@ -571,70 +611,85 @@ def profile(fn, steps: int, trace_dir: str) -> dict:
 # ----------------------------------------------------------------------------- training
 
 
-def train(S: dict, dry: bool) -> None:
-    """The real train step (train.py's) of the kit's model, for each variant in turn."""
+def train(S: dict, dry: bool, index: int | None = None) -> None:
+    """The real train step (train.py's) of the kit's model, each variant in a process of its
+    own (`--variant-index`): the peak memory read from the device (`peak_bytes_in_use`) is a
+    running maximum over the process, so variants sharing one inherited the earlier peaks."""
+    variants = S["train_variants"]
+    if index is not None:
+        return train_variant(S, variants[index])
+    for i in range(len(variants)):
+        cmd = [sys.executable, __file__, "train", "--variant-index", str(i)]
+        rc = subprocess.call(cmd + (["--dry-run"] if dry else []))
+        if rc != 0:  # a crash (out of memory, a kernel fault) is a record too
+            record(kind="train", variant=" ".join(variants[i]), error=f"exit status {rc}")
+
+
+def train_variant(S: dict, variant: list[str]) -> None:
     from train_throughput import real_train_step
 
     from moe_jax import backends
     from moe_jax.config import load_config
     from moe_jax.metrics import chip_peak_flops
-    from moe_jax.summary import param_counts, train_flops_per_token
+    from moe_jax.summary import attention_flops_per_token, param_counts, train_flops_per_token
 
-    for variant in S["train_variants"]:
-        overrides = [o for o in variant if not o.startswith("+")]
-        triton = "+triton" in variant
-        rec = dict(kind="train", variant=" ".join(variant) or "auto")
-        try:
-            cfg = load_config(GPU_CONFIG, [*S["train_overrides"], *overrides])
-            B, T = cfg.train.batch_size, cfg.train.seq_len
-            total, active = param_counts(cfg)
-            dtype = backends.compute_dtype(cfg.model.dtype)
-            rec.update(
-                batch=B,
-                seq=T,
-                params=total,
-                active=active,
-                flops_per_token=train_flops_per_token(cfg),
-                dtype=dtype,
-                attention=backends.choose("attention", cfg.attention.impl, dtype=dtype, length=T),
-                moe=backends.choose("moe", cfg.moe.impl),
-            )
-            with flag(TRITON_FLAG, triton):
-                t0 = time.perf_counter()
-                step, state, batches = real_train_step(cfg)
-                rec["init_s"] = time.perf_counter() - t0
-                t0 = time.perf_counter()
-                state, metrics = step(state, batches[0])
-                jax.block_until_ready(metrics)
-                rec["first_step_s"] = time.perf_counter() - t0
-                losses, times = [float(metrics["loss"])], []
-                for i in range(1, S["train_steps"] + 2):
-                    t0 = time.perf_counter()
-                    state, metrics = step(state, batches[i % len(batches)])
-                    jax.block_until_ready(metrics)
-                    times.append(time.perf_counter() - t0)
-                    losses.append(float(metrics["loss"]))
-            times = times[1:]  # the second call can still settle (allocations, autotuning)
-            rec["step_s"] = statistics.median(times)
-            rec["step_s_all"] = times
-            rec["tokens_per_s"] = B * T / rec["step_s"]
-            rec["model_tflops"] = rec["tokens_per_s"] * rec["flops_per_token"] / 1e12
-            rec["device_kind"] = jax.devices()[0].device_kind
-            if peak := chip_peak_flops(rec["device_kind"]):
-                rec["mfu"] = rec["model_tflops"] * 1e12 / peak
-            rec["losses"] = losses
-            stats = jax.devices()[0].memory_stats() or {}
-            rec["peak_bytes"] = stats.get("peak_bytes_in_use")
-            rec["compile_s"] = rec["first_step_s"] - rec["step_s"]
-            if variant is S["train_variants"][0]:  # where the step's time goes
-                state, prof = _profiled(step, state, batches[0])
-                record(kind="profile", variant=rec["variant"], **prof)
-            del state, step, batches, metrics
-            gc.collect()  # free this variant's state before the next one's
-        except Exception as e:
-            rec["error"] = error_text(e)
-            traceback.print_exc()
-        record(**rec)
+    overrides = [o for o in variant if not o.startswith("+")]
+    rec = dict(kind="train", variant=" ".join(o for o in variant if o != "+profile") or "auto")
+    try:
+        cfg = load_config(GPU_CONFIG, [*S["train_overrides"], *overrides])
+        B, T = cfg.train.batch_size, cfg.train.seq_len
+        total, active = param_counts(cfg)
+        dtype = backends.compute_dtype(cfg.model.dtype)
+        flops = train_flops_per_token(cfg)
+        rec.update(
+            batch=B,
+            seq=T,
+            params=total,
+            active=active,
+            # all keys (summary.train_flops_per_token), and causal: half of attention's
+            flops_per_token=flops,
+            flops_per_token_causal=flops - attention_flops_per_token(cfg, T) // 2,
+            dtype=dtype,
+            attention=backends.choose("attention", cfg.attention.impl, dtype=dtype, length=T),
+            moe=backends.choose("moe", cfg.moe.impl),
+            capacity_factor=cfg.moe.capacity_factor,
+        )
+        t0 = time.perf_counter()
+        step, state, batches = real_train_step(cfg)
+        rec["init_s"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        state, metrics = step(state, batches[0])
+        jax.block_until_ready(metrics)
+        rec["first_step_s"] = time.perf_counter() - t0
+        losses, times = [float(metrics["loss"])], []
+        for i in range(1, S["train_steps"] + 2):
+            t0 = time.perf_counter()
+            state, metrics = step(state, batches[i % len(batches)])
+            jax.block_until_ready(metrics)
+            times.append(time.perf_counter() - t0)
+            losses.append(float(metrics["loss"]))
+        times = times[1:]  # the second call can still settle (allocations, autotuning)
+        rec["step_s"] = statistics.median(times)
+        rec["step_s_all"] = times
+        rec["tokens_per_s"] = B * T / rec["step_s"]
+        rec["model_tflops"] = rec["tokens_per_s"] * flops / 1e12
+        rec["device_kind"] = jax.devices()[0].device_kind
+        if peak := chip_peak_flops(rec["device_kind"]):
+            rec["mfu"] = rec["model_tflops"] * 1e12 / peak
+            rec["mfu_causal"] = rec["tokens_per_s"] * rec["flops_per_token_causal"] / peak
+        rec["losses"] = losses
+        if "dropped_frac" in metrics:  # per layer: their mean
+            rec["dropped_frac"] = float(np.mean(np.asarray(metrics["dropped_frac"])))
+        stats = jax.devices()[0].memory_stats() or {}
+        rec["peak_bytes"] = stats.get("peak_bytes_in_use")
+        rec["compile_s"] = rec["first_step_s"] - rec["step_s"]
+        if "+profile" in variant:  # where the step's time goes
+            state, prof = _profiled(step, state, batches[0])
+            record(kind="profile", variant=rec["variant"], **prof)
+    except Exception as e:
+        rec["error"] = error_text(e)
+        traceback.print_exc()
+    record(**rec)
 
 
 def _profiled(step, state, batch):
@@ -745,6 +800,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("stage", choices=sorted(STAGES))
     p.add_argument("--dry-run", action="store_true")
     p.add_argument("--variant", default="", help="decode: a tag for the XLA_FLAGS it runs under")
+    p.add_argument("--variant-index", type=int, help="train: this variant only, in this process")
+    p.add_argument("--only", choices=("moe", "attention"), help="kernels: these only")
     args = p.parse_args(argv)
     S = SIZES["dry" if args.dry_run else "gpu"]
     fn = STAGES[args.stage]
@@ -752,8 +809,10 @@ def main(argv: list[str]) -> int:
         fn(S)
     elif args.stage == "decode":
         fn(S, args.dry_run, args.variant)
+    elif args.stage == "train":
+        fn(S, args.dry_run, args.variant_index)
     else:
-        fn(S, args.dry_run)
+        fn(S, args.dry_run, args.only)
     return 0
 
 

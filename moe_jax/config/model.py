@@ -323,15 +323,17 @@ class MoEConfig:
     # Expert kernel (moe_jax/backends.py): auto (the backend's own) | buckets (capacity buffers,
     # filled rows by lax.switch: XLA:CPU's) | batched (every buffer slot in one batched matmul:
     # GPU's) | ragged (rows sorted by expert, jax.lax.ragged_dot) | megablox (TPU Pallas
-    # grouped matmul). Every one computes the same routing and drops.
+    # grouped matmul) | mosaic (rows sorted by expert, jax's Pallas Mosaic GPU grouped
+    # matmuls, Hopper). Every one computes the same routing and drops.
     impl: str = "auto"
-    # How expert-parallel layers with moe.impl=ragged move tokens (moe_jax/backends.py):
+    # How expert-parallel layers with moe.impl=ragged or mosaic move tokens (backends.py):
     # auto (ragged on GPU/TPU, buffers on CPU) | ragged (only the routed rows, by
     # jax.lax.ragged_all_to_all) | buffers (the fixed [E, C] capacity buffers by all_to_all).
     exchange: str = "auto"
-    # The grouped impls (ragged, megablox) run the sorted rows in this many consecutive chunks,
-    # forward and backward, so their [rows, expert_hidden] intermediates exist for one chunk
-    # at a time; the backward recomputes each chunk's gate/up products (moe_jax/model/grouped.py).
+    # The grouped impls (ragged, megablox, mosaic) run the sorted rows in this many
+    # consecutive chunks, forward and backward, so their [rows, expert_hidden] intermediates
+    # exist for one chunk at a time; the backward recomputes each chunk's gate/up products
+    # (moe_jax/model/grouped.py).
     # Dropless through the ragged exchange, a shard's tokens also go through the exchange in
     # that many slices, one after another, each recomputed in the backward: the buffers of k x
     # the tokens' rows exist for one slice at a time (exchange.chunked_exchange).
@@ -349,9 +351,9 @@ class MoEConfig:
         one_of(self.exchange, EXCHANGES, "moe.exchange")
         require(self.row_chunks >= 1, f"moe.row_chunks must be >= 1, got {self.row_chunks}")
         require(
-            self.row_chunks == 1 or self.impl in ("auto", "ragged", "megablox"),
+            self.row_chunks == 1 or self.impl in ("auto", "ragged", "megablox", "mosaic"),
             f"moe.row_chunks={self.row_chunks} chunks the grouped experts' rows; "
-            f"moe.impl={self.impl} has none: use moe.impl=ragged, megablox or auto, or "
+            f"moe.impl={self.impl} has none: use moe.impl=ragged, megablox, mosaic or auto, or "
             "moe.row_chunks=1",
         )
         require(

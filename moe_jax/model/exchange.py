@@ -25,7 +25,7 @@ from moe_jax.model import experts as experts_lib
 from moe_jax.model import gather
 from moe_jax.model.experts import down_bias, expert_swiglu, filled_slots, gathered_swiglu
 from moe_jax.model.glu import Activation
-from moe_jax.model.grouped import grouped_swiglu, inverse, sort_rows
+from moe_jax.model.grouped import gather_rows, grouped_swiglu, inverse, sort_rows, spread_rows
 from moe_jax.model.routing import (
     Routing,
     from_buffers,
@@ -281,8 +281,9 @@ def ragged_exchange(
     run = functools.partial(
         _grouped_rows, cfg=cfg, dtype=dtype, impl=impl, tp=tp, whole=whole, max_rows=ep * r.cap
     )
+    inv_n = inverse(order_n)
     if ep == 1:  # every expert here: the rows are already in place, one round
-        y_sD = run(prep(x_in, sent_s), w, sizes_E)
+        y_sD = run(prep(x_in, sent_s, inv_n=inv_n), w, sizes_E)
         stats = {"rounds": jnp.ones(()), "overflow": jnp.zeros(())}
     else:
         buffers = rounds_lib.receive_rows(n_send, n_worst, cfg.recv_factor)
@@ -295,15 +296,18 @@ def ragged_exchange(
         stats = {"rounds": rounds.count, "overflow": rounds.overflow}
     stats = {k: v.astype(jnp.float32) for k, v in stats.items()}
     # Each assignment's row; dropped ones sort past the kept rows and read zeros.
-    y_nD = y_sD.at[inverse(order_n)].get(mode="fill", fill_value=0)
+    y_nD = gather_rows(y_sD, inv_n, sent_s)
     return sum_choices(y_nD.reshape(b, T, K, D), r.weights, r.keep, cfg.route_scale), stats
 
 
-def _send_rows(x_in, sent_s, *, K, route_scale, dtype):
+def _send_rows(x_in, sent_s, *, K, route_scale, dtype, inv_n=None):
     """The rows this shard sends, in expert order: each kept assignment's token (`sent_s`:
-    the assignments, token-major), input-scaled for route_scale "input"."""
+    the assignments, token-major), input-scaled for route_scale "input". `inv_n` (every
+    assignment's position in the sort, where `sent_s` is all the sent rows): the gradient
+    gathers rather than scatters (`grouped.spread_rows`)."""
     x_nD, weights_n = x_in
-    x_sD = scale_inputs(x_nD[sent_s // K], weights_n[sent_s], route_scale)
+    rows = x_nD[sent_s // K] if inv_n is None else spread_rows(x_nD, sent_s, inv_n, K)
+    x_sD = scale_inputs(rows, weights_n[sent_s], route_scale)
     return x_sD.astype(dtype)
 
 

@@ -30,7 +30,7 @@ MAP_MIN_CAPACITY = 128  # expert buffers of at least this many slots run one exp
 # expert's matmuls are at least this big (rows x d_model x hidden multiply-adds).
 UNROLL_MAX_EXPERTS = 32
 UNROLL_MIN_MACS = 1 << 27
-GROUPED_IMPLS = ("ragged", "megablox")  # moe.impl values that run a grouped matmul
+GROUPED_IMPLS = ("ragged", "megablox", "mosaic")  # moe.impl values that run a grouped matmul
 
 
 class SwiGLU(nnx.Module):

@@ -24,6 +24,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from moe_jax import backends
+from moe_jax.model import mosaic_gmm
 from moe_jax.model.filled_rows import SAVED_NAMES
 from moe_jax.model.glu import SWIGLU, Activation, glu, glu_vjp
 
@@ -45,10 +46,59 @@ def inverse(order_n: jax.Array) -> jax.Array:
     return jnp.zeros(n, order_n.dtype).at[order_n].set(jnp.arange(n, dtype=order_n.dtype))
 
 
+# The rows' permutations, by gathers both ways. Autodiff turns a gather's gradient into a
+# scatter-add, which XLA:GPU runs with atomics: the ~1B-active model's dropless step on an
+# H200 spent 100 of its 777 busy ms in the two such scatters of every layer's backward
+# (benchmarks/gpu, 2026-11-27). A permutation's transpose is a gather by its inverse.
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def spread_rows(x_tD, order_s, inv_n, k: int) -> jax.Array:
+    """x_tD[order_s // k]: the token row of each of the S sent assignments (`order_s`, the
+    sorted assignments, token-major ids t k + j). `inv_n`: each assignment's position in the
+    sort (>= S: not sent). The gradient sums each token's k assignments' rows, by gathers."""
+    return x_tD[order_s // k]
+
+
+def _spread_rows_fwd(x_tD, order_s, inv_n, k):
+    return x_tD[order_s // k], (inv_n, order_s)
+
+
+def _spread_rows_bwd(k, residuals, dy_sD):
+    inv_n, order_s = residuals
+    rows_nD = dy_sD.at[inv_n].get(mode="fill", fill_value=0)  # not sent: zeros
+    dx_tD = jnp.sum(rows_nD.reshape(-1, k, dy_sD.shape[-1]).astype(jnp.float32), axis=1)
+    return dx_tD.astype(dy_sD.dtype), None, None
+
+
+spread_rows.defvjp(_spread_rows_fwd, _spread_rows_bwd)
+
+
+@jax.custom_vjp
+def gather_rows(y_sD, inv_n, order_s) -> jax.Array:
+    """y_sD[inv_n], positions past S reading zeros: each assignment's row back in token
+    order. The gradient is the gather by `order_s` (the permutation's inverse)."""
+    return y_sD.at[inv_n].get(mode="fill", fill_value=0)
+
+
+def _gather_rows_fwd(y_sD, inv_n, order_s):
+    return gather_rows(y_sD, inv_n, order_s), order_s
+
+
+def _gather_rows_bwd(order_s, dy_nD):
+    return dy_nD[order_s], None, None
+
+
+gather_rows.defvjp(_gather_rows_fwd, _gather_rows_bwd)
+
+
 def grouped_matmul(x_nK, w_EKN, sizes_E, impl: str, max_group: int | None = None) -> jax.Array:
     """Rows in groups of sizes_E (in expert order) times their expert's [K, N] weight; rows
     past the groups give zeros. The weight gradient is written by hand (`ragged_hand_grad`);
-    `max_group` (static): no group has more rows."""
+    `max_group` (static): no group has more rows. impl "mosaic": jax's Mosaic GPU kernels
+    (`mosaic_gmm`) where they take the operands, XLA's ragged_dot otherwise."""
+    if impl == "mosaic" and mosaic_gmm.takes(x_nK, w_EKN):
+        return mosaic_gmm.grouped_matmul(x_nK, w_EKN, sizes_E)
     if impl == "megablox":
         from jax.experimental.pallas.ops.tpu.megablox import gmm
 

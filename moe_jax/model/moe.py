@@ -56,7 +56,7 @@ from moe_jax.model.experts import (
     gathered_swiglu,
 )
 from moe_jax.model.glu import Activation
-from moe_jax.model.grouped import grouped_swiglu, inverse, sort_rows
+from moe_jax.model.grouped import gather_rows, grouped_swiglu, inverse, sort_rows, spread_rows
 from moe_jax.model.routing import (
     Routing,
     aux_stats,
@@ -159,13 +159,28 @@ class MoE(nnx.Module):
         return params
 
     def _impl(self) -> str:
-        impl = backends.choose("moe", self.cfg.impl)
+        mesh = jax.sharding.get_abstract_mesh()
+        impl = backends.choose(
+            "moe",
+            self.cfg.impl,
+            dtype=self.dtype,
+            dropless=self.cfg.capacity_factor <= 0,
+            shape=self._kernel_shape(mesh),
+        )
         if impl == "megablox" and not jax.sharding.get_abstract_mesh().empty:
             raise backends.KernelError(
                 "moe.impl=megablox runs without a mesh only (jax's megablox pallas_call "
                 "declares no varying mesh axes for shard_map); use moe.impl=ragged or auto"
             )
         return impl
+
+    def _kernel_shape(self, mesh) -> dict:
+        """What `backends.takes` weighs for the MoE kernels: the contracted and output dims
+        of the expert matmuls (the hidden dim as each tensor shard holds it) and the
+        expert-parallel degree."""
+        axes = {} if mesh.empty else dict(mesh.shape)
+        tp, ep = axes.get("tensor", 1), axes.get("expert", 1)
+        return {"dims": (self.router.shape[0], self.cfg.expert_hidden // tp), "ep": ep}
 
     def _grouped(self, x_BTD, r: Routing, max_group=None) -> jax.Array:
         """Every kept assignment through its expert as rows sorted by expert, one grouped
@@ -175,7 +190,8 @@ class MoE(nnx.Module):
         D = x_BTD.shape[-1]
         order_n, sizes_E = sort_rows(r.experts.reshape(-1), r.keep.reshape(-1), self.cfg.n_experts)
         expert_n = r.experts.reshape(-1)[order_n]
-        x_nD = x_BTD.reshape(B * T, D)[order_n // K]
+        inv_n = inverse(order_n)
+        x_nD = spread_rows(x_BTD.reshape(B * T, D), order_n, inv_n, K)
         x_nD = scale_inputs(x_nD, r.weights.reshape(-1)[order_n], self.cfg.route_scale)
         w = self.experts.weights()
         bias = w.pop("down_bias", None)
@@ -185,7 +201,7 @@ class MoE(nnx.Module):
         )  # fmt: skip
         if bias is not None:
             y_nD = y_nD + down_bias(bias[expert_n], self.dtype)
-        y_BTKD = y_nD[inverse(order_n)].reshape(B, T, K, D)
+        y_BTKD = gather_rows(y_nD, inv_n, order_n).reshape(B, T, K, D)
         return sum_choices(y_BTKD, r.weights, r.keep, self.cfg.route_scale)
 
     def _buffered(self, x_GbTD, r_G: Routing) -> jax.Array:
