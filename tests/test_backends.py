@@ -35,7 +35,15 @@ def test_auto_falls_back_where_the_fused_kernel_does_not_take_the_operands():
         assert backends.choose("attention", "auto", length=100) == "blocked"
 
 
-def test_auto_picks_the_mosaic_kernels_for_a_dropless_moe_on_one_gpu_only():
+@pytest.fixture
+def gpu_host(monkeypatch):
+    """As on a GPU host, where the Mosaic GPU kernels can be built (this CPU cannot)."""
+    from moe_jax.model import mosaic_gmm
+
+    monkeypatch.setattr(mosaic_gmm, "available", lambda: True)
+
+
+def test_auto_picks_the_mosaic_kernels_for_a_dropless_moe_on_one_gpu_only(gpu_host):
     """Dropless on GPU: the Mosaic GPU grouped matmuls where they take the operands (16 bits,
     dims their tiles divide, every expert on the device); the buffers otherwise, and with a
     capacity (measured faster there: backends.AUTO's note)."""
@@ -53,7 +61,15 @@ def test_auto_picks_the_mosaic_kernels_for_a_dropless_moe_on_one_gpu_only():
         assert backends.choose("moe", "auto", dropless=True, shape=qwen) == "ragged"
 
 
-def test_the_moe_layer_asks_for_its_own_shape_and_dropping():
+def test_a_cpu_host_compiling_for_gpus_keeps_the_buffers_for_a_dropless_moe():
+    with backends.targeting("gpu"):  # moe_jax.aot: the kernels cannot be built here
+        shape = {"dims": (2048, 768), "ep": 1}
+        assert backends.choose("moe", "auto", dtype="bfloat16", dropless=True, shape=shape) == (
+            "batched"
+        )
+
+
+def test_the_moe_layer_asks_for_its_own_shape_and_dropping(gpu_host):
     from flax import nnx
 
     from moe_jax.model.moe import MoE

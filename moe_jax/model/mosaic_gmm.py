@@ -137,9 +137,11 @@ grouped_matmul.defvjp(_fwd, _bwd)
 
 @functools.cache
 def available() -> bool:
-    """Whether this jax has the kernels (jax >= 0.11 ships both)."""
+    """Whether the kernels can be built here: this jax ships them (0.10.2 does) and JAX runs
+    on a GPU (they read the device's multiprocessor count when traced, so a CPU host
+    compiling for GPUs, `moe_jax.aot`, cannot build them)."""
     try:
         _kernels()
     except ImportError:
         return False
-    return True
+    return jax.default_backend() == "gpu"
