@@ -37,6 +37,7 @@ RESUMABLE_CHANGES = frozenset(
         "moe.capacity_factor",
         "moe.lb_loss_weight",
         "moe.z_loss_weight",
+        "moe.bias_update_rate",
     }
 )
 
