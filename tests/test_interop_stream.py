@@ -1,8 +1,9 @@
 """Streaming Hugging Face import (moe_jax/interop/stream.py, run/stream_save.py, as_run.py).
 
 - Memory: a many-layer tiny Qwen3-MoE checkpoint imports (onto one device, onto 8 simulated
-  devices with fsdp 8, and into a run directory) with a peak of traced host allocations
-  (tracemalloc sees NumPy's) bounded by its largest tensor, not by its total.
+  devices with fsdp 8, and into a run directory) and exports with a peak of traced host
+  allocations (tracemalloc sees NumPy's) bounded by its largest tensor, not by its total.
+- bf16 stays bf16 through import and export, bit for bit.
 - A Hugging Face directory wherever a run is read: `sample.py --run HF_DIR` prints what
   sampling the import prints; `init_from=HF_DIR` takes the same first step as `init_from=`
   the import; both from a bf16 checkpoint, whose import keeps bf16.
@@ -23,11 +24,13 @@ import pytest
 import torch
 from flax import nnx
 from safetensors.numpy import save_file
+from safetensors.torch import load_file
 
 from moe_jax.config import load_config
 from moe_jax.interop import load_hf
 from moe_jax.interop import stream as stream_mod
 from moe_jax.interop.__main__ import main as interop
+from moe_jax.interop.safetensors_io import TensorReader
 from moe_jax.load import load_run
 from moe_jax.sharding import LOGICAL_RULES, make_mesh, state_shardings
 from moe_jax.trainer import train
@@ -149,6 +152,16 @@ def test_import_memory_is_bounded_by_the_largest_tensor(deep, tmp_path, monkeypa
     for path in one:
         np.testing.assert_array_equal(one[path], run[path], str(path))
 
+    # And out again, one tensor at a time: the same tensors as the source.
+    export = ["export", str(out), "--out", str(tmp_path / "hf")]
+    peak, code = _peak(lambda: interop(export))
+    assert code == 0 and peak < _bound(largest), (peak, largest, total)
+    back = TensorReader(tmp_path / "hf")
+    source = TensorReader(directory)
+    assert back.names() == source.names()
+    for name in source.names():
+        np.testing.assert_array_equal(back.get(name), source.get(name), name)
+
 
 @pytest.fixture(scope="module")
 def bf16(tmp_path_factory):
@@ -164,14 +177,22 @@ def bf16(tmp_path_factory):
     return root / "hf", root / "run"
 
 
-def test_the_import_keeps_bf16_and_is_params_only(bf16):
-    _, run = bf16
+def test_the_import_keeps_bf16_and_is_params_only(bf16, tmp_path):
+    hf_dir, run = bf16
     step = run / "checkpoints" / "0"
     assert sorted(p.name for p in step.iterdir() if p.is_dir()) == ["meta", "params"]
     zarray = json.loads((step / "params" / "embed.embedding.value" / ".zarray").read_text())
     assert zarray["dtype"] == "bfloat16"
     cfg, model, _ = load_run(run, weights="bfloat16")
     assert model.embed.embedding[...].dtype == ml_dtypes.bfloat16
+    # exported in bf16 (the run's params' dtype), bit for bit the original tensors
+    assert interop(["export", str(run), "--out", str(tmp_path / "hf")]) == 0
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["torch_dtype"] == "bfloat16"
+    source = load_file(hf_dir / "model.safetensors")
+    back = load_file(tmp_path / "hf" / "model.safetensors")
+    assert back.keys() == source.keys()
+    for name, tensor in source.items():
+        assert tensor.dtype == torch.bfloat16 and torch.equal(back[name], tensor), name
 
 
 def test_sample_from_the_hf_directory_equals_sampling_the_import(bf16, capsys):

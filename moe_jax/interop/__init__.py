@@ -7,9 +7,10 @@
 Families: Llama4ForCausalLM (and the text part of Llama4ForConditionalGeneration),
 MixtralForCausalLM, Qwen3MoeForCausalLM, GptOssForCausalLM (its MXFP4 experts dequantised on
 import), DeepseekV3ForCausalLM (DeepSeek-V3/R1, Kimi K2: latent attention; its multi-token
-prediction layers too; their released FP8 weights dequantised block by block, `fp8.py`), Glm4MoeForCausalLM (GLM-4.5: partial rotary), and the dense
-LlamaForCausalLM / Qwen3ForCausalLM (`moe.n_experts = 0`). A setting
-that changes the math and that our model lacks is refused with an `InteropError` naming it.
+prediction layers too; their released FP8 weights dequantised block by block, `fp8.py`),
+Glm4MoeForCausalLM (GLM-4.5: partial rotary), and the dense LlamaForCausalLM /
+Qwen3ForCausalLM (`moe.n_experts = 0`). A setting that changes the math and that our
+model lacks is refused with an `InteropError` naming it.
 Imported MoE models never drop tokens (`moe.capacity_factor = 0`), like transformers.
 Import streams (`stream.py`): each tensor memory-mapped in its own dtype and converted a
 slice at a time onto its devices or into a run's checkpoint. A HF directory also loads

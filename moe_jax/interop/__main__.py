@@ -1,7 +1,7 @@
 """Convert between Hugging Face checkpoints and moe_jax run directories.
 
     python -m moe_jax.interop import HF_DIR --out RUN_DIR [--dtype D] [CONFIG.yaml] [key=value ...]
-    python -m moe_jax.interop export RUN_DIR --out HF_DIR [--step N] [--arch ARCHITECTURE]
+    python -m moe_jax.interop export RUN_DIR --out HF_DIR [--step N] [--arch A] [--dtype D]
 
 import: the architecture comes from HF_DIR/config.json; CONFIG.yaml (default: the schema
 defaults) and the overrides set everything else (train, data, mesh, ...) plus the run-time
@@ -21,9 +21,12 @@ A DeepSeek-V3 / GLM-4.5 checkpoint's multi-token prediction layers come with it
 (`model.mtp_depth` = num_nextn_predict_layers) where it holds them; `model.mtp_depth=0`
 imports it without them.
 
-export: writes the run's latest (or --step) checkpoint as float32 safetensors + config.json
-for the first HF architecture that represents its config exactly (or --arch), and the run's
-tokenizer files, if it has any (a byte or char tokenizer has none). The multi-token
+export: writes the run's latest (or --step) checkpoint as safetensors + config.json for the
+first HF architecture that represents its config exactly (or --arch), and the run's
+tokenizer files, if it has any (a byte or char tokenizer has none). The tensors are in the
+params' own dtype (float32 for a trained run, bf16 for a bf16 import; --dtype to choose),
+config.json's torch_dtype says which; streamed: one tensor read from the checkpoint and
+written at a time, in shards of at most 2 GB. The multi-token
 prediction layers (model.mtp_depth) are written as DeepSeek-V3 / GLM-4.5 checkpoints hold
 them; the other architectures have none.
 
@@ -44,10 +47,10 @@ from omegaconf import OmegaConf
 from moe_jax.config import Config, ConfigError, config_from_yaml, config_to_yaml, load_config
 from moe_jax.data import load_run_data
 from moe_jax.interop.as_run import hf_tokenizer
-from moe_jax.interop.convert import FAMILIES, open_hf, save_hf
+from moe_jax.interop.convert import FAMILIES, open_hf
+from moe_jax.interop.export import export_run as stream_export
 from moe_jax.interop.safetensors_io import InteropError
 from moe_jax.interop.stream import ImportPlan, Progress
-from moe_jax.load import load_run
 from moe_jax.model import Transformer
 from moe_jax.run.layout import TOKENIZER_DIR, RunError
 from moe_jax.run.output import Interrupted, cli_ending
@@ -120,16 +123,22 @@ def import_run(
         "imported_from": str(hf_dir),
     }
     total = sum(plan.nbytes(p) for p in plan.shapes)
-    progress = Progress(total, "import", lambda line: print(line, file=sys.stderr, flush=True))
+    progress = Progress(total, "import", _stderr)
     write_params_run(out, meta, abstract, plan.dtypes, plan.fill, plan.stacked, progress)
     return cfg
 
 
-def export_run(run_dir: Path, out: Path, step: int | None, arch: str | None) -> tuple[str, Config]:
-    """-> (the architecture written, the run's config)."""
+def export_run(
+    run_dir: Path, out: Path, step: int | None, arch: str | None, dtype: str | None = None
+) -> tuple[str, Config]:
+    """-> (the architecture written, the run's config); streamed (`interop.export`)."""
     _require_empty(out)
-    cfg, model, tokenizer = load_run(run_dir, step)
-    return save_hf(cfg, model, out, architecture=arch, tokenizer=tokenizer), cfg
+    progress = lambda total: Progress(total, "export", _stderr)
+    return stream_export(run_dir, out, step, arch, dtype, progress)
+
+
+def _stderr(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
 
 
 def main(argv: list[str]) -> int:
@@ -157,6 +166,12 @@ def main(argv: list[str]) -> int:
     exp.add_argument("--out", type=Path, required=True, help="new HF model directory")
     exp.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")
     exp.add_argument("--arch", choices=list(FAMILIES), default=None)
+    exp.add_argument(
+        "--dtype",
+        choices=["float32", "bfloat16"],
+        default=None,
+        help="the tensors' dtype (default: the run's params', e.g. bf16 for a bf16 import)",
+    )
     # CONFIG.yaml and key=value overrides may come before or after --out.
     args, rest = parser.parse_known_args(argv)
     if args.command == "export" and rest or any(r.startswith("-") for r in rest):
@@ -167,7 +182,7 @@ def main(argv: list[str]) -> int:
             cfg = import_run(args.hf_dir, args.out, config, rest, args.dtype)
             print(f"imported {args.hf_dir} into {cfg.run_dir} (step 0)")
         else:
-            arch, cfg = export_run(args.run_dir, args.out, args.step, args.arch)
+            arch, cfg = export_run(args.run_dir, args.out, args.step, args.arch, args.dtype)
             print(f"exported {args.run_dir} as {arch} to {args.out}")
             if cfg.moe.n_experts and cfg.moe.capacity_factor > 0:
                 print(

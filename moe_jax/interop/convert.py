@@ -17,9 +17,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from pathlib import Path
 
 import jax
+import ml_dtypes
 import numpy as np
 from flax import nnx
 
@@ -316,14 +318,36 @@ def save_hf(
         where = ".".join(map(str, diff[0]))
         raise InteropError(f"the params do not match the config (first difference at {where})")
 
+    read = lambda p, block: np.asarray(flat[p][...] if block is None else flat[p][block])
+    write_hf(cfg, family, hf_config, read, out, max_shard_bytes, tokenizer)
+    return family.architecture
+
+
+def write_hf(
+    cfg: Config,
+    family: Family,
+    hf_config: dict,
+    read,
+    out: Path,
+    max_shard_bytes: int = DEFAULT_SHARD_BYTES,
+    tokenizer: Tokenizer | None = None,
+    dtype=np.float32,
+    progress: Progress | None = None,
+) -> None:
+    """The HF directory `out` (through a temporary sibling: whole or absent) of the params
+    that `read(path, block)` gives one at a time (a param, or one layer of a stacked one;
+    arrays or `lazy.Deferred`s), every tensor written in `dtype` as soon as it is made, with
+    config.json (`torch_dtype` set to `dtype`) and the tokenizer's files."""
+    name = "bfloat16" if np.dtype(dtype) == np.dtype(ml_dtypes.bfloat16) else np.dtype(dtype).name
+    hf_config = hf_config | {"dtype": name, "torch_dtype": name}
     with new_output(out, f"'{out}'") as tmp:
-        writer = ShardWriter(tmp, max_shard_bytes)
+        writer = ShardWriter(tmp, max_shard_bytes, dtype)
         for name_prefix, rule, paths, block in _placements(cfg, family):
-            arrays = [np.asarray(flat[p][...] if block is None else flat[p][block]) for p in paths]
-            for name, tensor in rule.save(*arrays):
-                writer.add(name_prefix + name, tensor)
+            for tensor_name, tensor in rule.save(*[read(p, block) for p in paths]):
+                writer.add(name_prefix + tensor_name, tensor)
+                if progress is not None:
+                    progress.add(math.prod(tensor.shape) * np.dtype(dtype).itemsize)
         writer.close()
         (tmp / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
-        for name, data in (tokenizer.files if tokenizer is not None else {}).items():
-            (tmp / name).write_bytes(data)
-    return family.architecture
+        for fname, data in (tokenizer.files if tokenizer is not None else {}).items():
+            (tmp / fname).write_bytes(data)

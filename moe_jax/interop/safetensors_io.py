@@ -6,32 +6,24 @@ tensor is memory-mapped from its byte range in its file, in its own dtype (bf16 
 through `ml_dtypes`): a converter that slices it reads only the slice, and nothing is widened
 to float32 on the way. The headers are parsed (and checked against the files' sizes) once.
 
-Writing: `ShardWriter` buffers tensors up to a shard size, writes each full shard at once and
-finally names the shards and the index the way `save_pretrained` does, so a model larger than
-memory is written in per-layer pieces.
+Writing: `ShardWriter` appends each tensor to its shard's data file as it comes, gives a full
+shard its header, and finally names the shards and the index the way `save_pretrained`
+does: it holds one tensor at a time, whatever the model's size.
 """
 
 from __future__ import annotations
 
 import json
 import math
-import os
+import shutil
 import struct
 from pathlib import Path
 
 import ml_dtypes
 import numpy as np
-from safetensors.numpy import save_file
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
-
-
-def _new_file_mode() -> int:
-    """The mode `open()` gives a new file: 0o666 less the umask (which only os.umask reads)."""
-    umask = os.umask(0)
-    os.umask(umask)
-    return 0o666 & ~umask
 
 
 class InteropError(ValueError):
@@ -195,40 +187,64 @@ def _read_header(path: Path) -> tuple[int, dict]:
 class ShardWriter:
     """Writes tensors into safetensors shards of about `max_shard_bytes` plus an index.
 
-    A tensor larger than the limit gets a shard of its own. `close()` names the files like
-    `save_pretrained`: one `model.safetensors`, or `model-0000i-of-0000n.safetensors` and
+    Each tensor goes to disk as it is added (its bytes appended to the shard's data file;
+    the shard gets its header when it is full), so the writer holds one tensor at a time.
+    `dtype`: the dtype every tensor is written in (default float32). A tensor larger than
+    the limit gets a shard of its own. `close()` names the files like `save_pretrained`: one
+    `model.safetensors`, or `model-0000i-of-0000n.safetensors` and
     `model.safetensors.index.json`.
     """
 
-    def __init__(self, directory: str | Path, max_shard_bytes: int):
+    def __init__(self, directory: str | Path, max_shard_bytes: int, dtype=np.float32):
         self.directory = Path(directory)
         self.max_shard_bytes = max_shard_bytes
-        self._pending: dict[str, np.ndarray] = {}
-        self._pending_bytes = 0
+        self.dtype = np.dtype(dtype)
+        self._code = next(k for k, v in DTYPES.items() if v == self.dtype)
+        self._entries: dict[str, dict] = {}  # the shard being written: name -> header entry
+        self._data = None  # its data file, open
         self._shards: list[tuple[Path, list[str]]] = []
+        self._names: set[str] = set()
         self.total_bytes = 0
 
-    def add(self, name: str, array: np.ndarray) -> None:
-        if name in self._pending or any(name in names for _, names in self._shards):
+    def add(self, name: str, array) -> None:
+        if name in self._names:
             raise ValueError(f"tensor '{name}' written twice")
-        array = np.ascontiguousarray(array, dtype=np.float32)
-        if self._pending and self._pending_bytes + array.nbytes > self.max_shard_bytes:
+        array = np.ascontiguousarray(np.asarray(array), dtype=self.dtype)
+        size = sum(e["data_offsets"][1] - e["data_offsets"][0] for e in self._entries.values())
+        if self._entries and size + array.nbytes > self.max_shard_bytes:
             self._flush()
-        self._pending[name] = array
-        self._pending_bytes += array.nbytes
+        if self._data is None:
+            self._data = open(self._path(len(self._shards), ".data"), "wb")  # noqa: SIM115
+            size = 0
+        offsets = [size, size + array.nbytes]
+        entry = {"dtype": self._code, "shape": list(array.shape), "data_offsets": offsets}
+        self._entries[name] = entry
+        self._data.write(array.reshape(-1).view(np.uint8).data)
+        self._names.add(name)
         self.total_bytes += array.nbytes
 
+    def _path(self, i: int, suffix: str) -> Path:
+        return self.directory / f"shard-{i:05d}{suffix}"
+
     def _flush(self) -> None:
-        path = self.directory / f"shard-{len(self._shards):05d}.tmp"
-        save_file(self._pending, path, metadata={"format": "pt"})
-        # safetensors 0.8 writes through a temporary file of mode 600 and keeps that mode
-        # (safetensors issue #782): give the shard the umask's, like config.json and the index.
-        os.chmod(path, _new_file_mode())
-        self._shards.append((path, list(self._pending)))
-        self._pending, self._pending_bytes = {}, 0
+        """The shard whole: its header, then its data (copied from the data file)."""
+        path, data = self._path(len(self._shards), ".tmp"), self._path(len(self._shards), ".data")
+        if self._data is not None:
+            self._data.close()
+            self._data = None
+        else:
+            data.write_bytes(b"")
+        header = json.dumps({"__metadata__": {"format": "pt"}, **self._entries}).encode()
+        header += b" " * (-len(header) % 8)
+        with open(path, "wb") as out, open(data, "rb") as src:
+            out.write(struct.pack("<Q", len(header)) + header)
+            shutil.copyfileobj(src, out, 1 << 20)
+        data.unlink()
+        self._shards.append((path, list(self._entries)))
+        self._entries = {}
 
     def close(self) -> None:
-        if self._pending or not self._shards:
+        if self._entries or not self._shards:
             self._flush()
         n = len(self._shards)
         if n == 1:

@@ -1,6 +1,8 @@
-"""A params-only checkpoint written one chunk at a time, never holding a whole parameter.
+"""A params-only checkpoint written one chunk at a time, never holding a whole parameter,
+and any checkpoint's params read a region at a time.
 
-    write_params_run(out_dir, meta, params_abstract, dtypes, fill, progress=None)
+    write_params_run(out_dir, meta, params_abstract, dtypes, fill, stacked, progress=None)
+    arrays = CheckpointArrays(step_dir, params_abstract)   # .read(path, index), .dtype(path)
 
 Orbax saves a pytree of arrays that already exist; an imported model that does not fit in
 host memory has none. So the `params` item is written here directly with TensorStore, in
@@ -60,7 +62,7 @@ def _key_name(key) -> str:
     raise TypeError(f"unexpected pytree key {key!r}")
 
 
-def _names(params_abstract) -> dict[tuple, tuple[str, ...]]:
+def orbax_names(params_abstract) -> dict[tuple, tuple[str, ...]]:
     """Our param path -> the key names Orbax gives its leaf (nnx's `value` last): the zarr
     array's name is them joined by dots."""
     flat = list(nnx.to_flat_state(params_abstract))
@@ -77,7 +79,7 @@ def write_params(item_dir: Path, params_abstract, dtypes: dict, fill, stacked, p
     item_dir.mkdir(parents=True)
     tree = {}
     shapes = {p: tuple(v.shape) for p, v in nnx.to_flat_state(params_abstract)}
-    for path, names in sorted(_names(params_abstract).items()):
+    for path, names in sorted(orbax_names(params_abstract).items()):
         shape, dtype = shapes[path], dtypes[path]
         chunk = _chunks(shape, dtype.itemsize, stacked(path))
         spec = {
@@ -149,3 +151,34 @@ def write_params_run(
             stacked,
             progress,
         )
+
+
+class CheckpointArrays:
+    """The params of a checkpoint (Orbax's, OCDBT or not, or `write_params`'), each read a
+    region at a time through TensorStore: nothing is read before it is asked for."""
+
+    def __init__(self, step_dir: Path, params_abstract):
+        self.item = step_dir / PARAMS_DIR
+        metadata = json.loads((self.item / "_METADATA").read_text())
+        self.ocdbt, self.zarr3 = metadata.get("use_ocdbt", True), metadata.get("use_zarr3", False)
+        self.names = {p: ".".join(n) for p, n in orbax_names(params_abstract).items()}
+        self.shapes = {p: tuple(v.shape) for p, v in nnx.to_flat_state(params_abstract)}
+        self._open: dict[tuple, ts.TensorStore] = {}
+
+    def array(self, path: tuple) -> ts.TensorStore:
+        if path not in self._open:
+            name = self.names[path]
+            if self.ocdbt:
+                kvstore = {"driver": "ocdbt", "base": f"file://{self.item.absolute()}/"}
+                spec = {"kvstore": kvstore, "path": name}
+            else:
+                spec = {"kvstore": {"driver": "file", "path": str(self.item / name)}}
+            spec["driver"] = "zarr3" if self.zarr3 else "zarr"
+            self._open[path] = ts.open(spec, open=True, read=True).result()
+        return self._open[path]
+
+    def dtype(self, path: tuple) -> np.dtype:
+        return np.dtype(self.array(path).dtype.numpy_dtype)
+
+    def read(self, path: tuple, index: tuple) -> np.ndarray:
+        return self.array(path)[index].read().result()
