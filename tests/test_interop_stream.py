@@ -25,6 +25,7 @@ import torch
 from flax import nnx
 from safetensors.numpy import save_file
 from safetensors.torch import load_file
+from safetensors.torch import save_file as save_torch
 
 from moe_jax.config import load_config
 from moe_jax.interop import load_hf
@@ -232,3 +233,55 @@ def test_quantize_from_the_hf_directory_equals_quantizing_the_import(bf16, tmp_p
     assert a.keys() == b.keys()
     for path, value in a.items():
         np.testing.assert_array_equal(value, b[path], str(path))
+
+
+@pytest.fixture(scope="module")
+def sharded(tmp_path_factory):
+    hf = tmp_path_factory.mktemp("sharded") / "hf"
+    hf_model("llama", vocab_size=256).save_pretrained(hf, max_shard_size="60KB")
+    return hf
+
+
+def _damaged(hf: Path, tmp_path: Path, how: str) -> tuple[Path, str, set[str]]:
+    """A copy of the sharded checkpoint `hf` damaged `how`: (its dir, the file the error must
+    name, the tensors it may name: those of that file, or the one changed)."""
+    bad = tmp_path / how
+    shutil.copytree(hf, bad)
+    index = json.loads((bad / "model.safetensors.index.json").read_text())
+    name, fname = sorted(index["weight_map"].items())[-1]
+    path = bad / fname
+    if how == "truncated":  # the file's last tensor loses its last bytes
+        name = max(load_file(path), key=lambda n: TensorReader(bad).raw(n).offset)
+        path.write_bytes(path.read_bytes()[:-7])
+    elif how == "missing_shard":
+        path.unlink()
+        return bad, fname, {n for n, f in index["weight_map"].items() if f == fname}
+    elif how == "index_names_missing_file":
+        index["weight_map"][name] = fname = "model-99999-of-99999.safetensors"
+        (bad / "model.safetensors.index.json").write_text(json.dumps(index))
+    else:  # wrong shape / unreadable dtype: the tensor rewritten
+        tensors = load_file(path)
+        tensors[name] = torch.zeros(3, 5) if how == "wrong_shape" else tensors[name].to(torch.int32)
+        save_torch(tensors, path, metadata={"format": "pt"})
+    return bad, fname, {name}
+
+
+@pytest.mark.parametrize(
+    "how", ["truncated", "missing_shard", "index_names_missing_file", "wrong_shape", "bad_dtype"]
+)
+def test_bad_checkpoints_are_one_line_naming_file_and_tensor(sharded, tmp_path, capsys, how):
+    """import and sample.py --run: exit 2, one line naming the file and the tensor, nothing
+    written."""
+    bad, fname, names = _damaged(sharded, tmp_path, how)
+    for argv in (["import", str(bad), "--out", str(tmp_path / "run")],):
+        capsys.readouterr()
+        assert interop(argv) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and err.count("\n") == 1, err
+        assert fname in err and any(f"'{n}'" in err for n in names), err
+        assert not (tmp_path / "run").exists()
+    sample = runpy.run_path(str(ROOT / "sample.py"))["main"]
+    assert sample(["--run", str(bad), "--prompt", "x", "--max-new-tokens", "1"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1, err
+    assert fname in err and any(f"'{n}'" in err for n in names), err

@@ -57,7 +57,8 @@ class Source:
         found = self.reader.shape(full) if self.reader.has(full) else None
         if found is not None and found != tuple(shape):
             raise InteropError(
-                f"tensor '{full}' has shape {list(found)} but config.json implies {list(shape)}"
+                f"tensor '{full}' in '{self.reader.file_of(full)}' has shape {list(found)} but "
+                f"config.json implies {list(shape)}"
             )
         self.used.add(full)
         return full
