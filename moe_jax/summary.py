@@ -145,27 +145,48 @@ def attention_dims(cfg: Config, cached: bool = False) -> tuple[int, int]:
     return a.qk_nope_head_dim + a.qk_rope_head_dim, a.v_head_dim
 
 
-def attention_flops_per_token(cfg: Config, seq_len: int) -> int:
-    """QK^T and AV matmuls, forward + backward, over all `seq_len` keys (the convention of the
-    peers' figures in shared/PEERS.md), in the main layers and the MTP layers."""
+def attention_keys(cfg: Config, layer: int, seq_len: int) -> float:
+    """Keys a query of `layer` may attend on average before the causal mask, as MaxText counts
+    them: `seq_len` for a global layer, min(window, seq_len) for a sliding-window layer, the
+    mean chunk's length for a chunked one (RoPE layers; NoPE layers attend globally)."""
+    a = cfg.attention
+    if cfg.uses_window(layer):
+        return min(a.sliding_window, seq_len)
+    if a.chunk_size > 0 and cfg.uses_rope(layer):
+        c = a.chunk_size
+        return ((seq_len // c) * c * c + (seq_len % c) ** 2) / seq_len
+    return seq_len
+
+
+def attention_flops_per_token(cfg: Config, seq_len: int, causal: bool = True) -> int:
+    """QK^T and AV matmuls, forward + backward, in the main layers and the MTP layers.
+
+    causal (the convention of the peers' published MFU: MaxText's
+    `calculate_tflops_training_per_device` halves attention "due to causal mask", citing
+    Megatron-LM's and NeMo's formulas): half of each layer's `attention_keys`. causal=False:
+    every layer over all `seq_len` keys, the count moe_jax's figures used before 2026-11-27
+    (reported beside the causal one where they differ)."""
+    per_key = 6 * cfg.attention.n_heads * sum(attention_dims(cfg))
     layers = cfg.model.n_layers + cfg.model.mtp_depth
-    return 6 * layers * cfg.attention.n_heads * sum(attention_dims(cfg)) * seq_len
+    if not causal:
+        return per_key * layers * seq_len
+    keys = sum(attention_keys(cfg, j, seq_len) for j in range(cfg.model.n_layers))
+    keys += cfg.model.mtp_depth * seq_len  # the MTP layers attend globally
+    return int(per_key * keys / 2)
 
 
-def train_flops_per_token(cfg: Config, seq_len: int | None = None) -> int:
-    """Training FLOPs per token: `6 * N + 12 * n_layers * n_heads * head_dim * seq_len`.
+def train_flops_per_token(cfg: Config, seq_len: int | None = None, causal: bool = True) -> int:
+    """Training FLOPs per token: `6 * N` + attention's (`attention_flops_per_token`, by the
+    peers' causal convention unless `causal` is False).
 
     N = active matmul parameters: the active parameters per token minus the embedding lookup
     table, norm scales and biases, plus the output head (counted even when tied to the
     embedding), and the MTP layers' (`mtp_matmul`: a training step runs them). 6 = 2 FLOPs per
-    multiply-add x (forward + 2 backward matmuls). The second term is attention's QK^T and AV
-    matmuls over `seq_len` keys (no causal or chunk discount), the convention of the peers'
-    figures (shared/PEERS.md, outside this repository). `seq_len` defaults to
-    `cfg.train.seq_len`.
+    multiply-add x (forward + 2 backward matmuls). `seq_len` defaults to `cfg.train.seq_len`.
     """
     seq_len = cfg.train.seq_len if seq_len is None else seq_len
     b = param_breakdown(cfg)
-    return 6 * (b.active_matmul + b.mtp_matmul) + attention_flops_per_token(cfg, seq_len)
+    return 6 * (b.active_matmul + b.mtp_matmul) + attention_flops_per_token(cfg, seq_len, causal)
 
 
 def decode_flops(cfg: Config, batch: int, prompt_len: int, new_tokens: int) -> int:
@@ -239,9 +260,11 @@ def format_summary(cfg: Config, seq_len: int | None = None) -> str:
     attn = attention_flops_per_token(cfg, seq_len)
     matmul = b.active_matmul + b.mtp_matmul
     flops = 6 * matmul + attn
+    all_keys = train_flops_per_token(cfg, seq_len, causal=False)
     lines.append(
         f"training FLOPs/token at seq_len {seq_len}: {_human(flops)} "
-        f"(6 x {_human(matmul)} matmul params + {_human(attn)} attention)"
+        f"(6 x {_human(matmul)} matmul params + {_human(attn)} causal attention; "
+        f"{_human(all_keys)} counting every key)"
     )
     held, full = kv_cache_bytes(cfg, m.max_seq_len)
     ring = f" (full caches on every layer: {full / 2**30:,.2f} GiB)" if held < full else ""

@@ -258,7 +258,8 @@ def test_summary_counts_the_mtp_module_apart():
     last_layer = sum(v[...].size for _, v in nnx.to_flat_state(nnx.state(model.tail[1], nnx.Param)))
     assert b.mtp_total == 2 * (last_layer + 2 * D * D + 3 * D)
     assert mtp_stored(cfg) == b.mtp_total + 2 * 2 * V * D
-    extra_attention = 6 * 2 * cfg.attention.n_heads * sum(attention_dims(cfg)) * cfg.train.seq_len
+    # MTP layers attend globally: half the keys by the causal count
+    extra_attention = 6 * cfg.attention.n_heads * sum(attention_dims(cfg)) * cfg.train.seq_len
     assert b.mtp_matmul > 2 * V * D
     assert train_flops_per_token(cfg) - train_flops_per_token(cfg0) == (
         6 * b.mtp_matmul + extra_attention

@@ -17,6 +17,7 @@ from moe_jax.config import load_config
 from moe_jax.model import Transformer
 from moe_jax.summary import (
     COMPONENTS,
+    attention_flops_per_token,
     format_summary,
     kv_cache_bytes,
     param_breakdown,
@@ -168,9 +169,31 @@ def test_hand_counted_tiny_model(tie):
     assert b.total["router"] == router and b.total["norms"] == norms
     assert b.total["dense_mlp"] == dense and b.total["attention"] == attention
     assert b.active_matmul == matmul
-    assert train_flops_per_token(cfg, seq) == 6 * matmul + 12 * L * H * hd * seq == 113088
+    # attention by the peers' causal count (half the keys), and over every key beside it
+    assert train_flops_per_token(cfg, seq) == 6 * matmul + 6 * L * H * hd * seq == 94656
+    assert train_flops_per_token(cfg, seq, causal=False) == 6 * matmul + 12 * L * H * hd * seq
     # seq_len defaults to train.seq_len (128 in tiny.yaml)
-    assert train_flops_per_token(cfg) == 6 * matmul + 12 * L * H * hd * 128
+    assert train_flops_per_token(cfg) == 6 * matmul + 6 * L * H * hd * 128
+
+
+def test_attention_flops_count_the_keys_each_layers_mask_spans_as_maxtext_does():
+    """MaxText's count: a global layer T keys, a sliding-window layer min(W, T), a chunked
+    RoPE layer the mean chunk (sum of chunk lengths squared / T), NoPE layers globally; then
+    halved for the causal mask. Per key: 6 (fwd + bwd) x heads x (score + output dims)."""
+    base = ["model.n_layers=4", "attention.n_heads=4", "attention.head_dim=8", "train.seq_len=100"]
+    per_key = 6 * 4 * (8 + 8)
+    cfg = load_config(CONFIGS / "tiny.yaml", [*base, "attention.nope_interval=0"])
+    assert attention_flops_per_token(cfg, 100) == per_key * 4 * 100 / 2
+    assert attention_flops_per_token(cfg, 100, causal=False) == per_key * 4 * 100
+    # gpt-oss's pattern: a window of 30 on layers 0 and 2, every key on layers 1 and 3
+    windows = ["attention.sliding_window=30", "attention.full_attention_interval=2"]
+    cfg = load_config(CONFIGS / "tiny.yaml", [*base, "attention.nope_interval=0", *windows])
+    assert attention_flops_per_token(cfg, 100) == per_key * (30 + 100 + 30 + 100) / 2
+    # Llama 4's: chunks of 32 on the RoPE layers (3 x 32^2 + 4^2 over 100 tokens), layer 3 NoPE
+    chunks = ["attention.chunk_size=32", "attention.nope_interval=4"]
+    cfg = load_config(CONFIGS / "tiny.yaml", [*base, *chunks])
+    mean_chunk = (3 * 32 * 32 + 4 * 4) / 100
+    assert attention_flops_per_token(cfg, 100) == int(per_key * (3 * mean_chunk + 100) / 2)
 
 
 def test_format_summary_lists_every_component():

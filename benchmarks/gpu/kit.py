@@ -202,12 +202,13 @@ def summary(records: list[dict]) -> str:
         )
     for r in by("train"):
         who = r.get("side", "moe_jax") + " " + r.get("variant", "")
-        mfu = r.get("mfu")
+        # records up to 2026-11-27 name the all-keys figure "mfu"
+        causal, all_keys = r.get("mfu_causal"), r.get("mfu_all_keys", r.get("mfu"))
         lines.append(
             f"train {who:36s} B {r.get('batch')} x {r.get('seq')}: "
             f"{_f(r.get('tokens_per_s'), 0)} tok/s, step {_f(r.get('step_s'), 3)} s, "
-            f"MFU {_f(mfu and 100 * mfu)}% (all keys; causal "
-            f"{_f(r.get('mfu_causal') and 100 * r['mfu_causal'])}%), "
+            f"MFU {_f(causal and 100 * causal)}% (causal; all keys "
+            f"{_f(all_keys and 100 * all_keys)}%), "
             f"{_f(r.get('model_tflops') / mm * 100 if mm and r.get('model_tflops') else None)}% of "
             f"the matmul ceiling, peak mem {_f((r.get('peak_bytes') or 0) / 2**30)} GiB, "
             f"compile {_f(r.get('compile_s'))} s {r.get('error') or r.get('skipped') or ''}"

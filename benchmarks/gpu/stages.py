@@ -631,7 +631,7 @@ def train_variant(S: dict, variant: list[str]) -> None:
     from moe_jax import backends
     from moe_jax.config import load_config
     from moe_jax.metrics import chip_peak_flops
-    from moe_jax.summary import attention_flops_per_token, param_counts, train_flops_per_token
+    from moe_jax.summary import param_counts, train_flops_per_token
 
     overrides = [o for o in variant if not o.startswith("+")]
     rec = dict(kind="train", variant=" ".join(o for o in variant if o != "+profile") or "auto")
@@ -640,15 +640,14 @@ def train_variant(S: dict, variant: list[str]) -> None:
         B, T = cfg.train.batch_size, cfg.train.seq_len
         total, active = param_counts(cfg)
         dtype = backends.compute_dtype(cfg.model.dtype)
-        flops = train_flops_per_token(cfg)
+        flops = train_flops_per_token(cfg)  # the peers' causal count (summary.py)
         rec.update(
             batch=B,
             seq=T,
             params=total,
             active=active,
-            # all keys (summary.train_flops_per_token), and causal: half of attention's
-            flops_per_token=flops,
-            flops_per_token_causal=flops - attention_flops_per_token(cfg, T) // 2,
+            flops_per_token_causal=flops,
+            flops_per_token_all_keys=train_flops_per_token(cfg, causal=False),
             dtype=dtype,
             attention=backends.choose("attention", cfg.attention.impl, dtype=dtype, length=T),
             moe=backends.choose("moe", cfg.moe.impl),
@@ -675,8 +674,8 @@ def train_variant(S: dict, variant: list[str]) -> None:
         rec["model_tflops"] = rec["tokens_per_s"] * flops / 1e12
         rec["device_kind"] = jax.devices()[0].device_kind
         if peak := chip_peak_flops(rec["device_kind"]):
-            rec["mfu"] = rec["model_tflops"] * 1e12 / peak
-            rec["mfu_causal"] = rec["tokens_per_s"] * rec["flops_per_token_causal"] / peak
+            rec["mfu_causal"] = rec["model_tflops"] * 1e12 / peak
+            rec["mfu_all_keys"] = rec["tokens_per_s"] * rec["flops_per_token_all_keys"] / peak
         rec["losses"] = losses
         if "dropped_frac" in metrics:  # per layer: their mean
             rec["dropped_frac"] = float(np.mean(np.asarray(metrics["dropped_frac"])))
