@@ -194,14 +194,19 @@ def _compile_layer_grad(
     from moe_jax.model.remat import remat as with_remat
     from moe_jax.topology import get_topology
 
-    topo = get_topology(topology)
+    # "local": this host's devices (the GPU kit's run of the cuDNN checks)
+    if topology == "local":
+        devices, platform = jax.devices(), jax.default_backend()
+    else:
+        topo = get_topology(topology)
+        devices, platform = list(topo.devices), topo.platform
     overrides = [f"mesh.{ax}={n}" for ax, n in mesh_axes.items()]
     cfg = tiny_config(
         "model.d_model=512", "model.dtype=bfloat16", "attention.sliding_window=256", *overrides
     )
     attn = Attention(cfg, 0, rngs=nnx.Rngs(0))
     attn.impl = impl
-    mesh = make_mesh(cfg, list(topo.devices))
+    mesh = make_mesh(cfg, devices)
     Bc, Tc = 4, 1024
     x = NamedSharding(mesh, P(("data",), None, "tensor", None))
     rows = NamedSharding(mesh, P(("data",), None))
@@ -225,7 +230,7 @@ def _compile_layer_grad(
     # The default precision, as the programs run: under the tests' `highest` Mosaic refuses
     # the bf16 kernels' matmuls (it has no float32 contraction of bf16 operands).
     with (
-        backends.targeting(topo.platform),
+        backends.targeting(platform),
         jax.set_mesh(mesh),
         jax.default_matmul_precision("default"),
     ):
@@ -247,12 +252,21 @@ def test_splash_compiles_for_a_tpu_per_device():
 
 
 def test_cudnn_compiles_for_a_gpu():
+    """From this CPU for an H100 (the `aot` extra); it needs cuDNN on the host, which CI's
+    machines lack (716 MB), so there it skips: the GPU kit runs the same checks on the GPU
+    (tests/test_gpu.py::test_cudnn_calls_in_the_compiled_layer)."""
     _needs_aot_extra()
     if not backends.cudnn_installed():  # the `aot` extra leaves it out (716 MB)
         pytest.skip("cuDNN is not installed (nvidia-cudnn-cu12): JAX refuses to trace cuDNN calls")
+    assert_cudnn_calls("h100:1x1")
+
+
+def assert_cudnn_calls(topology: str) -> None:
+    """The attention layer's compiled gradient calls cuDNN's fused kernels as the train step
+    needs them, compiled for `topology` ("local": this host's GPU)."""
     fwd, bwd = 'custom_call_target="__cudnn$fmhaSoftmax"', "__cudnn$fmhaSoftmaxBackward"
     # causal and the window: cuDNN's own masks, no bias
-    hlo = _compile_layer_grad("h100:1x1", "cudnn", {}, packed=False)
+    hlo = _compile_layer_grad(topology, "cudnn", {}, packed=False)
     assert hlo.count(fwd) == 1 and bwd in hlo
     # cuDNN's calls carry no FLOPs the HLO says: counted as uncosted, never as zero work
     from moe_jax import hlo as hlo_analysis
@@ -260,11 +274,11 @@ def test_cudnn_compiles_for_a_gpu():
     assert hlo_analysis.analyze(hlo).count(hlo_analysis.UNCOSTED) == 2
     # remat=dots keeps the named output and statistics: the backward scan runs no forward of
     # its own (before they were named it did)
-    hlo = _compile_layer_grad("h100:1x1", "cudnn", {}, packed=False, remat="dots")
+    hlo = _compile_layer_grad(topology, "cudnn", {}, packed=False, remat="dots")
     assert hlo.count(fwd) == 1 and hlo.count(bwd) == 1  # one of each, in the two scan bodies
     # documents: a [B, 1, T, S] bias, and no gradient for it (jax's own call returns a
     # bf16[4,1,1024,1024] dbias from the backward)
-    hlo = _compile_layer_grad("h100:1x1", "cudnn", {}, packed=True)
+    hlo = _compile_layer_grad(topology, "cudnn", {}, packed=True)
     (bwd_line,) = [ln for ln in hlo.splitlines() if "fmhaScaleBiasSoftmaxBackward" in ln]
     assert (
         "bf16[4,4,1024,128]" in bwd_line

@@ -10,8 +10,10 @@ on the same GPU:
   buffers against the dense loop over every expert, values and gradients;
 - `moe.impl=mosaic`'s grouped matmul (jax's Mosaic GPU kernels with our VJP) against float32,
   values and gradients, and its dropless train step against the float32 reference;
+- the whole model's forward with the backend's own kernels against float32 and the blocked
+  attention, position by position, and the cuDNN calls in a compiled layer's gradient;
 - a train step with the backend's own kernels (bf16, cuDNN, grouped or batched MoE) against
-  the reference kernels in float32;
+  the reference kernels in float32 (last: the slowest to compile);
 - greedy decoding with the KV cache against repeated full forwards.
 
 Tolerances: bf16 operands carry 8 bits of mantissa, so a relative error of a few 1e-3 per
@@ -138,6 +140,60 @@ def test_grouped_experts_equal_the_dense_loop_values_and_gradients(impl):
     assert_grads_equal(grads, nnx.jit(nnx.grad(loss(lambda m: dense_reference(m, x))))(moe))
 
 
+def test_cudnn_calls_in_the_compiled_layer():
+    """What tests/test_attention_kernels.py::test_cudnn_compiles_for_a_gpu checks from a CPU
+    with cuDNN installed (CI's machines have none): the layer's compiled gradient calls
+    cuDNN's fused kernels once each way, masks without a bias, documents by a bias that gets
+    no gradient, remat=dots recomputing no forward; here compiled for this GPU."""
+    from tests.test_attention_kernels import assert_cudnn_calls
+
+    assert_cudnn_calls("local")
+
+
+def per_position_logits(*overrides):
+    """The tiny model's logits [B, T, V] in float32 from one fixed initialisation."""
+    from moe_jax.model import Transformer
+    from tests.helpers import forward, tiny_config
+
+    cfg = tiny_config("model.d_model=256", "attention.head_dim=64", *overrides)
+    model = Transformer(cfg, rngs=nnx.Rngs(0))
+    tokens = jax.random.randint(jax.random.key(1), (2, 256), 0, cfg.model.vocab_size)
+    logits_BTV, _ = forward(model, tokens)
+    return np.asarray(logits_BTV, np.float32)
+
+
+def worst_position_error(got_BTV, want_BTV) -> float:
+    """The largest relative error of one position's logits: a wrong mask or a lost block
+    shows at the positions it touches, where a loss averaged over them dilutes it."""
+    diff = np.linalg.norm(got_BTV - want_BTV, axis=-1)
+    return float(np.max(diff / np.maximum(np.linalg.norm(want_BTV, axis=-1), 1e-30)))
+
+
+# The whole model's worst position in bf16 against float32: 0.027 with the CPU's kernels
+# (2026-11-27); a sliding window of 64 in place of the causal mask: 1.28.
+PER_POSITION_TOL = 0.1
+
+
+@pytest.mark.parametrize("mask", [(), ("attention.sliding_window=40",)], ids=["causal", "window"])
+def test_the_gpu_kernels_forward_equals_the_reference_at_every_position(mask):
+    """The backend's kernels (auto: bf16, cuDNN attention, the batched MoE) against float32
+    with the blocked attention and the same MoE, position by position (the train-step tests'
+    losses, averages over positions, would pass a wrong mask)."""
+    fast = per_position_logits(*mask)
+    ref = per_position_logits(*mask, "model.dtype=float32", "attention.impl=blocked")
+    assert np.all(np.isfinite(fast))
+    assert worst_position_error(fast, ref) < PER_POSITION_TOL
+
+
+def test_greedy_decode_with_the_cache_equals_full_forwards():
+    from tests.test_sampling import KINDS, greedy_reference, make_sampler, prompts_of
+
+    _, sampler = make_sampler(*KINDS["base"], "model.dtype=float32")
+    prompts = prompts_of((5, 11, 13, 7))
+    got = np.asarray(sampler.generate(prompts, 12, temperature=0).tokens)
+    np.testing.assert_array_equal(got, greedy_reference(sampler.inference_model(), prompts, 12))
+
+
 def _losses(*overrides, steps=4):
     from moe_jax.train_step import init_state, make_optimizer, make_train_step
     from tests.helpers import tiny_config
@@ -187,12 +243,3 @@ def test_train_step_with_the_gpu_kernels_equals_the_reference_kernels():
     assert np.all(np.isfinite(fast))
     np.testing.assert_allclose(fast, ref, rtol=1e-2)
     assert fast[-1] < fast[0] and ref[-1] < ref[0]
-
-
-def test_greedy_decode_with_the_cache_equals_full_forwards():
-    from tests.test_sampling import KINDS, greedy_reference, make_sampler, prompts_of
-
-    _, sampler = make_sampler(*KINDS["base"], "model.dtype=float32")
-    prompts = prompts_of((5, 11, 13, 7))
-    got = np.asarray(sampler.generate(prompts, 12, temperature=0).tokens)
-    np.testing.assert_array_equal(got, greedy_reference(sampler.inference_model(), prompts, 12))
