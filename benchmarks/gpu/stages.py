@@ -650,7 +650,13 @@ def train_variant(S: dict, variant: list[str]) -> None:
             flops_per_token_all_keys=train_flops_per_token(cfg, causal=False),
             dtype=dtype,
             attention=backends.choose("attention", cfg.attention.impl, dtype=dtype, length=T),
-            moe=backends.choose("moe", cfg.moe.impl),
+            moe=backends.choose(  # as the MoE layer picks it (one GPU: every expert here)
+                "moe",
+                cfg.moe.impl,
+                dtype=dtype,
+                dropless=cfg.moe.capacity_factor <= 0,
+                shape={"dims": (cfg.model.d_model, cfg.moe.expert_hidden), "ep": 1},
+            ),
             capacity_factor=cfg.moe.capacity_factor,
         )
         t0 = time.perf_counter()
