@@ -22,6 +22,9 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 
+from moe_jax.interop.lazy import Deferred
+
+WRITE_BYTES = 1 << 26  # a deferred tensor is computed and written this much at a time
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 
@@ -207,21 +210,29 @@ class ShardWriter:
         self.total_bytes = 0
 
     def add(self, name: str, array) -> None:
+        """Write tensor `name`: an array, or a `lazy.Deferred` (computed and written a block
+        of rows at a time, so a large one is never whole in memory)."""
         if name in self._names:
             raise ValueError(f"tensor '{name}' written twice")
-        array = np.ascontiguousarray(np.asarray(array), dtype=self.dtype)
+        if not isinstance(array, Deferred):
+            array = np.asarray(array)
+        shape, nbytes = tuple(array.shape), math.prod(array.shape) * self.dtype.itemsize
         size = sum(e["data_offsets"][1] - e["data_offsets"][0] for e in self._entries.values())
-        if self._entries and size + array.nbytes > self.max_shard_bytes:
+        if self._entries and size + nbytes > self.max_shard_bytes:
             self._flush()
         if self._data is None:
             self._data = open(self._path(len(self._shards), ".data"), "wb")  # noqa: SIM115
             size = 0
-        offsets = [size, size + array.nbytes]
-        entry = {"dtype": self._code, "shape": list(array.shape), "data_offsets": offsets}
+        entry = {"dtype": self._code, "shape": list(shape), "data_offsets": [size, size + nbytes]}
         self._entries[name] = entry
-        self._data.write(array.reshape(-1).view(np.uint8).data)
+        row_bytes = math.prod(shape[1:]) * self.dtype.itemsize if shape else nbytes
+        step = max(1, WRITE_BYTES // max(row_bytes, 1))
+        for start in range(0, shape[0], step) if shape else [None]:
+            part = array if start is None else array[start : start + step]
+            part = np.ascontiguousarray(np.asarray(part), dtype=self.dtype)
+            self._data.write(part.reshape(-1).view(np.uint8).data)
         self._names.add(name)
-        self.total_bytes += array.nbytes
+        self.total_bytes += nbytes
 
     def _path(self, i: int, suffix: str) -> Path:
         return self.directory / f"shard-{i:05d}{suffix}"

@@ -233,6 +233,17 @@ def open_checkpoints(run_dir: Path, step: int | None) -> tuple[ocp.CheckpointMan
     return manager, step
 
 
+# The params' chunks on disk are at most this large (Orbax's default chunk is each device's
+# whole shard): the streaming HF export (interop/export.py) reads a tensor by decoding only
+# the chunks it touches, so this bounds its memory whatever the mesh that saved the run.
+PARAMS_CHUNK_BYTES = 1 << 26
+
+
+def chunked(params):
+    """Orbax save args for `params`: chunks of at most PARAMS_CHUNK_BYTES."""
+    return jax.tree.map(lambda _: ocp.SaveArgs(chunk_byte_size=PARAMS_CHUNK_BYTES), params)
+
+
 class SaveError(RuntimeError):
     """A checkpoint could not be written (e.g. the disk is full); the ones before it are
     intact, and training resumes from the latest of them."""
@@ -379,7 +390,7 @@ class Checkpointer:
             self.manager.save(
                 step,
                 args=ocp.args.Composite(
-                    params=ocp.args.StandardSave(params),
+                    params=ocp.args.StandardSave(params, save_args=chunked(params)),
                     opt_state=ocp.args.StandardSave(opt_state),
                     data=grain.checkpoint.CheckpointSave(data_iterator),
                     meta=ocp.args.JsonSave(meta),

@@ -33,7 +33,9 @@ from moe_jax.run.layout import CHECKPOINT_DIR, CONFIG_FILE
 from moe_jax.run.output import new_output
 from moe_jax.run.store import _manager, keep_tokenizer_files
 
-CHUNK_BYTES = 1 << 26  # at most this much of a parameter is made and written at once
+# At most this much of a parameter is made and written at once: one chunk, which is also
+# what a reader of a region decodes (an export reads one expert at a time).
+CHUNK_BYTES = 1 << 23
 PARAMS_DIR = "params"
 
 
