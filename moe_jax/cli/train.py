@@ -1,0 +1,80 @@
+"""Train a Mixture-of-Experts language model.
+
+    moe-jax-train                                     # the tiny config on the embedded corpus
+    moe-jax-train tiny train.steps=100 moe.top_k=1 moe.renormalize=false
+    moe-jax-train recipes/mixtral_8x7b_v5p128 run_dir=/nfs/runs/mixtral   # a shipped config by name
+    moe-jax-train my_exp.yaml run_dir=runs/exp1 data.path=shakespeare.txt data.tokenizer=char
+
+(`python train.py ...` in a clone is the same command.) The first argument, unless it is a
+section.key=value override, names the config: a YAML file, or a config shipped with moe_jax
+by its name under configs/ (tiny, mixtral_8x7b, recipes/..., without .yaml); a file wins.
+
+A run directory that already holds checkpoints is resumed from the latest one, or from an
+earlier one with `train.resume_step=N` (e.g. when the latest is damaged; the checkpoints after N
+are moved to RUN_DIR/superseded). SIGTERM or Ctrl-C saves a checkpoint after the current step
+and stops; run the same command to resume. One run at a time trains in a run directory (a
+second one exits with an error naming the first); sampling and the other readers may read it
+meanwhile. A full disk stops training with one error line; the last complete checkpoint stays.
+Metrics: RUN_DIR/metrics.jsonl and TensorBoard files in RUN_DIR/tb; plots with
+`python -m moe_jax.plot RUN_DIR`.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+
+from moe_jax.cli.configs import config_path
+from moe_jax.config import ConfigError, cli_config
+from moe_jax.runtime import import_jax, reexec_with_hugepages
+
+USAGE = "usage: moe-jax-train [CONFIG] [section.key=value ...]   (or: python train.py ...)"
+
+
+def config_argv(argv: Sequence[str]) -> list[str]:
+    """argv with its config name, if it starts with one, made the config file's path; an
+    unknown name prints one line and exits 2, as a bad config does."""
+    args = list(argv)
+    if args and "=" not in args[0]:
+        try:
+            args[0] = str(config_path(args[0]))
+        except FileNotFoundError as e:
+            print(f"error: {e}", file=sys.stderr)
+            raise SystemExit(2) from None
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0] in ("-h", "--help"):
+        print(__doc__.strip() + "\n\n" + USAGE)
+        return 0
+    cfg = cli_config(config_argv(argv), default_path=config_path("tiny"))
+    # Only now jax and what imports it (seconds): a bad config has failed before that.
+    import_jax()
+    from moe_jax.backends import KernelError
+    from moe_jax.run.layout import RunError
+    from moe_jax.run.store import SaveError
+    from moe_jax.sharding import init_distributed
+    from moe_jax.tokenizer import DataError
+    from moe_jax.trainer import TrainingError, train
+
+    try:
+        init_distributed(cfg)
+        result = train(cfg)
+    except (ConfigError, KernelError, DataError, RunError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except (TrainingError, SaveError) as e:  # the last complete checkpoint is kept
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    if result.stopped_by is not None:
+        return 128 + result.stopped_by  # the shell convention for "terminated by a signal"
+    return 0
+
+
+def script() -> None:
+    """The `moe-jax-train` console script: huge-page malloc first (a glibc tunable is read
+    only when a process starts, moe_jax/runtime.py), then main."""
+    reexec_with_hugepages()
+    sys.exit(main())
