@@ -285,3 +285,68 @@ def test_bad_checkpoints_are_one_line_naming_file_and_tensor(sharded, tmp_path, 
     err = capsys.readouterr().err
     assert err.startswith("error: ") and err.count("\n") == 1, err
     assert fname in err and any(f"'{n}'" in err for n in names), err
+
+
+TWO_PROCESSES = """
+import json, sys
+import jax
+jax.config.update("jax_cpu_collectives_implementation", "gloo")
+jax.distributed.initialize(coordinator_address=sys.argv[1], num_processes=2,
+                           process_id=int(sys.argv[2]))
+from flax import nnx
+import numpy as np
+from moe_jax.config import load_config
+from moe_jax.interop import load_hf, stream
+from moe_jax.sharding import LOGICAL_RULES, make_mesh, state_shardings
+
+fills = []
+real = stream.ImportPlan.fill
+stream.ImportPlan.fill = lambda self, p, i: fills.append([str(p), repr(i)]) or real(self, p, i)
+mesh = make_mesh(load_config(None, ["mesh.fsdp=4"]))
+cfg, abstract = load_hf(sys.argv[3], device=jax.local_devices()[0])
+state = nnx.state(nnx.eval_shape(lambda: abstract), nnx.Param)
+flat = nnx.to_flat_state(state_shardings(state, mesh, LOGICAL_RULES))
+fills.clear()
+_, model = load_hf(sys.argv[3], shardings={p: s.get_value() for p, s in flat})
+shards = {}
+for path, v in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+    for s in v[...].addressable_shards:
+        shards.setdefault(str(path), []).append([repr(s.index), np.asarray(s.data).tolist()])
+print(json.dumps({"fills": fills, "shards": shards}))
+"""
+
+
+def test_two_processes_each_read_the_slices_their_devices_hold(sharded, tmp_path):
+    """2 processes x 2 CPU devices, one fsdp=4 mesh: each process builds (reads) only the
+    shards of its own devices, and they hold the one-process import's values."""
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        address = f"127.0.0.1:{s.getsockname()[1]}"
+    env = os.environ | {"XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+    # Output to files: two pipes read one after the other would block the process not read
+    # yet, and the other waits for it at shutdown.
+    logs = [(tmp_path / f"out{i}", tmp_path / f"err{i}") for i in range(2)]
+    procs = []
+    for i, (out, err) in enumerate(logs):
+        with open(out, "w") as o, open(err, "w") as e:
+            args = [sys.executable, "-c", TWO_PROCESSES, address, str(i), str(sharded)]
+            procs.append(subprocess.Popen(args, cwd=ROOT, env=env, stdout=o, stderr=e))
+    for p in procs:
+        p.wait(timeout=240)
+    assert all(p.returncode == 0 for p in procs), [e.read_text()[-2000:] for _, e in logs]
+    results = [json.loads(o.read_text().strip().splitlines()[-1]) for o, _ in logs]
+    _, model = load_hf(sharded)
+    ref = {str(p): v for p, v in params_of(model).items()}
+    embed = str(("embed", "embedding"))
+    for mine, other in (results, results[::-1]):
+        # each process's fills of the embedding are its own two shards, not the other's
+        own = {i for p, i in mine["fills"] if p == embed}
+        assert len(own) == 2 and own.isdisjoint(i for p, i in other["fills"] if p == embed)
+        for path, shards in mine["shards"].items():
+            for index, values in shards:
+                np.testing.assert_array_equal(np.asarray(values), ref[path][eval(index)], path)
