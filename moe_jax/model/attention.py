@@ -46,6 +46,7 @@ from moe_jax.config import Config
 from moe_jax.model import attention_kernels, gather
 from moe_jax.model.kv_cache import KVCache, check_cache_inputs, ring_keys, write_cache, write_ring
 from moe_jax.model.norm import RMSNorm, rms_norm
+from moe_jax.model.paged_kv import is_paged, paged_keys
 from moe_jax.model.rope import apply_rope, rope_attention_factor, rope_inv_freq
 from moe_jax.sharding import param
 
@@ -269,8 +270,12 @@ class Attention(nnx.Module):
     def _cached(self, q_BTHD, k_BTKD, v_BTKD, positions_BT, cache: KVCache):
         """Write k and v into the cache at the rows' positions, then attend to the whole cache
         (prefill or decoding), `PREFILL_BLOCK` queries at a time. A ring (sliding-window
-        layers): attend to the ring's older keys and the call's own, then keep the newest."""
-        if "pos" in cache:
+        layers): attend to the ring's older keys and the call's own, then keep the newest.
+        A paged cache (the engine's, `paged_kv`): written, then read through the page table."""
+        if is_paged(cache):
+            kv, k_pos_BS, cache = paged_keys(cache, {"k": k_BTKD, "v": v_BTKD}, positions_BT)
+            k_BSKD, v_BSKD = kv["k"], kv["v"]
+        elif "pos" in cache:
             k_BSKD, v_BSKD, k_pos_BS = ring_keys(cache, k_BTKD, v_BTKD, positions_BT)
             cache = write_ring(cache, k_BTKD, v_BTKD, positions_BT)
         else:

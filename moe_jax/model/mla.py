@@ -56,6 +56,7 @@ from moe_jax.model.attention import (
 )
 from moe_jax.model.kv_cache import KVCache, check_cache_inputs, write_cache
 from moe_jax.model.norm import RMSNorm
+from moe_jax.model.paged_kv import is_paged, paged_keys
 from moe_jax.model.rope import apply_rope, rope_attention_factor, rope_inv_freq, rope_softmax_factor
 from moe_jax.sharding import param
 
@@ -182,13 +183,18 @@ class MLAttention(nnx.Module):
         q_lat_BTHR = jnp.einsum("bthn,rhn->bthr", q_nope_BTHN, self._w(self.wk_b))
         q_BTHL = jnp.concatenate([q_lat_BTHR, q_pe_BTHP], axis=-1)
         new_BT1L = jnp.concatenate([c_BTR[:, :, None], k_pe_BT1P], axis=-1)
-        latent_BS1L = write_cache(cache["latent"], new_BT1L, positions_BT[:, 0])
-        B, S = latent_BS1L.shape[:2]
-        k_pos_BS = jnp.broadcast_to(jnp.arange(S, dtype=positions_BT.dtype), (B, S))
+        if is_paged(cache):  # the engine's pages (`paged_kv`), read through the page table
+            kv, k_pos_BS, cache = paged_keys(cache, {"latent": new_BT1L}, positions_BT)
+            latent_BS1L = kv["latent"]
+        else:
+            latent_BS1L = write_cache(cache["latent"], new_BT1L, positions_BT[:, 0])
+            B, S = latent_BS1L.shape[:2]
+            k_pos_BS = jnp.broadcast_to(jnp.arange(S, dtype=positions_BT.dtype), (B, S))
+            cache = {"latent": latent_BS1L}
         kv_BS1L = latent_BS1L.astype(self.dtype)
         attend_block = lambda q, pos: attend(
             q, kv_BS1L, kv_BS1L, attention_mask(pos, k_pos_BS), self.scale
         )
         out_BTHL = in_prefill_blocks(attend_block, q_BTHL, positions_BT)
         out_BTHV = jnp.einsum("bthr,rhv->bthv", out_BTHL[..., :R], self._w(self.wv_b))
-        return out_BTHV, {"latent": latent_BS1L}
+        return out_BTHV, cache

@@ -1,0 +1,329 @@
+"""The generation engine: continuous batching over a paged KV cache.
+
+    engine = Engine(sampler, max_slots=8)                # a `moe_jax.sampling.Sampler`'s model
+    rid = engine.submit(prompt_ids, SamplingParams(max_tokens=64, temperature=0.7, seed=1))
+    while engine.has_work():
+        for event in engine.step(): ...                  # Event(rid, token, finish_reason)
+    engine.generate([ids_a, ids_b], SamplingParams(max_tokens=32))   # the same, to the end
+
+A fixed number of decode slots; a request takes a free slot when it is admitted and leaves it
+when it finishes, between steps. One `step()`:
+ 1. admits queued requests (first come, first served) while a slot and the pages for their
+    prompt are free, sharing the pages of a prompt prefix seen before (`pages.PagePool`);
+ 2. runs one prefill chunk of `chunk` tokens for the oldest slot still prefilling (a long
+    prompt takes several steps; the others keep decoding meanwhile), which on the prompt's
+    last chunk picks the request's first token;
+ 3. runs one decode step for every slot past its prefill: each feeds its last token and
+    picks the next.
+A request ends at a stop id (which it keeps, as `Sampler` does), at `max_tokens`, or when the
+caller cancels it; its pages go back to the pool. A slot asks for a page only when its
+sequence reaches one; if none is left, the most recently admitted other request is preempted:
+its pages are freed and it waits at the queue's head, to be prefilled again with the tokens it
+has so far (greedy, it then goes on as before; its sampling keys are per step, so sampled too).
+
+Tokens are those `Sampler.generate` gives each request alone (greedy: token for token; the
+engine's prefill runs in chunks and its attention in other shapes, so the logits agree to
+float rounding, not bits).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from collections import deque
+from typing import NamedTuple
+
+import jax
+import numpy as np
+
+from moe_jax.config import sampling_problem
+from moe_jax.engine.pages import PagePool
+from moe_jax.engine.programs import Batch, PickMode, Programs, table_width
+
+
+class EngineError(ValueError):
+    """A request the engine cannot take; the message names the problem and the fix."""
+
+
+class QueueFull(EngineError):
+    """The queue holds `max_queue` requests already."""
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 0.0  # 0: greedy
+    top_k: int = 0  # 0: off
+    top_p: float = 1.0  # 1: off
+    seed: int = 0
+    stop_ids: tuple[int, ...] = ()
+    row: int = 0  # the key is fold_in(seed, row), as row `row` of a Sampler batch
+
+
+class Event(NamedTuple):
+    rid: int
+    token: int
+    finish_reason: str | None  # "stop" (a stop id), "length" (max_tokens), else None
+
+
+@dataclasses.dataclass
+class _Seq:
+    rid: int
+    prompt: list[int]
+    params: SamplingParams
+    key_data: np.ndarray  # uint32 [2]
+    out: list[int] = dataclasses.field(default_factory=list)
+    pages: list[int] = dataclasses.field(default_factory=list)
+    slot: int = -1
+    done: int = 0  # positions already in the cache
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt + self.out
+
+    @property
+    def prefilling(self) -> bool:
+        """Until the prompt (and, after a preemption, the tokens so far) is in the cache."""
+        return self.done < len(self.tokens) - (1 if self.out else 0)
+
+
+class Engine:
+    def __init__(
+        self,
+        sampler,
+        *,
+        max_slots: int = 8,
+        page_size: int = 16,
+        n_pages: int | None = None,
+        chunk: int = 64,
+        max_queue: int = 1024,
+        vocab_size: int | None = None,
+    ):
+        """`n_pages`: the pool (default: every slot's full context, so nothing is ever
+        preempted); at least one full context. `vocab_size`: sample ids below it only."""
+        cfg = sampler.cfg
+        self.V, self.max_len = cfg.model.vocab_size, cfg.model.max_seq_len
+        self.page_size, self.chunk, self.max_slots = page_size, chunk, max_slots
+        self.max_pages = -(-self.max_len // page_size)  # a slot's table: one full context
+        n_pages = n_pages or max_slots * self.max_pages
+        if n_pages < self.max_pages:
+            raise EngineError(
+                f"n_pages {n_pages} cannot hold one full context ({self.max_pages} pages of "
+                f"{page_size}); give at least that"
+            )
+        self.pool = PagePool(n_pages, page_size)
+        self.programs = Programs(sampler, n_pages, page_size)
+        self.max_queue, self.n_vocab = max_queue, vocab_size or self.V
+        self.queue: deque[_Seq] = deque()
+        self.slots: list[_Seq | None] = [None] * max_slots
+        self._ids = itertools.count()
+        self._admitted = itertools.count()
+        self._order: dict[int, int] = {}  # rid -> admission number (preemption picks the last)
+        self.preempted = 0  # requests preempted so far
+
+    # ------------------------------------------------------------------ requests
+
+    def submit(self, prompt, params: SamplingParams = SamplingParams()) -> int:
+        """Queue a request (token ids); -> its id. EngineError if unusable, QueueFull."""
+        prompt = self._checked(prompt, params)
+        if len(self.queue) >= self.max_queue:
+            raise QueueFull(f"the queue is full ({self.max_queue} requests); retry later")
+        rid = next(self._ids)
+        key_data = jax.random.key_data(jax.random.fold_in(jax.random.key(params.seed), params.row))
+        self.queue.append(_Seq(rid, prompt, params, np.asarray(key_data, np.uint32)))
+        return rid
+
+    def _checked(self, prompt, params: SamplingParams) -> list[int]:
+        ids = np.asarray(prompt)
+        if ids.ndim != 1 or ids.size == 0 or not np.issubdtype(ids.dtype, np.integer):
+            raise EngineError("a prompt is a non-empty flat list of token ids")
+        if ids.min() < 0 or ids.max() >= self.V:
+            raise EngineError(f"prompt token ids must lie in [0, {self.V}) (the vocabulary)")
+        if params.max_tokens < 1:
+            raise EngineError(f"max_tokens must be >= 1, got {params.max_tokens}")
+        if ids.size + params.max_tokens > self.max_len:
+            raise EngineError(
+                f"prompt of {ids.size} tokens + max_tokens {params.max_tokens} exceeds the "
+                f"model's context ({self.max_len}); shorten the prompt or lower max_tokens"
+            )
+        rule = dict(temperature=params.temperature, top_k=params.top_k, top_p=params.top_p)
+        if problem := sampling_problem(rule | {"seed": params.seed}):
+            raise EngineError(problem)
+        if any(not 0 <= int(t) < self.V for t in params.stop_ids):
+            raise EngineError(f"stop ids must be token ids in [0, {self.V})")
+        return ids.astype(int).tolist()
+
+    def cancel(self, rid: int) -> bool:
+        """Drop a request, queued or running, freeing its slot and pages; False if unknown."""
+        for seq in self.queue:
+            if seq.rid == rid:
+                self.queue.remove(seq)
+                return True
+        for seq in self.slots:
+            if seq is not None and seq.rid == rid:
+                self._leave(seq)
+                return True
+        return False
+
+    def has_work(self) -> bool:
+        return bool(self.queue) or any(s is not None for s in self.slots)
+
+    def running(self) -> int:
+        return sum(s is not None for s in self.slots)
+
+    def generate(self, prompts, params: SamplingParams | list[SamplingParams]) -> list[list[int]]:
+        """Every prompt to its end (its tokens, as `Generation.sequences()` gives them)."""
+        each = params if isinstance(params, list) else [params] * len(prompts)
+        rids = [self.submit(p, q) for p, q in zip(prompts, each, strict=True)]
+        out = {rid: [] for rid in rids}
+        while self.has_work():
+            for e in self.step():
+                out[e.rid].append(e.token)
+        return [out[rid] for rid in rids]
+
+    # ------------------------------------------------------------------ one step
+
+    def step(self) -> list[Event]:
+        """Admit, one prefill chunk, one decode step (module doc) -> the tokens picked."""
+        self._admit()
+        events = []
+        prefilling = [s for s in self.slots if s is not None and s.prefilling]
+        if prefilling:
+            events += self._prefill(min(prefilling, key=lambda s: self._order[s.rid]))
+        decoding = [s for s in self.slots if s is not None and not s.prefilling]
+        decoding = [s for s in decoding if s.rid not in {e.rid for e in events}]
+        if decoding:
+            events += self._decode(decoding)
+        return events
+
+    def _admit(self) -> None:
+        while self.queue and None in self.slots:
+            seq = self.queue[0]
+            tokens = seq.tokens
+            shared = self.pool.match_prefix(tokens)
+            own = self.pool.allocate(self._pages_for(len(tokens)) - len(shared))
+            if own is None:  # wait for pages: first come, first served
+                self.pool.release(shared)
+                return
+            self.queue.popleft()
+            seq.pages, seq.done = shared + own, len(shared) * self.page_size
+            seq.slot = self.slots.index(None)
+            self.slots[seq.slot] = seq
+            self._order[seq.rid] = next(self._admitted)
+
+    def _pages_for(self, n_positions: int) -> int:
+        return -(-n_positions // self.page_size)
+
+    def _prefill(self, seq: _Seq) -> list[Event]:
+        """The next chunk of `seq`'s tokens into its pages; its next token on the last one."""
+        tokens = seq.tokens
+        end = len(tokens) if not seq.out else len(tokens) - 1  # a preempted one's last: decode
+        end = min(end, seq.done + self.chunk)
+        n = end - seq.done
+        tokens_1C = np.zeros((1, self.chunk), np.int32)
+        tokens_1C[0, :n] = tokens[seq.done : end]
+        positions_1C = np.full((1, self.chunk), -1, np.int32)
+        positions_1C[0, :n] = np.arange(seq.done, end)
+        finished = end == len(tokens)
+        batch = self._batch([seq], tokens_1C, positions_1C, np.array([n - 1], np.int32))
+        picked = self.programs.run(batch, self._mode([seq]))
+        seq.done = end
+        if not finished:  # a middle chunk (or a preempted request's refill): no token yet
+            return []
+        self.pool.register(seq.prompt, seq.pages)
+        return self._emit(seq, int(picked[0]))
+
+    def _decode(self, seqs: list[_Seq]) -> list[Event]:
+        """Every decoding slot feeds its last token at its position and picks the next."""
+        for seq in sorted(seqs, key=lambda s: self._order[s.rid]):
+            if seq.slot >= 0 and not self._grow(seq, seq.done + 1):
+                self._preempt(seq)
+        seqs = [s for s in seqs if s.slot >= 0]
+        if not seqs:
+            return []
+        S = self.max_slots
+        tokens_S1 = np.zeros((S, 1), np.int32)
+        positions_S1 = np.full((S, 1), -1, np.int32)
+        for seq in seqs:
+            tokens_S1[seq.slot, 0] = seq.tokens[-1]
+            positions_S1[seq.slot, 0] = seq.done
+        rows = [None] * S
+        for seq in seqs:
+            rows[seq.slot] = seq
+        batch = self._batch(rows, tokens_S1, positions_S1, np.zeros(S, np.int32))
+        picked = self.programs.run(batch, self._mode(seqs))
+        events = []
+        for seq in seqs:
+            seq.done += 1
+            events += self._emit(seq, int(picked[seq.slot]))
+        return events
+
+    def _grow(self, seq: _Seq, n_positions: int) -> bool:
+        """Pages for `n_positions` of `seq` (preempting others if the pool is short)."""
+        need = self._pages_for(n_positions) - len(seq.pages)
+        while need > 0:
+            pages = self.pool.allocate(need)
+            if pages is not None:
+                seq.pages += pages
+                return True
+            others = [s for s in self.slots if s is not None and s is not seq]
+            if not others:
+                return False
+            self._preempt(max(others, key=lambda s: self._order[s.rid]))
+        return True
+
+    def _preempt(self, seq: _Seq) -> None:
+        """Free `seq`'s slot and pages; it waits at the queue's head to be refilled."""
+        self._leave(seq)
+        seq.done, seq.slot = 0, -1
+        self.preempted += 1
+        self.queue.appendleft(seq)
+
+    def _leave(self, seq: _Seq) -> None:
+        self.pool.release(seq.pages)
+        seq.pages = []
+        self.slots[seq.slot] = None
+        seq.slot = -1
+        self._order.pop(seq.rid, None)
+
+    def _emit(self, seq: _Seq, token: int) -> list[Event]:
+        seq.out.append(token)
+        p = seq.params
+        reason = "stop" if token in p.stop_ids else None
+        if reason is None and len(seq.out) >= p.max_tokens:
+            reason = "length"
+        if reason is not None:
+            self._leave(seq)
+        return [Event(seq.rid, token, reason)]
+
+    # ------------------------------------------------------------------ program inputs
+
+    def _batch(self, rows, tokens_BT, positions_BT, last_B) -> Batch:
+        """The call's inputs; empty rows (None) get padding and greedy rules."""
+        B = len(rows)
+        width = table_width(np.array([len(s.pages) for s in rows if s is not None]), self.max_pages)
+        table_BM = np.zeros((B, width), np.int32)
+        keys_B2 = np.zeros((B, 2), np.uint32)
+        step_B = np.zeros(B, np.int32)
+        temperature_B = np.zeros(B, np.float32)
+        top_k_B = np.full(B, self.V, np.int32)
+        top_p_B = np.full(B, 2.0, np.float32)
+        for i, seq in enumerate(rows):
+            if seq is None:
+                continue
+            table_BM[i, : len(seq.pages)] = seq.pages
+            keys_B2[i], step_B[i] = seq.key_data, len(seq.out)
+            p = seq.params
+            temperature_B[i] = p.temperature
+            top_k_B[i] = p.top_k if 0 < p.top_k < self.V else self.V
+            top_p_B[i] = p.top_p if p.top_p < 1 else 2.0
+        return Batch(
+            table_BM, tokens_BT, positions_BT, last_B, keys_B2, step_B,
+            temperature_B, top_k_B, top_p_B, np.int32(self.n_vocab),
+        )  # fmt: skip
+
+    def _mode(self, seqs: list[_Seq]) -> PickMode:
+        ps = [s.params for s in seqs]
+        all_greedy = all(p.temperature == 0 for p in ps)
+        any_filter = any(0 < p.top_k < self.V or p.top_p < 1 for p in ps if p.temperature > 0)
+        return PickMode(all_greedy, any_filter)

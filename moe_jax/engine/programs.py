@@ -1,0 +1,179 @@
+"""The engine's compiled programs: one model call over the paged KV cache, then one token per
+row sampled by that row's own rule.
+
+    progs = Programs(sampler, n_pages=256, page_size=16)
+    tokens_B = progs.run(batch, mode)        # batch: a `Batch` of host arrays; pages updated
+
+Two shapes run: a prefill chunk ([1, chunk] tokens of one slot) and a decode step ([slots, 1]:
+every slot's last token). The page table is cut to a power-of-two number of pages (the
+longest row's), so attention reads about the rows' actual lengths, not the whole context; a
+program is compiled per (tokens shape, table width, sampling mode): a few, whatever the
+requests. The weights, the graph and the capacity-free MoE are the sampler's
+(`moe_jax.sampling.Sampler`), so the engine computes what `sample.py` computes.
+
+Sampling per row (`pick`): greedy rows take the argmax; sampled rows with neither top-k nor
+top-p draw from the tempered logits, filtered rows through `sampling_rules.sample_tokens`'s
+sorted path, each exactly as `Sampler.generate` draws that request alone (row key
+fold_in(seed, r), folded with the step), so a request's text does not depend on the other
+requests in flight. The static mode only skips work no row needs (all greedy; no filter).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import math
+from functools import partial
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from moe_jax.decoding import Weights, model_of, stack_blocks, unstack_blocks
+from moe_jax.sampling_rules import Mode, in_vocab, sample_tokens
+
+
+class Batch(NamedTuple):
+    """One call's rows (host arrays; B rows of T tokens)."""
+
+    table_BM: np.ndarray  # int32: each row's pages in position order
+    tokens_BT: np.ndarray  # int32
+    positions_BT: np.ndarray  # int32, -1: padding (written nowhere)
+    last_B: np.ndarray  # int32: the index in T whose logits pick the row's token
+    keys_B2: np.ndarray  # uint32: each row's key data (fold_in(key(seed), r))
+    step_B: np.ndarray  # int32: the index of the token being picked in the row's output
+    temperature_B: np.ndarray  # float32, 0: greedy
+    top_k_B: np.ndarray  # int32, >= V: off
+    top_p_B: np.ndarray  # float32, > 1: off
+    n_vocab: np.ndarray  # int32 scalar: sample ids below it only
+
+
+class PickMode(NamedTuple):
+    """Static: which sampling code the call compiles."""
+
+    all_greedy: bool
+    any_filter: bool
+
+
+def pick(logits_BV, b: Batch, mode: PickMode) -> jax.Array:
+    """Each row's token by its own rule (module doc)."""
+    logits_BV = in_vocab(logits_BV, b.n_vocab)
+    greedy_B = jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
+    if mode.all_greedy:
+        return greedy_B
+    keys_B = jax.vmap(jax.random.fold_in)(jax.random.wrap_key_data(b.keys_B2), b.step_B)
+    is_greedy_B = b.temperature_B == 0
+    temperature_B1 = jnp.where(is_greedy_B, 1.0, b.temperature_B)[:, None]
+    plain_B = jax.vmap(jax.random.categorical)(keys_B, logits_BV / temperature_B1)
+    tok_B = plain_B.astype(jnp.int32)
+    if mode.any_filter:
+        filters = (b.top_k_B[:, None], b.top_p_B[:, None])
+        filtered_B = sample_tokens(
+            logits_BV, keys_B, temperature_B1, *filters, Mode(False, True, True)
+        )
+        is_filtered_B = (b.top_k_B < logits_BV.shape[-1]) | (b.top_p_B <= 1)
+        tok_B = jnp.where(is_filtered_B, filtered_B, tok_B)
+    return jnp.where(is_greedy_B, greedy_B, tok_B)
+
+
+def _with_table(cache, table_BM):
+    """Every layer's cache dict with the page table beside its pages."""
+    if isinstance(cache, dict) and ("k" in cache or "latent" in cache):
+        return cache | {"table": table_BM}
+    if isinstance(cache, dict):
+        return {k: _with_table(v, table_BM) for k, v in cache.items()}
+    return [_with_table(c, table_BM) for c in cache]
+
+
+def _without_table(cache):
+    if isinstance(cache, dict):
+        return {k: _without_table(v) for k, v in cache.items() if k != "table"}
+    return [_without_table(c) for c in cache] if isinstance(cache, list) else cache
+
+
+def _call(graphdef, weights: Weights, pages: dict, b: Batch, *, mode: PickMode):
+    """The model over the pages (blocks kept apart, as `decoding` keeps them) -> (tokens [B],
+    the updated pages)."""
+    model = model_of(graphdef, weights.params, weights.blocks)
+    # The table joins each block's layers before they are stacked: the model slices every
+    # leaf of the stacked blocks by block.
+    paged = _with_table(pages, b.table_BM)
+    paged["blocks"] = stack_blocks(paged["blocks"])
+    logits_B1V, _, new = model(
+        b.tokens_BT, positions=b.positions_BT, cache=paged, logits_at=b.last_B
+    )
+    new = _without_table(new)
+    new["blocks"] = unstack_blocks(new["blocks"], len(weights.blocks))
+    return pick(logits_B1V[:, 0], b, mode), new
+
+
+def init_pages(model, n_pages: int, page_size: int, mesh=None) -> dict:
+    """Zeroed page pools, one per layer, in the model's cache layout (`init_cache`) with its
+    layer blocks kept apart: {"k", "v"} [N, PS, K, hd] (MLA: {"latent"} [N, PS, 1, L]).
+    Under a mesh the kv heads split over `tensor` where they divide, pages whole."""
+    shapes = jax.eval_shape(lambda: model.init_cache(1, page_size))
+
+    def layer(d):
+        names = ("latent",) if "latent" in d else ("k", "v")
+        out = {}
+        for n in names:
+            *lead, _, _, K, hd = d[n].shape
+            spec = P(*(None,) * (len(lead) + 2), _heads_axis(mesh, K), None)
+            zeros = jnp.zeros((*lead, n_pages, page_size, K, hd), d[n].dtype)
+            out[n] = zeros if mesh is None else jax.device_put(zeros, NamedSharding(mesh, spec))
+        return out
+
+    pages = {k: [layer(d) for d in ds] for k, ds in shapes.items()}
+    pages["blocks"] = unstack_blocks(pages["blocks"], model.n_blocks) if model.n_blocks else []
+    return pages
+
+
+def _heads_axis(mesh, K: int):
+    if mesh is None or "tensor" not in mesh.shape or K % mesh.shape["tensor"]:
+        return None
+    return "tensor"
+
+
+# The narrowest page table a call takes: fewer widths, fewer compiles (a few pages of extra
+# keys cost a short sequence little).
+MIN_TABLE_PAGES = 4
+
+
+def table_width(n_pages_B: np.ndarray, limit: int) -> int:
+    """Pages the table is cut to: the next power of two of the longest row's (at least
+    MIN_TABLE_PAGES), at most `limit`."""
+    longest = max(MIN_TABLE_PAGES, int(np.max(n_pages_B, initial=1)))
+    return min(limit, 1 << math.ceil(math.log2(longest)))
+
+
+@functools.lru_cache(maxsize=8)
+def _jitted(graphdef):
+    """The jitted call for one graph, shared by the engines of one model (their compiles
+    too); the graph is bound, not hashed at every call."""
+    return jax.jit(partial(_call, graphdef), static_argnames="mode", donate_argnames="pages")
+
+
+class Programs:
+    """The sampler's weights, the page pools, and the jitted call (one per shape and mode)."""
+
+    def __init__(self, sampler, n_pages: int, page_size: int):
+        self.sampler = sampler
+        self.mesh = sampler.mesh
+        self.weights = Weights(sampler.params, sampler.param_blocks)
+        with self._on_mesh():
+            self.pages = init_pages(sampler.inference_model(), n_pages, page_size, self.mesh)
+        self._jitted = _jitted(sampler.graphdef)
+
+    def _on_mesh(self):
+        return jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext()
+
+    def run(self, batch: Batch, mode: PickMode) -> np.ndarray:
+        """One call: the pages updated in place (donated), the rows' tokens back on the host."""
+        if self.mesh is not None:  # rows and rules replicated over the mesh
+            batch = jax.device_put(batch, NamedSharding(self.mesh, P()))
+        with self._on_mesh():
+            tokens_B, self.pages = self._jitted(self.weights, self.pages, batch, mode=mode)
+        return np.asarray(tokens_B)
