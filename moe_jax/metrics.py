@@ -1,10 +1,12 @@
-"""FLOPs / MFU accounting and the metric writers (JSONL always, TensorBoard alongside).
+"""FLOPs / MFU accounting and the metric writers (JSONL always; TensorBoard, W&B, MLflow as
+trackers beside it: `train.trackers`, moe_jax/trackers.py).
 
 Records are flat dicts with a "kind" ("info", "train", "eval", or "downstream": the harness
 tasks' metrics named "<task>/<metric>", moe_jax/eval/in_training.py) and a "step". The JSONL file
 `RUN_DIR/metrics.jsonl` is the source of truth (read by `moe_jax.plot`); a resumed run appends
 to it, and readers keep the *last* record of each (kind, step), so steps repeated after a crash
-between two checkpoints are superseded by the rerun. TensorBoard event files go to `RUN_DIR/tb`.
+between two checkpoints are superseded by the rerun. TensorBoard event files go to `RUN_DIR/tb`;
+every tracker gets the same scalars (`scalars`).
 
 MFU = achieved model FLOP/s / the job's peak FLOP/s, where model FLOPs per token come from
 `moe_jax.summary.train_flops_per_token` (active experts only). The peak of one compute unit is
@@ -120,45 +122,68 @@ def _ends_a_line(path: Path) -> bool:
         return f.read(1) == b"\n"
 
 
-class MetricsWriter:
-    """Appends records to RUN_DIR/metrics.jsonl and scalars to TensorBoard (RUN_DIR/tb)."""
+def scalars(record: dict) -> dict[str, float]:
+    """A train / eval / downstream record as the trackers' scalars, "<kind>/<key>" (per-layer
+    series one a layer, LAYER_SERIES; each layer's busiest expert's load relative to an even
+    split, 1 = balanced, as moe_max_load/layerN). An info record has none."""
+    if record["kind"] == "info":
+        return {}
+    out, prefix = {}, record["kind"]
+    for key, value in record.items():
+        if key in ("kind", "step") or value is None:
+            continue
+        if isinstance(value, int | float):
+            out[f"{prefix}/{key}"] = float(value)
+        elif key in LAYER_SERIES:
+            for layer, v in enumerate(value):
+                out[f"{LAYER_SERIES[key]}/layer{layer}"] = float(v)
+        elif key == "expert_load":
+            for layer, loads in enumerate(value):
+                out[f"moe_max_load/layer{layer}"] = float(max(loads) * len(loads))
+    return out
 
-    def __init__(self, run_dir: str | Path, tensorboard: bool = True):
+
+class TensorBoardTracker:
+    """Scalars to TensorBoard event files in RUN_DIR/tb."""
+
+    def __init__(self, run_dir: str | Path):
+        from tensorboardX import SummaryWriter
+
+        self._tb = SummaryWriter(str(Path(run_dir) / "tb"), flush_secs=30)
+
+    def write(self, record: dict) -> None:
+        for name, value in scalars(record).items():
+            self._tb.add_scalar(name, value, record["step"])
+
+    def close(self) -> None:
+        self._tb.close()
+
+
+class MetricsWriter:
+    """Appends records to RUN_DIR/metrics.jsonl, the source of truth, and hands each to the
+    trackers (`moe_jax.trackers`: objects with write(record) and close()), TensorBoard's
+    (RUN_DIR/tb) unless `tensorboard` is False."""
+
+    def __init__(self, run_dir: str | Path, tensorboard: bool = True, trackers: tuple = ()):
         path = Path(run_dir) / METRICS_FILE
         cut_off = path.is_file() and path.stat().st_size > 0 and not _ends_a_line(path)
         self._jsonl = open(path, "a", encoding="utf-8")  # noqa: SIM115
         if cut_off:  # a killed writer left half a record: start the next one on its own line
             self._jsonl.write("\n")
-        self._tb = None
-        if tensorboard:
-            from tensorboardX import SummaryWriter
-
-            self._tb = SummaryWriter(str(path.parent / "tb"), flush_secs=30)
+        self.trackers = [TensorBoardTracker(run_dir)] if tensorboard else []
+        self.trackers += list(trackers)
 
     def write(self, record: dict) -> None:
         record = {k: _jsonable(v) for k, v in record.items()}
         self._jsonl.write(json.dumps(record) + "\n")
         self._jsonl.flush()
-        if self._tb is None or record["kind"] == "info":
-            return
-        step, prefix = record["step"], record["kind"]
-        for key, value in record.items():
-            if key in ("kind", "step") or value is None:
-                continue
-            if isinstance(value, int | float):
-                self._tb.add_scalar(f"{prefix}/{key}", value, step)
-            elif key in LAYER_SERIES:
-                for layer, v in enumerate(value):
-                    self._tb.add_scalar(f"{LAYER_SERIES[key]}/layer{layer}", v, step)
-            elif key == "expert_load":
-                # Load of the busiest expert relative to a perfectly even split (1 = balanced).
-                for layer, loads in enumerate(value):
-                    self._tb.add_scalar(f"moe_max_load/layer{layer}", max(loads) * len(loads), step)
+        for tracker in self.trackers:
+            tracker.write(record)
 
     def close(self) -> None:
         self._jsonl.close()
-        if self._tb is not None:
-            self._tb.close()
+        for tracker in self.trackers:
+            tracker.close()
 
     def __enter__(self) -> MetricsWriter:
         return self

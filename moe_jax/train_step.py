@@ -61,6 +61,7 @@ from moe_jax.model import Transformer, gather
 from moe_jax.model.balancing import update_correction_bias
 from moe_jax.model.mtp import MTP_LAYER_STATS, mtp_hidden, with_mtp_stats
 from moe_jax.model.transformer import LAYER_FRACTIONS
+from moe_jax.scopes import HEAD_LOSS, OPTIMIZER, scoped
 from moe_jax.sharding import BATCH_AXES, logical_to_spec, state_shardings, with_shardings
 from moe_jax.train_state import make_state
 
@@ -233,15 +234,15 @@ def mtp_loss(model, x_BTD, batch: Batch, chunk: int, head_DV, aux: dict, total_K
     for layer, (h_BTD, _), (_, targets_BT, weights_BT) in zip(
         model.mtp, hidden, parts, strict=True
     ):
-        # as the main loss: mesh.weight_gather=steps runs the chunks per device
-        by_steps = chunk and gather.head_statistics(
-            head_statistics, layer.head_norm(h_BTD), targets_BT, chunk, head_DV
-        )
-        logz_BT, target_logit_BT = by_steps or head_statistics(
-            layer.logits, h_BTD, targets_BT, chunk, head_DV
-        )
-        sums.append(jnp.sum((logz_BT - target_logit_BT) * weights_BT))
-        counts.append(jnp.sum(weights_BT))
+        with jax.named_scope(HEAD_LOSS):  # as the main loss: steps run the chunks per device
+            by_steps = chunk and gather.head_statistics(
+                head_statistics, layer.head_norm(h_BTD), targets_BT, chunk, head_DV
+            )
+            logz_BT, target_logit_BT = by_steps or head_statistics(
+                layer.logits, h_BTD, targets_BT, chunk, head_DV
+            )
+            sums.append(jnp.sum((logz_BT - target_logit_BT) * weights_BT))
+            counts.append(jnp.sum(weights_BT))
     sum_K, count_K = jnp.stack(sums), jnp.stack(counts)
     denom_K = jnp.maximum(count_K if total_K is None else total_K, 1.0)
     loss = model.cfg.train.mtp_loss_weight * jnp.mean(sum_K / denom_K)
@@ -251,6 +252,22 @@ def mtp_loss(model, x_BTD, batch: Batch, chunk: int, head_DV, aux: dict, total_K
     metrics |= {"mtp_ce_sum": sum_K, "mtp_n_targets": count_K}
     metrics |= {k: aux[k] for k in MTP_LAYER_STATS.values() if k in aux}
     return loss, aux, metrics
+
+
+@scoped(HEAD_LOSS)
+def _head(model, x_BTD, targets_BT, chunk: int, head_DV):
+    """-> (logsumexp of the logits, the target's logit), each float32 [B, T]."""
+    # mesh.weight_gather=steps: the chunks run per device, the head gathered one axis at a time
+    by_steps = chunk and gather.head_statistics(
+        head_statistics, model.final_norm(x_BTD), targets_BT, chunk, head_DV
+    )
+    if by_steps:
+        return by_steps
+    if chunk and not jax.sharding.get_abstract_mesh().empty:
+        # gathered here, once, whole but for `tensor`'s vocab split (the chunks' loop would
+        # gather it again every chunk)
+        head_DV = jax.lax.with_sharding_constraint(head_DV, logical_to_spec((None, "vocab")))
+    return head_statistics(model.logits, x_BTD, targets_BT, chunk, head_DV)
 
 
 def loss_fn(
@@ -280,21 +297,11 @@ def loss_fn(
     # Never the whole [B, T, V] logits with train.loss_chunk (see moe_jax/loss.py)
     chunk = backends.loss_chunk(model.cfg.train.loss_chunk, x_BTD.shape[1])
     head_DV = model.head_weight() if chunk else None
-    # mesh.weight_gather=steps: the chunks run per device, the head gathered one axis at a time
-    by_steps = chunk and gather.head_statistics(
-        head_statistics, model.final_norm(x_BTD), targets_BT, chunk, head_DV
-    )
-    if by_steps:
-        logz_BT, target_logit_BT = by_steps
-    else:
-        if chunk and not jax.sharding.get_abstract_mesh().empty:
-            # gathered here, once, whole but for `tensor`'s vocab split (the chunks' loop
-            # would gather it again every chunk)
-            head_DV = jax.lax.with_sharding_constraint(head_DV, logical_to_spec((None, "vocab")))
-        logz_BT, target_logit_BT = head_statistics(model.logits, x_BTD, targets_BT, chunk, head_DV)
-    count = jnp.sum(weights_BT)
-    ce_sum = jnp.sum((logz_BT - target_logit_BT) * weights_BT)
-    logit_z_sum = jnp.sum(logz_BT**2 * weights_BT)
+    logz_BT, target_logit_BT = _head(model, x_BTD, targets_BT, chunk, head_DV)
+    with jax.named_scope(HEAD_LOSS):
+        count = jnp.sum(weights_BT)
+        ce_sum = jnp.sum((logz_BT - target_logit_BT) * weights_BT)
+        logit_z_sum = jnp.sum(logz_BT**2 * weights_BT)
     # A batch that counts no target has no CE (0, not 0/0); the aux loss still trains.
     denom = jnp.maximum(count if total is None else total, 1.0)
     mtp, mtp_metrics = 0.0, {}
@@ -374,12 +381,13 @@ def make_train_step(
             backends.weight_gather(m.weight_gather), backends.gather_group(m.gather_group)
         ):
             grads, metrics = compute_grads(params, graphdef, batch, cfg.train)
-        metrics["grad_norm"] = optax.tree.norm(grads)  # before clipping
-        metrics["lr"] = schedule(state["step"])
-        updates, opt_state = tx.update(grads, state["opt_state"], params)
-        new_params = optax.apply_updates(params, updates)
-        # outside the gradient: aux-loss-free balancing's bias (model/balancing.py)
-        new_params = update_correction_bias(new_params, metrics, cfg)
+        with jax.named_scope(OPTIMIZER):
+            metrics["grad_norm"] = optax.tree.norm(grads)  # before clipping
+            metrics["lr"] = schedule(state["step"])
+            updates, opt_state = tx.update(grads, state["opt_state"], params)
+            new_params = optax.apply_updates(params, updates)
+            # outside the gradient: aux-loss-free balancing's bias (model/balancing.py)
+            new_params = update_correction_bias(new_params, metrics, cfg)
         new_state = {"step": state["step"] + 1, "params": new_params, "opt_state": opt_state}
         return new_state, metrics
 

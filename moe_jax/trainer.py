@@ -17,10 +17,10 @@ from __future__ import annotations
 
 import math
 import signal
-import sys
 import threading
 import time
 from dataclasses import dataclass, field
+from functools import partial
 
 import jax
 import numpy as np
@@ -30,6 +30,7 @@ from moe_jax.config import Config
 from moe_jax.data import load_run_data
 from moe_jax.eval.in_training import TaskEval
 from moe_jax.metrics import MetricsWriter, compute_units, unit_peak_flops
+from moe_jax.profile import StepProfiler
 from moe_jax.run.init_from import init_source, start_state, with_source_architecture
 from moe_jax.run.layout import RunError
 from moe_jax.run.output import no_space
@@ -38,6 +39,17 @@ from moe_jax.run.store import Checkpointer
 from moe_jax.runtime import platform_line
 from moe_jax.sharding import check_batch_split, global_batch, make_mesh
 from moe_jax.summary import param_counts, train_flops_per_token
+from moe_jax.trackers import check_trackers, open_trackers
+from moe_jax.train_log import (
+    NullWriter,
+    Progress,
+    device_memory,
+    format_train,
+    is_out_of_memory,
+    log_data,
+    logger,
+    out_of_memory_line,
+)
 from moe_jax.train_state import make_state
 from moe_jax.train_step import (
     init_state,
@@ -50,6 +62,10 @@ from moe_jax.weights import WeightsDoNotFit, check_train_fits
 
 class TrainingError(RuntimeError):
     """Training cannot go on (e.g. the loss became NaN); the last good checkpoint is kept."""
+
+
+class OutOfMemory(TrainingError):
+    """A device ran out of memory in a step; the message is one line naming the knobs."""
 
 
 # ----------------------------------------------------------------------------- the loop
@@ -140,15 +156,16 @@ def train(cfg: Config, *, stop_at: int | None = None) -> TrainResult:
     Raises DataError / RunError (bad input or a run dir in use, nothing written),
     TrainingError (divergence) or SaveError (a checkpoint could not be written).
     """
-    log = _logger()
+    log = logger()
     cfg = with_source_architecture(cfg)  # init_from=HF_DIR: its architecture and tokenizer
     cfg.moe.check_training()  # before anything is read or written
     resume = inspect_run(cfg)  # read-only; refuses an incompatible run dir
     # init_from: the run a new one starts from (read-only; None when run_dir resumes its own)
     source = init_source(cfg, resume.step if resume else None, log)
     data = load_run_data(cfg, resume.tokenizer if resume else source.tokenizer if source else None)
-    _log_data(cfg, data, resume, log)
+    log_data(cfg, data, resume, log)
     tasks = TaskEval.start(cfg, data.tokenizer)  # eval.tasks checked before anything is written
+    check_trackers(cfg)  # a tracker's missing package too
     log(platform_line())
     mesh = make_mesh(cfg)
     check_batch_split(mesh, cfg.train.batch_size)
@@ -209,64 +226,6 @@ def train(cfg: Config, *, stop_at: int | None = None) -> TrainResult:
         ckpt.close()  # waits for an async save in flight, so it is never lost
 
 
-def _logger():
-    """log(msg, others=None): process 0 prints the run's lines; the other processes print
-    `others`, a short line where process 0 reports progress. Each host of a cluster usually has
-    a log of its own, and one that stays silent cannot be told from one that hangs; but the
-    metrics are the same on every process, so repeating them would only be noise."""
-    is_main = jax.process_index() == 0
-    prefix = f"[process {jax.process_index()}/{jax.process_count()}] "
-
-    def log(msg: str, others: str | None = None) -> None:
-        if is_main:
-            tqdm.write(msg)
-        elif others is not None:
-            tqdm.write(prefix + others)
-        sys.stdout.flush()  # a log file shows the line now, not a buffer later
-
-    return log
-
-
-def _log_data(cfg: Config, data, resume, log) -> None:
-    """The data's lines, and warnings for a resume that changes the data order or a routing
-    that cannot learn."""
-    t, unigram = cfg.train, data.val_unigram_entropy
-    log(f"data: {data.description} (sha256 {data.fingerprint}), tokenizer {data.tokenizer.kind}")
-    log(
-        f"data: {data.n_train_tokens:,} train / {data.n_val_tokens:,} val tokens; validation "
-        f"unigram entropy {unigram:.3f} nats/token (the baseline a model must beat)"
-    )
-    if resume and resume.fingerprint and resume.fingerprint != data.fingerprint:
-        log(
-            f"warning: the corpus differs from the one this run was trained on "
-            f"(sha256 {resume.fingerprint}); the data order after resuming is not the original"
-        )
-    if resume:
-        old = resume.config
-        changed = [
-            f"{key} {a} -> {b}"
-            for key, a, b in (
-                ("train.batch_size", old.train.batch_size, t.batch_size),
-                ("train.seq_len", old.train.seq_len, t.seq_len),
-                ("seed", old.seed, cfg.seed),
-            )
-            if a != b
-        ]
-        if changed:
-            log(
-                f"warning: {', '.join(changed)} since the checkpoint: its data position counts "
-                "batches of the old shape and order, so the data after resuming does not "
-                "continue the original sequence (windows may repeat or be skipped this epoch)"
-            )
-    e = cfg.moe
-    if e.n_experts > 0 and e.top_k == 1 and e.renormalize:
-        log(
-            "warning: moe.top_k=1 with moe.renormalize=true makes every routing weight 1, so "
-            "the router learns from the aux losses only; set moe.renormalize=false for "
-            "Switch-style top-1 routing"
-        )
-
-
 @dataclass
 class _Window:
     """The steps since the last log line: their device metrics and the time they took, less
@@ -312,41 +271,67 @@ class Run:
         self._prepare(state, start)
         self.last_saved = last_saved
         self.val_loss = None
-        window = _Window()
         is_main = jax.process_index() == 0
-        writer = MetricsWriter(cfg.run_dir, t.tensorboard) if is_main else _NullWriter()
+        writer = NullWriter()
+        if is_main:  # the trackers' runs begin (W&B's, MLflow's) before the first step
+            writer = MetricsWriter(cfg.run_dir, "tensorboard" in t.trackers, open_trackers(cfg))
         bar = tqdm(total=end, initial=start, desc="train", disable=None if is_main else True,
                    dynamic_ncols=True)  # fmt: skip
-        with GracefulStop() as stop, writer, bar:
+        # Without a terminal tqdm turns the bar off: progress lines instead
+        self.progress = Progress(start, end, t.progress_every_s, is_main and bar.disable, self.log)
+        profile_steps = t.profile_steps if is_main else 0  # one trace: process 0's
+        profiler = StepProfiler(cfg.run_dir, t.profile_start, profile_steps, self.log)
+        self.step = self.running = start  # the steps done, and the one the device is on
+        with GracefulStop() as stop, writer, bar, profiler:
             writer.write(self._info(start))
-            step = start
-            while step < end:
-                state, metrics = self.train_step(state, _on_mesh(next(self.it), self.mesh))
-                step += 1
-                window.metrics.append((step, metrics))
-                if step == start + 1:  # the first step compiles: keep it out of the throughput
-                    self._compiled(state, step, window)
-                else:
-                    window.timed_steps += 1
-                bar.update(1)
-                signum = stop.agreed()
-                final, stopping = step == end, signum is not None
-                if step % t.log_every == 0 or final or stopping:
-                    self._log_window(state, step, end, window, writer, bar)
-                if step % t.eval_every == 0 or final:
-                    self._evaluate(state, step, window, writer)
-                if self.tasks is not None and self.tasks.due(step, final):
-                    self._evaluate_tasks(state, step, window, writer)
-                if step % cfg.checkpoint.every == 0 or final or stopping:
-                    self._save(state, step, window)
-                if stopping:  # the value the save above saw, not a later signal
-                    msg = (
-                        f"received {signal.Signals(signum).name}: stopped at step {step}; "
-                        f"checkpoint saved in {cfg.run_dir}, rerun the same command to resume"
-                    )
-                    self.log(msg, others=msg)
-                    return TrainResult(step, self.val_loss, self.unigram, signum)
-        return TrainResult(step, self.val_loss, self.unigram, None)
+            try:
+                return self._steps(state, end, stop, writer, bar, profiler)
+            except Exception as e:  # a device out of memory: one line, not XLA's traceback
+                if not is_out_of_memory(e):
+                    raise
+                line = out_of_memory_line(e, self.running, self.last_saved, cfg.run_dir)
+                raise OutOfMemory(line) from None
+
+    def _steps(self, state, end: int, stop, writer, bar, profiler) -> TrainResult:
+        """Each step from self.step to `end`, then its duties: log, eval, save, stop."""
+        cfg, t = self.cfg, self.cfg.train
+        start, window = self.step, _Window()
+        while self.step < end:
+            batch = _on_mesh(next(self.it), self.mesh)
+            self.running = self.step + 1
+            profiler.before(self.step + 1, partial(self._compiled_text, state, batch))
+            state, metrics = self.train_step(state, batch)
+            self.step = step = self.step + 1
+            window.metrics.append((step, metrics))
+            if step == start + 1:  # the first step compiles: keep it out of the throughput
+                self._compiled(state, step, window)
+            else:
+                window.timed_steps += 1
+            bar.update(1)
+            self.progress.tick(step)
+            signum = stop.agreed()
+            final, stopping = step == end, signum is not None
+            profiler.after(step, state, final or stopping)
+            if step % t.log_every == 0 or final or stopping:
+                self._log_window(state, step, end, window, writer, bar)
+            if step % t.eval_every == 0 or final:
+                self._evaluate(state, step, window, writer)
+            if self.tasks is not None and self.tasks.due(step, final):
+                self._evaluate_tasks(state, step, window, writer)
+            if step % cfg.checkpoint.every == 0 or final or stopping:
+                self._save(state, step, window)
+            if stopping:  # the value the save above saw, not a later signal
+                msg = (
+                    f"received {signal.Signals(signum).name}: stopped at step {step}; "
+                    f"checkpoint saved in {cfg.run_dir}, rerun the same command to resume"
+                )
+                self.log(msg, others=msg)
+                return TrainResult(step, self.val_loss, self.unigram, signum)
+        return TrainResult(self.step, self.val_loss, self.unigram, None)
+
+    def _compiled_text(self, state, batch) -> str:
+        """The train step's compiled HLO (jax's cache holds it after the first step)."""
+        return self.train_step.lower(state, batch).compile().as_text()
 
     def _prepare(self, state, start: int) -> None:
         """The step functions, the validation batches and the throughput's denominators."""
@@ -401,6 +386,7 @@ class Run:
         seconds = time.perf_counter() - window.timer
         msg = f"step {step}: compiled and ran the train step in {seconds:.1f} s"
         self.log(msg, others=msg)
+        self.progress.compiled(step)
         window.restart()
 
     def _log_window(self, state, step: int, end: int, window: _Window, writer, bar) -> None:
@@ -419,9 +405,13 @@ class Run:
             "tokens_per_s": tok_s,
             "mfu": tok_s * self.flops_per_token / self.peak if tok_s else None,
         }
+        if mem := device_memory():  # where the backend reports it
+            record["device_mem_bytes"], record["device_peak_bytes"] = mem[:2]
         writer.write(record)
         bar.set_postfix(loss=f"{m['loss']:.3f}", refresh=False)
-        self.log(_format_train(record, end), others=f"step {step}/{end}")
+        line = " | ".join([format_train(record, end), *self.progress.fields(step)])
+        self.log(line, others=f"step {step}/{end}")
+        self.progress.shown()
         window.restart()
 
     def _evaluate(self, state, step: int, window: _Window, writer) -> None:
@@ -461,36 +451,3 @@ class Run:
         self.ckpt.save(step, state["params"], state["opt_state"], self.it, self.meta)
         self.last_saved = step
         window.excluded += time.perf_counter() - t0
-
-
-class _NullWriter:
-    """Metric writer of the non-main processes of a multi-process run."""
-
-    def write(self, record: dict) -> None:
-        pass
-
-    def __enter__(self) -> _NullWriter:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        pass
-
-
-def _format_train(r: dict, end: int) -> str:
-    parts = [
-        f"step {r['step']}/{end}",
-        f"loss {r['loss']:.4f}",
-        f"ce {r['ce']:.4f}",
-        f"aux {r['aux_loss']:.4f}",
-        f"lr {r['lr']:.2e}",
-        f"gnorm {r['grad_norm']:.3f}",
-    ]
-    if "mtp_ce" in r:  # model.mtp_depth: the MTP depths' mean cross-entropy
-        parts.insert(3, f"mtp ce {r['mtp_ce']:.4f}")
-    if r["tokens_per_s"]:
-        parts.append(f"{r['tokens_per_s'] / 1e3:.1f}k tok/s, MFU {100 * r['mfu']:.1f}%")
-    if np.size(r["dropped_frac"]):
-        parts.append(f"dropped {100 * np.mean(r['dropped_frac']):.1f}%")
-    if np.size(r["exchange_rounds"]) and np.max(r["exchange_rounds"]) > 1:
-        parts.append(f"exchange rounds {np.max(r['exchange_rounds']):.2f}")
-    return " | ".join(parts)

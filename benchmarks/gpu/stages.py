@@ -13,11 +13,9 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
-import gzip
 import importlib.metadata
 import json
 import math
-import re
 import statistics
 import subprocess
 import sys
@@ -34,6 +32,8 @@ sys.path.insert(0, str(BENCH))  # benchmarks/: the CPU benchmarks' train-step bu
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
+
+from moe_jax.profile import kernel_kind, profile  # noqa: E402, F401  (kernel_kind: the tests')
 
 GPU_CONFIG = BENCH / "configs" / "gpu_1b.yaml"
 # Sizes on the GPU and in the CPU dry run.
@@ -544,68 +544,6 @@ def kernels(S: dict, dry: bool, only: str | None = None) -> None:
         kernel_tiles(S)
     if only != "moe":
         kernels_attention(S, dry)
-
-
-# ----------------------------------------------------------------------------- profile
-
-# Kernel names by kind (cuBLAS / CUTLASS GEMMs, cuDNN attention, NCCL, copies), else a fusion.
-KERNEL_KINDS = (  # attention first: cuDNN's flash kernels' names say wgmma too
-    ("attention", re.compile(r"fmha|flash|sdpa|attention", re.I)),
-    ("matmul", re.compile(r"gemm|cutlass|xmma|nvjet|matmul|cublas|wgmma", re.I)),
-    ("collective", re.compile(r"nccl|all_reduce|all-reduce|allgather", re.I)),
-    ("copy", re.compile(r"memcpy|memset|copy", re.I)),
-)
-
-
-def kernel_kind(name: str) -> str:
-    return next((kind for kind, pattern in KERNEL_KINDS if pattern.search(name)), "other")
-
-
-def profile(fn, steps: int, trace_dir: str) -> dict:
-    """`fn()` (one blocking step) `steps` times under jax.profiler: per step, the device's
-    busy time (the union of its kernels' spans) against the wall time, the kernels' time by
-    kind and the 15 longest kernels. On the CPU (the dry run) XLA's runtime threads stand in
-    for the device."""
-    t0 = time.perf_counter()
-    with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
-        for _ in range(steps):
-            fn()
-    wall = (time.perf_counter() - t0) / steps
-    path = sorted(Path(trace_dir).rglob("perfetto_trace.json.gz"))[-1]
-    with gzip.open(path) as f:
-        data = json.load(f)
-    events = data["traceEvents"] if isinstance(data, dict) else data
-    meta = lambda what: {
-        (e["pid"], e.get("tid")) if what == "thread_name" else e["pid"]: e["args"]["name"]
-        for e in events
-        if e.get("ph") == "M" and e.get("name") == what
-    }
-    procs, threads = meta("process_name"), meta("thread_name")
-    device = {pid for pid, name in procs.items() if name.startswith("/device:")}
-    if device:
-        keep = lambda e: e["pid"] in device
-    else:
-        keep = lambda e: threads.get((e["pid"], e.get("tid")), "").startswith("tf_XLA")
-    spans = [e for e in events if e.get("ph") == "X" and keep(e) and e.get("dur")]
-    by_name, by_kind, count = {}, {}, {}
-    for e in spans:
-        by_name[e["name"]] = by_name.get(e["name"], 0.0) + e["dur"]
-        count[e["name"]] = count.get(e["name"], 0) + 1
-        kind = kernel_kind(e["name"])
-        by_kind[kind] = by_kind.get(kind, 0.0) + e["dur"]
-    busy, end = 0.0, -math.inf
-    for start, stop in sorted((e["ts"], e["ts"] + e["dur"]) for e in spans):
-        busy += max(0.0, stop - max(start, end))
-        end = max(end, stop)
-    per_step_ms = lambda us: round(us / 1e3 / steps, 3)
-    top = sorted(by_name, key=by_name.get, reverse=True)[:15]
-    return dict(
-        wall_ms=round(1e3 * wall, 3),
-        busy_ms=per_step_ms(busy),
-        kernels_per_step=len(spans) // steps,
-        kinds_ms={k: per_step_ms(v) for k, v in sorted(by_kind.items(), key=lambda kv: -kv[1])},
-        top=[[n[:120], per_step_ms(by_name[n]), count[n] // steps] for n in top],
-    )
 
 
 # ----------------------------------------------------------------------------- training

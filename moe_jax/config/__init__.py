@@ -287,7 +287,11 @@ def _merge_overrides(cfg, overrides: Sequence[str]):
         try:
             cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist([item]))
         except OmegaConfBaseException as e:
-            raise _explain(e, f"override '{item}'") from None
+            value = item.partition("=")[2]
+            if "is not a TupleConfig" not in str(e) or value.startswith("["):
+                raise _explain(e, f"override '{item}'") from None
+            # a list key given bare names: train.trackers=wandb,mlflow
+            cfg = _merge_overrides(cfg, [f"{key}=[{value}]"])
         except yaml.YAMLError as e:  # the value is parsed as YAML: `{`, `,,` ...
             detail = " ".join(str(e).split())
             raise ConfigError(
@@ -322,12 +326,24 @@ def config_to_yaml(cfg: Config) -> str:
 def config_from_yaml(text: str) -> Config:
     """Inverse of `config_to_yaml` (used for configs saved inside run directories)."""
     try:
-        merged = OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.create(text))
+        saved = _renamed_keys(OmegaConf.create(text))
+        merged = OmegaConf.merge(OmegaConf.structured(Config), saved)
         result = OmegaConf.to_object(merged)
     except OmegaConfBaseException as e:
         raise _explain(e, "saved config") from None
     validate(result)
     return result
+
+
+def _renamed_keys(saved):
+    """A saved config with the keys of earlier versions renamed: train.tensorboard (a bool)
+    became train.trackers (a list)."""
+    train = saved.get("train") if hasattr(saved, "get") else None
+    if train is not None and "tensorboard" in train:
+        tensorboard = train.pop("tensorboard")
+        if "trackers" not in train:
+            train.trackers = ["tensorboard"] if tensorboard else []
+    return saved
 
 
 def cli_config(argv: Sequence[str], default_path: str | Path | None) -> Config:

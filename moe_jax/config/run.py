@@ -21,6 +21,8 @@ SCHEDULES = ("cosine", "linear", "wsd")  # train.schedule (train_step.lr_schedul
 WEIGHT_KINDS = ("auto", "float32", "bfloat16", "int8", "mxfp4")  # sample.weights (weights.py)
 SFT_FORMATS = ("none", "prompt_completion", "chat")  # data.sft (moe_jax/data/sft.py)
 MESH_AXES = ("data", "fsdp", "expert", "tensor")  # the axes a mesh.* size names
+# train.trackers (moe_jax/trackers.py); "jsonl" is always on, and may be named
+TRACKERS = ("jsonl", "tensorboard", "wandb", "mlflow")
 # Logits divided by the temperature stay finite in float32 (|logit| < 1e30) inside this range.
 MIN_TEMPERATURE, MAX_TEMPERATURE = 1e-6, 1e6
 # The sampling values' ranges, (name, test, rule): the sample section, the sampler's
@@ -177,7 +179,20 @@ class TrainConfig:
     eval_batches: int = 8
     log_every: int = 10
     peak_flops: float = 0.0  # FLOP/s of one device (one host on CPU) for MFU; 0 = measure
-    tensorboard: bool = True  # TensorBoard event files in RUN_DIR/tb (JSONL is always written)
+    # Where the metrics go besides RUN_DIR/metrics.jsonl (always written; moe_jax/trackers.py):
+    # tensorboard (RUN_DIR/tb) | wandb (its run id kept in RUN_DIR, so a resume continues the
+    # same run; WANDB_MODE=offline works) | mlflow (tracker_uri, or a file store RUN_DIR/mlruns)
+    trackers: tuple[str, ...] = ("tensorboard",)
+    tracker_project: str = "moe_jax"  # the W&B project / MLflow experiment
+    tracker_uri: str | None = None  # MLflow's tracking URI; None: file:RUN_DIR/mlruns
+    # A jax.profiler trace of steps profile_start .. profile_start + profile_steps - 1 into
+    # RUN_DIR/profile (moe_jax/profile.py: TensorBoard, Perfetto, python -m moe_jax.profile);
+    # profile_steps 0 = off
+    profile_start: int = 5
+    profile_steps: int = 0
+    # Without a terminal (SLURM, nohup) a progress line every this many seconds instead of
+    # the bar (step, elapsed, ETA, device memory)
+    progress_every_s: float = 60.0
     # Resume from this saved step instead of the latest (e.g. when the latest is damaged); the
     # checkpoints after it are moved to RUN_DIR/superseded. 0 = the latest. A one-off override.
     resume_step: int = 0
@@ -233,6 +248,7 @@ class TrainConfig:
                 f"decay_fraction {self.decay_fraction} x {self.steps} steps) exceed "
                 "train.steps; lower train.decay_fraction or train.warmup_steps",
             )
+        self._check_observers()
         require(
             self.resume_step >= 0,
             f"train.resume_step must be >= 0 (0 = the latest), got {self.resume_step}",
@@ -242,6 +258,22 @@ class TrainConfig:
         for n in ("b1", "b2"):
             require(0.0 <= getattr(self, n) < 1.0, f"train.{n} must be within [0, 1)")
         positive(self, "train", ["eps"])
+
+    def _check_observers(self) -> None:
+        """The trackers, the profile window and the progress interval."""
+        for name in self.trackers:
+            one_of(name, TRACKERS, "train.trackers")
+        require(
+            len(set(self.trackers)) == len(self.trackers),
+            f"train.trackers names a tracker twice: {list(self.trackers)}",
+        )
+        non_negative(self, "train", ["profile_steps"])
+        positive(self, "train", ["profile_start", "progress_every_s"])
+        require(
+            self.profile_steps == 0 or self.profile_start <= self.steps,
+            f"train.profile_start ({self.profile_start}) is past train.steps ({self.steps}); "
+            "profile an earlier step or set train.profile_steps=0",
+        )
 
 
 @dataclass(frozen=True)

@@ -48,6 +48,7 @@ from moe_jax.model.kv_cache import KVCache, check_cache_inputs, ring_keys, write
 from moe_jax.model.norm import RMSNorm, rms_norm
 from moe_jax.model.paged_kv import is_paged, paged_keys
 from moe_jax.model.rope import apply_rope, rope_attention_factor, rope_inv_freq
+from moe_jax.scopes import ATTENTION, scoped
 from moe_jax.sharding import param
 
 # Checkpoint name of a query block's output and log-sum-exp, all its backward keeps besides
@@ -204,6 +205,7 @@ class Attention(nnx.Module):
             y = y + getattr(self, f"{name}_bias")[...].astype(self.dtype)
         return y
 
+    @scoped(ATTENTION)
     def __call__(
         self,
         x_BTD: jax.Array,

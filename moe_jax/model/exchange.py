@@ -34,6 +34,7 @@ from moe_jax.model.routing import (
     sum_choices,
     to_buffers,
 )
+from moe_jax.scopes import COMBINE, DISPATCH, scoped
 from moe_jax.sharding import split_batch_axes
 
 
@@ -205,9 +206,9 @@ def buffer_exchange(x_bTD, w: dict, r: Routing, *, cfg: MoEConfig, dtype, impl, 
     E_loc = E // ep
     to_owner = (lambda a: jax.lax.all_to_all(a, "expert", 0, 0)) if ep > 1 else (lambda a: a)
     buf = to_buffers(x_bTD, r, E, cfg.route_scale)
-    # [ep, E_loc, ...] -> by source shard
-    buf = to_owner(buf.reshape(ep, E_loc, r.cap, D))
-    filled = to_owner(filled_slots(r.slot, E, r.cap).reshape(ep, E_loc))
+    with jax.named_scope(DISPATCH):  # [ep, E_loc, ...] -> by source shard
+        buf = to_owner(buf.reshape(ep, E_loc, r.cap, D))
+        filled = to_owner(filled_slots(r.slot, E, r.cap).reshape(ep, E_loc))
     y_eSCD = expert_swiglu(
         buf.transpose(1, 0, 2, 3),
         w,
@@ -219,7 +220,8 @@ def buffer_exchange(x_bTD, w: dict, r: Routing, *, cfg: MoEConfig, dtype, impl, 
         row_chunks=cfg.row_chunks,
         act=Activation.from_config(cfg),
     )
-    y = to_owner(y_eSCD.transpose(1, 0, 2, 3)).reshape(E * r.cap, D)  # back home
+    with jax.named_scope(COMBINE):  # back home
+        y = to_owner(y_eSCD.transpose(1, 0, 2, 3)).reshape(E * r.cap, D)
     return from_buffers(y, r.slot, r.weights, cfg.route_scale)
 
 
@@ -267,7 +269,8 @@ def ragged_exchange(
     E, D = cfg.n_experts, x_bTD.shape[-1]
     E_loc = E // ep
     b, T, K = r.experts.shape
-    order_n, sizes_E = sort_rows(r.experts.reshape(-1), r.keep.reshape(-1), E)
+    with jax.named_scope(DISPATCH):
+        order_n, sizes_E = sort_rows(r.experts.reshape(-1), r.keep.reshape(-1), E)
     # The kept rows (the rest are past them in `order_n`): at most every assignment, and
     # with a capacity at most C per expert.
     n_send = min(b * T * K, E * r.cap)
@@ -295,11 +298,13 @@ def ragged_exchange(
         )  # fmt: skip
         stats = {"rounds": rounds.count, "overflow": rounds.overflow}
     stats = {k: v.astype(jnp.float32) for k, v in stats.items()}
-    # Each assignment's row; dropped ones sort past the kept rows and read zeros.
-    y_nD = gather_rows(y_sD, inv_n, sent_s)
-    return sum_choices(y_nD.reshape(b, T, K, D), r.weights, r.keep, cfg.route_scale), stats
+    with jax.named_scope(COMBINE):  # each assignment's row; dropped ones read zeros
+        y_nD = gather_rows(y_sD, inv_n, sent_s)
+        y_bTD = sum_choices(y_nD.reshape(b, T, K, D), r.weights, r.keep, cfg.route_scale)
+    return y_bTD, stats
 
 
+@scoped(DISPATCH)
 def _send_rows(x_in, sent_s, *, K, route_scale, dtype, inv_n=None):
     """The rows this shard sends, in expert order: each kept assignment's token (`sent_s`:
     the assignments, token-major), input-scaled for route_scale "input". `inv_n` (every

@@ -29,6 +29,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from moe_jax.scopes import COMBINE, DISPATCH
+
 # The exchange's collective; the CPU tests swap in a stand-in (XLA:CPU has none):
 # tests/ragged_stand_in.py.
 ragged_all_to_all = jax.lax.ragged_all_to_all
@@ -183,8 +185,11 @@ def _one_round(prep, run, axis, x_in, w, index, plan, lo, rows: int):
     """The part of the result of the window [lo, lo + rows) (its rows; zeros elsewhere)."""
     x_sD = prep(x_in, index)
     off = round_offsets(plan, lo, rows)
-    y_mD = run(move_rows(x_sD, rows, off.there, axis), w, off.sizes_e)
-    return move_rows(y_mD, x_sD.shape[0], off.back, axis)
+    with jax.named_scope(DISPATCH):
+        x_mD = move_rows(x_sD, rows, off.there, axis)
+    y_mD = run(x_mD, w, off.sizes_e)
+    with jax.named_scope(COMBINE):
+        return move_rows(y_mD, x_sD.shape[0], off.back, axis)
 
 
 def _later(buffers: Buffers, r):

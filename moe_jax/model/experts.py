@@ -22,6 +22,7 @@ from moe_jax.model.filled_rows import swiglu_filled
 from moe_jax.model.glu import SWIGLU, Activation, glu
 from moe_jax.model.grouped import grouped_buffers
 from moe_jax.model.routing import scale_inputs, sum_choices
+from moe_jax.scopes import EXPERTS, scoped
 from moe_jax.sharding import param
 
 EXPERT_PARAMS = ("w_gate", "w_up", "w_down", "gate_bias", "up_bias", "down_bias")
@@ -95,6 +96,7 @@ def down_bias(bias_nD: jax.Array, dtype, reduce_axis: str | None = None, summed=
     return bias_nD
 
 
+@scoped(EXPERTS)
 def expert_swiglu(
     x_ESCD,
     w: dict,
@@ -177,6 +179,7 @@ def expert_swiglu(
     return y_ESCD
 
 
+@scoped(EXPERTS)
 def gathered_swiglu(
     x_BTD,
     experts_BTK,

@@ -27,6 +27,7 @@ from moe_jax import backends
 from moe_jax.model import mosaic_gmm
 from moe_jax.model.filled_rows import SAVED_NAMES
 from moe_jax.model.glu import SWIGLU, Activation, glu, glu_vjp
+from moe_jax.scopes import EXPERTS, scoped
 
 MEGABLOX_TILE = (512, 1024, 1024)  # rows, contracted, output: MaxText's default tiling
 
@@ -220,6 +221,7 @@ def _rows_only_bwd(keep_n, dx_nK):
 rows_only.defvjp(_rows_only_fwd, _rows_only_bwd)
 
 
+@scoped(EXPERTS)
 def grouped_swiglu(
     x_nD,
     w: dict,

@@ -58,6 +58,7 @@ from moe_jax.model.kv_cache import KVCache, check_cache_inputs, write_cache
 from moe_jax.model.norm import RMSNorm
 from moe_jax.model.paged_kv import is_paged, paged_keys
 from moe_jax.model.rope import apply_rope, rope_attention_factor, rope_inv_freq, rope_softmax_factor
+from moe_jax.scopes import ATTENTION, scoped
 from moe_jax.sharding import param
 
 # DeepSeek's q_a_layernorm and kv_a_layernorm keep their class's default eps (transformers'
@@ -111,6 +112,7 @@ class MLAttention(nnx.Module):
         q_BTr = self.q_a_norm(gather.einsum("btd,dr->btr", x_BTD, self.wq_a, self.dtype))
         return jnp.einsum("btr,rhq->bthq", q_BTr, self._w(self.wq_b))
 
+    @scoped(ATTENTION)
     def __call__(
         self,
         x_BTD: jax.Array,

@@ -66,6 +66,7 @@ from moe_jax.model.routing import (
     sum_choices,
     to_buffers,
 )
+from moe_jax.scopes import COMBINE, DISPATCH, SHARED_EXPERT
 from moe_jax.sharding import n_batch_shards, param
 
 __all__ = ["MoE", "SwiGLU"]
@@ -117,7 +118,8 @@ class MoE(nnx.Module):
             )
             stats = aux_stats(sums, x_BTD.shape[0] * x_BTD.shape[1], self.cfg)
         if hasattr(self, "shared"):
-            y_BTD = y_BTD + self.shared(x_BTD)
+            with jax.named_scope(SHARED_EXPERT):
+                y_BTD = y_BTD + self.shared(x_BTD)
         return y_BTD.astype(x_BTD.dtype), stats
 
     def _local(self, x_BTD: jax.Array, n_groups: int, valid_BT) -> tuple[jax.Array, dict]:
@@ -187,12 +189,13 @@ class MoE(nnx.Module):
         matmul per projection: no [E, C] buffers and no padding rows (`grouped.py`).
         `max_group`: no expert has more rows (see `grouped.grouped_matmul`)."""
         B, T, K = r.experts.shape
-        D = x_BTD.shape[-1]
-        order_n, sizes_E = sort_rows(r.experts.reshape(-1), r.keep.reshape(-1), self.cfg.n_experts)
-        expert_n = r.experts.reshape(-1)[order_n]
-        inv_n = inverse(order_n)
-        x_nD = spread_rows(x_BTD.reshape(B * T, D), order_n, inv_n, K)
-        x_nD = scale_inputs(x_nD, r.weights.reshape(-1)[order_n], self.cfg.route_scale)
+        D, E = x_BTD.shape[-1], self.cfg.n_experts
+        with jax.named_scope(DISPATCH):
+            order_n, sizes_E = sort_rows(r.experts.reshape(-1), r.keep.reshape(-1), E)
+            expert_n = r.experts.reshape(-1)[order_n]
+            inv_n = inverse(order_n)
+            x_nD = spread_rows(x_BTD.reshape(B * T, D), order_n, inv_n, K)
+            x_nD = scale_inputs(x_nD, r.weights.reshape(-1)[order_n], self.cfg.route_scale)
         w = self.experts.weights()
         bias = w.pop("down_bias", None)
         y_nD = grouped_swiglu(
@@ -201,8 +204,9 @@ class MoE(nnx.Module):
         )  # fmt: skip
         if bias is not None:
             y_nD = y_nD + down_bias(bias[expert_n], self.dtype)
-        y_BTKD = gather_rows(y_nD, inv_n, order_n).reshape(B, T, K, D)
-        return sum_choices(y_BTKD, r.weights, r.keep, self.cfg.route_scale)
+        with jax.named_scope(COMBINE):
+            y_BTKD = gather_rows(y_nD, inv_n, order_n).reshape(B, T, K, D)
+            return sum_choices(y_BTKD, r.weights, r.keep, self.cfg.route_scale)
 
     def _buffered(self, x_GbTD, r_G: Routing) -> jax.Array:
         """G routing groups through fixed [E, C, D] buffers on this device. Only dispatch and

@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from moe_jax.config import MoEConfig
+from moe_jax.scopes import COMBINE, DISPATCH, ROUTER, scoped
 
 
 def capacity(tokens_per_group: int, cfg: MoEConfig) -> int:
@@ -108,6 +109,7 @@ class Routing(NamedTuple):
     sums: dict
 
 
+@scoped(ROUTER)
 def route_group(
     x_bTD: jax.Array,
     router_DE: jax.Array,
@@ -239,6 +241,7 @@ def combine(y_SD: jax.Array, slot_BTK: jax.Array) -> jax.Array:
     return y_SD.at[slot_BTK].get(mode="fill", fill_value=0)
 
 
+@scoped(DISPATCH)
 def to_buffers(x_bTD: jax.Array, r: Routing, n_experts: int, route_scale: str) -> jax.Array:
     """A group's tokens into the flat [E * C, D] buffers, input-scaled for "input"."""
     if route_scale == "input":  # each assignment's own input: one row per assignment
@@ -248,6 +251,7 @@ def to_buffers(x_bTD: jax.Array, r: Routing, n_experts: int, route_scale: str) -
     return dispatch(x_bTD, r.slot, n_experts * r.cap)
 
 
+@scoped(COMBINE)
 def from_buffers(y_SD: jax.Array, slot_bTK: jax.Array, w_bTK, route_scale: str) -> jax.Array:
     """The tokens' outputs [b, T, D] from the buffers' rows (slots outside them read 0)."""
     return sum_choices(combine(y_SD, slot_bTK), w_bTK, None, route_scale)

@@ -69,6 +69,7 @@ from moe_jax.model.mtp import MTPLayer
 from moe_jax.model.norm import RMSNorm
 from moe_jax.model.remat import remat
 from moe_jax.model.routing import aux_loss
+from moe_jax.scopes import MLP
 from moe_jax.sharding import at_block_boundary, param
 
 # Per-MoE-layer scalars of `aux` ([n_moe_layers] each): what capacity dropped, and how the
@@ -127,7 +128,8 @@ class DecoderLayer(nnx.Module):
             valid_BT = None if segments_BT is None else segments_BT != 0
             h, stats = layer.ffn(layer.ffn_norm(x_BTD), n_groups, valid_BT)
         else:
-            h, stats = layer.ffn(layer.ffn_norm(x_BTD)), None
+            with jax.named_scope(MLP):
+                h, stats = layer.ffn(layer.ffn_norm(x_BTD)), None
         return at_block_boundary(x_BTD + h), cache, stats
 
 
