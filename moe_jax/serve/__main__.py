@@ -1,0 +1,70 @@
+"""`python -m moe_jax.serve RUN_DIR ...`: load a run (or a Hugging Face directory) as
+sample.py does, build the engine, serve it with uvicorn until SIGINT / SIGTERM (uvicorn's
+graceful shutdown: no new connections, requests in flight finish within
+--shutdown-timeout seconds)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(prog="python -m moe_jax.serve", description=__doc__)
+    p.add_argument("run", help="a run directory (or a Hugging Face model directory)")
+    p.add_argument("overrides", nargs="*", help="config overrides as sample.py takes them")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--max-slots", type=int, default=8, help="requests decoded at once")
+    p.add_argument("--max-queue", type=int, default=256, help="waiting requests before 429")
+    p.add_argument("--page-size", type=int, default=16, help="positions per KV page")
+    p.add_argument("--pages", type=int, default=None, help="KV pages (default: full contexts)")
+    p.add_argument("--chunk", type=int, default=64, help="prefill chunk, in tokens")
+    p.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")
+    p.add_argument("--model-name", default=None, help="the model's id (default: the dir name)")
+    p.add_argument("--shutdown-timeout", type=float, default=30.0)
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        import uvicorn
+
+        from moe_jax.serve.app import create_app
+    except ImportError as e:
+        print(f"error: the server needs the serve extra (pip install 'moe_jax[serve]'): {e}")
+        return 2
+    from moe_jax.engine import Engine, EngineError
+    from moe_jax.load import load_sampler
+
+    try:
+        _, sampler, tokenizer = load_sampler(args.run, args.overrides, args.step)
+        engine = Engine(
+            sampler,
+            max_slots=args.max_slots,
+            page_size=args.page_size,
+            n_pages=args.pages,
+            chunk=args.chunk,
+            max_queue=args.max_queue,
+            vocab_size=tokenizer.vocab_size,
+        )
+    except (ValueError, OSError, EngineError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    name = args.model_name or Path(args.run).resolve().name
+    app = create_app(engine, tokenizer, name)
+    print(f"serving '{name}' on http://{args.host}:{args.port}/v1", flush=True)
+    uvicorn.run(
+        app,
+        host=args.host,
+        port=args.port,
+        log_level="warning",
+        timeout_graceful_shutdown=args.shutdown_timeout,
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

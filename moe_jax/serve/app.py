@@ -1,0 +1,257 @@
+"""The HTTP side: an OpenAI-compatible FastAPI app over one engine.
+
+    app = create_app(engine, tokenizer, "tiny")      # then uvicorn.run(app, ...)
+
+Routes: POST /v1/completions, POST /v1/chat/completions (the tokenizer's chat template; both
+stream server-sent events with "stream": true, ending in `data: [DONE]`), GET /v1/models,
+GET /health, GET /metrics (Prometheus text: queue, running slots, pages in use, token and
+request counters). A body the server cannot run answers 400 and a full engine queue 429 (with
+Retry-After), both in OpenAI's error shape; a failed engine step answers 500 for the requests
+it held, and the server goes on. A client that disconnects cancels its request: its slot and
+pages are freed at the next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+import uuid
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+
+from moe_jax.engine import Engine, EngineError, QueueFull
+from moe_jax.serve.requests import BadRequest, Job, parse
+from moe_jax.serve.text import TextStream
+from moe_jax.serve.worker import Worker
+
+RETRY_AFTER_S = 1
+DISCONNECT_POLL_S = 0.25
+
+
+def error(status: int, message: str, kind: str, param=None, headers=None) -> JSONResponse:
+    body = {"error": {"message": message, "type": kind, "param": param, "code": None}}
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+def create_app(engine: Engine, tokenizer, model_name: str) -> FastAPI:
+    worker = Worker(engine)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        worker.start()
+        yield
+        worker.stop()
+
+    app = FastAPI(title="moe_jax", lifespan=lifespan)
+    app.state.worker = worker
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok"}
+
+    @app.get("/v1/models")
+    async def models():
+        card = {"id": model_name, "object": "model", "created": 0, "owned_by": "moe_jax"}
+        return {"object": "list", "data": [card]}
+
+    @app.get("/metrics")
+    async def metrics():
+        return PlainTextResponse(prometheus_text(worker))
+
+    async def complete(request: Request, chat: bool):
+        try:
+            body = await request.json()
+        except ValueError:
+            return error(400, "the request body is not valid JSON", "invalid_request_error")
+        try:
+            job = parse(body, tokenizer, model_name, chat, engine.max_len)
+            rids, queues = submit_all(worker, job)
+        except BadRequest as e:
+            return error(400, str(e), "invalid_request_error", e.param)
+        except QueueFull as e:
+            worker.stats.rejected += 1
+            headers = {"Retry-After": str(RETRY_AFTER_S)}
+            return error(429, str(e), "rate_limit_exceeded", headers=headers)
+        except EngineError as e:
+            return error(400, str(e), "invalid_request_error")
+        worker.stats.requests += 1
+        reply = Reply(chat, model_name, job, tokenizer)
+        choices = merged(worker, rids, queues, job, tokenizer)
+        if job.stream:
+            return StreamingResponse(
+                reply.stream(choices, worker, rids), media_type="text/event-stream"
+            )
+        return await reply.whole(choices, request, worker, rids)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await complete(request, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await complete(request, chat=True)
+
+    return app
+
+
+def submit_all(worker: Worker, job: Job):
+    """One engine request per choice; none left queued if one is refused."""
+    rids, queues = [], []
+    try:
+        for params in job.params:
+            rid, queue = worker.submit(job.prompt, params)
+            rids.append(rid)
+            queues.append(queue)
+    except EngineError:
+        for rid in rids:
+            worker.cancel(rid)
+        raise
+    return rids, queues
+
+
+async def merged(worker: Worker, rids, queues, job: Job, tokenizer):
+    """(choice index, text delta, finish reason or None, tokens so far) as tokens arrive, the
+    choices interleaved; stop strings end a choice (and cancel its request)."""
+    out: asyncio.Queue = asyncio.Queue()
+
+    async def one(i: int, queue: asyncio.Queue):
+        text = TextStream(tokenizer, job.stop)
+        n = 0
+        while True:
+            event = await queue.get()
+            if isinstance(event[1], Exception):
+                await out.put((i, RuntimeError(f"generation failed: {event[1]}"), None, n))
+                return
+            _, token, reason = event
+            n += 1
+            ended_by_id = reason == "stop" and token in job.params[i].stop_ids
+            delta = "" if ended_by_id else text.push(token)
+            if text.stopped and reason is None:
+                worker.cancel(rids[i])
+                reason = "stop"
+            if reason is not None:
+                await out.put((i, delta + text.finish(), reason, n))
+                return
+            await out.put((i, delta, None, n))
+
+    tasks = [asyncio.create_task(one(i, q)) for i, q in enumerate(queues)]
+    try:
+        ended = 0
+        while ended < len(tasks):
+            item = await out.get()
+            ended += item[2] is not None or isinstance(item[1], Exception)
+            yield item
+    finally:
+        for t in tasks:
+            t.cancel()
+
+
+class Reply:
+    """The OpenAI response objects of one request."""
+
+    def __init__(self, chat: bool, model: str, job: Job, tokenizer):
+        self.chat, self.model, self.job = chat, model, job
+        self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+        self.created = int(time.time())
+
+    def _choice(self, i: int, text: str, reason, delta: bool) -> dict:
+        if not self.chat:
+            return {"index": i, "text": text, "logprobs": None, "finish_reason": reason}
+        if delta:
+            return {"index": i, "delta": {"content": text}, "logprobs": None,
+                    "finish_reason": reason}  # fmt: skip
+        message = {"role": "assistant", "content": text}
+        return {"index": i, "message": message, "logprobs": None, "finish_reason": reason}
+
+    def _object(self, choices: list[dict], chunk: bool, usage=None) -> dict:
+        kind = "chat.completion" if self.chat else "text_completion"
+        obj = {
+            "id": self.id,
+            "object": kind + (".chunk" if chunk and self.chat else ""),
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+        }
+        return obj | ({"usage": usage} if usage is not None else {})
+
+    def _usage(self, generated: int) -> dict:
+        n = len(self.job.prompt)
+        return {"prompt_tokens": n, "completion_tokens": generated, "total_tokens": n + generated}
+
+    async def whole(self, choices, request: Request, worker: Worker, rids) -> JSONResponse:
+        """Every choice to its end; a client gone meanwhile cancels them."""
+        texts = [""] * len(rids)
+        reasons = [None] * len(rids)
+        counts = [0] * len(rids)
+        pending = asyncio.ensure_future(anext(choices, None))
+        try:
+            while True:
+                done, _ = await asyncio.wait({pending}, timeout=DISCONNECT_POLL_S)
+                if not done:
+                    if await request.is_disconnected():
+                        return error(499, "client disconnected", "cancelled")
+                    continue
+                item = pending.result()
+                if item is None:
+                    break
+                i, delta, reason, n = item
+                if isinstance(delta, Exception):
+                    return error(500, str(delta), "server_error")
+                texts[i] += delta
+                reasons[i], counts[i] = reason or reasons[i], n
+                pending = asyncio.ensure_future(anext(choices, None))
+        finally:
+            pending.cancel()
+            for rid in rids:
+                worker.cancel(rid)
+            await choices.aclose()
+        out = [self._choice(i, texts[i], reasons[i], False) for i in range(len(rids))]
+        return JSONResponse(self._object(out, False, self._usage(sum(counts))))
+
+    async def stream(self, choices, worker: Worker, rids):
+        """Server-sent events: a chat's role first, then each delta, then [DONE]. Starlette
+        cancels this generator when the client goes: the finally cancels the requests."""
+        sse = lambda obj: f"data: {json.dumps(obj)}\n\n"
+        try:
+            if self.chat:
+                role = {"role": "assistant", "content": ""}
+                first = [
+                    {"index": i, "delta": role, "logprobs": None, "finish_reason": None}
+                    for i in range(len(rids))
+                ]
+                yield sse(self._object(first, True))
+            async for i, delta, reason, _ in choices:
+                if isinstance(delta, Exception):
+                    yield sse({"error": {"message": str(delta), "type": "server_error"}})
+                    break
+                if delta or reason:
+                    yield sse(self._object([self._choice(i, delta, reason, True)], True))
+            yield "data: [DONE]\n\n"
+        finally:
+            for rid in rids:
+                worker.cancel(rid)
+            await choices.aclose()
+
+
+def prometheus_text(worker: Worker) -> str:
+    """The engine's gauges and the server's counters in Prometheus' text format."""
+    s, st = worker.snapshot(), worker.stats
+    rows = [
+        ("moe_jax_queue_length", "gauge", "requests waiting for a slot", s["queue"]),
+        ("moe_jax_running_slots", "gauge", "slots holding a request", s["running"]),
+        ("moe_jax_pages_in_use", "gauge", "KV pages held by requests", s["pages_in_use"]),
+        ("moe_jax_pages_total", "gauge", "KV pages in the pool", s["pages"]),
+        ("moe_jax_preempted_total", "counter", "requests preempted for pages", s["preempted"]),
+        ("moe_jax_prompt_tokens_total", "counter", "prompt tokens submitted", st.prompt_tokens),
+        ("moe_jax_generation_tokens_total", "counter", "tokens generated", st.generated_tokens),
+        ("moe_jax_requests_total", "counter", "requests accepted", st.requests),
+        ("moe_jax_rejected_total", "counter", "requests refused with 429", st.rejected),
+        ("moe_jax_engine_errors_total", "counter", "engine steps that failed", st.errors),
+    ]
+    lines = []
+    for name, kind, help_, value in rows:
+        lines += [f"# HELP {name} {help_}", f"# TYPE {name} {kind}", f"{name} {value}"]
+    return "\n".join(lines) + "\n"

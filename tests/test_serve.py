@@ -1,0 +1,207 @@
+"""The OpenAI-compatible server (moe_jax/serve) through the official `openai` client against a
+live server on 127.0.0.1: a tiny run with a byte-level BPE and a ChatML template, served by
+uvicorn in a thread of this process (the run loaded as `python -m moe_jax.serve` loads it).
+
+Greedy texts are checked against `Sampler.generate` decoded (the engine equals it token for
+token, tests/test_engine.py); streams against the same request unstreamed.
+Budget: ~20 s on 2 CPU cores.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+
+pytest.importorskip("fastapi", reason="the serve extra (fastapi, uvicorn) is not installed")
+pytest.importorskip("uvicorn", reason="the serve extra (fastapi, uvicorn) is not installed")
+openai = pytest.importorskip("openai", reason="the openai client is not installed")
+
+import httpx  # noqa: E402  (after the skips: installed with openai)
+import uvicorn  # noqa: E402
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers  # noqa: E402
+
+from moe_jax.data.corpus import train_iterator  # noqa: E402
+from moe_jax.engine import Engine  # noqa: E402
+from moe_jax.load import load_sampler  # noqa: E402
+from moe_jax.run.store import Checkpointer  # noqa: E402
+from moe_jax.serve.app import create_app  # noqa: E402
+from moe_jax.tokenizer import load_tokenizer  # noqa: E402
+from moe_jax.train_step import init_state, make_optimizer  # noqa: E402
+from tests.helpers import tiny_config  # noqa: E402
+
+CORPUS = "the quick brown fox jumps over the lazy dog. " * 20
+CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+N = 12
+
+
+def write_tokenizer(directory):
+    """A byte-level BPE (262 ids: 256 bytes, 3 specials, a few merges) with ChatML."""
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=262,
+        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator([CORPUS], trainer)
+    directory.mkdir(parents=True)
+    tok.save(str(directory / "tokenizer.json"))
+    config = {"eos_token": "<|im_end|>", "chat_template": CHATML}
+    (directory / "tokenizer_config.json").write_text(json.dumps(config))
+    return load_tokenizer(str(directory))
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    """(base URL, engine, sampler, tokenizer) of a live server on a fresh tiny run."""
+    root = tmp_path_factory.mktemp("serve")
+    tokenizer = write_tokenizer(root / "tok")
+    run = root / "tiny"
+    cfg = tiny_config(
+        "model.init_std=0.05", "model.n_layers=2", "attention.nope_interval=2",
+        "model.vocab_size=264", "model.max_seq_len=128", "train.seq_len=64", f"run_dir={run}",
+    )  # fmt: skip
+    _, state = init_state(cfg, make_optimizer(cfg.train))
+    batches = train_iterator(tokenizer.encode(CORPUS), 16, 4, cfg.seed)
+    ckpt = Checkpointer(cfg)
+    ckpt.save(1, state["params"], state["opt_state"], batches,
+              {"config": cfg, "tokenizer": tokenizer, "fingerprint": "test"})  # fmt: skip
+    ckpt.close()
+    _, sampler, tokenizer = load_sampler(run)
+    engine = Engine(sampler, max_slots=4, page_size=16, chunk=16, max_queue=64,
+                    vocab_size=tokenizer.vocab_size)  # fmt: skip
+    config = uvicorn.Config(create_app(engine, tokenizer, "tiny"), host="127.0.0.1", port=0,
+                            log_level="warning")  # fmt: skip
+    srv = uvicorn.Server(config)
+    thread = threading.Thread(target=srv.run, daemon=True)
+    thread.start()
+    deadline = time.time() + 30
+    while not srv.started:
+        assert time.time() < deadline and thread.is_alive(), "the server did not start"
+        time.sleep(0.05)
+    port = srv.servers[0].sockets[0].getsockname()[1]
+    yield f"http://127.0.0.1:{port}", engine, sampler, tokenizer
+    srv.should_exit = True
+    thread.join(30)
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server[0] + "/v1", api_key="none", max_retries=0, timeout=60)
+
+
+def greedy_text(server, ids, n=N) -> tuple[str, str]:
+    """(text, finish reason) of Sampler greedy for `ids`, cut at EOS as the server cuts."""
+    _, _, sampler, tok = server
+    out = sampler.generate([ids], n, temperature=0, stop_tokens=[tok.eos_id]).sequences()[0]
+    if out[-1] == tok.eos_id:
+        return tok.decode(out[:-1]), "stop"
+    return tok.decode(out), "length"
+
+
+def test_health_and_models(server, client):
+    assert httpx.get(server[0] + "/health").json() == {"status": "ok"}
+    assert [m.id for m in client.models.list().data] == ["tiny"]
+    assert "moe_jax_pages_total" in httpx.get(server[0] + "/metrics").text
+
+
+def test_completion_is_greedy_and_the_stream_concatenates_to_it(server, client):
+    prompt = "the quick brown"
+    ids = server[3].encode(prompt, add_special_tokens=True).tolist()
+    text, reason = greedy_text(server, ids)
+    whole = client.completions.create(model="tiny", prompt=prompt, max_tokens=N, temperature=0)
+    assert (whole.choices[0].text, whole.choices[0].finish_reason) == (text, reason)
+    assert whole.usage.prompt_tokens == len(ids)
+    chunks = client.completions.create(
+        model="tiny", prompt=prompt, max_tokens=N, temperature=0, stream=True
+    )
+    assert "".join(c.choices[0].text for c in chunks) == text
+
+
+def test_chat_with_the_template_streamed_and_not_with_seeds(server, client):
+    messages = [{"role": "user", "content": "a lazy dog?"}]
+    tok = server[3]
+    ids = tok.encode(tok.apply_chat_template(messages)).tolist()
+    text, _ = greedy_text(server, ids)
+    greedy = client.chat.completions.create(
+        model="tiny", messages=messages, max_tokens=N, temperature=0
+    )
+    assert greedy.choices[0].message.content == text
+    ask = dict(model="tiny", messages=messages, max_tokens=N, temperature=1.0, top_p=0.95)
+    a, b = (client.chat.completions.create(**ask, seed=7, n=2) for _ in range(2))
+    texts = [c.message.content for c in a.choices]
+    assert texts == [c.message.content for c in b.choices]  # same seed, same texts
+    stream = client.chat.completions.create(**ask, seed=7, n=2, stream=True)
+    streamed = ["", ""]
+    for chunk in stream:
+        for c in chunk.choices:
+            streamed[c.index] += c.delta.content or ""
+    assert streamed == texts
+
+
+def test_stop_strings_end_the_text_before_them(server, client):
+    prompt = "the lazy"
+    ids = server[3].encode(prompt, add_special_tokens=True).tolist()
+    text, _ = greedy_text(server, ids)
+    stop = text[3:5]
+    assert stop and text.find(stop) >= 0
+    for stream in (False, True):
+        got = client.completions.create(
+            model="tiny", prompt=prompt, max_tokens=N, temperature=0, stop=[stop], stream=stream
+        )
+        got = "".join(c.choices[0].text for c in got) if stream else got.choices[0].text
+        assert got == text[: text.find(stop)]
+
+
+def test_concurrent_clients_each_get_their_solo_greedy_text(server, client):
+    prompts = ["the", "quick brown fox jumps over", "a", "dog. the lazy dog", "fox " * 9, "q"]
+    want = [
+        greedy_text(server, server[3].encode(p, add_special_tokens=True).tolist())[0]
+        for p in prompts
+    ]
+    ask = lambda p: client.completions.create(model="tiny", prompt=p, max_tokens=N, temperature=0)
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        got = [r.choices[0].text for r in pool.map(ask, prompts)]
+    assert got == want
+
+
+def test_bad_requests_answer_400_and_a_full_queue_429(server, client):
+    with pytest.raises(openai.BadRequestError, match="not served here"):
+        client.completions.create(model="gpt-9", prompt="x")
+    with pytest.raises(openai.BadRequestError, match="temperature"):
+        client.completions.create(model="tiny", prompt="x", temperature=-1)
+    with pytest.raises(openai.BadRequestError, match="context"):
+        client.completions.create(model="tiny", prompt="x" * 200, max_tokens=10)
+    r = httpx.post(server[0] + "/v1/completions", content=b"{nope")
+    assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+    engine = server[1]
+    engine.max_queue, saved = 0, engine.max_queue
+    try:
+        with pytest.raises(openai.RateLimitError) as e:
+            client.completions.create(model="tiny", prompt="x")
+        assert e.value.response.headers["retry-after"] == "1"
+    finally:
+        engine.max_queue = saved
+
+
+def test_a_client_that_disconnects_frees_its_slot_and_pages(server):
+    base, engine = server[0], server[1]
+    body = {"model": "tiny", "prompt": "the", "max_tokens": 100, "temperature": 0,
+            "stream": True, "ignore_eos": True}  # fmt: skip
+    with httpx.stream("POST", base + "/v1/completions", json=body) as r:
+        next(r.iter_lines())  # the first delta: the request runs
+    deadline = time.time() + 20
+    while engine.running() or engine.pool.in_use():
+        assert time.time() < deadline, "the request kept its slot after the client left"
+        time.sleep(0.05)
+    assert np.all(engine.pool.refs >= 0)
