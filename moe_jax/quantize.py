@@ -91,12 +91,13 @@ def quantize_run(
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(
         prog="python -m moe_jax.quantize",
-        description="Write an int8 weight-only copy of a run's checkpoint as a new run directory.",
+        description="Write a quantised copy of a run's checkpoint as a new run directory: int8 "
+        "weights, or MXFP4 experts (--mode).",
     )
     p.add_argument("--mode", default="int8", choices=QUANTIZATIONS,
                    help="int8 (every matmul weight) or mxfp4 (the routed experts)")  # fmt: skip
     p.add_argument("run", help="run directory written by train.py")
-    p.add_argument("--out", required=True, help="new run directory for the int8 copy")
+    p.add_argument("--out", required=True, help="new run directory for the quantised copy")
     p.add_argument("--step", type=int, help="checkpoint step (default: the latest)")
     args = p.parse_args(argv)
     try:

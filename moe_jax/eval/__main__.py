@@ -25,7 +25,8 @@ COUNT_FLAGS = {"limit": 1, "batch_size": 1, "num_fewshot": 0, "step": 0, "bootst
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m moe_jax.eval", description=__doc__.split("\n")[0])
+    summary = " ".join(__doc__.split("\n\n")[0].split())  # the first paragraph, whole
+    p = argparse.ArgumentParser(prog="python -m moe_jax.eval", description=summary)
     p.add_argument("run_dir", help="run directory written by train.py (or imported)")
     p.add_argument("--tasks", required=True, help="harness task names, comma-separated")
     p.add_argument("--num-fewshot", type=int, help="few-shot examples (default: each task's)")
