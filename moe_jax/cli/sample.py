@@ -32,6 +32,7 @@ from pathlib import Path
 import numpy as np
 
 from moe_jax.config import SAMPLING_RULES, sampling_problem
+from moe_jax.config.run import WEIGHT_KINDS
 from moe_jax.runtime import import_jax, reexec_with_hugepages
 
 SEPARATOR = "\n" + "-" * 40 + "\n"
@@ -80,7 +81,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         nargs="*",
         metavar="section.key=value",
         help="mesh.*, model.dtype and sample.* overrides of the run's config, e.g. "
-        "mesh.expert=2 sample.weights=int8 (auto | float32 | bfloat16 | int8)",
+        f"mesh.expert=2 sample.weights=int8 (sample.weights: {' | '.join(WEIGHT_KINDS)})",
     )
     return p.parse_args(argv)
 
