@@ -71,6 +71,9 @@ def problems(cfg: Config, token: str) -> list[str]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else list(argv)
+    if args[:1] in (["-h"], ["--help"]):
+        print(f"{USAGE}\n\n{__doc__.strip()}")
+        return 0
     if len(args) < 2 or args[0] not in ("write", "check", "clean"):
         print(USAGE, file=sys.stderr)
         return 2
