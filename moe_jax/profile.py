@@ -96,8 +96,10 @@ def device_ops(events: list[dict]) -> list[dict]:
     devices = {p for p, n in procs.items() if re.match(r"/device:(GPU|TPU)", n)}
     if devices:
         names = {k: n for k, n in threads.items() if k[0] in devices}
-        # the kernels' own lines where the device has them, not the lines derived from them
-        lines = {k for k, n in names.items() if n.startswith(("Stream", "XLA Ops"))}
+        # the kernels' own lines (a GPU's streams, else a TPU's XLA Ops), not those derived
+        # from them (modules, name scopes, steps)
+        lines = {k for k, n in names.items() if n.startswith("Stream")}
+        lines = lines or {k for k, n in names.items() if n.startswith("XLA Ops")}
         keep = (lambda e: (e["pid"], e.get("tid")) in lines) if lines else None
         keep = keep or (lambda e: e["pid"] in devices)
     else:
