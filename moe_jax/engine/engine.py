@@ -21,6 +21,10 @@ sequence reaches one; if none is left, the most recently admitted other request 
 its pages are freed and it waits at the queue's head, to be prefilled again with the tokens it
 has so far (greedy, it then goes on as before; its sampling keys are per step, so sampled too).
 
+Sliding-window layers keep their pages in a pool of their own, released once behind the
+window (`programs` module doc); a model with such layers shares no prefix pages (the window
+pages of a prefix are gone by the time it could be shared).
+
 Tokens are those `Sampler.generate` gives each request alone (greedy: token for token; the
 engine's prefill runs in chunks and its attention in other shapes, so the logits agree to
 float rounding, not bits).
@@ -74,6 +78,7 @@ class _Seq:
     key_data: np.ndarray  # uint32 [2]
     out: list[int] = dataclasses.field(default_factory=list)
     pages: list[int] = dataclasses.field(default_factory=list)
+    window_pages: list[int] = dataclasses.field(default_factory=list)  # -1: released
     slot: int = -1
     done: int = 0  # positions already in the cache
 
@@ -112,7 +117,13 @@ class Engine:
                 f"{page_size}); give at least that"
             )
         self.pool = PagePool(n_pages, page_size)
-        self.programs = Programs(sampler, n_pages, page_size)
+        # Ring layers' pool: each slot holds the pages of its last `window` positions and of
+        # a prefill chunk, so that many per slot never runs short.
+        window = cfg.attention.sliding_window
+        per_slot = -(-(window + chunk) // page_size) + 1
+        self.programs = Programs(sampler, n_pages, max_slots * per_slot, page_size)
+        self.window = window if self.programs.has_rings else 0
+        self.window_pool = PagePool(max_slots * per_slot if self.window else 1, page_size)
         self.max_queue, self.n_vocab = max_queue, vocab_size or self.V
         self.queue: deque[_Seq] = deque()
         self.slots: list[_Seq | None] = [None] * max_slots
@@ -200,7 +211,8 @@ class Engine:
         while self.queue and None in self.slots:
             seq = self.queue[0]
             tokens = seq.tokens
-            shared = self.pool.match_prefix(tokens)
+            # Ring layers' pages of a prefix are gone once behind its window: no sharing.
+            shared = [] if self.window else self.pool.match_prefix(tokens)
             own = self.pool.allocate(self._pages_for(len(tokens)) - len(shared))
             if own is None:  # wait for pages: first come, first served
                 self.pool.release(shared)
@@ -225,12 +237,14 @@ class Engine:
         positions_1C = np.full((1, self.chunk), -1, np.int32)
         positions_1C[0, :n] = np.arange(seq.done, end)
         finished = end == len(tokens)
+        self._window_pages(seq, end)
         batch = self._batch([seq], tokens_1C, positions_1C, np.array([n - 1], np.int32))
         picked = self.programs.run(batch, self._mode([seq]))
         seq.done = end
         if not finished:  # a middle chunk (or a preempted request's refill): no token yet
             return []
-        self.pool.register(seq.prompt, seq.pages)
+        if not self.window:
+            self.pool.register(seq.prompt, seq.pages)
         return self._emit(seq, int(picked[0]))
 
     def _decode(self, seqs: list[_Seq]) -> list[Event]:
@@ -241,6 +255,8 @@ class Engine:
         seqs = [s for s in seqs if s.slot >= 0]
         if not seqs:
             return []
+        for seq in seqs:
+            self._window_pages(seq, seq.done + 1)
         S = self.max_slots
         tokens_S1 = np.zeros((S, 1), np.int32)
         positions_S1 = np.full((S, 1), -1, np.int32)
@@ -272,6 +288,23 @@ class Engine:
             self._preempt(max(others, key=lambda s: self._order[s.rid]))
         return True
 
+    def _window_pages(self, seq: _Seq, end: int) -> None:
+        """The ring layers' pages for a call writing positions up to `end` (exclusive), and
+        those wholly behind the window of its first query (`seq.done`) released."""
+        if not self.window:
+            return
+        PS = self.page_size
+        first_key = seq.done - self.window + 1  # the oldest key any query from here sees
+        for i, page in enumerate(seq.window_pages):
+            if page >= 0 and (i + 1) * PS <= first_key:
+                self.window_pool.release([page])
+                seq.window_pages[i] = -1
+        need = self._pages_for(end) - len(seq.window_pages)
+        if need > 0:
+            pages = self.window_pool.allocate(need)
+            assert pages is not None, "the window pool is sized never to run short"
+            seq.window_pages += pages
+
     def _preempt(self, seq: _Seq) -> None:
         """Free `seq`'s slot and pages; it waits at the queue's head to be refilled."""
         self._leave(seq)
@@ -281,7 +314,8 @@ class Engine:
 
     def _leave(self, seq: _Seq) -> None:
         self.pool.release(seq.pages)
-        seq.pages = []
+        self.window_pool.release([p for p in seq.window_pages if p >= 0])
+        seq.pages, seq.window_pages = [], []
         self.slots[seq.slot] = None
         seq.slot = -1
         self._order.pop(seq.rid, None)
@@ -303,6 +337,7 @@ class Engine:
         B = len(rows)
         width = table_width(np.array([len(s.pages) for s in rows if s is not None]), self.max_pages)
         table_BM = np.zeros((B, width), np.int32)
+        window_BM = np.zeros((B, width if self.window else 1), np.int32)
         keys_B2 = np.zeros((B, 2), np.uint32)
         step_B = np.zeros(B, np.int32)
         temperature_B = np.zeros(B, np.float32)
@@ -312,13 +347,15 @@ class Engine:
             if seq is None:
                 continue
             table_BM[i, : len(seq.pages)] = seq.pages
+            if self.window:  # released pages: any page, behind every query's window
+                window_BM[i, : len(seq.window_pages)] = np.maximum(seq.window_pages, 0)
             keys_B2[i], step_B[i] = seq.key_data, len(seq.out)
             p = seq.params
             temperature_B[i] = p.temperature
             top_k_B[i] = p.top_k if 0 < p.top_k < self.V else self.V
             top_p_B[i] = p.top_p if p.top_p < 1 else 2.0
         return Batch(
-            table_BM, tokens_BT, positions_BT, last_B, keys_B2, step_B,
+            table_BM, window_BM, tokens_BT, positions_BT, last_B, keys_B2, step_B,
             temperature_B, top_k_B, top_p_B, np.int32(self.n_vocab),
         )  # fmt: skip
 

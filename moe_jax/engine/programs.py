@@ -4,6 +4,10 @@ row sampled by that row's own rule.
     progs = Programs(sampler, n_pages=256, page_size=16)
     tokens_B = progs.run(batch, mode)        # batch: a `Batch` of host arrays; pages updated
 
+Sliding-window layers shorter than the context (`is_ring`) keep their keys in a pool of their
+own, read through a second table (`Batch.window_BM`): the engine releases a slot's window
+pages once behind its window, so those layers hold about window + chunk positions per slot.
+
 Two shapes run: a prefill chunk ([1, chunk] tokens of one slot) and a decode step ([slots, 1]:
 every slot's last token). The page table is cut to a power-of-two number of pages (the
 longest row's), so attention reads about the rows' actual lengths, not the whole context; a
@@ -40,6 +44,7 @@ class Batch(NamedTuple):
     """One call's rows (host arrays; B rows of T tokens)."""
 
     table_BM: np.ndarray  # int32: each row's pages in position order
+    window_BM: np.ndarray  # int32: the same for the sliding-window layers' pool (module doc)
     tokens_BT: np.ndarray  # int32
     positions_BT: np.ndarray  # int32, -1: padding (written nowhere)
     last_B: np.ndarray  # int32: the index in T whose logits pick the row's token
@@ -79,13 +84,39 @@ def pick(logits_BV, b: Batch, mode: PickMode) -> jax.Array:
     return jnp.where(is_greedy_B, greedy_B, tok_B)
 
 
-def _with_table(cache, table_BM):
-    """Every layer's cache dict with the page table beside its pages."""
-    if isinstance(cache, dict) and ("k" in cache or "latent" in cache):
-        return cache | {"table": table_BM}
-    if isinstance(cache, dict):
-        return {k: _with_table(v, table_BM) for k, v in cache.items()}
-    return [_with_table(c, table_BM) for c in cache]
+def is_ring(cfg, layer: int) -> bool:
+    """Whether `layer` attends within a window shorter than the context: its keys live in the
+    window pool, whose pages are released once behind every future query's window."""
+    window = cfg.attention.sliding_window
+    return cfg.uses_window(layer) and 0 < window < cfg.model.max_seq_len
+
+
+def layer_numbers(cfg, n_blocks: int, n_tail: int) -> dict:
+    """The layer number of each cache entry, in the cache's layout with the blocks apart:
+    {"blocks": [[block b's layers]], "tail": [...], "prefix": [...]} (as `init_cache`)."""
+    P, k = cfg.layer_period, cfg.moe.first_dense_layers
+    out = {
+        "blocks": [[k + b * P + j for j in range(P)] for b in range(n_blocks)],
+        "tail": [k + n_blocks * P + j for j in range(n_tail)],
+    }
+    return out | ({"prefix": list(range(k))} if k else {})
+
+
+def _with_tables(pages: dict, cfg, b: Batch) -> dict:
+    """Every layer's pages with its page table beside them (the window pool's for ring
+    layers), each block's before the blocks are stacked."""
+    n_tail = len(pages["tail"])
+    numbers = layer_numbers(cfg, len(pages["blocks"]), n_tail)
+    table = lambda n: b.window_BM if is_ring(cfg, n) else b.table_BM
+    put = lambda d, n: d | {"table": table(n)}
+    out = {
+        name: [put(d, n) for d, n in zip(pages[name], numbers[name], strict=True)]
+        for name in ("tail", "prefix")
+        if name in pages
+    }
+    blocks = zip(pages["blocks"], numbers["blocks"], strict=True)
+    out["blocks"] = [[put(d, n) for d, n in zip(ds, ns, strict=True)] for ds, ns in blocks]
+    return out
 
 
 def _without_table(cache):
@@ -98,9 +129,9 @@ def _call(graphdef, weights: Weights, pages: dict, b: Batch, *, mode: PickMode):
     """The model over the pages (blocks kept apart, as `decoding` keeps them) -> (tokens [B],
     the updated pages)."""
     model = model_of(graphdef, weights.params, weights.blocks)
-    # The table joins each block's layers before they are stacked: the model slices every
+    # The tables join each block's layers before they are stacked: the model slices every
     # leaf of the stacked blocks by block.
-    paged = _with_table(pages, b.table_BM)
+    paged = _with_tables(pages, model.cfg, b)
     paged["blocks"] = stack_blocks(paged["blocks"])
     logits_B1V, _, new = model(
         b.tokens_BT, positions=b.positions_BT, cache=paged, logits_at=b.last_B
@@ -110,19 +141,21 @@ def _call(graphdef, weights: Weights, pages: dict, b: Batch, *, mode: PickMode):
     return pick(logits_B1V[:, 0], b, mode), new
 
 
-def init_pages(model, n_pages: int, page_size: int, mesh=None) -> dict:
+def init_pages(model, n_pages: int, n_window_pages: int, page_size: int, mesh=None) -> dict:
     """Zeroed page pools, one per layer, in the model's cache layout (`init_cache`) with its
-    layer blocks kept apart: {"k", "v"} [N, PS, K, hd] (MLA: {"latent"} [N, PS, 1, L]).
-    Under a mesh the kv heads split over `tensor` where they divide, pages whole."""
-    shapes = jax.eval_shape(lambda: model.init_cache(1, page_size))
+    layer blocks kept apart: {"k", "v"} [N, PS, K, hd] (MLA: {"latent"} [N, PS, 1, L]); ring
+    layers' (`is_ring`) of `n_window_pages`. Under a mesh the kv heads split over `tensor`
+    where they divide, pages whole."""
+    shapes = jax.eval_shape(lambda: model.init_cache(1, model.cfg.model.max_seq_len))
 
     def layer(d):
         names = ("latent",) if "latent" in d else ("k", "v")
+        N = n_window_pages if "pos" in d else n_pages  # "pos": init_cache's ring
         out = {}
         for n in names:
             *lead, _, _, K, hd = d[n].shape
             spec = P(*(None,) * (len(lead) + 2), _heads_axis(mesh, K), None)
-            zeros = jnp.zeros((*lead, n_pages, page_size, K, hd), d[n].dtype)
+            zeros = jnp.zeros((*lead, N, page_size, K, hd), d[n].dtype)
             out[n] = zeros if mesh is None else jax.device_put(zeros, NamedSharding(mesh, spec))
         return out
 
@@ -159,12 +192,16 @@ def _jitted(graphdef):
 class Programs:
     """The sampler's weights, the page pools, and the jitted call (one per shape and mode)."""
 
-    def __init__(self, sampler, n_pages: int, page_size: int):
+    def __init__(self, sampler, n_pages: int, n_window_pages: int, page_size: int):
         self.sampler = sampler
         self.mesh = sampler.mesh
         self.weights = Weights(sampler.params, sampler.param_blocks)
+        model = sampler.inference_model()
         with self._on_mesh():
-            self.pages = init_pages(sampler.inference_model(), n_pages, page_size, self.mesh)
+            self.pages = init_pages(model, n_pages, n_window_pages, page_size, self.mesh)
+        numbers = layer_numbers(model.cfg, model.n_blocks, len(model.tail))
+        flat = [n for ns in numbers["blocks"] for n in ns] + numbers["tail"]
+        self.has_rings = any(is_ring(model.cfg, n) for n in flat + numbers.get("prefix", []))
         self._jitted = _jitted(sampler.graphdef)
 
     def _on_mesh(self):

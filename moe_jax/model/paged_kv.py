@@ -12,7 +12,10 @@ position then works as for the contiguous cache: table entries past a slot's len
 page, e.g. one another slot owns) and stale offsets of its last page sit at positions after
 every query, so no query sees them. A negative position (padding) is written nowhere.
 
-A sliding-window layer keeps every position here too (the window is the mask's): no ring.
+A sliding-window layer reads its pages the same way, the window being the mask's; the engine
+gives such layers a pool and table of their own and releases each page once it lies behind
+every later query's window (a ring of pages): a released entry may then name a page another
+slot has rewritten, at gathered positions the window masks.
 """
 
 from __future__ import annotations
