@@ -268,9 +268,12 @@ def format_summary(trace: Path, top: int = 10) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
-    if not args or args[0] in ("-h", "--help"):
-        print(f"{USAGE}\n\n{__doc__.strip().splitlines()[0]}")
-        return 0 if args else 2
+    if args and args[0] in ("-h", "--help"):
+        print(f"{USAGE}\n\n{__doc__.strip()}")
+        return 0
+    if not args:
+        print(f"error: no trace directory given; {USAGE}", file=sys.stderr)
+        return 2
     top = 10
     if "--top" in args:
         i = args.index("--top")

@@ -187,3 +187,17 @@ def test_out_of_memory_in_the_step_is_one_line_and_keeps_the_checkpoint(
     assert train_cli.main([*TINY_BASE, *TINY, f"run_dir={tmp_path / 'run2'}"]) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: device out of memory")
+
+
+def test_trackers_take_bare_names_and_old_run_configs_still_load():
+    from moe_jax.config import config_from_yaml, config_to_yaml
+
+    cfg = tiny_config("train.trackers=wandb,mlflow")
+    assert cfg.train.trackers == ("wandb", "mlflow")
+    with pytest.raises(ConfigError, match="train.trackers='comet' is not supported"):
+        tiny_config("train.trackers=[comet]")
+    # a run saved before train.trackers: train.tensorboard: false means no TensorBoard files
+    old = config_to_yaml(cfg).replace(
+        "  trackers:\n  - wandb\n  - mlflow\n", "  tensorboard: false\n"
+    )
+    assert "tensorboard: false" in old and config_from_yaml(old).train.trackers == ()
