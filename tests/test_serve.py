@@ -14,6 +14,8 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -32,7 +34,7 @@ from moe_jax.run.store import Checkpointer  # noqa: E402
 from moe_jax.serve.app import create_app  # noqa: E402
 from moe_jax.tokenizer import load_tokenizer  # noqa: E402
 from moe_jax.train_step import init_state, make_optimizer  # noqa: E402
-from tests.helpers import tiny_config  # noqa: E402
+from tests.helpers import forward, tiny_config  # noqa: E402
 
 CORPUS = "the quick brown fox jumps over the lazy dog. " * 20
 CHATML = (
@@ -103,7 +105,9 @@ def client(server):
 def greedy_text(server, ids, n=N) -> tuple[str, str]:
     """(text, finish reason) of Sampler greedy for `ids`, cut at EOS as the server cuts."""
     _, _, sampler, tok = server
-    out = sampler.generate([ids], n, temperature=0, stop_tokens=[tok.eos_id]).sequences()[0]
+    out = sampler.generate(
+        [ids], n, temperature=0, stop_tokens=[tok.eos_id], vocab_size=tok.vocab_size
+    ).sequences()[0]
     if out[-1] == tok.eos_id:
         return tok.decode(out[:-1]), "stop"
     return tok.decode(out), "length"
@@ -161,6 +165,34 @@ def test_stop_strings_end_the_text_before_them(server, client):
         )
         got = "".join(c.choices[0].text for c in got) if stream else got.choices[0].text
         assert got == text[: text.find(stop)]
+
+
+def test_logprobs_are_the_models_for_completions_and_chat(server, client):
+    """Greedy: each token's log-probability is its top alternative's, and equals the full
+    forward's log-softmax (the sampler's own model) at that position."""
+    prompt, tok, sampler = "the quick", server[3], server[2]
+    got = client.completions.create(
+        model="tiny", prompt=prompt, max_tokens=6, temperature=0, logprobs=3,
+        extra_body={"ignore_eos": True},
+    ).choices[0]  # fmt: skip
+    lp = got.logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == 6
+    assert all(len(top) == 3 for top in lp.top_logprobs)
+    assert [max(top.values()) for top in lp.top_logprobs] == pytest.approx(lp.token_logprobs)
+    ids = tok.encode(prompt).tolist()
+    seq = ids + sampler.generate([ids], 6, temperature=0, vocab_size=tok.vocab_size).sequences()[0]
+    logits = np.array(forward(sampler.inference_model(), jnp.asarray([seq]))[0][0])
+    logits[:, tok.vocab_size :] = -np.inf  # ids past the tokenizer's are never sampled
+    ref = jax.nn.log_softmax(logits, axis=-1)
+    want = [ref[len(ids) + t - 1, seq[len(ids) + t]] for t in range(6)]
+    np.testing.assert_allclose(lp.token_logprobs, want, atol=1e-4)
+    chat = client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "fox"}], max_tokens=4,
+        temperature=0, logprobs=True, top_logprobs=2,
+    ).choices[0]  # fmt: skip
+    content = chat.logprobs.content
+    assert 0 < len(content) <= 4
+    assert all(len(c.top_logprobs) == 2 and c.top_logprobs[0].logprob == c.logprob for c in content)
 
 
 def test_concurrent_clients_each_get_their_solo_greedy_text(server, client):

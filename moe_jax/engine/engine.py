@@ -42,7 +42,7 @@ import numpy as np
 
 from moe_jax.config import sampling_problem
 from moe_jax.engine.pages import PagePool
-from moe_jax.engine.programs import Batch, PickMode, Programs, table_width
+from moe_jax.engine.programs import Batch, Picked, PickMode, Programs, table_width
 
 
 class EngineError(ValueError):
@@ -68,6 +68,8 @@ class Event(NamedTuple):
     rid: int
     token: int
     finish_reason: str | None  # "stop" (a stop id), "length" (max_tokens), else None
+    logprob: float = 0.0  # the token's log-probability under the model
+    top: tuple[tuple[int, float], ...] = ()  # the TOP_LOGPROBS likeliest (id, logprob)
 
 
 @dataclasses.dataclass
@@ -245,7 +247,7 @@ class Engine:
             return []
         if not self.window:
             self.pool.register(seq.prompt, seq.pages)
-        return self._emit(seq, int(picked[0]))
+        return self._emit(seq, picked, 0)
 
     def _decode(self, seqs: list[_Seq]) -> list[Event]:
         """Every decoding slot feeds its last token at its position and picks the next."""
@@ -271,7 +273,7 @@ class Engine:
         events = []
         for seq in seqs:
             seq.done += 1
-            events += self._emit(seq, int(picked[seq.slot]))
+            events += self._emit(seq, picked, seq.slot)
         return events
 
     def _grow(self, seq: _Seq, n_positions: int) -> bool:
@@ -320,7 +322,10 @@ class Engine:
         seq.slot = -1
         self._order.pop(seq.rid, None)
 
-    def _emit(self, seq: _Seq, token: int) -> list[Event]:
+    def _emit(self, seq: _Seq, picked: Picked, row: int) -> list[Event]:
+        token = int(picked.tokens_B[row])
+        ids, logprobs = picked.top_ids_BK[row].tolist(), picked.top_logprobs_BK[row].tolist()
+        top = tuple(zip(ids, logprobs, strict=True))
         seq.out.append(token)
         p = seq.params
         reason = "stop" if token in p.stop_ids else None
@@ -328,7 +333,7 @@ class Engine:
             reason = "length"
         if reason is not None:
             self._leave(seq)
-        return [Event(seq.rid, token, reason)]
+        return [Event(seq.rid, token, reason, float(picked.logprob_B[row]), top)]
 
     # ------------------------------------------------------------------ program inputs
 

@@ -56,6 +56,21 @@ class Batch(NamedTuple):
     n_vocab: np.ndarray  # int32 scalar: sample ids below it only
 
 
+# Alternatives returned with each picked token's log-probability (OpenAI's completions take
+# up to 5): always computed, a top-k of the vocabulary per row, so no program varies with it.
+TOP_LOGPROBS = 5
+
+
+class Picked(NamedTuple):
+    """A call's picks per row (host arrays): the token, its log-probability under the model
+    (before temperature and filters, as OpenAI and vLLM report it), the most likely tokens."""
+
+    tokens_B: np.ndarray
+    logprob_B: np.ndarray
+    top_ids_BK: np.ndarray
+    top_logprobs_BK: np.ndarray
+
+
 class PickMode(NamedTuple):
     """Static: which sampling code the call compiles."""
 
@@ -138,7 +153,12 @@ def _call(graphdef, weights: Weights, pages: dict, b: Batch, *, mode: PickMode):
     )
     new = _without_table(new)
     new["blocks"] = unstack_blocks(new["blocks"], len(weights.blocks))
-    return pick(logits_B1V[:, 0], b, mode), new
+    logits_BV = logits_B1V[:, 0]
+    tokens_B = pick(logits_BV, b, mode)
+    logprobs_BV = jax.nn.log_softmax(in_vocab(logits_BV, b.n_vocab), axis=-1)
+    top_lp_BK, top_ids_BK = jax.lax.top_k(logprobs_BV, TOP_LOGPROBS)
+    picked_B = jnp.take_along_axis(logprobs_BV, tokens_B[:, None], axis=-1)[:, 0]
+    return (tokens_B, picked_B, top_ids_BK, top_lp_BK), new
 
 
 def init_pages(model, n_pages: int, n_window_pages: int, page_size: int, mesh=None) -> dict:
@@ -207,10 +227,10 @@ class Programs:
     def _on_mesh(self):
         return jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext()
 
-    def run(self, batch: Batch, mode: PickMode) -> np.ndarray:
+    def run(self, batch: Batch, mode: PickMode) -> Picked:
         """One call: the pages updated in place (donated), the rows' tokens back on the host."""
         if self.mesh is not None:  # rows and rules replicated over the mesh
             batch = jax.device_put(batch, NamedSharding(self.mesh, P()))
         with self._on_mesh():
-            tokens_B, self.pages = self._jitted(self.weights, self.pages, batch, mode=mode)
-        return np.asarray(tokens_B)
+            picked, self.pages = self._jitted(self.weights, self.pages, batch, mode=mode)
+        return Picked(*(np.asarray(a) for a in picked))

@@ -4,6 +4,7 @@
         [--max-queue 256] [--page-size 16] [--pages N] [--chunk 64] [--step N] [overrides]
 
 `app.py` holds the routes, `requests.py` turns OpenAI bodies into engine requests, `text.py`
-the tokens into streamed text, `worker.py` the engine's thread. Needs the `serve` extra
+the tokens into streamed text, `reply.py` the response objects, `worker.py` the engine's
+thread. Needs the `serve` extra
 (fastapi, uvicorn).
 """

@@ -15,25 +15,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
-import time
-import uuid
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.responses import PlainTextResponse, StreamingResponse
 
-from moe_jax.engine import Engine, EngineError, QueueFull
+from moe_jax.engine import Engine, EngineError, Event, QueueFull
+from moe_jax.serve.reply import Item, Reply, error
 from moe_jax.serve.requests import BadRequest, Job, parse
 from moe_jax.serve.text import TextStream
 from moe_jax.serve.worker import Worker
 
 RETRY_AFTER_S = 1
-DISCONNECT_POLL_S = 0.25
-
-
-def error(status: int, message: str, kind: str, param=None, headers=None) -> JSONResponse:
-    body = {"error": {"message": message, "type": kind, "param": param, "code": None}}
-    return JSONResponse(body, status_code=status, headers=headers)
 
 
 def create_app(engine: Engine, tokenizer, model_name: str) -> FastAPI:
@@ -113,8 +105,8 @@ def submit_all(worker: Worker, job: Job):
 
 
 async def merged(worker: Worker, rids, queues, job: Job, tokenizer):
-    """(choice index, text delta, finish reason or None, tokens so far) as tokens arrive, the
-    choices interleaved; stop strings end a choice (and cancel its request)."""
+    """`Item`s as tokens arrive, the choices interleaved; stop strings end a choice (and
+    cancel its request)."""
     out: asyncio.Queue = asyncio.Queue()
 
     async def one(i: int, queue: asyncio.Queue):
@@ -122,118 +114,33 @@ async def merged(worker: Worker, rids, queues, job: Job, tokenizer):
         n = 0
         while True:
             event = await queue.get()
-            if isinstance(event[1], Exception):
-                await out.put((i, RuntimeError(f"generation failed: {event[1]}"), None, n))
+            if not isinstance(event, Event):  # (rid, the failed step's exception)
+                await out.put(Item(i, "", None, n, [], f"generation failed: {event[1]}"))
                 return
-            _, token, reason = event
             n += 1
-            ended_by_id = reason == "stop" and token in job.params[i].stop_ids
-            delta = "" if ended_by_id else text.push(token)
+            reason = event.finish_reason
+            ended_by_id = reason == "stop" and event.token in job.params[i].stop_ids
+            delta = "" if ended_by_id else text.push(event.token)
+            # The EOS that ended it is in neither the text nor the log-probabilities.
+            entries = [] if ended_by_id or job.logprobs is None else [event]
             if text.stopped and reason is None:
                 worker.cancel(rids[i])
                 reason = "stop"
             if reason is not None:
-                await out.put((i, delta + text.finish(), reason, n))
+                await out.put(Item(i, delta + text.finish(), reason, n, entries))
                 return
-            await out.put((i, delta, None, n))
+            await out.put(Item(i, delta, None, n, entries))
 
     tasks = [asyncio.create_task(one(i, q)) for i, q in enumerate(queues)]
     try:
         ended = 0
         while ended < len(tasks):
             item = await out.get()
-            ended += item[2] is not None or isinstance(item[1], Exception)
+            ended += item.reason is not None or item.error is not None
             yield item
     finally:
         for t in tasks:
             t.cancel()
-
-
-class Reply:
-    """The OpenAI response objects of one request."""
-
-    def __init__(self, chat: bool, model: str, job: Job, tokenizer):
-        self.chat, self.model, self.job = chat, model, job
-        self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
-        self.created = int(time.time())
-
-    def _choice(self, i: int, text: str, reason, delta: bool) -> dict:
-        if not self.chat:
-            return {"index": i, "text": text, "logprobs": None, "finish_reason": reason}
-        if delta:
-            return {"index": i, "delta": {"content": text}, "logprobs": None,
-                    "finish_reason": reason}  # fmt: skip
-        message = {"role": "assistant", "content": text}
-        return {"index": i, "message": message, "logprobs": None, "finish_reason": reason}
-
-    def _object(self, choices: list[dict], chunk: bool, usage=None) -> dict:
-        kind = "chat.completion" if self.chat else "text_completion"
-        obj = {
-            "id": self.id,
-            "object": kind + (".chunk" if chunk and self.chat else ""),
-            "created": self.created,
-            "model": self.model,
-            "choices": choices,
-        }
-        return obj | ({"usage": usage} if usage is not None else {})
-
-    def _usage(self, generated: int) -> dict:
-        n = len(self.job.prompt)
-        return {"prompt_tokens": n, "completion_tokens": generated, "total_tokens": n + generated}
-
-    async def whole(self, choices, request: Request, worker: Worker, rids) -> JSONResponse:
-        """Every choice to its end; a client gone meanwhile cancels them."""
-        texts = [""] * len(rids)
-        reasons = [None] * len(rids)
-        counts = [0] * len(rids)
-        pending = asyncio.ensure_future(anext(choices, None))
-        try:
-            while True:
-                done, _ = await asyncio.wait({pending}, timeout=DISCONNECT_POLL_S)
-                if not done:
-                    if await request.is_disconnected():
-                        return error(499, "client disconnected", "cancelled")
-                    continue
-                item = pending.result()
-                if item is None:
-                    break
-                i, delta, reason, n = item
-                if isinstance(delta, Exception):
-                    return error(500, str(delta), "server_error")
-                texts[i] += delta
-                reasons[i], counts[i] = reason or reasons[i], n
-                pending = asyncio.ensure_future(anext(choices, None))
-        finally:
-            pending.cancel()
-            for rid in rids:
-                worker.cancel(rid)
-            await choices.aclose()
-        out = [self._choice(i, texts[i], reasons[i], False) for i in range(len(rids))]
-        return JSONResponse(self._object(out, False, self._usage(sum(counts))))
-
-    async def stream(self, choices, worker: Worker, rids):
-        """Server-sent events: a chat's role first, then each delta, then [DONE]. Starlette
-        cancels this generator when the client goes: the finally cancels the requests."""
-        sse = lambda obj: f"data: {json.dumps(obj)}\n\n"
-        try:
-            if self.chat:
-                role = {"role": "assistant", "content": ""}
-                first = [
-                    {"index": i, "delta": role, "logprobs": None, "finish_reason": None}
-                    for i in range(len(rids))
-                ]
-                yield sse(self._object(first, True))
-            async for i, delta, reason, _ in choices:
-                if isinstance(delta, Exception):
-                    yield sse({"error": {"message": str(delta), "type": "server_error"}})
-                    break
-                if delta or reason:
-                    yield sse(self._object([self._choice(i, delta, reason, True)], True))
-            yield "data: [DONE]\n\n"
-        finally:
-            for rid in rids:
-                worker.cancel(rid)
-            await choices.aclose()
 
 
 def prometheus_text(worker: Worker) -> str:

@@ -5,7 +5,9 @@ server answers with 400 in OpenAI's error shape.
 Accepted (as OpenAI documents them; others are ignored, as OpenAI's own server ignores unknown
 ones): model, prompt (a string, a list of token ids, or a list of one of either) or messages,
 max_tokens (max_completion_tokens), temperature, top_p, n, seed, stop (a string or up to 4),
-stream; and vLLM's top_k and ignore_eos. Without a seed each request draws a fresh one.
+stream, logprobs (completions: how many alternatives, 0-5; chat: true, with top_logprobs
+0-5); and vLLM's top_k and ignore_eos. Log-probabilities are the model's (before temperature
+and filters). Without a seed each request draws a fresh one.
 Choice i of n draws with the key fold_in(seed, i), as row i of `Sampler.generate([p] * n)`.
 """
 
@@ -15,6 +17,7 @@ import dataclasses
 import secrets
 
 from moe_jax.engine import SamplingParams
+from moe_jax.engine.programs import TOP_LOGPROBS
 from moe_jax.tokenizer import DataError
 
 MAX_N = 16
@@ -34,6 +37,7 @@ class Job:
     params: list[SamplingParams]  # one per choice
     stop: list[str]
     stream: bool
+    logprobs: int | None = None  # alternatives per token; None: no log-probabilities
 
 
 def _number(body: dict, name: str, default, kind=float, low=None, high=None):
@@ -105,8 +109,8 @@ def parse(body, tokenizer, model_name: str, chat: bool, max_len: int) -> Job:
             f"model '{body.get('model')}' is not served here; this server serves '{model_name}'",
             "model",
         )
-    if body.get("logprobs") or body.get("top_logprobs") or body.get("echo") or body.get("suffix"):
-        raise BadRequest("logprobs, echo and suffix are not supported by this server")
+    if body.get("echo") or body.get("suffix"):
+        raise BadRequest("echo and suffix are not supported by this server")
     ids = _chat_ids(body, tokenizer) if chat else _prompt_ids(body, tokenizer)
     limit = body.get("max_completion_tokens", body.get("max_tokens"))
     default = max(1, max_len - len(ids)) if chat else DEFAULT_MAX_TOKENS
@@ -130,4 +134,16 @@ def parse(body, tokenizer, model_name: str, chat: bool, max_len: int) -> Job:
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise BadRequest("'stream' must be true or false", "stream")
-    return Job(ids, params, _stops(body), stream)
+    return Job(ids, params, _stops(body), stream, _logprobs(body, chat))
+
+
+def _logprobs(body: dict, chat: bool) -> int | None:
+    """Alternatives per token asked for (None: no log-probabilities)."""
+    if chat:
+        if body.get("logprobs") not in (None, False, True):
+            raise BadRequest("'logprobs' must be true or false", "logprobs")
+        top = _number(body, "top_logprobs", 0, int, 0, TOP_LOGPROBS)
+        return top if body.get("logprobs") else None
+    if body.get("logprobs") is None:
+        return None
+    return _number(body, "logprobs", 0, int, 0, TOP_LOGPROBS)

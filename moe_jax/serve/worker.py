@@ -99,7 +99,7 @@ class Worker:
 
     def _deliver(self, event) -> None:
         rid = event[0]
-        finished = event[-1] is not None  # a finish reason, or the failed step's exception
+        finished = not isinstance(event, Event) or event.finish_reason is not None
         with self.lock:
             target = self._listeners.pop(rid, None) if finished else self._listeners.get(rid)
         if target is not None:
