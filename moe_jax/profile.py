@@ -8,7 +8,8 @@ Training (`StepProfiler`, called by the trainer on process 0) traces steps `prof
 .. `profile_start + profile_steps - 1` into RUN_DIR/profile/plugins/profile/<time>/ (XProf's
 layout: TensorBoard's profile plugin and Perfetto read it) and writes beside the trace the
 compiled train step's HLO (`train_step.hlo.txt`, whose ops' `op_name` carry the named parts
-of `moe_jax.scopes`) and `steps.json` (which steps, their wall time).
+of `moe_jax.scopes`) and `steps.json` (which steps, their wall time); each device op's event
+in perfetto_trace.json.gz gets its `op_name` and `part` as args (shown by Perfetto).
 
 The summary charges each op of the trace to a part through its `op_name` (the innermost
 scope of `moe_jax.scopes.PARTS`; "transpose(" marks the backward) and to a kernel kind by
@@ -133,7 +134,8 @@ def summarise(events: list[dict], steps: int, hlo_text: str = "") -> dict:
         by_name[e["name"]] += us
         count[e["name"]] += 1
         by_kind[kernel_kind(e["name"])] += us
-        op_name = args.get("tf_op") or _op_name(names, args.get("hlo_op") or e["name"])
+        op_name = args.get("op_name") or args.get("tf_op")
+        op_name = op_name or _op_name(names, args.get("hlo_op") or e["name"])
         by_part[part_of(op_name)]["transpose(" in op_name] += us
     busy, end = 0.0, -math.inf
     for start, stop in sorted((e["ts"], e["ts"] + e["dur"]) for e in spans):
@@ -149,6 +151,24 @@ def summarise(events: list[dict], steps: int, hlo_text: str = "") -> dict:
         parts_ms={p: {"fwd": ms(f), "bwd": ms(b)} for p, (f, b) in parts},
         top=[[n[:120], ms(by_name[n]), math.ceil(count[n] / steps)] for n in top],
     )
+
+
+def annotate(path: Path, hlo_text: str) -> int:
+    """Write each device op's `op_name` and named part into its event's args in the trace
+    at `path` (Perfetto shows them on the op), from the program's HLO: -> ops annotated."""
+    with gzip.open(path, "rt") as f:
+        data = json.load(f)
+    events = data["traceEvents"] if isinstance(data, dict) else data
+    names, annotated = op_names(hlo_text), 0
+    for e in device_ops(events):
+        args = e.setdefault("args", {})
+        if op_name := _op_name(names, args.get("hlo_op") or e["name"]):
+            args["op_name"], args["part"] = op_name, part_of(op_name)
+            annotated += 1
+        e.pop("self")
+    with gzip.open(path, "wt") as f:
+        json.dump(data, f)
+    return annotated
 
 
 def profile(fn, steps: int, trace_dir: str, hlo_text: str = "") -> dict:
@@ -211,6 +231,9 @@ class StepProfiler:
         sessions = sorted((self.dir / "plugins" / "profile").iterdir(), key=lambda p: p.name)
         session = sessions[-1]  # named by the time it was written
         (session / HLO_FILE).write_text(self.hlo)
+        trace = session / "perfetto_trace.json.gz"
+        if trace.is_file():  # the parts on the trace's own events, for Perfetto
+            annotate(trace, self.hlo)
         if step is None:  # interrupted: the trace is kept, its step count unknown
             return
         n = step - self.from_step + 1

@@ -44,8 +44,10 @@ def test_a_profiled_run_leaves_a_trace_whose_ops_carry_the_parts(tmp_path, capsy
     for part in ("attention", "router", "dispatch", "experts", "combine", "head_loss",
                  "optimizer", "mlp"):  # fmt: skip
         assert any(profile.part_of(n) == part for n in names), part
-    # ... and the traced ops are charged to them, forward and backward
+    # ... the trace's op events carry them, and they are charged to them, forward and backward
     events = profile.read_events(session / "perfetto_trace.json.gz")
+    carried = {e["args"]["part"] for e in events if "part" in e.get("args", {})}
+    assert {"attention", "router", "experts", "head_loss", "optimizer"} <= carried
     parts = profile.summarise(events, 2, hlo)["parts_ms"]
     assert {"attention", "experts", "router", "head_loss", "optimizer"} <= set(parts)
     assert parts["attention"]["bwd"] > 0 and parts["experts"]["fwd"] > 0
