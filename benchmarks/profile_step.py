@@ -7,8 +7,9 @@
 Profiles the train step as `train.py` runs it (train_throughput.real_train_step: the
 config's mesh, one device by default, and `moe_jax.train_step.make_train_step`). Before tracing, the
 model's parts are wrapped in `jax.named_scope`s (attention core, projections, RoPE, norms,
-router, dispatch, experts, combine, aux statistics, loss) by patching them from outside: the
-scopes only rename HLO ops, the computation is unchanged. Each XLA op the CPU runtime executed
+aux statistics, loss) by patching them from outside, beside the model's own (router,
+dispatch, experts, combine, ...: moe_jax/scopes.py): the scopes only rename HLO ops, the
+computation is unchanged. Each XLA op the CPU runtime executed
 is then charged, through its `op_name` metadata, to a part and to forward or backward
 (`transpose(...)` in the name), and the optimizer update is what lies outside the gradient.
 Times are the ops' own trace events, summed over the `--repeats` traced steps and divided by
@@ -48,17 +49,18 @@ from common import STYLES, bench_config, count, machine  # noqa: E402
 from train_throughput import real_train_step  # noqa: E402
 
 import moe_jax.model.attention as attention_mod  # noqa: E402
-import moe_jax.model.moe as moe_mod  # noqa: E402
 import moe_jax.model.norm as norm_mod  # noqa: E402
 import moe_jax.model.transformer as transformer_mod  # noqa: E402
 import moe_jax.train_step as train_step_mod  # noqa: E402
 from moe_jax.config import ConfigError  # noqa: E402
 from moe_jax.metrics import measure_peak_flops  # noqa: E402
 from moe_jax.runtime import reexec_with_hugepages  # noqa: E402
+from moe_jax.scopes import PARTS  # noqa: E402
 from moe_jax.summary import train_flops_per_token  # noqa: E402
 
 # Scope name -> (owner, attribute) wrapped in jax.named_scope(scope). An op is charged to the
-# innermost scope in its name (see `_part`).
+# innermost scope in its name (see `_part`): these, or the model's own (PACKAGE_PARTS, named
+# in moe_jax/scopes.py for every MoE path: router, dispatch, combine, ...).
 SCOPES = {
     "attn_core": (attention_mod, "block_attention"),
     "attn_decode": (attention_mod, "attend"),
@@ -66,19 +68,15 @@ SCOPES = {
     "rope": (attention_mod, "apply_rope"),
     "qk_norm": (attention_mod, "rms_norm"),
     "attn_proj": (attention_mod.Attention, "__call__"),
-    "router": (moe_mod, "route"),
-    "slots": (moe_mod, "assign_slots"),
-    "dispatch": (moe_mod.MoE, "_dispatch"),
-    "experts": (moe_mod, "expert_swiglu"),
-    "combine": (moe_mod.MoE, "_combine"),
-    "shared_expert": (moe_mod.SwiGLU, "__call__"),
-    "moe_stats": (moe_mod.MoE, "_stats"),
-    "moe_route_other": (moe_mod.MoE, "_route_group"),
     "norm": (norm_mod.RMSNorm, "__call__"),
     "aux": (transformer_mod.Transformer, "_aux"),
     "embed_head": (transformer_mod.Transformer, "__call__"),
     "loss": (train_step_mod, "loss_fn"),
 }
+
+
+# The model's own named parts that these finer scopes do not split (attention: attn_*).
+PACKAGE_PARTS = set(PARTS) - {"attention"}
 
 
 def add_scopes() -> None:
@@ -102,7 +100,7 @@ def _part(op_name: str) -> str:
     for i in reversed(range(len(tokens))):
         if tokens[i] == "embed_head" and "while" in tokens[i + 1 :]:
             return "layer_loop"
-        if tokens[i] in SCOPES:
+        if tokens[i] in SCOPES or tokens[i] in PACKAGE_PARTS:
             return tokens[i]
     return "other" if "while/body" in op_name or "transpose(" in op_name else "optimizer"
 
