@@ -285,7 +285,10 @@ def test_gpu_kit_summary_derives_mfu_and_the_decode_bound():
     records = [
         {"kind": "ceiling", "what": "hbm copy", "gbs": 2000.0},
         {"kind": "train", "variant": "auto", "batch": 4, "seq": 4096, "tokens_per_s": 1e4,
-         "model_tflops": 98.9, "mfu": 0.1, "peak_bytes": 2**31},
+         "model_tflops": 98.9, "mfu_causal": 0.1, "mfu_all_keys": 0.12, "peak_bytes": 2**31},
+        # a record up to 2026-11-27: "mfu" counted every key
+        {"kind": "train", "variant": "old", "batch": 4, "seq": 4096, "tokens_per_s": 1e4,
+         "model_tflops": 98.9, "mfu": 0.12, "mfu_causal": 0.1, "peak_bytes": 2**31},
         {"kind": "decode", "batch": 1, "tokens_per_s": 500.0, "step_ms": 2.0,
          "bytes_per_step": {"total": 2e9}},
         {"kind": "attention", "impl": "cudnn", "case": "window", "error": "RuntimeError: no"},
@@ -296,7 +299,7 @@ def test_gpu_kit_summary_derives_mfu_and_the_decode_bound():
     ]  # fmt: skip
     text = kit.summary(records)
     assert "device busy 340.0 ms, 900 kernels; ms by kind: matmul 250.0, other 90.0" in text
-    assert "MFU 10.0%" in text and "peak mem 2.0 GiB" in text
+    assert text.count("MFU 10.0% (causal; all keys 12.0%)") == 2 and "peak mem 2.0 GiB" in text
     assert "bound 1.000 ms (2.00x)" in text  # 2 GB at 2000 GB/s; 2 ms measured
     assert "RuntimeError: no" in text and "TIMED OUT" in text
 
