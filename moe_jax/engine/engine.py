@@ -14,7 +14,9 @@ when it finishes, between steps. One `step()`:
     prompt takes several steps; the others keep decoding meanwhile), which on the prompt's
     last chunk picks the request's first token;
  3. runs one decode step for every slot past its prefill: each feeds its last token and
-    picks the next.
+    picks the next (the rows of the slots up to the highest one decoding, in a power-of-two
+    bucket of at least `min_decode_rows`: fewer shapes to compile, but on CPU a step of 8
+    rows costs ~4x one of 1, its MoE layers computing every expert).
 A request ends at a stop id (which it keeps, as `Sampler` does), at `max_tokens`, or when the
 caller cancels it; its pages go back to the pool. A slot asks for a page only when its
 sequence reaches one; if none is left, the most recently admitted other request is preempted:
@@ -34,6 +36,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
 from collections import deque
 from typing import NamedTuple
 
@@ -105,12 +108,14 @@ class Engine:
         chunk: int = 64,
         max_queue: int = 1024,
         vocab_size: int | None = None,
+        min_decode_rows: int = 1,
     ):
         """`n_pages`: the pool (default: every slot's full context, so nothing is ever
         preempted); at least one full context. `vocab_size`: sample ids below it only."""
         cfg = sampler.cfg
         self.V, self.max_len = cfg.model.vocab_size, cfg.model.max_seq_len
         self.page_size, self.chunk, self.max_slots = page_size, chunk, max_slots
+        self.min_decode_rows = min_decode_rows
         self.max_pages = -(-self.max_len // page_size)  # a slot's table: one full context
         n_pages = n_pages or max_slots * self.max_pages
         if n_pages < self.max_pages:
@@ -259,7 +264,10 @@ class Engine:
             return []
         for seq in seqs:
             self._window_pages(seq, seq.done + 1)
-        S = self.max_slots
+        # The slots up to the highest one decoding, in a power-of-two bucket (admission fills
+        # the lowest free slot, so few requests decode few rows).
+        top = max(s.slot for s in seqs) + 1
+        S = min(self.max_slots, max(self.min_decode_rows, 1 << math.ceil(math.log2(top))))
         tokens_S1 = np.zeros((S, 1), np.int32)
         positions_S1 = np.full((S, 1), -1, np.int32)
         for seq in seqs:
