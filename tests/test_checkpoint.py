@@ -246,6 +246,15 @@ def test_architecture_changes_are_incompatible_training_changes_are_not(tmp_path
                 "train.steps=5000",
                 "moe.capacity_factor=2.0",
                 "moe.bias_update_rate=0",  # a training choice (DeepSeek-V3 ends its run at 0)
+                # how a step computes, not what: kernels, exchange, chunks, remat
+                "attention.impl=blocked",
+                "moe.impl=ragged",
+                "moe.exchange=buffers",
+                "moe.row_chunks=2",
+                "moe.recv_factor=2",
+                "model.scan_layers=true",
+                "model.remat=full",
+                "model.remat_save=qkv_proj",
                 "model.max_seq_len=4096",
                 "seed=3",
                 "data.path=x.txt",

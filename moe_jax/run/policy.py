@@ -25,15 +25,25 @@ from moe_jax.run.layout import CONFIG_FILE, LOCK_FILE, RunError
 from moe_jax.run.store import read_meta, read_only_manager
 from moe_jax.tokenizer import Tokenizer
 
-# Architecture keys that may change when resuming: none of them changes the parameters' shapes
-# or what they mean (context length, compute dtype, layer scan on/off, init scale, MoE
-# capacity and aux-loss weights are run-time or training choices).
+# Architecture keys that may change when resuming (or starting from another run): none of
+# them changes the parameters' shapes or what they mean. Context length, compute dtype, layer
+# scan on/off, init scale, MoE capacity and aux-loss weights are run-time or training
+# choices; the kernels, the MoE exchange, the row chunks and the remat policy decide how a
+# step computes, not what.
 RESUMABLE_CHANGES = frozenset(
     {
         "model.max_seq_len",
         "model.dtype",
         "model.scan_layers",
         "model.init_std",
+        "model.remat",
+        "model.remat_save",
+        "model.remat_offload",
+        "attention.impl",
+        "moe.impl",
+        "moe.exchange",
+        "moe.row_chunks",
+        "moe.recv_factor",
         "moe.capacity_factor",
         "moe.lb_loss_weight",
         "moe.z_loss_weight",
