@@ -1,0 +1,165 @@
+"""Engine throughput: continuous batching (`moe_jax.engine`) at 1, 8 and 64 concurrent requests
+against sample.py's sampler one request at a time, on the same model and requests.
+
+    python benchmarks/engine_throughput.py                          # small mixtral, 64 requests
+    python benchmarks/engine_throughput.py --concurrency 1,8 --requests 16 --new-tokens 32
+
+Requests: `--requests` prompts of random bytes, their lengths spread evenly over
+`--prompt-lens` (min,max), each generating `--new-tokens` greedy tokens (no stop).
+One at a time: a `Sampler.generate([prompt], N)` call per request, one after another. The
+engine: a closed loop keeping `c` requests in flight (the next submitted as one ends), with
+`--slots` slots (default: the largest concurrency). Tokens/s = generated tokens / wall time
+of the whole workload, after a warm-up pass (compiles excluded). Time to first token: from a
+request's submission to its first token; inter-token latency: between its successive tokens;
+p50 / p90 / p99 over all requests. KV memory per request: the pages it held at its peak
+(every layer's k and v) against a full-context allocation (model.max_seq_len positions) and
+against the sampler's (its prompt bucket + new tokens).
+Prints a table and, last, one JSON line with every figure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+import jax
+import numpy as np
+from common import STYLES, bench_config, count, counts, machine, wait_until_idle
+from flax import nnx
+
+from moe_jax.engine import Engine, SamplingParams
+from moe_jax.model import Transformer
+from moe_jax.sampling import Sampler, prompt_bucket
+
+
+def workload(n: int, lo: int, hi: int, seed: int = 0) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    lengths = np.linspace(lo, hi, n).round().astype(int)
+    rng.shuffle(lengths)
+    return [rng.integers(0, 256, int(L)).tolist() for L in lengths]
+
+
+def one_at_a_time(sampler: Sampler, prompts, N: int) -> dict:
+    """Each request alone through the sampler; one prompt per bucket first, to compile."""
+    buckets = {}
+    for p in prompts:
+        buckets.setdefault(prompt_bucket(len(p), 10**9), p)
+    for p in buckets.values():
+        sampler.generate([p], N, temperature=0)
+    start = time.perf_counter()
+    for p in prompts:
+        sampler.generate([p], N, temperature=0)
+    wall = time.perf_counter() - start
+    return {"tok_s": len(prompts) * N / wall, "wall_s": wall}
+
+
+def closed_loop(engine: Engine, prompts, N: int, c: int) -> dict:
+    """The workload with `c` requests in flight -> wall time, token times, peak pages."""
+    params = SamplingParams(max_tokens=N)
+    pending, inflight = list(prompts), set()
+    submitted, times, peak = {}, {}, {}
+    start = time.perf_counter()
+    while pending or engine.has_work():
+        while pending and len(inflight) < c:
+            rid = engine.submit(pending.pop(0), params)
+            inflight.add(rid)
+            submitted[rid], times[rid] = time.perf_counter(), []
+        events = engine.step()
+        now = time.perf_counter()
+        for seq in filter(None, engine.slots):
+            peak[seq.rid] = max(peak.get(seq.rid, 0), len(seq.pages))
+        for e in events:
+            times[e.rid].append(now)
+            if e.finish_reason is not None:
+                inflight.discard(e.rid)
+    return {"wall": time.perf_counter() - start, "submitted": submitted, "times": times,
+            "peak_pages": peak}  # fmt: skip
+
+
+def percentiles(values) -> dict:
+    if not len(values):
+        return {}
+    p = np.percentile(np.asarray(values) * 1e3, [50, 90, 99])
+    return {"p50_ms": float(p[0]), "p90_ms": float(p[1]), "p99_ms": float(p[2])}
+
+
+def engine_figures(engine: Engine, prompts, N: int, c: int) -> dict:
+    closed_loop(engine, prompts, N, c)  # warm-up: every shape this workload needs compiles
+    r = closed_loop(engine, prompts, N, c)
+    tokens = sum(len(t) for t in r["times"].values())
+    ttft = [r["times"][rid][0] - t for rid, t in r["submitted"].items()]
+    itl = [d for t in r["times"].values() for d in np.diff(t)]
+    return {
+        "concurrency": c,
+        "tok_s": tokens / r["wall"],
+        "wall_s": r["wall"],
+        "ttft": percentiles(ttft),
+        "itl": percentiles(itl),
+        "peak_pages_mean": float(np.mean(list(r["peak_pages"].values()))),
+    }
+
+
+def kv_bytes_per_position(engine: Engine) -> float:
+    pages = jax.tree.leaves(engine.programs.pages)
+    return sum(a.nbytes for a in pages) / engine.pool.n_pages / engine.page_size
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(description=__doc__.strip().splitlines()[0])
+    p.add_argument("--size", default="small", choices=("small", "medium"))
+    p.add_argument("--style", default="mixtral", choices=tuple(STYLES))
+    p.add_argument("--requests", type=count(), default=64)
+    p.add_argument("--concurrency", type=counts, default="1,8,64")
+    p.add_argument("--prompt-lens", type=counts, default="16,256", help="min,max")
+    p.add_argument("--new-tokens", type=count(2), default=64)
+    p.add_argument("--slots", type=count(), default=None)
+    p.add_argument("--page-size", type=count(), default=16)
+    p.add_argument("--chunk", type=count(), default=128)
+    p.add_argument("--no-baseline", action="store_true", help="skip one-at-a-time")
+    args = p.parse_args(argv)
+    lo, hi = (args.prompt_lens * 2)[:2]
+    cfg = bench_config(args.size, args.style)
+    if hi + args.new_tokens > cfg.model.max_seq_len:
+        print(f"error: --prompt-lens max {hi} + --new-tokens {args.new_tokens} exceed the "
+              f"model's context ({cfg.model.max_seq_len})", file=sys.stderr)  # fmt: skip
+        return 2
+    idle = wait_until_idle(timeout_s=120)  # recorded: a loaded machine's figures say so
+    sampler = Sampler(Transformer(cfg, rngs=nnx.Rngs(0)))
+    prompts, N = workload(args.requests, lo, hi), args.new_tokens
+    slots = args.slots or max(args.concurrency)
+    engine = Engine(sampler, max_slots=slots, page_size=args.page_size, chunk=args.chunk)
+    base = None if args.no_baseline else one_at_a_time(sampler, prompts, N)
+    rows = [engine_figures(engine, prompts, N, c) for c in args.concurrency]
+    per_pos = kv_bytes_per_position(engine)
+    kv = {
+        "engine_peak_mib": float(np.mean([r["peak_pages_mean"] for r in rows]))
+        * args.page_size * per_pos / 2**20,
+        "full_context_mib": cfg.model.max_seq_len * per_pos / 2**20,
+        "sampler_mib": float(np.mean([prompt_bucket(len(q), 10**9) + N for q in prompts]))
+        * per_pos / 2**20,
+    }  # fmt: skip
+    print(f"{args.size} {args.style}: {args.requests} requests, prompts {lo}-{hi}, {N} new")
+    if base:
+        print(f"one at a time (sampler): {base['tok_s']:8.1f} tok/s")
+    print(" conc    tok/s  vs 1-at-a-time  ttft p50/p99 ms    itl p50/p99 ms")
+    for r in rows:
+        ratio = f"{r['tok_s'] / base['tok_s']:6.2f}x" if base else "   -   "
+        t, i = r["ttft"], r["itl"]
+        ttft, itl = (
+            f"{t['p50_ms']:7.1f}/{t['p99_ms']:7.1f}",
+            f"{i['p50_ms']:7.1f}/{i['p99_ms']:7.1f}",
+        )
+        print(f"{r['concurrency']:5d} {r['tok_s']:8.1f}  {ratio:>14s}  {ttft}  {itl}")
+    print(f"KV per request: engine {kv['engine_peak_mib']:.2f} MiB at its peak, sampler "
+          f"{kv['sampler_mib']:.2f}, full context {kv['full_context_mib']:.2f}")  # fmt: skip
+    print(json.dumps({"benchmark": "engine_throughput", "size": args.size, "style": args.style,
+                      "requests": args.requests, "prompt_lens": [lo, hi], "new_tokens": N,
+                      "slots": slots, "one_at_a_time": base, "engine": rows, "kv": kv,
+                      "machine_idle_at_start": idle, **machine()}))  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
