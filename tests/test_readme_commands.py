@@ -191,7 +191,7 @@ def _run_in_process(cmd: Command, hf_dir: str, monkeypatch) -> int:
         devices = DEVICE_COUNT.fullmatch(value) if name == "XLA_FLAGS" else None
         assert devices, f"`{cmd}`: this file cannot apply {name}={value} in-process"
         assert int(devices[1]) == jax.device_count(), f"`{cmd}` asks for {value}"
-    words = [hf_dir if w == "HF_DIR" else w for w in cmd.words]
+    words = [w.removesuffix("HF_DIR") + hf_dir if w.endswith("HF_DIR") else w for w in cmd.words]
     if words[1] == "train.py":
         words += FAST_TRAIN
     elif words[1] == "sample.py" and "--help" not in words:
@@ -230,7 +230,8 @@ def test_readme_commands_run(tmp_path, monkeypatch, capsys):
             monkeypatch.setenv(name, value)
         offline()
     done = set()
-    for cmd in sorted(todo, key=lambda c: "HF_DIR" in c.words):  # stable: README order
+    # stable: README order, those naming HF_DIR (also as `init_from=HF_DIR`) after the export
+    for cmd in sorted(todo, key=lambda c: any(w.endswith("HF_DIR") for w in c.words)):
         if str(cmd) in done:  # the same command again (the README repeats `python train.py`)
             continue
         done.add(str(cmd))

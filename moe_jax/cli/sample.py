@@ -53,7 +53,9 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         description=__doc__.strip().splitlines()[0],
         epilog="Sampling flags left out take the run's config values (sample.*).",
     )
-    p.add_argument("--run", required=True, help="run directory written by train.py")
+    p.add_argument(
+        "--run", required=True, help="run directory written by train.py, or a Hugging Face one"
+    )
     p.add_argument("--step", type=int, help="checkpoint step (default: the latest)")
     src = p.add_mutually_exclusive_group()
     src.add_argument("--prompt", help="prompt text (default: sample.prompt)")
