@@ -17,6 +17,7 @@ from flax import nnx
 
 from moe_jax.engine import Engine, EngineError, QueueFull, SamplingParams
 from moe_jax.model import Transformer
+from moe_jax.model.int8 import quantize_model
 from moe_jax.sampling import Sampler
 from moe_jax.sharding import make_mesh, state_shardings
 from tests.helpers import tiny_config
@@ -171,11 +172,15 @@ def test_bad_requests_and_a_full_queue_are_refused(base):
             "attention.qk_rope_head_dim=8",
             "attention.v_head_dim=6",
         ],
+        ["int8"],  # the base model's weights as int8 (moe_jax.quantize's form)
     ],
-    ids=["sliding_window", "mla"],
+    ids=["sliding_window", "mla", "int8"],
 )
-def test_sliding_window_and_mla_models_page_too(overrides):
-    sampler = sampler_of(*overrides)
+def test_sliding_window_mla_and_int8_models_page_too(overrides):
+    if overrides == ["int8"]:
+        sampler = Sampler(quantize_model(Transformer(tiny_config(*BASE), rngs=nnx.Rngs(0))))
+    else:
+        sampler = sampler_of(*overrides)
     prompts = prompts_of((13, 20, 4), seed=2)  # 20: two chunks; all within 4 pages
     greedy = sampler.generate(prompts, N_NEW, temperature=0).sequences()
     engine = Engine(sampler, **SIZES)

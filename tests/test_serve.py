@@ -10,6 +10,11 @@ Budget: ~20 s on 2 CPU cores.
 from __future__ import annotations
 
 import json
+import os
+import signal
+import socket
+import subprocess
+import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -65,7 +70,7 @@ def write_tokenizer(directory):
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    """(base URL, engine, sampler, tokenizer) of a live server on a fresh tiny run."""
+    """(base URL, engine, sampler, tokenizer, run dir) of a live server on a fresh tiny run."""
     root = tmp_path_factory.mktemp("serve")
     tokenizer = write_tokenizer(root / "tok")
     run = root / "tiny"
@@ -92,7 +97,7 @@ def server(tmp_path_factory):
         assert time.time() < deadline and thread.is_alive(), "the server did not start"
         time.sleep(0.05)
     port = srv.servers[0].sockets[0].getsockname()[1]
-    yield f"http://127.0.0.1:{port}", engine, sampler, tokenizer
+    yield f"http://127.0.0.1:{port}", engine, sampler, tokenizer, run
     srv.should_exit = True
     thread.join(30)
 
@@ -104,7 +109,7 @@ def client(server):
 
 def greedy_text(server, ids, n=N) -> tuple[str, str]:
     """(text, finish reason) of Sampler greedy for `ids`, cut at EOS as the server cuts."""
-    _, _, sampler, tok = server
+    sampler, tok = server[2], server[3]
     out = sampler.generate(
         [ids], n, temperature=0, stop_tokens=[tok.eos_id], vocab_size=tok.vocab_size
     ).sequences()[0]
@@ -237,3 +242,45 @@ def test_a_client_that_disconnects_frees_its_slot_and_pages(server):
         assert time.time() < deadline, "the request kept its slot after the client left"
         time.sleep(0.05)
     assert np.all(engine.pool.refs >= 0)
+
+
+def test_the_command_finishes_its_requests_on_sigterm_and_exits_0(server):
+    """`python -m moe_jax.serve RUN`: serves; SIGTERM during a streamed request lets it end
+    (uvicorn's graceful shutdown), then the process exits 0."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "moe_jax.serve", str(server[4]), "--port", str(port),
+           "--max-slots", "2", "--page-size", "16"]  # fmt: skip
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=os.environ)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + 90
+        while True:
+            assert proc.poll() is None, proc.stdout.read().decode()[-2000:]
+            assert time.time() < deadline, "the command did not start serving"
+            try:
+                if httpx.get(base + "/health").status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.2)
+        body = {"prompt": "the", "max_tokens": 8, "temperature": 0, "stream": True,
+                "ignore_eos": True}  # fmt: skip
+        with httpx.stream("POST", base + "/v1/completions", json=body, timeout=90) as r:
+            lines = r.iter_lines()
+            first = next(line for line in lines if line)
+            proc.send_signal(signal.SIGTERM)
+            rest = [line for line in lines if line]
+        assert first.startswith("data: {") and rest[-1] == "data: [DONE]"
+        assert proc.wait(60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_the_command_refuses_a_missing_run_in_one_line(capsys):
+    from moe_jax.serve.__main__ import main
+
+    assert main(["/nonexistent/run"]) == 2
+    assert capsys.readouterr().err.startswith("error: run directory '/nonexistent/run'")

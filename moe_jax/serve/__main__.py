@@ -6,6 +6,7 @@ graceful shutdown: no new connections, requests in flight finish within
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 from pathlib import Path
 
@@ -55,14 +56,22 @@ def main(argv=None) -> int:
         return 2
     name = args.model_name or Path(args.run).resolve().name
     app = create_app(engine, tokenizer, name)
-    print(f"serving '{name}' on http://{args.host}:{args.port}/v1", flush=True)
-    uvicorn.run(
+    config = uvicorn.Config(
         app,
         host=args.host,
         port=args.port,
         log_level="warning",
         timeout_graceful_shutdown=args.shutdown_timeout,
     )
+    # uvicorn shuts down gracefully on SIGINT / SIGTERM, then raises the signal again for the
+    # handler it found installed: this one notes it, so a stop by signal exits 0.
+    stopped_by = []
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda signum, frame: stopped_by.append(signum))
+    print(f"serving '{name}' on http://{args.host}:{args.port}/v1", flush=True)
+    uvicorn.Server(config).run()
+    if stopped_by:
+        print(f"stopped by {signal.Signals(stopped_by[0]).name}", flush=True)
     return 0
 
 
