@@ -67,6 +67,8 @@ def test_dequantize_and_its_deferred_views_follow_the_definition():
         lambda a: a.reshape(4, 75, 260)[1:3, 10:70, 100:],
         lambda a: a.T.reshape(260, 3, 100)[:, 1:, 40:],
         lambda a: a.reshape(3, 100, 260)[:, :40].transpose(2, 0, 1)[7],
+        lambda a: a[..., 1::2][10:100, 3:],  # gpt-oss's interleaved gate / up
+        lambda a: a.T[3:250:7][:, 5:9],
     ]
     for view in views:
         np.testing.assert_array_equal(np.asarray(view(lazy)), view(full))

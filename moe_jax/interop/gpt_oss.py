@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import ml_dtypes
 import numpy as np
 
 from moe_jax.config import Config
@@ -39,6 +40,7 @@ from moe_jax.interop.common import (
     moe_from_hf,
     same,
 )
+from moe_jax.interop.lazy import Deferred
 
 ARCH = "GptOssForCausalLM"
 QUANT_METHOD = "mxfp4"  # the one quantization_config an import takes (and dequantises)
@@ -174,10 +176,18 @@ def _experts(hf: str = "mlp.experts") -> Rule:
     return Rule(ours, load, save)
 
 
-def _dequantized(src: Source, name: str, scales_shape: tuple[int, ...]) -> np.ndarray:
+def _dequantized(src: Source, name: str, scales_shape: tuple[int, ...]) -> Deferred:
+    """The HF parameter `[E, G*32, R]` of MXFP4 `name`, decoded (in bf16, as transformers
+    does) only where it is used: the experts and rows a converter's window holds."""
     blocks = src.packed(f"{name}_blocks", (*scales_shape, mxfp4.BLOCK // 2))
     scales = src.packed(f"{name}_scales", scales_shape)
-    return mxfp4.dequantize(blocks, scales)  # bf16, as transformers decodes it
+    E, R, G = scales_shape
+
+    def compute(index):
+        experts, k, rows = index
+        return mxfp4.dequantize(blocks[experts, rows], scales[experts, rows])[:, k]
+
+    return Deferred((E, G * mxfp4.BLOCK, R), compute, ml_dtypes.bfloat16)
 
 
 def _interleave(gate: np.ndarray, up: np.ndarray) -> np.ndarray:

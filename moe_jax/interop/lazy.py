@@ -38,25 +38,26 @@ class Deferred:
         for k, n in zip(key, self.shape, strict=True):
             if isinstance(k, slice):
                 start, stop, step = k.indices(n)
-                if step != 1:
-                    raise ValueError("a deferred array is sliced with step 1 only")
-                picks.append(slice(start, max(start, stop)))
-                shape.append(max(0, stop - start))
+                if step < 1:
+                    raise ValueError("a deferred array is sliced with a positive step only")
+                picks.append(slice(start, max(start, stop), step))
+                shape.append(len(range(start, stop, step)))
             else:
                 i = int(k) + (n if int(k) < 0 else 0)
                 picks.append(i)
 
         def compute(index):
-            it = iter(index)
-            inner = tuple(
-                slice(p.start + (s := next(it)).start, p.start + s.stop)
-                if isinstance(p, slice)
-                else slice(p, p + 1)
-                for p in picks
-            )
-            out = self.compute(inner)
-            drop = tuple(a for a, p in enumerate(picks) if not isinstance(p, slice))
-            return out.reshape([d for a, d in enumerate(out.shape) if a not in drop])
+            it, inner, every = iter(index), [], []
+            for p in picks:  # the region of ours that covers it, and the step to take in it
+                if isinstance(p, slice):
+                    s = next(it)
+                    first = p.start + s.start * p.step
+                    inner.append(slice(first, first + max(0, (s.stop - s.start - 1) * p.step + 1)))
+                    every.append(slice(None, None, p.step))
+                else:
+                    inner.append(slice(p, p + 1))
+                    every.append(0)
+            return self.compute(tuple(inner))[tuple(every)]
 
         return Deferred(shape, compute, self.dtype)
 
