@@ -11,13 +11,11 @@ it held, and the server goes on. A client that disconnects cancels its request: 
 pages are freed at the next step.
 """
 
-from __future__ import annotations
-
+# No `from __future__ import annotations` here: FastAPI reads the handlers' `Request`
+# annotation as the class itself, and fastapi is imported in `create_app` only, so that the
+# package imports without the serve extra.
 import asyncio
 import contextlib
-
-from fastapi import FastAPI, Request
-from fastapi.responses import PlainTextResponse, StreamingResponse
 
 from moe_jax.engine import Engine, EngineError, Event, QueueFull
 from moe_jax.serve.reply import Item, Reply, error
@@ -28,7 +26,11 @@ from moe_jax.serve.worker import Worker
 RETRY_AFTER_S = 1
 
 
-def create_app(engine: Engine, tokenizer, model_name: str) -> FastAPI:
+def create_app(engine: Engine, tokenizer, model_name: str):
+    """The FastAPI app serving `engine` (its worker thread runs while the app does)."""
+    from fastapi import FastAPI, Request
+    from fastapi.responses import PlainTextResponse, StreamingResponse
+
     worker = Worker(engine)
 
     @contextlib.asynccontextmanager

@@ -8,13 +8,14 @@ import asyncio
 import json
 import time
 import uuid
-from typing import NamedTuple
-
-from fastapi import Request
-from fastapi.responses import JSONResponse
+from typing import TYPE_CHECKING, NamedTuple
 
 from moe_jax.engine import Event
 from moe_jax.serve.requests import Job
+
+if TYPE_CHECKING:  # the serve extra's; imported where used, so the module imports without it
+    from fastapi import Request
+    from fastapi.responses import JSONResponse
 
 DISCONNECT_POLL_S = 0.25
 
@@ -33,6 +34,8 @@ class Item(NamedTuple):
 
 
 def error(status: int, message: str, kind: str, param=None, headers=None) -> JSONResponse:
+    from fastapi.responses import JSONResponse
+
     body = {"error": {"message": message, "type": kind, "param": param, "code": None}}
     return JSONResponse(body, status_code=status, headers=headers)
 
@@ -102,6 +105,8 @@ class Reply:
 
     async def whole(self, choices, request: Request, worker, rids) -> JSONResponse:
         """Every choice to its end; a client gone meanwhile cancels them."""
+        from fastapi.responses import JSONResponse
+
         n = len(rids)
         texts, reasons, counts, entries = [""] * n, [None] * n, [0] * n, [[] for _ in range(n)]
         pending = asyncio.ensure_future(anext(choices, None))
