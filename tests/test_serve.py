@@ -200,14 +200,22 @@ def test_logprobs_are_the_models_for_completions_and_chat(server, client):
     assert all(len(c.top_logprobs) == 2 and c.top_logprobs[0].logprob == c.logprob for c in content)
 
 
-def test_concurrent_clients_each_get_their_solo_greedy_text(server, client):
-    prompts = ["the", "quick brown fox jumps over", "a", "dog. the lazy dog", "fox " * 9, "q"]
-    want = [
-        greedy_text(server, server[3].encode(p, add_special_tokens=True).tolist())[0]
-        for p in prompts
-    ]
+def test_64_concurrent_clients_each_get_their_solo_greedy_text(server, client):
+    """64 clients at once with prompts of 1-11 words (4 slots, the rest queued): every one
+    answered with the text its prompt gets alone (Sampler greedy: a batch of rows gives
+    each row's solo tokens, tests/test_sampling.py)."""
+    sampler, tok = server[2], server[3]
+    rng = np.random.default_rng(3)
+    words = CORPUS.split()
+    prompts = [" ".join(rng.choice(words, rng.integers(1, 12))) for _ in range(64)]
+    ids = [tok.encode(p).tolist() for p in prompts]
+    eos = tok.eos_id
+    out = sampler.generate(
+        ids, N, temperature=0, stop_tokens=[eos], vocab_size=tok.vocab_size
+    ).sequences()
+    want = [tok.decode(o[:-1] if o[-1] == eos else o) for o in out]
     ask = lambda p: client.completions.create(model="tiny", prompt=p, max_tokens=N, temperature=0)
-    with ThreadPoolExecutor(len(prompts)) as pool:
+    with ThreadPoolExecutor(64) as pool:
         got = [r.choices[0].text for r in pool.map(ask, prompts)]
     assert got == want
 
