@@ -218,6 +218,13 @@ def test_64_concurrent_clients_each_get_their_solo_greedy_text(server, client):
     with ThreadPoolExecutor(64) as pool:
         got = [r.choices[0].text for r in pool.map(ask, prompts)]
     assert got == want
+    metrics = dict(
+        line.rsplit(" ", 1) for line in httpx.get(server[0] + "/metrics").text.splitlines()
+        if not line.startswith("#")
+    )  # fmt: skip
+    assert int(metrics["moe_jax_time_to_first_token_seconds_count"]) >= 64
+    assert int(metrics["moe_jax_inter_token_latency_seconds_count"]) >= 64
+    assert metrics["moe_jax_running_slots"] == "0" and metrics["moe_jax_pages_in_use"] == "0"
 
 
 def test_bad_requests_answer_400_and_a_full_queue_429(server, client):

@@ -5,10 +5,11 @@
 Routes: POST /v1/completions, POST /v1/chat/completions (the tokenizer's chat template; both
 stream server-sent events with "stream": true, ending in `data: [DONE]`), GET /v1/models,
 GET /health, GET /metrics (Prometheus text: queue, running slots, pages in use, token and
-request counters). A body the server cannot run answers 400 and a full engine queue 429 (with
-Retry-After), both in OpenAI's error shape; a failed engine step answers 500 for the requests
-it held, and the server goes on. A client that disconnects cancels its request: its slot and
-pages are freed at the next step.
+request counters, time-to-first-token and inter-token latency histograms). A body the server
+cannot run answers 400 and a full engine queue 429 (with Retry-After), both in OpenAI's
+error shape; a failed engine step answers 500 for the requests it held, and the server goes
+on. A client that disconnects cancels its request: its slot and pages are freed at the next
+step.
 """
 
 # No `from __future__ import annotations` here: FastAPI reads the handlers' `Request`
@@ -163,4 +164,9 @@ def prometheus_text(worker: Worker) -> str:
     lines = []
     for name, kind, help_, value in rows:
         lines += [f"# HELP {name} {help_}", f"# TYPE {name} {kind}", f"{name} {value}"]
+    for name, help_, hist in (
+        ("moe_jax_time_to_first_token_seconds", "submission to first token", st.ttft),
+        ("moe_jax_inter_token_latency_seconds", "between a request's tokens", st.itl),
+    ):
+        lines += [f"# HELP {name} {help_}", f"# TYPE {name} histogram", *hist.lines(name)]
     return "\n".join(lines) + "\n"

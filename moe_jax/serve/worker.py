@@ -10,20 +10,47 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 
 from moe_jax.engine import Engine, Event, SamplingParams
+
+# Latency histogram buckets, seconds (Prometheus' `le` bounds; +Inf is added).
+LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+
+
+class Histogram:
+    """A Prometheus histogram: cumulative counts per `le` bound, the sum and the count."""
+
+    def __init__(self, bounds=LATENCY_BUCKETS_S):
+        self.bounds, self.counts = bounds, [0] * len(bounds)
+        self.sum, self.count = 0.0, 0
+
+    def observe(self, value: float) -> None:
+        self.sum, self.count = self.sum + value, self.count + 1
+        for i, bound in enumerate(self.bounds):
+            if value <= bound:
+                self.counts[i] += 1
+
+    def lines(self, name: str) -> list[str]:
+        rows = [
+            f'{name}_bucket{{le="{b}"}} {c}' for b, c in zip(self.bounds, self.counts, strict=True)
+        ]
+        rows.append(f'{name}_bucket{{le="+Inf"}} {self.count}')
+        return rows + [f"{name}_sum {self.sum}", f"{name}_count {self.count}"]
 
 
 @dataclass
 class Stats:
-    """Counters for /metrics."""
+    """Counters and latency histograms for /metrics."""
 
     prompt_tokens: int = 0
     generated_tokens: int = 0
     requests: int = 0
     errors: int = 0
     rejected: int = 0  # 429s
+    ttft: Histogram = field(default_factory=Histogram)  # submission -> first token
+    itl: Histogram = field(default_factory=Histogram)  # between a request's tokens
 
 
 class Worker:
@@ -33,6 +60,8 @@ class Worker:
         self.wake = threading.Event()
         self.stats = Stats()
         self._listeners: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._last: dict[int, float] = {}  # rid -> when it was submitted or last got a token
+        self._started: set[int] = set()  # rids that got their first token
         self._stop = False
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
 
@@ -51,6 +80,7 @@ class Worker:
         with self.lock:
             rid = self.engine.submit(prompt, params)
             self._listeners[rid] = (asyncio.get_running_loop(), queue)
+            self._last[rid] = time.perf_counter()
             self.stats.prompt_tokens += len(prompt)
         self.wake.set()
         return rid, queue
@@ -60,6 +90,8 @@ class Worker:
         with self.lock:
             self.engine.cancel(rid)
             self._listeners.pop(rid, None)
+            self._last.pop(rid, None)
+            self._started.discard(rid)
 
     def snapshot(self) -> dict:
         with self.lock:
@@ -95,6 +127,17 @@ class Worker:
                 self.engine.cancel(rid)
             return failed
         self.stats.generated_tokens += len(events)
+        now = time.perf_counter()
+        for e in events:
+            if e.rid in self._last:
+                latency = now - self._last[e.rid]
+                first = e.rid not in self._started
+                (self.stats.ttft if first else self.stats.itl).observe(latency)
+                self._started.add(e.rid)
+                self._last[e.rid] = now
+            if e.finish_reason is not None:
+                self._last.pop(e.rid, None)
+                self._started.discard(e.rid)
         return events
 
     def _deliver(self, event) -> None:
