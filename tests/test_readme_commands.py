@@ -8,7 +8,7 @@ quantize use the default run, export the RoPE run ...).
 
 What runs, and how, to fit the budget (measured: ~45 s of CPU time for the whole file):
 - train.py, sample.py and the `python -m moe_jax.*` tools (summary, plot, quantize, interop,
-  prepare, eval: the harness offline, on the repository's local task)
+  prepare, eval: the harness offline, on the repository's local task; profile)
   run for real, in this process through `runpy` (no interpreter start-up per command, and one
   compile serves the commands that share a program): train.py with FAST_TRAIN appended (3
   steps of a smaller model), sample.py with FAST_SAMPLE. An `XLA_FLAGS=...device_count=N`
@@ -78,6 +78,7 @@ TOOLS = (
     "moe_jax.interop",
     "moe_jax.prepare",
     "moe_jax.eval",
+    "moe_jax.profile",
 )
 DEVICE_COUNT = re.compile(r"--xla_force_host_platform_device_count=(\d+)")
 COORDINATOR_PORT = re.compile(r"^(mesh\.coordinator_address=.*:)\d+$")
