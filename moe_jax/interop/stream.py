@@ -257,10 +257,11 @@ class Progress:
             self.write(self.line(now))
 
     def line(self, now: float) -> str:
-        gib, elapsed = 2**30, max(now - self.start, 1e-9)
+        elapsed = max(now - self.start, 1e-9)
         rate = self.done / elapsed
         eta = (self.total - self.done) / rate if rate > 0 else 0.0
+        unit, size = ("GiB", 2**30) if self.total >= 2**30 else ("MiB", 2**20)
         return (
-            f"{self.what}: {self.done / gib:.2f} / {self.total / gib:.2f} GiB, "
+            f"{self.what}: {self.done / size:.2f} / {self.total / size:.2f} {unit}, "
             f"{rate / 2**20:.0f} MiB/s, {elapsed:.0f} s elapsed, ETA {eta:.0f} s"
         )
