@@ -23,7 +23,7 @@ import orbax.checkpoint as ocp
 from flax import nnx
 
 from moe_jax.config import MESH_AXES, Config, sampling_config
-from moe_jax.interop.as_run import hf_meta, hf_params, is_hf_dir
+from moe_jax.interop.as_run import hf_meta, hf_params, is_hf_dir, packs_mxfp4
 from moe_jax.model.int8 import QUANTIZATIONS
 from moe_jax.run.layout import RunError
 from moe_jax.run.policy import check_compatible
@@ -130,6 +130,8 @@ def load_model(
             "version of moe_jax does not know"
         )
     kind = weights_kind(cfg, weights)
+    if manager is None and kind == "mxfp4" and packs_mxfp4(run_dir):
+        quantized = "mxfp4"  # gpt-oss's experts taken packed as they are stored
     # What is restored: int8 runs as int8; a float run as `auto` floats, quantised afterwards.
     quantize_after = kind in QUANTIZATIONS and not quantized
     restore_kind = weights_kind(cfg, "auto") if kind in QUANTIZATIONS else kind

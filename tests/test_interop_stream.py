@@ -350,3 +350,38 @@ def test_two_processes_each_read_the_slices_their_devices_hold(sharded, tmp_path
         for path, shards in mine["shards"].items():
             for index, values in shards:
                 np.testing.assert_array_equal(np.asarray(values), ref[path][eval(index)], path)
+
+
+def test_mxfp4_experts_are_taken_packed_from_a_gpt_oss_directory(tmp_path):
+    """sample.weights=mxfp4 from a gpt-oss directory as released (experts MXFP4): the experts
+    stay packed (the checkpoint's own codes and scales, re-laid: the values of decoding them
+    and packing again, though a code may differ where a block's scale could be smaller)."""
+    from moe_jax.interop import mxfp4
+    from moe_jax.model.int8 import Mxfp4Param
+    from moe_jax.weights import to_kind
+
+    experts = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
+    model = hf_model("gpt_oss", seed=3)
+    (tmp_path / "hf").mkdir()
+    tensors = {}
+    for name, p in model.state_dict().items():
+        if name.endswith(experts):
+            tensors[f"{name}_blocks"], tensors[f"{name}_scales"] = mxfp4.quantize(p.numpy())
+        else:
+            tensors[name] = np.ascontiguousarray(p.numpy())
+    save_file(tensors, str(tmp_path / "hf" / "model.safetensors"))
+    config = model.config.to_dict() | {"quantization_config": {"quant_method": "mxfp4"}}
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(config))
+
+    packed = load_run(tmp_path / "hf", weights="mxfp4")[1]
+    repacked = to_kind(load_run(tmp_path / "hf", weights="float32")[1], "mxfp4")
+    want = dict(nnx.to_flat_state(nnx.state(repacked, nnx.Param)))
+    got = dict(nnx.to_flat_state(nnx.state(packed, nnx.Param)))
+    assert got.keys() == want.keys()
+    for path, var in want.items():
+        assert isinstance(got[path], Mxfp4Param) == isinstance(var, Mxfp4Param), path
+        np.testing.assert_array_equal(got[path][...], var[...], str(path))  # decoded values
+    assert sum(isinstance(v, Mxfp4Param) for v in got.values()) >= 3  # w_gate, w_up, w_down
+    w_down = got[("blocks", "layers", 0, "ffn", "experts", "w_down")].get_raw_value()["blocks"]
+    stored = tensors["model.layers.0.mlp.experts.down_proj_blocks"]  # [E, D, F / 32, 16]
+    np.testing.assert_array_equal(np.asarray(w_down)[0], stored.transpose(0, 2, 3, 1))

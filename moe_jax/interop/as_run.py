@@ -20,11 +20,14 @@ import functools
 from pathlib import Path
 
 import jax
+import numpy as np
 from flax import nnx
 
 from moe_jax.config import Config
-from moe_jax.interop.convert import config_from_hf, load_hf
+from moe_jax.interop import gpt_oss
+from moe_jax.interop.convert import config_from_hf, open_hf, read_hf_config
 from moe_jax.interop.safetensors_io import InteropError
+from moe_jax.model.int8 import Mxfp4Param
 from moe_jax.run.layout import CHECKPOINT_DIR, CONFIG_FILE, RunError
 from moe_jax.tokenizer import Tokenizer, load_tokenizer
 from moe_jax.tokenizer.files import HF_FILE, SP_FILE
@@ -106,21 +109,25 @@ def hf_params(hf_dir: str | Path, target, base: Config | None = None) -> nnx.Sta
     values carry their sharding and dtype; its MTP layers where it has them): each tensor
     read in its own dtype, streamed onto the shards of its devices (each process only its
     own), then cast there to the target's dtype (fp32 master weights for training are made
-    on the devices). `base`: the config whose run-time keys the params follow."""
+    on the devices). MXFP4 experts in `target` (`sample.weights=mxfp4`) are taken packed
+    from a gpt-oss checkpoint's own blocks and scales, never decoded. `base`: the config
+    whose run-time keys the params follow."""
     flat = dict(nnx.to_flat_state(target))
-    shardings = {p: v.get_value().sharding for p, v in flat.items()}
+    raw = {p: v.get_raw_value() for p, v in flat.items()}
+    packed = {p for p, v in flat.items() if isinstance(v, Mxfp4Param)}
     mtp = any(p[0] == "mtp" for p in flat)
     try:
-        _, model = load_hf(hf_dir, base, mtp=mtp, dtype="source", shardings=shardings)
+        _, plan = open_hf(hf_dir, base, mtp=mtp, dtype="source")
+        if plan.shapes.keys() != flat.keys():
+            raise RunError(f"'{hf_dir}' does not hold the params of this config")
+        arrays = plan.to_devices({p: raw[p].sharding for p in flat if p not in packed})
+        arrays |= {p: _packed_experts(plan, p, raw[p]) for p in packed}
     except InteropError as e:
         raise RunError(str(e)) from None
-    params = dict(nnx.to_flat_state(nnx.state(model, nnx.Param)))
-    if params.keys() != flat.keys():
-        raise RunError(f"'{hf_dir}' does not hold the params of this config")
     cast = []
     for p, v in flat.items():
-        want, array = v.get_value(), params[p].get_value()
-        if array.dtype != want.dtype:
+        want, array = raw[p], arrays[p]
+        if p not in packed and array.dtype != want.dtype:
             array = _cast(want.dtype, want.sharding)(array)
         cast.append((p, v.copy(array)))
     return nnx.from_flat_state(cast)
@@ -129,3 +136,49 @@ def hf_params(hf_dir: str | Path, target, base: Config | None = None) -> nnx.Sta
 @functools.lru_cache(maxsize=32)
 def _cast(dtype, sharding):
     return jax.jit(lambda x: x.astype(dtype), out_shardings=sharding)
+
+
+def packs_mxfp4(hf_dir: str | Path) -> bool:
+    """Whether the checkpoint stores its experts as MXFP4 (gpt-oss as released)."""
+    family, hf, _ = read_hf_config(hf_dir)
+    quant = hf.values.get("quantization_config") or {}
+    return family.architecture == gpt_oss.ARCH and quant.get("quant_method") == "mxfp4"
+
+
+# Our packed expert weight <- (the gpt-oss tensor, its rows): gate and up interleave in rows.
+_PACKED = {
+    "w_gate": ("gate_up_proj", slice(0, None, 2)),
+    "w_up": ("gate_up_proj", slice(1, None, 2)),
+    "w_down": ("down_proj", slice(None)),
+}
+
+
+def _packed_experts(plan, path: tuple, raw: dict) -> dict:
+    """{"blocks", "scales"} of our MXFP4 expert weight `path` (`model.fp4`'s layout: blocks
+    [..., E, G, 16, F], scales [..., E, G, F]) from the checkpoint's `*_blocks [E, R, G, 16]`
+    and `*_scales [E, R, G]` (`interop.mxfp4`), whose rows are our output axis: the same
+    codes and scales, re-laid, each device's slice only."""
+    hf, rows = _PACKED[path[-1]]
+
+    def part(kind: str) -> jax.Array:
+        order = (0, 2, 3, 1) if kind == "blocks" else (0, 2, 1)
+
+        def layer(block, index):
+            piece, _ = plan.pieces[path][block]
+            name = f"{plan.prefix}{piece.prefix}mlp.experts.{hf}_{kind}"
+            if not plan.reader.has(name):
+                raise InteropError(f"'{name}' is missing: the experts are not MXFP4")
+            return plan.reader.raw(name)[:, rows].transpose(order)[index]
+
+        def make(index):
+            if not plan.stacked(path):
+                return np.ascontiguousarray(layer(None, index))
+            index = tuple(
+                slice(*s.indices(n)[:2]) for s, n in zip(index, raw[kind].shape, strict=True)
+            )
+            lead, rest = index[0], index[1:]
+            return np.stack([layer(b, rest) for b in range(lead.start, lead.stop)])
+
+        return jax.make_array_from_callback(raw[kind].shape, raw[kind].sharding, make)
+
+    return {"blocks": part("blocks"), "scales": part("scales")}

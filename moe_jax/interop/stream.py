@@ -175,10 +175,11 @@ class ImportPlan:
         ]
 
     def to_devices(self, shardings: dict, progress: Progress | None = None) -> dict:
-        """{path: jax.Array} laid out by `shardings` (path -> Sharding); each process builds
-        only the shards its devices hold, and a large stacked parameter one layer at a time."""
+        """{path: jax.Array} for each param `shardings` names (path -> Sharding), laid out so;
+        each process builds only the shards its devices hold, and a large stacked parameter
+        one layer at a time."""
         arrays = {}
-        for path in sorted(self.shapes):
+        for path in sorted(shardings):
             sharding, shape = shardings[path], self.shapes[path]
             shard = sharding.shard_shape(shape)
             per_shard = math.prod(shard) * self.dtypes[path].itemsize
