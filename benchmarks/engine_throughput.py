@@ -13,7 +13,10 @@ of the whole workload, after a warm-up pass (compiles excluded). Time to first t
 request's submission to its first token; inter-token latency: between its successive tokens;
 p50 / p90 / p99 over all requests. KV memory per request: the pages it held at its peak
 (every layer's k and v) against a full-context allocation (model.max_seq_len positions) and
-against the sampler's (its prompt bucket + new tokens).
+against the sampler's (its prompt bucket + new tokens). `--peer`: transformers' continuous
+batching (`generate_batch`, its default config, greedy, every token generated) on the same
+model shape (random init) and the whole workload at once, timed on a second call (slow on
+CPU: keep the workload small).
 Prints a table and, last, one JSON line with every figure.
 """
 
@@ -26,7 +29,7 @@ import time
 
 import jax
 import numpy as np
-from common import STYLES, bench_config, count, counts, machine, wait_until_idle
+from common import STYLES, bench_config, count, counts, hf_model, machine, wait_until_idle
 from flax import nnx
 
 from moe_jax.engine import Engine, SamplingParams
@@ -53,6 +56,22 @@ def one_at_a_time(sampler: Sampler, prompts, N: int) -> dict:
         sampler.generate([p], N, temperature=0)
     wall = time.perf_counter() - start
     return {"tok_s": len(prompts) * N / wall, "wall_s": wall}
+
+
+def peer(cfg, style: str, prompts, N: int) -> dict:
+    """transformers' `generate_batch` over the whole workload (a first call warms up)."""
+    import transformers
+
+    model = hf_model(cfg, style)
+    config = transformers.GenerationConfig(
+        max_new_tokens=N, min_new_tokens=N, do_sample=False, eos_token_id=None, pad_token_id=0
+    )
+    model.generate_batch(prompts, generation_config=config)
+    start = time.perf_counter()
+    out = model.generate_batch(prompts, generation_config=config)
+    wall = time.perf_counter() - start
+    tokens = sum(len(o.generated_tokens) for o in out.values())
+    return {"tok_s": tokens / wall, "wall_s": wall}
 
 
 def closed_loop(engine: Engine, prompts, N: int, c: int) -> dict:
@@ -118,6 +137,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--page-size", type=count(), default=16)
     p.add_argument("--chunk", type=count(), default=128)
     p.add_argument("--no-baseline", action="store_true", help="skip one-at-a-time")
+    p.add_argument("--peer", action="store_true", help="also time transformers' generate_batch")
     args = p.parse_args(argv)
     lo, hi = (args.prompt_lens * 2)[:2]
     cfg = bench_config(args.size, args.style)
@@ -132,6 +152,7 @@ def main(argv: list[str]) -> int:
     engine = Engine(sampler, max_slots=slots, page_size=args.page_size, chunk=args.chunk)
     base = None if args.no_baseline else one_at_a_time(sampler, prompts, N)
     rows = [engine_figures(engine, prompts, N, c) for c in args.concurrency]
+    hf = peer(cfg, args.style, prompts, N) if args.peer else None
     per_pos = kv_bytes_per_position(engine)
     kv = {
         "engine_peak_mib": float(np.mean([r["peak_pages_mean"] for r in rows]))
@@ -152,11 +173,14 @@ def main(argv: list[str]) -> int:
             f"{i['p50_ms']:7.1f}/{i['p99_ms']:7.1f}",
         )
         print(f"{r['concurrency']:5d} {r['tok_s']:8.1f}  {ratio:>14s}  {ttft}  {itl}")
+    if hf:
+        print(f"transformers generate_batch: {hf['tok_s']:8.1f} tok/s")
     print(f"KV per request: engine {kv['engine_peak_mib']:.2f} MiB at its peak, sampler "
           f"{kv['sampler_mib']:.2f}, full context {kv['full_context_mib']:.2f}")  # fmt: skip
     print(json.dumps({"benchmark": "engine_throughput", "size": args.size, "style": args.style,
                       "requests": args.requests, "prompt_lens": [lo, hi], "new_tokens": N,
                       "slots": slots, "one_at_a_time": base, "engine": rows, "kv": kv,
+                      "transformers_generate_batch": hf,
                       "machine_idle_at_start": idle, **machine()}))  # fmt: skip
     return 0
 
