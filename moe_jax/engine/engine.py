@@ -3,7 +3,7 @@
     engine = Engine(sampler, max_slots=8)                # a `moe_jax.sampling.Sampler`'s model
     rid = engine.submit(prompt_ids, SamplingParams(max_tokens=64, temperature=0.7, seed=1))
     while engine.has_work():
-        for event in engine.step(): ...                  # Event(rid, token, finish_reason)
+        for event in engine.step(): ...    # Event(rid, token, finish_reason, logprob, top)
     engine.generate([ids_a, ids_b], SamplingParams(max_tokens=32))   # the same, to the end
 
 A fixed number of decode slots; a request takes a free slot when it is admitted and leaves it
