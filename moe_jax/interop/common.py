@@ -19,6 +19,7 @@ import numpy as np
 
 from moe_jax.config import AttentionConfig, Config, ModelConfig, MoEConfig, RopeScalingConfig
 from moe_jax.interop import fp8
+from moe_jax.interop.lazy import Deferred
 from moe_jax.interop.safetensors_io import InteropError, TensorReader
 
 HFTensors = Iterator[tuple[str, np.ndarray]]
@@ -33,13 +34,13 @@ class Source:
     def has(self, name: str) -> bool:
         return self.reader.has(self.prefix + name)
 
-    def __call__(self, name: str, shape: tuple[int, ...]) -> np.ndarray | fp8.Deferred:
-        """Tensor `name` in its own dtype, memory-mapped; an FP8 weight with its block scales
-        (`interop.fp8`) dequantised lazily, as far as it is used."""
+    def __call__(self, name: str, shape: tuple[int, ...]) -> Deferred:
+        """Tensor `name` in its own dtype, read (memory-mapped) only where it is used; an FP8
+        weight with its block scales (`interop.fp8`) dequantised likewise."""
         full = self._used(name, shape)
         scale = full + fp8.SCALE_SUFFIX
         if self.reader.dtype(full) != "F8_E4M3" or not self.reader.has(scale):
-            return self.reader.get(full)
+            return self.reader.lazy(full)
         s_shape = self.reader.shape(scale)
         if why := fp8.check_scales(full, shape, s_shape):
             raise InteropError(f"{why} (in '{self.reader.file_of(scale)}')")

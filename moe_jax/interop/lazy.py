@@ -24,6 +24,9 @@ class Deferred:
         self.shape, self.compute, self.dtype = tuple(shape), compute, np.dtype(dtype)
         self.ndim, self.size = len(self.shape), math.prod(self.shape)
 
+    def __len__(self) -> int:
+        return self.shape[0]
+
     def __array__(self, dtype=None, copy=None):
         out = self.compute(tuple(slice(0, n) for n in self.shape))
         return out if dtype is None else out.astype(dtype)

@@ -103,13 +103,25 @@ class TensorReader:
 
     def get(self, name: str) -> np.ndarray:
         """A float tensor (F64, F32, F16, BF16) in its own dtype, memory-mapped."""
+        self._check_float(name)
+        return self.raw(name)
+
+    def lazy(self, name: str) -> Deferred:
+        """A float tensor not yet mapped: only the regions used are (a rule that walks every
+        expert of a layer while a converter keeps a few maps those few)."""
+        self._check_float(name)
+        return Deferred(self.shape(name), lambda index: self.raw(name)[index], self.raw_dtype(name))
+
+    def raw_dtype(self, name: str) -> np.dtype:
+        return DTYPES[self.dtype(name)]
+
+    def _check_float(self, name: str) -> None:
         dtype = self.dtype(name)
         if dtype not in FLOAT_DTYPES:
             raise InteropError(
                 f"tensor '{name}' in '{self._file(name)}' has dtype {dtype}; only F32, F16 and "
                 "BF16 tensors (and the FP8 / MXFP4 weights with their scales) can be imported"
             )
-        return self.raw(name)
 
     def get_packed(self, name: str) -> np.ndarray:
         """A uint8 tensor as it is stored (MXFP4 blocks and scales; `interop.mxfp4`)."""
