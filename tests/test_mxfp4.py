@@ -238,3 +238,22 @@ def test_model_packing_equals_the_checkpoint_format_bit_for_bit():
     )
     picked = np.asarray(fp4.dequantize(ours, jnp.array([[2, 0]])))  # a gather of experts
     np.testing.assert_array_equal(picked[0], dequantize(blocks, scales, np.float32)[[2, 0]])
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_both_packings_refuse_non_finite_weights(bad):
+    """One rule for the format (`model.fp4`): no scale holds NaN or inf, so the model's packing
+    refuses them as the checkpoints' does (it once packed NaN as a finite code)."""
+    import jax
+    import jax.numpy as jnp
+
+    from moe_jax.model import fp4
+
+    w = np.ones((2, 64, 4), np.float32)
+    w[1, 40, 3] = bad
+    with pytest.raises(ValueError, match="inf or NaN"):
+        quantize(w)
+    with pytest.raises(ValueError, match="inf or NaN"):
+        fp4.quantize(jnp.asarray(w))
+    shapes = jax.eval_shape(fp4.quantize, jax.ShapeDtypeStruct(w.shape, jnp.float32))  # traced
+    assert shapes["blocks"].shape == (2, 2, 16, 4)

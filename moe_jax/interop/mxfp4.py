@@ -36,14 +36,12 @@ import functools
 import ml_dtypes
 import numpy as np
 
-# The FP4 E2M1 value of each code 0..15 (transformers' FP4_VALUES).
-FP4_VALUES = np.array(
-    [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0],
-    dtype=np.float64,
-)
-FP4_MAX = 6.0
-BLOCK = 32  # values per scale
-SCALE_BIAS = 127  # E8M0: the block's factor is 2**(scale - 127)
+from moe_jax.model.fp4 import BLOCK, E2M1, FP4_MAX, SCALE_BIAS, e2m1_codes, scale_exponents
+
+# The FP4 E2M1 value of each code 0..15 (transformers' FP4_VALUES); the format's table, scale
+# rule and rounding are `model.fp4`'s, one definition for the model's packing and this one.
+FP4_VALUES = np.array(E2M1, dtype=np.float64)
+__all__ = ["BLOCK", "FP4_MAX", "FP4_VALUES", "SCALE_BIAS", "dequantize", "quantize"]
 _OUT_DTYPES = {
     np.dtype(ml_dtypes.bfloat16),
     np.dtype(np.float16),
@@ -124,22 +122,6 @@ def dequantize(
     return out
 
 
-def _round_e2m1(x: np.ndarray) -> np.ndarray:
-    """|x| <= 6 (float) -> E2M1 codes (uint8), nearest value, ties to the even code (the one
-    whose mantissa bit is 0, as IEEE round-to-nearest-even); the sign bit is kept, so -0.1
-    gives code 8 (-0)."""
-    a = np.abs(x)
-    mag = (a > 0.25).astype(np.uint8)  # 0.25: 0 | 0.5 -> 0
-    mag += a >= 0.75  # 0.5 | 1 -> 1
-    mag += a > 1.25  # 1 | 1.5 -> 1
-    mag += a >= 1.75  # 1.5 | 2 -> 2
-    mag += a > 2.5  # 2 | 3 -> 2
-    mag += a >= 3.5  # 3 | 4 -> 4
-    mag += a > 5.0  # 4 | 6 -> 4
-    mag |= np.signbit(x).astype(np.uint8) << 3
-    return mag
-
-
 def quantize(w: np.ndarray, *, chunk_size: int = _CHUNK) -> tuple[np.ndarray, np.ndarray]:
     """HF expert weight `w [E, K, R]` (any float dtype) -> MXFP4 `(blocks [E, R, K/32, 16] uint8,
     scales [E, R, K/32] uint8)`, the inverse layout of `dequantize` (K: the input dimension,
@@ -177,11 +159,8 @@ def quantize(w: np.ndarray, *, chunk_size: int = _CHUNK) -> tuple[np.ndarray, np
                 raise ValueError("quantize: w contains inf or NaN")
             if work is np.float64 and np.any(amax > FP4_MAX * 2.0**SCALE_BIAS):
                 raise ValueError("quantize: |w| exceeds the largest MXFP4 value 6 * 2**127")
-            # amax = m * 2**k, m in [0.5, 1): 6 * 2**(k-3) = 0.75 * 2**k covers it iff m <= 0.75.
-            m, k = np.frexp(amax)
-            s = np.maximum(np.where(m <= 0.75, k - 3, k - 2), -SCALE_BIAS)
-            s[amax == 0] = -SCALE_BIAS
-            codes = _round_e2m1(np.ldexp(x, -s[..., None]))  # [r, G, 32]
+            s = scale_exponents(amax, np)
+            codes = e2m1_codes(np.ldexp(x, -s[..., None]), np)  # [r, G, 32]
             blocks[e, r0:r1] = codes[..., 0::2] | (codes[..., 1::2] << 4)
             scales[e, r0:r1] = s + SCALE_BIAS
     return blocks, scales

@@ -22,11 +22,33 @@ import jax.numpy as jnp
 
 BLOCK = 32  # values per scale
 SCALE_BIAS = 127
+FP4_MAX = 6.0
 # FP4 E2M1 code -> value (sign bit 3): +0 .5 1 1.5 2 3 4 6, then the negatives.
 E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 # Rounding |x| to the E2M1 magnitudes: (midpoint, whether a tie rounds up to the even code).
 _MIDPOINTS = ((0.25, False), (0.75, True), (1.25, False), (1.75, True), (2.5, False),
               (3.5, True), (5.0, False))  # fmt: skip
+
+# The format's two rules, written once for NumPy (`xp=np`: interop.mxfp4, the checkpoints'
+# layout) and JAX (here, the model's): which scale a block gets, which code a value gets.
+
+
+def scale_exponents(amax, xp=jnp):
+    """A block's exponent s from its largest magnitude: the smallest 2**s (s >= -127) with
+    amax <= 6 * 2**s, so that nothing clips; an all-zero block gets -127. amax = m 2**k, m in
+    [0.5, 1): 6 * 2**(k - 3) = 0.75 * 2**k covers it iff m <= 0.75."""
+    m, k = xp.frexp(amax)
+    s = xp.maximum(xp.where(m <= 0.75, k - 3, k - 2), -SCALE_BIAS)
+    return xp.where(amax == 0, -SCALE_BIAS, s)
+
+
+def e2m1_codes(x, xp=jnp):
+    """Values already divided by their block's 2**s (|x| <= 6) -> E2M1 codes (uint8): the
+    nearest value, ties to the even code (mantissa bit 0, as IEEE's round-to-nearest-even),
+    the sign bit kept (-0.1 gives code 8, -0)."""
+    a = xp.abs(x)
+    code = sum((a >= t if up else a > t).astype(xp.uint8) for t, up in _MIDPOINTS)
+    return code | (xp.signbit(x).astype(xp.uint8) << 3)
 
 
 def dequantize(raw: dict, index=...) -> jax.Array:
@@ -43,18 +65,24 @@ def dequantize(raw: dict, index=...) -> jax.Array:
     return (values * factor).reshape(*lead, G * 2 * half, F)
 
 
-@jax.jit
 def quantize(w: jax.Array) -> dict:
-    """float `w [..., D, F]` (D a multiple of 32) -> {"blocks", "scales"} (see the module doc)."""
+    """float `w [..., D, F]` (D a multiple of 32) -> {"blocks", "scales"} (see the module doc).
+    Non-finite values are refused, as `interop.mxfp4.quantize` refuses them: no scale holds
+    them (the spec's NaN scale, 255, decodes to infinities in transformers)."""
+    try:
+        finite = bool(jnp.all(jnp.isfinite(w)))
+    except jax.errors.ConcretizationTypeError:  # traced (nnx.eval_shape): no values to check
+        finite = True
+    if not finite:
+        raise ValueError("quantize: w contains inf or NaN")
+    return _quantize(w)
+
+
+@jax.jit
+def _quantize(w: jax.Array) -> dict:
     *lead, D, F = w.shape
     x = w.astype(jnp.float32).reshape(*lead, D // BLOCK, BLOCK, F)
-    amax = jnp.max(jnp.abs(x), axis=-2)  # [..., G, F]
-    # amax = m 2**k, m in [0.5, 1): 6 * 2**(k - 3) = 0.75 * 2**k covers it iff m <= 0.75
-    m, k = jnp.frexp(amax)
-    s = jnp.maximum(jnp.where(m <= 0.75, k - 3, k - 2), -SCALE_BIAS)
-    s = jnp.where(amax == 0, -SCALE_BIAS, s)
-    a = jnp.abs(x) * jnp.exp2(-s.astype(jnp.float32))[..., None, :]
-    code = sum((a >= t if up else a > t).astype(jnp.uint8) for t, up in _MIDPOINTS)
-    code = code | (jnp.signbit(x).astype(jnp.uint8) << 3)  # [..., G, 32, F]
+    s = scale_exponents(jnp.max(jnp.abs(x), axis=-2))  # [..., G, F]
+    code = e2m1_codes(x * jnp.exp2(-s.astype(jnp.float32))[..., None, :])  # [..., G, 32, F]
     blocks = code[..., 0::2, :] | (code[..., 1::2, :] << 4)
     return {"blocks": blocks, "scales": (s + SCALE_BIAS).astype(jnp.uint8)}
