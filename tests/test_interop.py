@@ -318,22 +318,16 @@ def test_gpt_oss_mxfp4_checkpoint_imports_its_dequantised_experts(tmp_path):
 
     from moe_jax.interop import mxfp4
 
-    experts = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
     model = hf_model("gpt_oss", seed=3)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if name.endswith(experts):
+            if name.endswith(GPT_OSS_EXPERTS):
                 exact = mxfp4.dequantize(*mxfp4.quantize(p.numpy())).astype(np.float32)
                 p.copy_(torch.from_numpy(exact))
     model.save_pretrained(tmp_path / "float")
     packed = tmp_path / "mxfp4"
     packed.mkdir()
-    tensors = {}
-    for name, p in model.state_dict().items():
-        if name.endswith(experts):
-            tensors[f"{name}_blocks"], tensors[f"{name}_scales"] = mxfp4.quantize(p.numpy())
-        else:
-            tensors[name] = np.ascontiguousarray(p.numpy())
+    tensors = gpt_oss_as_released(model)
     assert sum(a.dtype == np.uint8 for a in tensors.values()) == 4 * 4  # 4 layers' experts
     save_file(tensors, str(packed / "model.safetensors"))
     config = json.loads((tmp_path / "float" / "config.json").read_text())
@@ -697,3 +691,20 @@ def test_cli_import_refuses_a_tokenizer_larger_than_the_embedding(tmp_path, caps
         "(data.tokenizer=byte)\n"
     )
     assert not (tmp_path / "run").exists()
+
+
+GPT_OSS_EXPERTS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
+
+
+def gpt_oss_as_released(model) -> dict:
+    """A transformers gpt-oss model's tensors as OpenAI releases them: the experts MXFP4
+    (`*_blocks` / `*_scales`), the rest as they are."""
+    from moe_jax.interop import mxfp4
+
+    tensors = {}
+    for name, p in model.state_dict().items():
+        if name.endswith(GPT_OSS_EXPERTS):
+            tensors[f"{name}_blocks"], tensors[f"{name}_scales"] = mxfp4.quantize(p.numpy())
+        else:
+            tensors[name] = np.ascontiguousarray(p.numpy())
+    return tensors

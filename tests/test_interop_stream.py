@@ -35,7 +35,7 @@ from moe_jax.interop.safetensors_io import TensorReader
 from moe_jax.load import load_run
 from moe_jax.sharding import LOGICAL_RULES, make_mesh, state_shardings
 from moe_jax.trainer import train
-from tests.test_interop import hf_model, params_of
+from tests.test_interop import gpt_oss_as_released, hf_model, params_of
 
 ROOT = Path(__file__).resolve().parents[1]
 L, D, H, KV, HD, E, F, V = 8, 256, 4, 2, 64, 8, 256, 1024
@@ -356,19 +356,12 @@ def test_mxfp4_experts_are_taken_packed_from_a_gpt_oss_directory(tmp_path):
     """sample.weights=mxfp4 from a gpt-oss directory as released (experts MXFP4): the experts
     stay packed (the checkpoint's own codes and scales, re-laid: the values of decoding them
     and packing again, though a code may differ where a block's scale could be smaller)."""
-    from moe_jax.interop import mxfp4
     from moe_jax.model.int8 import Mxfp4Param
     from moe_jax.weights import to_kind
 
-    experts = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
     model = hf_model("gpt_oss", seed=3)
     (tmp_path / "hf").mkdir()
-    tensors = {}
-    for name, p in model.state_dict().items():
-        if name.endswith(experts):
-            tensors[f"{name}_blocks"], tensors[f"{name}_scales"] = mxfp4.quantize(p.numpy())
-        else:
-            tensors[name] = np.ascontiguousarray(p.numpy())
+    tensors = gpt_oss_as_released(model)
     save_file(tensors, str(tmp_path / "hf" / "model.safetensors"))
     config = model.config.to_dict() | {"quantization_config": {"quant_method": "mxfp4"}}
     (tmp_path / "hf" / "config.json").write_text(json.dumps(config))
