@@ -31,6 +31,7 @@ from moe_jax.data import load_run_data
 from moe_jax.eval.in_training import TaskEval
 from moe_jax.metrics import MetricsWriter, compute_units, unit_peak_flops
 from moe_jax.profile import StepProfiler
+from moe_jax.run import hf_exports
 from moe_jax.run.init_from import init_source, start_state, with_source_architecture
 from moe_jax.run.layout import RunError
 from moe_jax.run.output import no_space
@@ -159,6 +160,7 @@ def train(cfg: Config, *, stop_at: int | None = None) -> TrainResult:
     log = logger()
     cfg = with_source_architecture(cfg)  # init_from=HF_DIR: its architecture and tokenizer
     cfg.moe.check_training()  # before anything is read or written
+    hf_exports.check(cfg)  # checkpoint.export_hf: the model has a Hugging Face form
     resume = inspect_run(cfg)  # read-only; refuses an incompatible run dir
     # init_from: the run a new one starts from (read-only; None when run_dir resumes its own)
     source = init_source(cfg, resume.step if resume else None, log)
@@ -269,7 +271,7 @@ class Run:
             self.log(msg, others=msg)
             return TrainResult(start, None, self.unigram, None)
         self._prepare(state, start)
-        self.last_saved = last_saved
+        self.last_saved, self.saves = last_saved, 0
         self.val_loss = None
         is_main = jax.process_index() == 0
         writer = NullWriter()
@@ -319,7 +321,7 @@ class Run:
             if self.tasks is not None and self.tasks.due(step, final):
                 self._evaluate_tasks(state, step, window, writer)
             if step % cfg.checkpoint.every == 0 or final or stopping:
-                self._save(state, step, window)
+                self._save(state, step, window, final)
             if stopping:  # the value the save above saw, not a later signal
                 msg = (
                     f"received {signal.Signals(signum).name}: stopped at step {step}; "
@@ -443,11 +445,16 @@ class Run:
             self.log(f"tasks step {step}: {', '.join(shown)}")
         window.excluded += time.perf_counter() - t0
 
-    def _save(self, state, step: int, window: _Window) -> None:
-        """A checkpoint of `step`, after every step since the last one was checked finite."""
+    def _save(self, state, step: int, window: _Window, final: bool = False) -> None:
+        """A checkpoint of `step`, after every step since the last one was checked finite;
+        and its Hugging Face copy where checkpoint.export_hf asks for one (`hf_exports`)."""
         _wait_for_steps(state)
         t0 = time.perf_counter()
         _check_finite(window.metrics, self.last_saved, self.cfg.run_dir)
         self.ckpt.save(step, state["params"], state["opt_state"], self.it, self.meta)
-        self.last_saved = step
+        self.last_saved, self.saves = step, self.saves + 1
+        if hf_exports.due(self.cfg, self.saves, final):
+            self.ckpt.wait()  # the copy reads the save from disk
+            if out := hf_exports.export(self.cfg, step):
+                self.log(f"step {step}: Hugging Face copy in {out}")
         window.excluded += time.perf_counter() - t0

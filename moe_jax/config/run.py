@@ -337,9 +337,17 @@ class CheckpointConfig:
     every: int = 200
     keep: int = 3
     async_save: bool = True
+    # A Hugging Face copy (RUN_DIR/hf/step_S: config.json, safetensors, tokenizer) of every
+    # export_hf-th save and of the last step, in the run's compute dtype; 0 = none
+    # (moe_jax/run/hf_exports.py)
+    export_hf: int = 0
 
     def check(self) -> None:
         positive(self, "checkpoint", ["every", "keep"])
+        require(
+            self.export_hf >= 0,
+            f"checkpoint.export_hf must be >= 0 (0 = no copies), got {self.export_hf}",
+        )
 
 
 @dataclass(frozen=True)
