@@ -16,13 +16,14 @@ import math
 import ml_dtypes
 import numpy as np
 import pytest
-import torch
-from safetensors.torch import load_file, save_file
 
-from moe_jax.interop import InteropError, load_hf
-from moe_jax.interop.fp8 import deferred, dequantize
-from tests.test_interop import params_of
-from tests.test_interop_deepseek import hf_model
+torch = pytest.importorskip("torch", reason="interop tests need torch (the `interop` extra)")
+from safetensors.torch import load_file, save_file  # noqa: E402
+
+from moe_jax.interop import InteropError, load_hf  # noqa: E402
+from moe_jax.interop.fp8 import deferred, dequantize  # noqa: E402
+from tests.test_interop import params_of  # noqa: E402
+from tests.test_interop_deepseek import hf_model  # noqa: E402
 
 B = 128
 FP8_MAX = 448.0  # the largest finite e4m3 value

@@ -21,21 +21,22 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 import pytest
-import torch
 from flax import nnx
 from safetensors.numpy import save_file
-from safetensors.torch import load_file
-from safetensors.torch import save_file as save_torch
 
-from moe_jax.config import load_config
-from moe_jax.interop import load_hf
-from moe_jax.interop import stream as stream_mod
-from moe_jax.interop.__main__ import main as interop
-from moe_jax.interop.safetensors_io import TensorReader
-from moe_jax.load import load_run
-from moe_jax.sharding import LOGICAL_RULES, make_mesh, state_shardings
-from moe_jax.trainer import train
-from tests.test_interop import gpt_oss_as_released, hf_model, params_of
+torch = pytest.importorskip("torch", reason="interop tests need torch (the `interop` extra)")
+from safetensors.torch import load_file  # noqa: E402
+from safetensors.torch import save_file as save_torch  # noqa: E402
+
+from moe_jax.config import load_config  # noqa: E402
+from moe_jax.interop import load_hf  # noqa: E402
+from moe_jax.interop import stream as stream_mod  # noqa: E402
+from moe_jax.interop.__main__ import main as interop  # noqa: E402
+from moe_jax.interop.safetensors_io import TensorReader  # noqa: E402
+from moe_jax.load import load_run  # noqa: E402
+from moe_jax.sharding import LOGICAL_RULES, make_mesh, state_shardings  # noqa: E402
+from moe_jax.trainer import train  # noqa: E402
+from tests.test_interop import gpt_oss_as_released, hf_model, params_of  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 L, D, H, KV, HD, E, F, V = 8, 256, 4, 2, 64, 8, 256, 1024
