@@ -187,8 +187,6 @@ def compile_step(cfg, topo, step: str, verbose: bool = False, hlo_path: str | No
     )
     if step == "train":
         tokens = cfg.train.batch_size * cfg.train.seq_len
-        # every key counted: the compiled program computes the masked blocks too (splash's
-        # skipped ones carry no cost estimate), so compiled / model measures overhead
         model_flops = train_flops_per_token(cfg, causal=False) * tokens
         rows = cfg.train.batch_size
     else:
