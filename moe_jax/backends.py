@@ -149,7 +149,7 @@ def takes(
 
         dims, ep = (shape or {}).get("dims"), (shape or {}).get("ep", 1)
         sixteen = dtype is not None and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16)
-        fits = dims is not None and mosaic_gmm.fitted(mosaic_gmm.FWD_TILE, *dims) is not None
+        fits = dims is not None and mosaic_gmm.dims_fit(*dims)
         return sixteen and fits and ep == 1 and mosaic_gmm.available()
 
     if impl == "cudnn":

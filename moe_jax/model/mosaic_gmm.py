@@ -55,12 +55,15 @@ def fitted(tile: tuple, K: int, N: int) -> tuple | None:
     return (bm, bn, bk, steps, grid_n) if bk and bn and bm else None
 
 
+def dims_fit(K: int, N: int) -> bool:
+    """Whether every product's tiles divide a [K, N] expert weight's dims."""
+    return all(fitted(t, K, N) is not None for t in (FWD_TILE, DX_TILE, WGRAD_TILE))
+
+
 def takes(x_nK, w_EKN) -> bool:
     """Whether the kernels run these operands: 16-bit, one dtype, dims their tiles divide."""
-    K, N = w_EKN.shape[-2:]
     dtypes_ok = x_nK.dtype == w_EKN.dtype and any(x_nK.dtype == d for d in DTYPES)
-    tiles = (FWD_TILE, DX_TILE, WGRAD_TILE)
-    return dtypes_ok and all(fitted(t, K, N) is not None for t in tiles)
+    return dtypes_ok and dims_fit(*w_EKN.shape[-2:])
 
 
 def _kernels():
