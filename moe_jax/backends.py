@@ -26,6 +26,8 @@ import contextlib
 import contextvars
 import functools
 
+from moe_jax.errors import MoeJaxError
+
 # backend -> kernel -> the implementation `auto` picks there
 AUTO = {
     "cpu": {"attention": "blocked", "moe": "buckets"},
@@ -91,7 +93,7 @@ WEIGHT_GATHERS = ("auto", "partitioner", "steps")
 GATHER_GROUP = {"cpu": 0, "gpu": 0, "tpu": 8}
 
 
-class KernelError(ValueError):
+class KernelError(MoeJaxError, ValueError):
     """A kernel named for a backend, dtype or shape it cannot run on (the CLIs print it in
     one line and exit 2)."""
 

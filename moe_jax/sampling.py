@@ -80,6 +80,7 @@ from jax.sharding import PartitionSpec as P
 
 from moe_jax.config import sampling_problem
 from moe_jax.decoding import Decoding, Program, Request, Weights, loop, model_of, unstack_blocks
+from moe_jax.errors import MoeJaxError
 from moe_jax.model import Transformer
 from moe_jax.model.int8 import is_quantized, quantize_model
 from moe_jax.sampling_rules import Mode, pick_tokens
@@ -88,7 +89,7 @@ MIN_BUCKET = 16  # shortest prompt bucket: shorter prompts are padded to this
 STOP_BUCKET = 8  # stop-token lists are padded to a multiple of this
 
 
-class SamplingError(ValueError):
+class SamplingError(MoeJaxError, ValueError):
     """Unusable generation request; the message names the problem and the fix."""
 
 

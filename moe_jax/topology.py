@@ -30,10 +30,12 @@ import os
 import re
 from dataclasses import dataclass
 
+from moe_jax.errors import MoeJaxError
+
 GIB = 1 << 30
 
 
-class TopologyError(ValueError):
+class TopologyError(MoeJaxError, ValueError):
     """An unknown or unusable topology name; the message lists the valid ones."""
 
 

@@ -28,6 +28,7 @@ from tqdm import tqdm
 
 from moe_jax.config import Config
 from moe_jax.data import load_run_data
+from moe_jax.errors import MoeJaxError
 from moe_jax.eval.in_training import TaskEval
 from moe_jax.metrics import MetricsWriter, compute_units, unit_peak_flops
 from moe_jax.profile import StepProfiler
@@ -61,8 +62,10 @@ from moe_jax.train_step import (
 from moe_jax.weights import WeightsDoNotFit, check_train_fits
 
 
-class TrainingError(RuntimeError):
+class TrainingError(MoeJaxError, RuntimeError):
     """Training cannot go on (e.g. the loss became NaN); the last good checkpoint is kept."""
+
+    exit_code = 1  # the run is fine up to its last complete checkpoint
 
 
 class OutOfMemory(TrainingError):

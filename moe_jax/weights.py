@@ -31,6 +31,7 @@ from flax import nnx
 
 from moe_jax import backends
 from moe_jax.config import Config
+from moe_jax.errors import MoeJaxError
 from moe_jax.model import Transformer
 from moe_jax.model.int8 import CONTRACTED_AXES, QUANTIZATIONS, QuantizedParam, quantize_model
 
@@ -170,5 +171,5 @@ def check_train_fits(abstract_state: dict) -> None:
         )
 
 
-class WeightsDoNotFit(ValueError):
+class WeightsDoNotFit(MoeJaxError, ValueError):
     """The weights, in their form and sharding, need more memory than the devices have."""

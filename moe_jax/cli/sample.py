@@ -33,6 +33,7 @@ import numpy as np
 
 from moe_jax.config import SAMPLING_RULES, sampling_problem
 from moe_jax.config.run import WEIGHT_KINDS
+from moe_jax.errors import MoeJaxError
 from moe_jax.runtime import import_jax, reexec_with_hugepages
 
 SEPARATOR = "\n" + "-" * 40 + "\n"
@@ -44,7 +45,7 @@ FLAG_RULES = (
 )
 
 
-class FlagError(ValueError):
+class FlagError(MoeJaxError, ValueError):
     """A flag's value that no run can use; the message names the flag."""
 
 

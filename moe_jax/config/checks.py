@@ -6,12 +6,14 @@ import math
 from collections.abc import Sequence
 from dataclasses import fields, is_dataclass
 
+from moe_jax.errors import MoeJaxError
+
 INT32_MAX = 2**31 - 1  # sizes and counts index int32 arrays
 SEEDS = ("seed", "sample.seed")
 SEED_LIMIT = 2**32  # PRNG keys take 32 bits: larger seeds would collide
 
 
-class ConfigError(ValueError):
+class ConfigError(MoeJaxError, ValueError):
     """An impossible or malformed configuration; the message says what to change."""
 
 

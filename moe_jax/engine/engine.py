@@ -46,9 +46,10 @@ import numpy as np
 from moe_jax.config import sampling_problem
 from moe_jax.engine.pages import PagePool
 from moe_jax.engine.programs import Batch, Picked, PickMode, Programs, table_width
+from moe_jax.errors import MoeJaxError
 
 
-class EngineError(ValueError):
+class EngineError(MoeJaxError, ValueError):
     """A request the engine cannot take; the message names the problem and the fix."""
 
 

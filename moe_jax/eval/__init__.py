@@ -15,6 +15,8 @@ modules that talk to the harness import it (backend, tasks, harness, in_training
 
 from __future__ import annotations
 
+from moe_jax.errors import MoeJaxError
 
-class EvalError(ValueError):
+
+class EvalError(MoeJaxError, ValueError):
     """An evaluation that cannot run as asked; the message names the problem and the fix."""

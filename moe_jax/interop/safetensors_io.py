@@ -22,6 +22,7 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 
+from moe_jax.errors import MoeJaxError
 from moe_jax.interop.lazy import Deferred
 
 WRITE_BYTES = 1 << 26  # a deferred tensor is computed and written this much at a time
@@ -29,7 +30,7 @@ INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 
 
-class InteropError(ValueError):
+class InteropError(MoeJaxError, ValueError):
     """A checkpoint or config that cannot be converted; the message names what and why."""
 
 

@@ -52,6 +52,7 @@ import jax.numpy as jnp
 from flax import nnx
 from flax.nnx import reprlib
 
+from moe_jax.errors import MoeJaxError
 from moe_jax.model import fp4
 
 QUANTIZATIONS = ("int8", "mxfp4")
@@ -70,7 +71,7 @@ CONTRACTED_AXES = {
 QMAX = 127  # symmetric: -128 is never used
 
 
-class QuantizeError(ValueError):
+class QuantizeError(MoeJaxError, ValueError):
     """A quantisation request that cannot be done; the message names the fix."""
 
 

@@ -21,6 +21,8 @@ loading rebuilds the quantised model, and training it is refused.
 
 from __future__ import annotations
 
+from moe_jax.errors import MoeJaxError
+
 CONFIG_FILE = "config.yaml"
 
 
@@ -42,5 +44,5 @@ TOKENIZER_DIR = "tokenizer"  # a file tokenizer's files (moe_jax/tokenizer/files
 ITEMS = ("params", "opt_state", "data", "meta")
 
 
-class RunError(ValueError):
+class RunError(MoeJaxError, ValueError):
     """A run directory that cannot be used as asked; the message names the fix."""

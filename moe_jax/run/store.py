@@ -32,6 +32,7 @@ import jax
 import orbax.checkpoint as ocp
 
 from moe_jax.config import Config, ConfigError, config_from_yaml, config_to_yaml
+from moe_jax.errors import MoeJaxError
 from moe_jax.run.layout import (
     CHECKPOINT_DIR,
     CONFIG_FILE,
@@ -244,9 +245,11 @@ def chunked(params):
     return jax.tree.map(lambda _: ocp.SaveArgs(chunk_byte_size=PARAMS_CHUNK_BYTES), params)
 
 
-class SaveError(RuntimeError):
+class SaveError(MoeJaxError, RuntimeError):
     """A checkpoint could not be written (e.g. the disk is full); the ones before it are
     intact, and training resumes from the latest of them."""
+
+    exit_code = 1  # the run is fine up to its last complete checkpoint
 
 
 def _size(n_bytes: int) -> str:

@@ -18,6 +18,7 @@ import secrets
 
 from moe_jax.engine import SamplingParams
 from moe_jax.engine.programs import TOP_LOGPROBS
+from moe_jax.errors import MoeJaxError
 from moe_jax.tokenizer import DataError
 
 MAX_N = 16
@@ -25,7 +26,7 @@ MAX_STOPS = 4
 DEFAULT_MAX_TOKENS = 16
 
 
-class BadRequest(ValueError):
+class BadRequest(MoeJaxError, ValueError):
     def __init__(self, message: str, param: str | None = None):
         super().__init__(message)
         self.param = param

@@ -7,8 +7,10 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from moe_jax.errors import MoeJaxError
 
-class DataError(ValueError):
+
+class DataError(MoeJaxError, ValueError):
     """Unusable input data; the message names the problem and the fix."""
 
 
