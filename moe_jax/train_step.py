@@ -56,6 +56,8 @@ from jax.sharding import PartitionSpec as P
 
 from moe_jax import backends
 from moe_jax.config import Config, TrainConfig
+from moe_jax.lora import adapters as lora
+from moe_jax.lora import params as lora_params
 from moe_jax.loss import head_statistics
 from moe_jax.model import Transformer, gather
 from moe_jax.model.balancing import update_correction_bias
@@ -152,7 +154,8 @@ def make_optimizer(t: TrainConfig) -> optax.GradientTransformation:
     )
     if t.moments_dtype != "float32":
         adamw = stored_in(adamw, jnp.dtype(t.moments_dtype))
-    return optax.chain(clip_by_global_norm(t.clip_norm), adamw)
+    # with LoRA adapters in the params, state for them alone (moe_jax/lora/params.py)
+    return lora_params.adapters_only(optax.chain(clip_by_global_norm(t.clip_norm), adamw))
 
 
 # ----------------------------------------------------------------------------- steps
@@ -322,12 +325,17 @@ def loss_fn(
 
 def compute_grads(params, graphdef: nnx.GraphDef, batch: Batch, t: TrainConfig):
     """-> (grads, metrics) of the batch, accumulated over `t.grad_accum` micro-batches.
+    With LoRA adapters in `params`, the gradients of their A and B alone (the frozen base
+    gets none: `lora.params.split`).
 
     Metrics: "loss", "ce" and "logit_z" (means over the batch's counted targets), "n_targets"
     (their number), the MoE aux statistics (means over the micro-batches), and with
     model.mtp_depth "mtp_ce" (the mean over depths of each depth's mean over the batch)."""
     A = t.grad_accum
-    grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+    trained, frozen = lora_params.split(params)
+    grad_fn = jax.value_and_grad(
+        lambda trained, *args: loss_fn(lora_params.join(trained, frozen), *args), has_aux=True
+    )
     total = n_targets(batch)
     depth = len(params["mtp"]) if "mtp" in params else 0  # model.mtp_depth
     mtp_total = None  # each MTP depth's count of targets in the whole batch
@@ -342,11 +350,11 @@ def compute_grads(params, graphdef: nnx.GraphDef, batch: Batch, t: TrainConfig):
 
     def accumulate(grads_sum, micro_batch):
         (loss, metrics), grads = grad_fn(
-            params, graphdef, micro_batch, t.logit_z_loss, total, A, mtp_total
+            trained, graphdef, micro_batch, t.logit_z_loss, total, A, mtp_total
         )
         return jax.tree.map(jnp.add, grads_sum, grads), metrics | {"loss": loss}
 
-    zeros = jax.tree.map(jnp.zeros_like, params)
+    zeros = jax.tree.map(jnp.zeros_like, trained)
     grads, metrics_A = jax.lax.scan(accumulate, zeros, micro_A)
     summed = ("loss", "ce_sum", "logit_z_sum") + (("mtp_ce_sum",) if depth else ())
     sums = {k: jnp.sum(metrics_A.pop(k), axis=0) for k in summed}
@@ -377,15 +385,21 @@ def make_train_step(
     def train_step(state, batch):
         params = state["params"]
         m = cfg.mesh
-        with gather.gathering(
-            backends.weight_gather(m.weight_gather), backends.gather_group(m.gather_group)
+        # lora.dropout's masks: new every step, the same again when a resumed run redoes it
+        key = jax.random.fold_in(jax.random.key(cfg.seed), state["step"])
+        with (
+            gather.gathering(
+                backends.weight_gather(m.weight_gather), backends.gather_group(m.gather_group)
+            ),
+            lora.dropping(key, cfg.lora.dropout),
         ):
             grads, metrics = compute_grads(params, graphdef, batch, cfg.train)
         with jax.named_scope(OPTIMIZER):
-            metrics["grad_norm"] = optax.tree.norm(grads)  # before clipping
+            metrics["grad_norm"] = optax.tree.norm(grads)  # before clipping (adapters' alone)
             metrics["lr"] = schedule(state["step"])
             updates, opt_state = tx.update(grads, state["opt_state"], params)
-            new_params = optax.apply_updates(params, updates)
+            trained, frozen = lora_params.split(params)
+            new_params = lora_params.join(optax.apply_updates(trained, updates), frozen)
             # outside the gradient: aux-loss-free balancing's bias (model/balancing.py)
             new_params = update_correction_bias(new_params, metrics, cfg)
         new_state = {"step": state["step"] + 1, "params": new_params, "opt_state": opt_state}
@@ -418,6 +432,8 @@ def init_state(cfg: Config, tx: optax.GradientTransformation, abstract: bool = F
     def init():
         model = Transformer(cfg, rngs=nnx.Rngs(cfg.seed))
         params = nnx.state(model, nnx.Param)
+        if cfg.lora.rank:  # the frozen base in lora.base_dtype
+            params = lora_params.with_base_dtype(params, cfg.lora.base_dtype)
         return make_state(0, params, tx.init(params))
 
     graphdef = nnx.graphdef(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0))))

@@ -31,6 +31,7 @@ from moe_jax.data import load_run_data
 from moe_jax.errors import MoeJaxError
 from moe_jax.eval.in_training import TaskEval
 from moe_jax.metrics import MetricsWriter, compute_units, unit_peak_flops
+from moe_jax.preflight import check_kernels
 from moe_jax.profile import StepProfiler
 from moe_jax.run import hf_exports
 from moe_jax.run.init_from import init_source, start_state, with_source_architecture
@@ -174,6 +175,7 @@ def train(cfg: Config, *, stop_at: int | None = None) -> TrainResult:
     log(platform_line())
     mesh = make_mesh(cfg)
     check_batch_split(mesh, cfg.train.batch_size)
+    check_kernels(cfg, dict(mesh.shape))  # the step traces after the run dir is made
     if mesh.size < jax.device_count():
         log(f"mesh: 1 of {jax.device_count()} devices (set mesh.data=-1 to use all)")
     else:
@@ -188,7 +190,7 @@ def train(cfg: Config, *, stop_at: int | None = None) -> TrainResult:
     # nothing written.
     state = None
     if source:
-        state, source = start_state(source, abstract_state, tx)
+        state, source = start_state(source, abstract_state, tx, cfg)
     it = data.train_iterator(cfg, jax.process_index(), jax.process_count())
     # Locks the run dir: from here on no other run writes to it. With train.resume_step in
     # effect, the checkpoints after that step are moved to RUN_DIR/superseded.

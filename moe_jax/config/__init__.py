@@ -23,6 +23,7 @@ from omegaconf import OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
 from moe_jax.config.checks import ConfigError, numbers_in_range, positive, require
+from moe_jax.config.lora import LORA_TARGETS, LoRAConfig
 from moe_jax.config.model import (
     DTYPES,
     REMAT_NAMES,
@@ -69,6 +70,8 @@ __all__ = [
     "ConfigError",
     "DataConfig",
     "EvalConfig",
+    "LORA_TARGETS",
+    "LoRAConfig",
     "MeshConfig",
     "ModelConfig",
     "MoEConfig",
@@ -96,6 +99,7 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     sample: SampleConfig = field(default_factory=SampleConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
     run_dir: str = "runs/tiny"
     seed: int = 0
     # Start a new run from the params of another run directory (trained, or imported with
@@ -149,7 +153,8 @@ class Config:
         """Every section's own checks, then the rules that span sections."""
         numbers_in_range(self)
         for section in (self.model, self.attention, self.moe, self.mesh, self.train,
-                        self.data, self.checkpoint, self.sample, self.eval):  # fmt: skip
+                        self.data, self.checkpoint, self.sample, self.eval,
+                        self.lora):  # fmt: skip
             section.check()
         _check_across_sections(self)
 

@@ -8,6 +8,10 @@ slice and transpose it into the HF tensors, and `ShardWriter` reads each tensor'
 writes it to its shard and drops it. Host memory: about the largest tensor (or one layer of
 a parameter whose rule merges axes), whatever the model's size.
 
+A LoRA run (lora.rank > 0) is written merged: each adapted weight W + (alpha / r) A B, in
+float32 before the cast to `dtype` (`lora.peft.merged_reader`); its adapters alone go out
+in PEFT's format with `lora.peft.export_adapter`.
+
 dtype: the parameters' own (the dtype holding most of their bytes: float32 for a trained
 run, bf16 for a bf16 import) unless asked for, written as config.json's `torch_dtype`.
 """
@@ -72,6 +76,10 @@ def export_run(
     total = sum(math.prod(s) for s in arrays.shapes.values()) * out_dtype.itemsize
     tracker = progress(total) if progress is not None else None
     read = lambda path, block: _deferred(arrays, path, block)
+    if cfg.lora.rank:  # a LoRA run: each adapted weight written merged, W + (alpha / r) A B
+        from moe_jax.lora.peft import merged_reader
+
+        read = merged_reader(read, arrays.shapes, cfg.lora.alpha / cfg.lora.rank)
     write_hf(
         cfg, family, hf_config, read, out, tokenizer=tokenizer, dtype=out_dtype, progress=tracker
     )

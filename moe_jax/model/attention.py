@@ -43,6 +43,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from moe_jax import backends
 from moe_jax.config import Config
+from moe_jax.lora import adapters as lora
 from moe_jax.model import attention_kernels, gather
 from moe_jax.model.kv_cache import KVCache, check_cache_inputs, ring_keys, write_cache, write_ring
 from moe_jax.model.norm import RMSNorm, rms_norm
@@ -191,6 +192,7 @@ class Attention(nnx.Module):
             self.k_norm = RMSNorm(hd, cfg.model.norm_eps, rngs=rngs)
         if a.sinks:
             self.sinks = param(rngs, zeros, (H,), ("heads",))
+        lora.attach(self, cfg, "attention", rngs)
 
     def _sinks_KG(self) -> jax.Array | None:
         """The sink logits [K, G] (query head h = k G + g), float32; None without sinks."""
@@ -201,6 +203,7 @@ class Attention(nnx.Module):
 
     def _project(self, x_BTD: jax.Array, name: str) -> jax.Array:
         y = gather.einsum("btd,dhk->bthk", x_BTD, getattr(self, f"w{name}"), self.dtype)
+        y = y + lora.delta(self, f"w{name}", x_BTD, "btd,dhk->bthk", self.dtype)
         if hasattr(self, f"{name}_bias"):
             y = y + getattr(self, f"{name}_bias")[...].astype(self.dtype)
         return y
@@ -238,6 +241,7 @@ class Attention(nnx.Module):
         else:
             out_BTHD, cache = self._cached(q_BTHD, k_BTKD, v_BTKD, positions_BT, cache)
         y_BTD = gather.einsum("bthk,hkd->btd", out_BTHD, self.wo, self.dtype)
+        y_BTD = y_BTD + lora.delta(self, "wo", out_BTHD, "bthk,hkd->btd", self.dtype)
         if hasattr(self, "o_bias"):
             y_BTD = y_BTD + self.o_bias[...].astype(self.dtype)
         return checkpoint_name(y_BTD, "out_proj"), cache

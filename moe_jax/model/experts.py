@@ -17,6 +17,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from moe_jax import backends
 from moe_jax.config import Config
+from moe_jax.lora import adapters as lora
 from moe_jax.model import gather
 from moe_jax.model.filled_rows import swiglu_filled
 from moe_jax.model.glu import SWIGLU, Activation, glu
@@ -50,10 +51,15 @@ class SwiGLU(nnx.Module):
         # and the layer's forward + backward took twice as long.
         x_ND = x_BTD.reshape(-1, x_BTD.shape[-1])
         # (each matmul's weight gathered by mesh.weight_gather, see gather.einsum)
-        gate_NF = gather.einsum("nd,df->nf", x_ND, self.w_gate, self.dtype)
-        up_NF = gather.einsum("nd,df->nf", x_ND, self.w_up, self.dtype)
-        y_ND = gather.einsum("nf,fd->nd", jax.nn.silu(gate_NF) * up_NF, self.w_down, self.dtype)
+        gate_NF = self._matmul("w_gate", x_ND, "nd,df->nf")
+        up_NF = self._matmul("w_up", x_ND, "nd,df->nf")
+        y_ND = self._matmul("w_down", jax.nn.silu(gate_NF) * up_NF, "nf,fd->nd")
         return y_ND.reshape(*x_BTD.shape[:-1], -1)
+
+    def _matmul(self, name: str, x, subscripts: str) -> jax.Array:
+        """x times weight `name`, plus its LoRA adapter's term where it has one."""
+        y = gather.einsum(subscripts, x, getattr(self, name), self.dtype)
+        return y + lora.delta(self, name, x, subscripts, self.dtype)
 
 
 class Experts(nnx.Module):
@@ -74,7 +80,13 @@ class Experts(nnx.Module):
             self.down_bias = param(rngs, zeros, (E, D), ("expert", "expert_embed"))
 
     def weights(self) -> dict[str, jax.Array]:
-        return {n: getattr(self, n)[...] for n in EXPERT_PARAMS if hasattr(self, n)}
+        """The expert weights by name, each with its LoRA adapter merged in where it has one
+        (`lora.merged`: one code path for every expert implementation)."""
+        w = {n: getattr(self, n)[...] for n in EXPERT_PARAMS if hasattr(self, n)}
+        return lora.merged(self, w)
+
+    def has_adapters(self) -> bool:
+        return any(lora.has_adapter(self, n) for n in EXPERT_PARAMS)
 
 
 def swiglu_rows(x_CD, w: dict, dtype, act: Activation = SWIGLU) -> jax.Array:

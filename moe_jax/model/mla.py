@@ -46,6 +46,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from moe_jax import backends
 from moe_jax.config import Config
+from moe_jax.lora import adapters as lora
 from moe_jax.model import attention_kernels, gather
 from moe_jax.model.attention import (
     ATTENTION_OUT,
@@ -101,6 +102,7 @@ class MLAttention(nnx.Module):
         self.wk_b = param(rngs, init, (R, H, N), heads)  # W_uk
         self.wv_b = param(rngs, init, (R, H, V), heads)  # W_uv
         self.wo = param(rngs, init, (H, V, D), ("heads", "head_dim", "embed"))
+        lora.attach(self, cfg, "attention", rngs)  # wk_b / wv_b (also absorbed) get none
 
     def _w(self, v: nnx.Param) -> jax.Array:
         """A weight without a model dim (nothing for `gather.einsum` to gather), as computed."""
@@ -108,9 +110,16 @@ class MLAttention(nnx.Module):
 
     def _query(self, x_BTD: jax.Array) -> jax.Array:
         if hasattr(self, "wq"):
-            return gather.einsum("btd,dhq->bthq", x_BTD, self.wq, self.dtype)
-        q_BTr = self.q_a_norm(gather.einsum("btd,dr->btr", x_BTD, self.wq_a, self.dtype))
-        return jnp.einsum("btr,rhq->bthq", q_BTr, self._w(self.wq_b))
+            q_BTHQ = gather.einsum("btd,dhq->bthq", x_BTD, self.wq, self.dtype)
+            return q_BTHQ + lora.delta(self, "wq", x_BTD, "btd,dhq->bthq", self.dtype)
+        q_BTr = gather.einsum("btd,dr->btr", x_BTD, self.wq_a, self.dtype)
+        q_BTr = self.q_a_norm(q_BTr + lora.delta(self, "wq_a", x_BTD, "btd,dr->btr", self.dtype))
+        q_BTHQ = jnp.einsum("btr,rhq->bthq", q_BTr, self._w(self.wq_b))
+        return q_BTHQ + lora.delta(self, "wq_b", q_BTr, "btr,rhq->bthq", self.dtype)
+
+    def _latent(self, x_BTD: jax.Array) -> jax.Array:
+        kv_BTL = gather.einsum("btd,dl->btl", x_BTD, self.wkv_a, self.dtype)
+        return kv_BTL + lora.delta(self, "wkv_a", x_BTD, "btd,dl->btl", self.dtype)
 
     @scoped(ATTENTION)
     def __call__(
@@ -122,7 +131,7 @@ class MLAttention(nnx.Module):
     ) -> tuple[jax.Array, KVCache | None]:
         check_cache_inputs(cache, segments_BT)
         q_BTHQ, kv_BTL = checkpoint_name(
-            (self._query(x_BTD), gather.einsum("btd,dl->btl", x_BTD, self.wkv_a, self.dtype)),
+            (self._query(x_BTD), self._latent(x_BTD)),
             "qkv_proj",
         )
         N, R = self.nope_dim, self.kv_lora_rank
@@ -141,6 +150,7 @@ class MLAttention(nnx.Module):
                 q_nope_BTHN, q_pe_BTHP, c_BTR, k_pe_BT1P, positions_BT, cache
             )
         y_BTD = gather.einsum("bthv,hvd->btd", out_BTHV, self.wo, self.dtype)
+        y_BTD = y_BTD + lora.delta(self, "wo", out_BTHV, "bthv,hvd->btd", self.dtype)
         return checkpoint_name(y_BTD, "out_proj"), cache
 
     def _expanded(self, q_nope_BTHN, q_pe_BTHP, c_BTR, k_pe_BT1P, positions_BT, segments_BT):

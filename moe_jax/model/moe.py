@@ -45,6 +45,7 @@ from flax import nnx
 
 from moe_jax import backends
 from moe_jax.config import Config
+from moe_jax.lora import adapters as lora
 from moe_jax.model.exchange import expert_parallel
 from moe_jax.model.experts import (
     GROUPED_IMPLS,
@@ -86,8 +87,10 @@ class MoE(nnx.Module):
         if m.correction_bias:  # chooses experts only; trained without a gradient (routing.py)
             self.correction_bias = param(rngs, nnx.initializers.zeros, (E,), (None,))
         self.experts = Experts(cfg, rngs=rngs)
+        lora.attach(self.experts, cfg, "experts", rngs)
         if m.shared_expert_hidden > 0:
             self.shared = SwiGLU(D, m.shared_expert_hidden, cfg, rngs=rngs)
+            lora.attach(self.shared, cfg, "shared", rngs)
 
     def router_logits(self, x_BTD: jax.Array) -> jax.Array:
         logits = x_BTD.astype(jnp.float32) @ self.router[...]
@@ -138,8 +141,10 @@ class MoE(nnx.Module):
         if B * T * K < E:
             # Few tokens in flight (decoding): read only the picked experts' weights instead
             # of running all E experts on mostly empty buffers. Same drops as the buffers.
+            # (LoRA: the merged weights of every expert; merge adapters before serving)
+            ex = self.experts.weights() if self.experts.has_adapters() else self.experts
             y_BTD = gathered_swiglu(
-                x_BTD, merge(r_G.experts), merge(r_G.weights), merge(r_G.keep), self.experts,
+                x_BTD, merge(r_G.experts), merge(r_G.weights), merge(r_G.keep), ex,
                 self.dtype, route_scale=self.cfg.route_scale, act=Activation.from_config(self.cfg),
             )  # fmt: skip
         elif self._impl() in GROUPED_IMPLS:

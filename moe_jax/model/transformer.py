@@ -59,6 +59,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from moe_jax import backends
 from moe_jax.config import Config
+from moe_jax.lora import adapters as lora
 from moe_jax.model import gather
 from moe_jax.model.attention import Attention
 from moe_jax.model.int8 import after
@@ -98,6 +99,7 @@ class DecoderLayer(nnx.Module):
             self.ffn = MoE(cfg, rngs=rngs)
         else:
             self.ffn = SwiGLU(D, cfg.model.ffn_hidden, cfg, rngs=rngs)
+            lora.attach(self.ffn, cfg, "mlp", rngs)
 
     def __call__(self, x_BTD, positions_BT, cache: KVCache | None, n_groups: int, segments_BT):
         if cache is not None or self.remat[0] == "none":

@@ -26,10 +26,12 @@ from pathlib import Path
 
 import jax
 import optax
+from flax import nnx
 
 from moe_jax.config import Config
 from moe_jax.interop.as_run import is_hf_dir, with_hf_architecture
 from moe_jax.load import read_run_meta, restore_params
+from moe_jax.lora import params as lora_params
 from moe_jax.run.layout import RunError
 from moe_jax.run.policy import check_compatible
 from moe_jax.tokenizer import DataError, Tokenizer, load_tokenizer
@@ -98,14 +100,22 @@ def init_source(
     return InitSource(source, meta["step"], tokenizer, pinned=cfg.init_step is not None)
 
 
-def start_state(source: InitSource, abstract_state: dict, tx: optax.GradientTransformation):
+def start_state(
+    source: InitSource, abstract_state: dict, tx: optax.GradientTransformation, cfg=None
+):
     """-> (the train state of a new run from `source`: its params restored onto the
     shardings of `abstract_state` (`init_state(cfg, tx, abstract=True, mesh=mesh)`), a new
     optimizer state laid out like its abstract one, step 0; `source` with the step read: the
-    newest instead, unless pinned, if training there removed the one checked meanwhile)."""
-    params, step = restore_params(
-        source.run_dir, source.step, abstract_state["params"], or_newest=not source.pinned
-    )
+    newest instead, unless pinned, if training there removed the one checked meanwhile).
+    With LoRA (`cfg.lora.rank`), the source is the frozen base, restored in
+    lora.base_dtype, and the adapters are new (`lora.params.fresh_adapters`, from cfg.seed)
+    or, with lora.init_adapter, a PEFT adapter's (`lora.peft.adapters_from_peft`)."""
+    target, adapters = abstract_state["params"], None
+    if lora_params.has_adapters(target):
+        adapters, target = nnx.split_state(target, lora_params.is_adapter, ...)
+    params, step = restore_params(source.run_dir, source.step, target, or_newest=not source.pinned)
+    if adapters is not None:
+        params = lora_params.start_adapters(params, adapters, cfg)
     opt_sharding = jax.tree.map(lambda a: a.sharding, abstract_state["opt_state"])
     opt_state = jax.jit(tx.init, out_shardings=opt_sharding)(params)
     state = make_state(0, params, opt_state, abstract_state["step"].sharding)

@@ -1,0 +1,174 @@
+"""LoRA in the train state: which params train, the frozen base, merging.
+
+    trained, frozen = split(params)        # the adapters' A and B / everything else
+    params = join(trained, frozen)
+    tx = adapters_only(tx)                 # optimizer state for the adapters alone
+    params = with_base_dtype(params, cfg)  # the frozen matmul weights in lora.base_dtype
+    params = fresh_adapters(params, seed)  # new adapters (A random, B 0) on a restored base
+    params = merge_into_base(params)       # W + (alpha / r) A B, the adapters gone
+
+A params tree without adapters (lora.rank 0) goes through all of these unchanged: `split`
+gives it whole as the trained part, so full fine-tuning's step is the step it always was.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+from moe_jax.lora.adapters import PREFIX, SEEDS, product
+
+TRAINED = ("a", "b")  # an adapter's leaves that train (its `seed` does not)
+
+
+def _key_name(k) -> str:
+    """A path element's name (flat nnx paths hold plain keys, jax tree paths wrap them)."""
+    return str(getattr(k, "key", getattr(k, "name", k)))
+
+
+def is_trained(path, _=None) -> bool:
+    """An adapter's A or B (path ... lora_<weight>/a|b)."""
+    names = [_key_name(k) for k in path]
+    return len(names) >= 2 and names[-2].startswith(PREFIX) and names[-1] in TRAINED
+
+
+def is_adapter(path, _=None) -> bool:
+    return any(_key_name(k).startswith(PREFIX) for k in path)
+
+
+def has_adapters(params) -> bool:
+    """Whether a params tree (an nnx State or any pytree of them) holds adapters."""
+    paths = jax.tree_util.tree_flatten_with_path(params)[0]
+    return any(is_adapter(p) for p, _ in paths)
+
+
+def split(params) -> tuple:
+    """(the adapters' A and B, the rest) of an nnx params State; (params, None) without
+    adapters (then everything trains)."""
+    if not has_adapters(params):
+        return params, None
+    return nnx.split_state(params, is_trained, ...)
+
+
+def join(trained, frozen):
+    return trained if frozen is None else nnx.merge_state(trained, frozen)
+
+
+def adapters_only(tx: optax.GradientTransformation) -> optax.GradientTransformation:
+    """`tx` over the trained part of the params (`split`): `init(params)` makes state for
+    the adapters alone where there are any (all params otherwise), and `update` takes
+    gradients of that part (the train step differentiates nothing else)."""
+
+    def init(params):
+        return tx.init(split(params)[0])
+
+    def update(grads, state, params=None):
+        trained = None if params is None else split(params)[0]
+        return tx.update(grads, state, trained)
+
+    return optax.GradientTransformation(init, update)
+
+
+def with_base_dtype(params, dtype: str):
+    """The params with the frozen base's matmul weights (floating, 2 dims or more, not an
+    adapter's) cast to `dtype`; vectors (norm scales, biases, the router's correction bias
+    updated outside the gradient) stay as they are."""
+
+    def cast(path, v):
+        a = v[...]
+        if is_adapter(path) or a.ndim < 2 or not jnp.issubdtype(a.dtype, jnp.floating):
+            return v
+        return v.replace(a.astype(dtype))
+
+    flat = [(p, cast(p, v)) for p, v in nnx.to_flat_state(params)]
+    return nnx.from_flat_state(flat)
+
+
+def fresh_adapters(params, key: jax.Array):
+    """The params with every adapter new: A normal with std 1/sqrt(fan in), B zero, seeds
+    random (the model's own initialisation, `adapters.attach`), each leaf from `key` folded
+    with its index. For a run started from a base (`init_from`), whose checkpoint holds
+    none: `params` is the restored base joined with the abstract adapters."""
+    flat = list(nnx.to_flat_state(params))
+    adapters = {p: v for p, v in flat if is_adapter(p)}
+    lead = _lead_dims(adapters)
+    out = []
+    for i, (p, v) in enumerate(flat):
+        if p in adapters:
+            k = jax.random.fold_in(key, i)
+            name, shape = p[-1], v.shape
+            sharding = getattr(v.get_raw_value(), "sharding", None)
+            if name == "a":
+                fan_in = math.prod(shape[lead[p[:-1]] : -1])  # A [lead..., in..., r]
+                value = jax.random.normal(k, shape, jnp.float32) * fan_in**-0.5
+            elif name == "b":
+                value = jnp.zeros(shape, jnp.float32)
+            else:
+                value = jax.random.randint(k, shape, 0, SEEDS).astype(jnp.float32)
+            value = jax.device_put(value, sharding) if sharding is not None else value
+            v = v.replace(value)
+        out.append((p, v))
+    return nnx.from_flat_state(out)
+
+
+def _lead_dims(adapters: dict) -> dict:
+    """Each adapter's (its path) leading dims of A before its input dims: the layer stack's
+    (where its seed has one) and the routed experts' axis."""
+    return {
+        p[:-1]: v.ndim + (p[-3] == "experts" if len(p) >= 3 else 0)
+        for p, v in adapters.items()
+        if p[-1] == "seed"
+    }
+
+
+def adapted_weights(params) -> dict:
+    """{base weight path: its adapter's path} of every adapted weight in a params State."""
+    return {
+        p[:-2] + (p[-2][len(PREFIX) :],): p[:-1]
+        for p, _ in nnx.to_flat_state(params)
+        if p[-1] == "seed" and is_adapter(p)
+    }
+
+
+def merge_into_base(params, scale: float):
+    """The params of the base model alone: each adapted weight W + `scale` A B (scale =
+    lora.alpha / lora.rank), in W's dtype, the adapters dropped."""
+    flat = dict(nnx.to_flat_state(params))
+    lead = _lead_dims({p: v for p, v in flat.items() if is_adapter(p)})
+    out = []
+    for p, v in flat.items():
+        if is_adapter(p):
+            continue
+        ad = p[:-1] + (PREFIX + p[-1],)
+        if ad in lead:
+            w = v[...]
+            ab = product(flat[ad + ("a",)][...], flat[ad + ("b",)][...], lead[ad])
+            v = v.replace((w.astype(jnp.float32) + scale * ab).astype(w.dtype))
+        out.append((p, v))
+    return nnx.from_flat_state(out)
+
+
+def start_adapters(base, adapters_abstract, cfg):
+    """A run's params from a restored base (`init_from`) and its abstract adapters: new
+    ones (`fresh_adapters`, from cfg.seed), or with lora.init_adapter a PEFT adapter's,
+    each placed on its abstract sharding (seeds fresh either way)."""
+    params = fresh_adapters(nnx.merge_state(base, adapters_abstract), jax.random.key(cfg.seed))
+    if not cfg.lora.init_adapter:
+        return params
+    from pathlib import Path
+
+    from moe_jax.lora.peft import adapters_from_peft
+
+    read = adapters_from_peft(cfg, Path(cfg.lora.init_adapter))
+    flat = []
+    for p, v in nnx.to_flat_state(params):
+        if p in read:
+            sharding = getattr(v.get_raw_value(), "sharding", None)
+            value = jnp.asarray(read[p], v.get_raw_value().dtype)
+            v = v.replace(jax.device_put(value, sharding) if sharding is not None else value)
+        flat.append((p, v))
+    return nnx.from_flat_state(flat)

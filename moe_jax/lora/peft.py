@@ -1,0 +1,280 @@
+"""LoRA adapters in PEFT's format, both ways, and merged into a streaming export.
+
+    export_adapter(run_dir, out)             # out/adapter_model.safetensors + adapter_config.json
+    import_adapter(adapter_dir, base, out)   # a new run: `base` (run or HF dir) + the adapter
+    read = merged_reader(read, arrays, scale)  # interop.export: W + (alpha / r) A B per weight
+
+PEFT names a Linear's pair `base_model.model.<module>.lora_A.weight` [r, in] and
+`...lora_B.weight` [out, r], with update x A^T B^T (alpha / r). Our pair is A [in..., r],
+B [r, out...] for a weight [in..., out...], the Linear's transpose: the family's own rule
+for the weight (`interop.common.linear`: [in..., out...] <-> [out, in]) maps A as a
+weight of `in` inputs and r outputs, and B as one of r inputs (its output dims after
+size-1 input dims), so every family that writes the weight as one Linear gets PEFT's
+names and layout from its own mapping. Each pair is checked: the rule applied to A B must
+give lora_B lora_A, which refuses any weight whose Hugging Face form is not one Linear.
+The routed experts' stacked pairs have no such form (transformers fuses the experts into
+3-D parameters): export those merged (`python -m moe_jax.interop export`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import numpy as np
+from flax import nnx
+
+from moe_jax.config import Config
+from moe_jax.interop.convert import _placements, pick_family
+from moe_jax.interop.lazy import Deferred
+from moe_jax.interop.safetensors_io import SINGLE_FILE, InteropError, ShardWriter, TensorReader
+from moe_jax.lora.adapters import PREFIX, product
+from moe_jax.model import Transformer
+from moe_jax.run.layout import CHECKPOINT_DIR
+from moe_jax.run.output import new_output
+from moe_jax.run.store import open_checkpoints, read_meta
+from moe_jax.run.stream_save import CheckpointArrays
+
+WEIGHTS_FILE = "adapter_model.safetensors"
+CONFIG_FILE = "adapter_config.json"
+PEFT_PREFIX = "base_model.model."
+
+
+def adapter_of(path: tuple) -> tuple:
+    """The adapter's path of a weight's path (`.../attn/wq` -> `.../attn/lora_wq`)."""
+    return path[:-1] + (PREFIX + path[-1],)
+
+
+def _n_lead(path: tuple) -> int:
+    """A block's adapter's leading dims before its input: the routed experts' axis."""
+    return 1 if len(path) >= 2 and path[-2] == "experts" else 0
+
+
+def merged_reader(read, shapes: dict, scale: float):
+    """`read(path, block)` (`interop.export`'s: a Deferred param, or one layer of a stacked
+    one) with each adapted weight read as W + `scale` A B in float32, computed where used."""
+
+    def merged(path: tuple, block):
+        w = read(path, block)
+        ad = adapter_of(path)
+        if ad + ("a",) not in shapes:
+            return w
+        ab = product(np.asarray(read(ad + ("a",), block)), np.asarray(read(ad + ("b",), block)),
+                     _n_lead(path))  # fmt: skip
+        compute = lambda index: np.asarray(w.compute(index), np.float32) + scale * ab[index]
+        return Deferred(w.shape, compute, np.float32)
+
+    return merged
+
+
+def _pair(rule, a: np.ndarray, b: np.ndarray, where: str) -> tuple[str, np.ndarray, np.ndarray]:
+    """(the Linear's module name, lora_A [r, in], lora_B [out, r]) of our pair A [in..., r],
+    B [r, out...] through the weight's rule; InteropError where the rule is not one Linear."""
+    n_in = a.ndim - 1
+    b_as_weight = b.reshape((b.shape[0],) + (1,) * (n_in - 1) + b.shape[1:])
+    try:
+        (name_a, lora_a), = [(n, np.asarray(t)) for n, t in rule.save(a)]  # fmt: skip
+        (name_b, lora_b), = [(n, np.asarray(t)) for n, t in rule.save(b_as_weight)]  # fmt: skip
+        ((name_w, w),) = [(n, np.asarray(t)) for n, t in rule.save(product(a, b, 0))]
+    except (ValueError, TypeError):
+        name_a = None
+    if name_a is None or not name_a == name_b == name_w or not name_a.endswith(".weight"):
+        raise InteropError(f"{where}: its Hugging Face form is not one Linear; export it merged")
+    if w.shape != (lora_b.shape[0], lora_a.shape[1]) or not np.allclose(
+        w, lora_b @ lora_a, rtol=1e-4, atol=1e-6 * max(1.0, float(np.abs(w).max()))
+    ):
+        raise InteropError(f"{where}: its Hugging Face form is not one Linear; export it merged")
+    return name_a[: -len(".weight")], lora_a, lora_b
+
+
+def _linear_adapters(cfg: Config, family, shapes: dict):
+    """(tensor name prefix, rule, weight path, block) of every adapted weight, each once;
+    InteropError for an adapted weight that no single-param rule holds."""
+    seen = set()
+    for prefix, rule, paths, block in _placements(cfg, family):
+        for p in paths:
+            if adapter_of(p) + ("a",) not in shapes:
+                continue
+            where = ".".join(map(str, p)) + ("" if block is None else f" (block {block})")
+            if len(paths) != 1 or _n_lead(p):
+                raise InteropError(
+                    f"{where}: the routed experts' adapters have no PEFT form (transformers "
+                    "fuses the experts); export the run merged instead"
+                )
+            seen.add((p, block))
+            yield prefix, rule, p, block, where
+
+
+def export_adapter(
+    run_dir: str | Path, out: str | Path, step: int | None = None, architecture: str | None = None
+) -> tuple[str, Config]:
+    """Write the adapters of checkpoint `step` (default: the latest) of a LoRA run as the
+    PEFT adapter directory `out` (through a temporary sibling: whole or absent), for the
+    Hugging Face architecture of `interop export` (or `architecture`). -> (it, the config)."""
+    run_dir, out = Path(run_dir), Path(out)
+    manager, step = open_checkpoints(run_dir, step)
+    try:
+        cfg = read_meta(manager, step, run_dir)["config"]
+    finally:
+        manager.close()
+    if cfg.lora.rank == 0:
+        raise InteropError(f"'{run_dir}' has no LoRA adapters (lora.rank is 0); export it whole")
+    abstract = nnx.state(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0))), nnx.Param)
+    arrays = CheckpointArrays(run_dir / CHECKPOINT_DIR / str(step), abstract)
+
+    def read(path, block):
+        lead = () if block is None else (block,)
+        shape = arrays.shapes[path][len(lead) :]
+        return arrays.read(path, lead + tuple(slice(0, n) for n in shape))
+
+    return _write_adapter(cfg, read, arrays.shapes, out, architecture), cfg
+
+
+def save_adapter(cfg: Config, params, out: str | Path, architecture: str | None = None) -> str:
+    """`export_adapter` of params in memory (a model's `nnx.State` of params with adapters).
+    -> the architecture whose names it uses."""
+    flat = {p: v[...] for p, v in nnx.to_flat_state(params)}
+    read = lambda p, block: np.asarray(flat[p] if block is None else flat[p][block])
+    return _write_adapter(cfg, read, {p: a.shape for p, a in flat.items()}, out, architecture)
+
+
+def _write_adapter(cfg: Config, read, shapes: dict, out, architecture) -> str:
+    family, _ = pick_family(cfg, architecture)
+    tensors, modules = {}, set()
+    for prefix, rule, p, block, where in _linear_adapters(cfg, family, shapes):
+        ad = adapter_of(p)
+        name, lora_a, lora_b = _pair(rule, read(ad + ("a",), block), read(ad + ("b",), block),
+                                     where)  # fmt: skip
+        tensors[f"{PEFT_PREFIX}{prefix}{name}.lora_A.weight"] = lora_a
+        tensors[f"{PEFT_PREFIX}{prefix}{name}.lora_B.weight"] = lora_b
+        modules.add(name.rsplit(".", 1)[-1])
+    _write(Path(out), tensors, _adapter_config(cfg, sorted(modules)))
+    return family.architecture
+
+
+def _adapter_config(cfg: Config, modules: list[str]) -> dict:
+    """PEFT's LoraConfig for these adapters. target_modules by their last name, as PEFT
+    writes them: a module of that name the file holds no pair for (say a shared expert's
+    gate_proj where only the dense MLPs were adapted) gets PEFT's fresh pair, B = 0,
+    which changes nothing."""
+    lc = cfg.lora
+    return {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "r": lc.rank,
+        "lora_alpha": lc.alpha,
+        "lora_dropout": lc.dropout,
+        "target_modules": modules,
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "use_rslora": False,
+        "use_dora": False,
+        "init_lora_weights": True,
+        "inference_mode": True,
+        "modules_to_save": None,
+        "rank_pattern": {},
+        "alpha_pattern": {},
+        "base_model_name_or_path": None,
+    }
+
+
+def _write(out: Path, tensors: dict, config: dict) -> None:
+    with new_output(out, f"'{out}'") as tmp:
+        writer = ShardWriter(tmp, max_shard_bytes=1 << 62)
+        for name in sorted(tensors):
+            writer.add(name, tensors[name])
+        writer.close()
+        (tmp / SINGLE_FILE).rename(tmp / WEIGHTS_FILE)
+        (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
+
+
+def read_adapter_config(adapter_dir: Path) -> dict:
+    """adapter_config.json, checked to be a plain LoRA that our adapters can hold."""
+    path = adapter_dir / CONFIG_FILE
+    if not path.is_file():
+        raise InteropError(f"no {CONFIG_FILE} in '{adapter_dir}': not a PEFT adapter directory")
+    try:
+        conf = json.loads(path.read_text(encoding="utf-8"))
+    except ValueError as e:
+        raise InteropError(f"'{path}' is not valid JSON ({e})") from None
+    if conf.get("peft_type") != "LORA":
+        raise InteropError(f"'{path}' holds a {conf.get('peft_type')} adapter; only LORA is read")
+    for key, plain in (("use_rslora", False), ("use_dora", False), ("fan_in_fan_out", False),
+                       ("rank_pattern", {}), ("alpha_pattern", {}), ("bias", "none")):  # fmt: skip
+        if conf.get(key, plain) not in (plain, None):
+            raise InteropError(f"'{path}' sets {key}={conf[key]!r}, which moe_jax has no form for")
+    if conf.get("modules_to_save"):
+        raise InteropError(f"'{path}' trains whole modules too (modules_to_save); not supported")
+    return conf
+
+
+def adapters_from_peft(cfg: Config, adapter_dir: Path, architecture: str | None = None) -> dict:
+    """{adapter leaf path (ours): array} of a PEFT adapter for the model of `cfg` (whose lora
+    section says which weights have adapters), each pair read through its weight's rule;
+    InteropError for a pair the model has no place for, or a place the file does not fill."""
+    conf = read_adapter_config(adapter_dir)
+    if (int(conf.get("r", 0)), float(conf.get("lora_alpha", 0))) != (cfg.lora.rank, cfg.lora.alpha):
+        raise InteropError(
+            f"'{adapter_dir}' holds r={conf.get('r')}, lora_alpha={conf.get('lora_alpha')}; set "
+            f"lora.rank and lora.alpha to those (they are {cfg.lora.rank}, {cfg.lora.alpha})"
+        )
+    family, _ = pick_family(cfg, architecture)
+    abstract = nnx.state(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0))), nnx.Param)
+    shapes = {p: tuple(v.shape) for p, v in nnx.to_flat_state(abstract)}
+    reader = TensorReader(adapter_dir)
+    names, used, out = set(reader.names()), set(), {}
+    for prefix, rule, p, block, where in _linear_adapters(cfg, family, shapes):
+        ad = adapter_of(p)
+        lead = () if block is None else (block,)
+        a = np.zeros(shapes[ad + ("a",)][len(lead) :], np.float32)
+        b = np.zeros(shapes[ad + ("b",)][len(lead) :], np.float32)
+        # the Linear's name, from the rule itself (as export finds it)
+        module, _, _ = _pair(rule, a + 1, b + 1, where)
+        for x, side in ((a, "A"), (b, "B")):
+            name = f"{PEFT_PREFIX}{prefix}{module}.lora_{side}.weight"
+            if name not in names:
+                raise InteropError(f"'{adapter_dir}' has no tensor '{name}' (for {where})")
+            used.add(name)
+            arg = x if side == "A" else x.reshape((x.shape[0],) + (1,) * (a.ndim - 2) + x.shape[1:])
+            rule.load(_OneTensor(reader, name), arg)
+        for leaf, x in (("a", a), ("b", b)):
+            out.setdefault(ad + (leaf,), {})[block] = x
+    if names - used:
+        extra = sorted(names - used)[0]
+        raise InteropError(
+            f"'{adapter_dir}' has {len(names - used)} tensor(s) with no adapter here, e.g. "
+            f"'{extra}'; set lora.targets to the layers it adapts"
+        )
+    # a layer of the stack per block, stacked in block order; an unstacked layer's as it is
+    stack = lambda by_block: (
+        by_block[None] if None in by_block else np.stack([by_block[i] for i in sorted(by_block)])
+    )
+    return {p: stack(by_block) for p, by_block in out.items()}
+
+
+class _OneTensor:
+    """A `common.Source` stand-in that hands a rule one PEFT tensor, checked for shape."""
+
+    def __init__(self, reader: TensorReader, name: str):
+        self.reader, self.name = reader, name
+
+    def has(self, name: str) -> bool:
+        return True
+
+    def __call__(self, name: str, shape: tuple[int, ...]):
+        if self.reader.shape(self.name) != tuple(shape):
+            raise InteropError(
+                f"tensor '{self.name}' has shape {list(self.reader.shape(self.name))}; this "
+                f"model's adapter (lora.rank) needs {list(shape)}"
+            )
+        return self.reader.get(self.name).astype(np.float32)
+
+
+def lora_config_from_peft(cfg: Config, conf: dict) -> Config:
+    """`cfg` with the lora section an adapter's config gives: rank, alpha, dropout."""
+    lora = dataclasses.replace(
+        cfg.lora, rank=int(conf["r"]), alpha=float(conf["lora_alpha"]),
+        dropout=float(conf.get("lora_dropout") or 0.0),
+    )  # fmt: skip
+    return dataclasses.replace(cfg, lora=lora)

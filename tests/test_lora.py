@@ -1,0 +1,152 @@
+"""LoRA (moe_jax/lora/): adapters that start at the base, the routed experts' adapters
+against a dense per-expert loop (values and gradients, on every expert path), merging, and
+a train step that moves the adapters alone.
+
+Tolerances: float32; the expert paths and the loop sum the same terms in other orders
+(1e-5 of a tensor's largest entry, as tests/test_moe.py), while a lost or misplaced
+adapter term is off by a whole term (B is drawn at 0.3, its terms ~1e-1).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from moe_jax.lora import params as lora_params
+from moe_jax.lora.adapters import PREFIX
+from moe_jax.model import Transformer
+from moe_jax.model.moe import MoE
+from moe_jax.train_step import init_state, make_optimizer, make_train_step
+from tests.helpers import forward, one_expert_at_a_time, tiny_config
+from tests.test_moe import reference_weights
+
+ALL = "lora.targets=[attention,mlp,shared,experts]"
+LORA = ("lora.rank=4", "lora.alpha=8", ALL, "lora.base_dtype=float32")
+
+
+def draw_b(module: nnx.Module, seed: int = 1) -> None:
+    """Every adapter's B drawn (they start at 0, where a lost term goes unseen)."""
+    key = jax.random.key(seed)
+    for path, p in nnx.iter_graph(module):
+        if isinstance(p, nnx.Param) and path[-1] == "b" and str(path[-2]).startswith(PREFIX):
+            key, sub = jax.random.split(key)
+            p[...] = jax.random.normal(sub, p[...].shape) * 0.3
+
+
+def base_of(model: Transformer, cfg) -> Transformer:
+    """The base model (no adapters) holding `model`'s base params."""
+    base_cfg = cfg.__class__(**{**cfg.__dict__, "lora": cfg.lora.__class__()})
+    graphdef = nnx.graphdef(nnx.eval_shape(lambda: Transformer(base_cfg, rngs=nnx.Rngs(0))))
+    params = nnx.state(model, nnx.Param)
+    kept = [(p, v.copy()) for p, v in nnx.to_flat_state(params) if not lora_params.is_adapter(p)]
+    return nnx.merge(graphdef, nnx.from_flat_state(kept))
+
+
+def tokens(B=2, T=16, seed=0):
+    return jax.random.randint(jax.random.key(seed), (B, T), 0, 256)
+
+
+def test_zero_b_equals_base_and_merged_equals_adapted():
+    """Fresh adapters (B = 0) leave the model its base; with B drawn the adapted model
+    equals its base with the adapters merged in (`merge_into_base`), and differs from the
+    base by more than rounding."""
+    cfg = tiny_config(*LORA, "moe.shared_expert_hidden=16", "moe.capacity_factor=0")
+    model = Transformer(cfg, rngs=nnx.Rngs(0))
+    x = tokens()
+    base = base_of(model, cfg)
+    np.testing.assert_array_equal(forward(model, x)[0], forward(base, x)[0])
+
+    draw_b(model)
+    adapted = forward(model, x)[0]
+    assert float(jnp.max(jnp.abs(adapted - forward(base, x)[0]))) > 1e-2
+    scale = cfg.lora.alpha / cfg.lora.rank
+    merged = lora_params.merge_into_base(nnx.state(model, nnx.Param), scale)
+    nnx.update(base, merged)
+    np.testing.assert_allclose(forward(base, x)[0], adapted, rtol=1e-5, atol=1e-5)
+
+
+@nnx.jit
+def per_expert_loop(moe: MoE, x_BTD: jax.Array) -> jax.Array:
+    """Every expert on every token, weighted by the router, each projection x W_e plus its
+    own adapter's (alpha / r) (x A_e) B_e, unmerged."""
+    m, ex = moe.cfg, moe.experts
+    w_BTE = reference_weights(x_BTD @ moe.router[...], m)
+
+    def proj(name, x, e):
+        ad = getattr(ex, PREFIX + name)
+        w = getattr(ex, name)[...][e]
+        return x @ w + ad.scale * ((x @ ad.a[...][e]) @ ad.b[...][e])
+
+    out = jnp.zeros_like(x_BTD)
+    for e in range(m.n_experts):
+        h = jax.nn.silu(proj("w_gate", x_BTD, e)) * proj("w_up", x_BTD, e)
+        out = out + proj("w_down", h, e) * w_BTE[..., e : e + 1]
+    return out
+
+
+@pytest.mark.parametrize(
+    "path", ["buffers", "filled_rows", "ragged", "decode"]
+)  # fmt: skip
+def test_expert_adapters_equal_a_per_expert_loop(path, monkeypatch):
+    """The routed experts' stacked adapters, merged into their weights, against each
+    expert's own unmerged pair: values and the gradients of every parameter (A, B, the base
+    weights, the router), on each expert path."""
+    impl = "ragged" if path == "ragged" else "buckets"
+    cfg = tiny_config(
+        "lora.rank=3", "lora.targets=[experts]", "lora.base_dtype=float32",
+        "moe.capacity_factor=0", "moe.n_experts=8" if path == "decode" else "moe.n_experts=4",
+        f"moe.impl={impl}",
+    )  # fmt: skip
+    if path == "filled_rows":
+        one_expert_at_a_time(monkeypatch, unrolled=False)
+    moe = MoE(cfg, rngs=nnx.Rngs(0))
+    draw_b(moe)
+    shape = (2, 1, cfg.model.d_model) if path == "decode" else (4, 8, cfg.model.d_model)
+    x = jax.random.normal(jax.random.key(2), shape)
+    np.testing.assert_allclose(moe(x)[0], per_expert_loop(moe, x), rtol=1e-5, atol=1e-5)
+
+    loss = lambda f: lambda m: jnp.sum(jnp.sin(f(m)))
+    grads = nnx.jit(nnx.grad(loss(lambda m: m(x)[0])))(moe)
+    ref = dict(nnx.to_flat_state(nnx.jit(nnx.grad(loss(lambda m: per_expert_loop(m, x))))(moe)))
+    flat = nnx.to_flat_state(grads)
+    assert any(p[-2] == PREFIX + "w_down" and p[-1] == "a" for p, _ in flat)
+    for p, g in flat:
+        if p[-1] == "seed":
+            continue
+        r = np.asarray(ref[p][...])
+        np.testing.assert_allclose(
+            g[...], r, rtol=1e-4, atol=1e-5 * max(1.0, np.abs(r).max()), err_msg=str(p)
+        )
+
+
+def test_a_train_step_moves_the_adapters_alone():
+    """Only the adapters' A and B change in a step (the frozen base, norms, router and the
+    adapters' seeds are bit-identical), the optimizer holds state for A and B alone, and the
+    base's matmul weights are stored in lora.base_dtype."""
+    cfg = tiny_config(
+        "lora.rank=4", ALL, "moe.shared_expert_hidden=16", "train.batch_size=2",
+        "train.seq_len=16", "lora.dropout=0", "train.lr=1e-2",
+    )  # fmt: skip
+    tx = make_optimizer(cfg.train)
+    graphdef, state = init_state(cfg, tx)
+    before = {p: np.asarray(v[...]) for p, v in nnx.to_flat_state(state["params"])}
+    for p, a in before.items():
+        if not lora_params.is_adapter(p) and a.ndim >= 2:
+            assert a.dtype == jnp.bfloat16, p
+    n_trained = sum(lora_params.is_trained(p) for p in before)
+    adam_mu = state["opt_state"][1][0].mu  # chain(clip, adamw(scale_by_adam, ...))
+    assert len(jax.tree.leaves(adam_mu)) == n_trained
+    # B = 0 at the start: a step must move B first (A's gradient is 0 until B moves)
+    step = make_train_step(cfg, graphdef, tx)
+    batch = tokens(2, 17, seed=3)
+    for _ in range(2):
+        state, metrics = step(state, batch)
+    after = {p: np.asarray(v[...]) for p, v in nnx.to_flat_state(state["params"])}
+    for p in before:
+        if lora_params.is_trained(p):
+            assert not np.array_equal(before[p], after[p]), p
+        else:
+            np.testing.assert_array_equal(before[p], after[p], err_msg=str(p))

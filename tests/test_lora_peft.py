@@ -1,0 +1,130 @@
+"""LoRA against PEFT (moe_jax/lora/peft.py): our adapted logits equal PEFT's on the base
+and adapter we export, the adapter reads back to the same pairs, and a PEFT adapter's file
+names and shapes are those PEFT itself saves.
+
+A tiny Llama (tests/test_interop.py's, with attention biases) with adapters on attention
+and the MLP, B drawn so the adapters move the logits by O(0.1). Tolerance: 1e-5 on O(1)
+logits, both sides float32 (measured ~1e-6). Not a MoE model: PEFT 0.21 under transformers 5
+rewrites the target names gate_proj / up_proj / down_proj of a Mixtral / Qwen-MoE model to
+its fused experts, so a MoE model's dense MLPs cannot hold PEFT adapters there.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import numpy as np
+import pytest
+from flax import nnx
+
+torch = pytest.importorskip("torch", reason="PEFT tests need torch (the `interop` extra)")
+pytest.importorskip("transformers", reason="PEFT tests need transformers (the `interop` extra)")
+peft = pytest.importorskip("peft", reason="PEFT tests need peft (the `interop` extra)")
+
+from moe_jax.config import LoRAConfig  # noqa: E402
+from moe_jax.interop import InteropError, load_hf  # noqa: E402
+from moe_jax.lora import params as lora_params  # noqa: E402
+from moe_jax.lora.peft import adapters_from_peft, save_adapter  # noqa: E402
+from moe_jax.model import Transformer  # noqa: E402
+from tests.helpers import tiny_config  # noqa: E402
+from tests.test_interop import hf_logits, hf_model, our_logits, tokens  # noqa: E402
+from tests.test_lora import draw_b  # noqa: E402
+
+LORA = LoRAConfig(rank=4, alpha=8.0, targets=("attention", "mlp"), base_dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def adapted(tmp_path_factory):
+    """(the HF base dir, our config and adapted model): the base imported, adapters with B
+    drawn on top."""
+    directory = tmp_path_factory.mktemp("peft") / "base"
+    hf_model("llama").save_pretrained(directory)
+    base_cfg, base = load_hf(directory)
+    cfg = dataclasses.replace(base_cfg, lora=LORA)
+    model = Transformer(cfg, rngs=nnx.Rngs(1))
+    nnx.update(model, nnx.state(base, nnx.Param))  # the base's weights, the adapters fresh
+    draw_b(model, seed=3)
+    return directory, cfg, model
+
+
+def test_adapted_logits_equal_peft_on_the_exported_adapter(adapted, tmp_path):
+    directory, cfg, model = adapted
+    out = tmp_path / "adapter"
+    assert save_adapter(cfg, nnx.state(model, nnx.Param), out) == "LlamaForCausalLM"
+    conf = json.loads((out / "adapter_config.json").read_text())
+    assert conf["r"] == 4 and conf["lora_alpha"] == 8.0
+    assert set(conf["target_modules"]) == {
+        "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
+    }  # fmt: skip
+
+    x = tokens(2, 12, seed=4)
+    base = peft_base(directory)
+    base_logits = hf_logits(base, x)
+    peft_model = peft.PeftModel.from_pretrained(base, out).eval()  # wraps `base` in place
+    # every pair of ours was loaded by PEFT (no fresh B = 0 pair stands in for one)
+    loaded = {k for k in peft_model.state_dict() if "lora_B" in k}
+    assert len(loaded) == 2 * (4 + 3)  # 2 layers' attention and MLP
+    ours = our_logits(model, x)
+    assert np.abs(ours - base_logits).max() > 1e-2  # the adapters matter
+    with torch.no_grad():
+        theirs = peft_model(torch.from_numpy(x)).logits.numpy()
+    np.testing.assert_allclose(ours, theirs, rtol=0, atol=1e-5)
+
+    # and back: the file's pairs are ours
+    read = adapters_from_peft(cfg, out)
+    flat = dict(nnx.to_flat_state(nnx.state(model, nnx.Param)))
+    assert {p for p in flat if lora_params.is_trained(p)} == set(read)
+    for p, a in read.items():
+        np.testing.assert_array_equal(a, np.asarray(flat[p][...]), err_msg=str(p))
+
+
+def peft_base(directory):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(directory, attn_implementation="eager").eval()
+
+
+def peft_adapter(directory, out, modules, seed=0):
+    """(an adapter PEFT itself makes, pairs drawn, saved to `out`; the adapted model)."""
+    model = peft.get_peft_model(
+        peft_base(directory), peft.LoraConfig(r=4, lora_alpha=8, target_modules=modules)
+    )
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_" in name:
+                p.copy_(0.2 * torch.randn(p.shape, generator=g))
+    model.save_pretrained(out)
+    return model.eval()
+
+
+def test_a_peft_saved_adapter_reads_into_our_pairs(adapted, tmp_path):
+    """An adapter PEFT itself saved (its names, its layout) gives our model PEFT's logits;
+    one that adapts fewer weights than lora.targets asks for is refused, naming a tensor."""
+    directory, cfg, _ = adapted
+    modules = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    theirs = peft_adapter(directory, tmp_path / "all", modules)
+    model = Transformer(cfg, rngs=nnx.Rngs(0))
+    nnx.update(model, nnx.state(load_hf(directory)[1], nnx.Param))
+    read = adapters_from_peft(cfg, tmp_path / "all")
+    for path, v in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+        if path in read:
+            v[...] = read[path]
+    x = tokens(2, 12, seed=5)
+    with torch.no_grad():
+        ref = theirs(torch.from_numpy(x)).logits.numpy()
+    np.testing.assert_allclose(our_logits(model, x), ref, rtol=0, atol=1e-5)
+
+    peft_adapter(directory, tmp_path / "some", ["q_proj", "o_proj"])
+    with pytest.raises(InteropError, match="has no tensor .*k_proj.lora_A"):
+        adapters_from_peft(cfg, tmp_path / "some")
+
+
+def test_export_refuses_routed_expert_adapters(tmp_path):
+    cfg = tiny_config("lora.rank=2", "lora.targets=[experts]", "attention.nope_interval=0",
+                      "attention.temperature_tuning=false")  # fmt: skip
+    params = nnx.state(Transformer(cfg, rngs=nnx.Rngs(0)), nnx.Param)
+    with pytest.raises(InteropError, match="routed experts' adapters have no PEFT form"):
+        save_adapter(cfg, params, tmp_path / "x")
+    assert not (tmp_path / "x").exists()
