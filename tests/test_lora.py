@@ -9,6 +9,8 @@ adapter term is off by a whole term (B is drawn at 0.3, its terms ~1e-1).
 
 from __future__ import annotations
 
+from functools import partial
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -127,7 +129,7 @@ def test_a_train_step_moves_the_adapters_alone():
     adapters' seeds are bit-identical), the optimizer holds state for A and B alone, and the
     base's matmul weights are stored in lora.base_dtype."""
     cfg = tiny_config(
-        "lora.rank=4", ALL, "moe.shared_expert_hidden=16", "train.batch_size=2",
+        "lora.rank=4", ALL, "moe.shared_expert_hidden=16", "train.batch_size=2", "model.n_layers=2",
         "train.seq_len=16", "lora.dropout=0", "train.lr=1e-2",
     )  # fmt: skip
     tx = make_optimizer(cfg.train)
@@ -150,3 +152,27 @@ def test_a_train_step_moves_the_adapters_alone():
             assert not np.array_equal(before[p], after[p]), p
         else:
             np.testing.assert_array_equal(before[p], after[p], err_msg=str(p))
+
+
+def test_dropout_masks_the_adapters_input_in_training_steps_only():
+    """lora.dropout: inside `dropping` the adapter term changes with the key and is the same
+    again for the same key; outside it (eval, sampling) there is none; the base term never
+    changes."""
+    from moe_jax.lora import adapters
+
+    cfg = tiny_config("lora.rank=4", "lora.targets=[mlp]", "moe.n_experts=0")
+    model = Transformer(cfg, rngs=nnx.Rngs(0))
+    draw_b(model)
+    x = tokens()
+
+    @partial(jax.jit, static_argnums=1)
+    def logits(key, rate):
+        with adapters.dropping(key, rate):
+            return model(x)[0]
+
+    k1, k2 = jax.random.key(1), jax.random.key(2)
+    plain = forward(model, x)[0]
+    np.testing.assert_allclose(logits(k1, 0.0), plain, rtol=0, atol=1e-5)  # other programs
+    a, b = logits(k1, 0.5), logits(k2, 0.5)
+    assert float(jnp.max(jnp.abs(a - plain))) > 1e-3 and float(jnp.max(jnp.abs(a - b))) > 1e-3
+    np.testing.assert_array_equal(logits(k1, 0.5), a)

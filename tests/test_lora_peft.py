@@ -128,3 +128,54 @@ def test_export_refuses_routed_expert_adapters(tmp_path):
     with pytest.raises(InteropError, match="routed experts' adapters have no PEFT form"):
         save_adapter(cfg, params, tmp_path / "x")
     assert not (tmp_path / "x").exists()
+
+
+def test_a_lora_run_from_an_hf_dir_resumes_exactly_and_exports_both_ways(tmp_path):
+    """train.py init_from=HF_DIR with LoRA (dropout on): the base comes from the checkpoint
+    and stays as it was, a run stopped and resumed ends bit for bit where an uninterrupted
+    one does, and its merged export (transformers) and its adapter on the HF base (PEFT)
+    both give the run's own logits."""
+    from transformers import AutoModelForCausalLM
+
+    from moe_jax.config import load_config
+    from moe_jax.interop.export import export_run
+    from moe_jax.load import load_run
+    from moe_jax.lora.peft import export_adapter
+    from moe_jax.trainer import train
+
+    directory = tmp_path / "hf"
+    hf_model("llama", seed=2, vocab_size=256).save_pretrained(directory)
+    cfg = lambda run: load_config(None, [
+        f"init_from={directory}", f"run_dir={run}", "lora.rank=4", "lora.alpha=8",
+        "lora.targets=[attention,mlp]", "lora.base_dtype=float32", "lora.dropout=0.1",
+        "train.steps=4", "train.batch_size=4", "train.seq_len=16", "train.lr=2e-2",
+        "train.warmup_steps=1", "train.eval_every=100", "train.eval_batches=1",
+        "train.log_every=1", "checkpoint.every=2", "data.embedded_max_bytes=20000",
+        "train.peak_flops=1e11", "train.trackers=[]",
+    ])  # fmt: skip
+    train(cfg(tmp_path / "straight"), stop_at=4)
+    train(cfg(tmp_path / "resumed"), stop_at=2)
+    train(cfg(tmp_path / "resumed"), stop_at=4)
+    _, straight, _ = load_run(tmp_path / "straight")
+    run_cfg, model, _ = load_run(tmp_path / "resumed")
+    got = dict(nnx.to_flat_state(nnx.state(model, nnx.Param)))
+    want = dict(nnx.to_flat_state(nnx.state(straight, nnx.Param)))
+    base = dict(nnx.to_flat_state(nnx.state(load_hf(directory)[1], nnx.Param)))
+    for p, v in got.items():
+        np.testing.assert_array_equal(v[...], want[p][...], err_msg=str(p))
+        if p in base:  # the frozen base, as imported
+            np.testing.assert_array_equal(v[...], base[p][...], err_msg=str(p))
+
+    x = tokens(2, 12, seed=6)
+    ours = our_logits(model, x)
+    hf_base = peft_base(directory)
+    assert np.abs(ours - hf_logits(hf_base, x)).max() > 1e-3  # training moved the adapters
+    export_run(tmp_path / "resumed", tmp_path / "merged")
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged").eval()
+    np.testing.assert_allclose(hf_logits(merged, x), ours, rtol=0, atol=1e-5)
+    export_adapter(tmp_path / "resumed", tmp_path / "adapter")
+    with torch.no_grad():
+        peft_model = peft.PeftModel.from_pretrained(hf_base, tmp_path / "adapter").eval()
+        theirs = peft_model(torch.from_numpy(x)).logits.numpy()
+    np.testing.assert_allclose(theirs, ours, rtol=0, atol=1e-5)
+    assert run_cfg.lora.dropout == 0.1
