@@ -46,6 +46,8 @@ import sys
 import time
 from collections.abc import Sequence
 
+from moe_jax.cli.entry import command
+
 GIB = 1 << 30
 MAX_ROWS_PER_SHARD = 1 << 16  # --max-batch stops doubling here
 
@@ -405,15 +407,20 @@ def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, str | None, lis
     return args, path, items
 
 
+@command
 def main(argv: Sequence[str] | None = None) -> int:
     args, path, overrides = parse_args(sys.argv[1:] if argv is None else argv)
     from moe_jax.config import ConfigError, load_config
+    from moe_jax.config.checks import check_inference
 
-    try:
-        cfg = load_config(path, overrides)
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    cfg = load_config(path, overrides)
+    if args.step == "decode":  # the checks sample.py makes of the same keys
+        check_inference(cfg)
+        if cfg.sample.speculative:
+            raise ConfigError(
+                "aot --step decode compiles the plain sampler's program; speculative "
+                "decoding (sample.speculative) is not compiled ahead of time: drop it"
+            )
     # Compile-only: this machine's CPU is the only device anything runs on (also on a TPU or
     # GPU host). JAX's CUDA plugin offers its compile-only topology only when the CPU is the
     # chosen platform. `python -m` has imported jax quietly already (moe_jax/__init__.py).
@@ -421,8 +428,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     jax.config.update("jax_platforms", "cpu")
     with quiet(args.verbose):  # the plugins' start-up logs
-        from moe_jax.sampling import SamplingError
-        from moe_jax.topology import TopologyError, get_topology
+        from moe_jax.topology import get_topology
 
     log = lambda msg: print(msg, flush=True)
     try:
@@ -435,10 +441,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             report["max_batch"] = True
         else:
             report = compile_step(cfg, topo, args.step, args.verbose, args.hlo)
-    except (ConfigError, TopologyError, SamplingError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except DoesNotFit as e:
+    except DoesNotFit as e:  # an answer, not an error: exit 1 says it (see the module doc)
         print(str(e))
         return 1
     report["host_peak_rss_bytes"] = _host_peak_rss()

@@ -23,6 +23,7 @@ import orbax.checkpoint as ocp
 from flax import nnx
 
 from moe_jax.config import MESH_AXES, Config, sampling_config
+from moe_jax.config.checks import check_inference
 from moe_jax.interop.as_run import hf_meta, hf_params, is_hf_dir, packs_mxfp4
 from moe_jax.model.int8 import QUANTIZATIONS
 from moe_jax.run.layout import RunError
@@ -201,6 +202,7 @@ def load_sampler(run_dir, overrides: Sequence[str] = (), step: int | None = None
     def read(step):
         run = open_run(run_dir, step)  # its meta read once, for the config and the weights
         cfg = sampling_config(run.meta["config"], overrides)
+        check_inference(cfg)  # before any weight is read
         one_device = all(getattr(cfg.mesh, ax) == 1 for ax in MESH_AXES)
         mesh = None if one_device else make_mesh(cfg, inference=True)
         cfg, model, tokenizer = load_model(run, cfg=cfg, mesh=mesh, weights=cfg.sample.weights)

@@ -31,8 +31,10 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
 
+from moe_jax.cli.entry import command  # noqa: E402
 from moe_jax.metrics import METRICS_FILE, read_metrics  # noqa: E402
-from moe_jax.run.output import Interrupted, cli_ending, new_file
+from moe_jax.run.layout import RunError  # noqa: E402
+from moe_jax.run.output import check_place, new_file  # noqa: E402
 
 
 def _moe_layer_names(records: list[dict], n_layers: int) -> list[str]:
@@ -175,6 +177,7 @@ def downstream_figure(records: list[dict]) -> Figure | None:
     return fig
 
 
+@command
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m moe_jax.plot", description=__doc__.split("\n")[0]
@@ -184,45 +187,31 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     run_dir = Path(args.run_dir)
     if not (run_dir / METRICS_FILE).is_file():
-        print(
-            f"error: no {METRICS_FILE} in '{run_dir}'; pass a run directory that "
-            "train.py has written to",
-            file=sys.stderr,
+        raise RunError(
+            f"no {METRICS_FILE} in '{run_dir}'; pass a run directory that train.py has written to"
         )
-        return 2
     records = read_metrics(run_dir)
     if not any(r["kind"] == "train" for r in records):
-        print(
-            f"error: '{run_dir}/{METRICS_FILE}' has no training records yet; train longer "
-            "than train.log_every steps",
-            file=sys.stderr,
+        raise RunError(
+            f"'{run_dir}/{METRICS_FILE}' has no training records yet; train longer than "
+            "train.log_every steps"
         )
-        return 2
     out = Path(args.out) if args.out else run_dir
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        reason = "a file of that name is in the way" if out.is_file() else e.strerror
-        print(f"error: cannot create --out '{out}' ({reason}); choose a directory", file=sys.stderr)
-        return 2
-    try:
-        for name, make in (
-            ("loss.png", loss_figure),
-            ("expert_load.png", expert_load_figure),
-            ("dropped.png", dropped_figure),
-            ("exchange.png", exchange_figure),
-            ("downstream.png", downstream_figure),
-        ):
-            fig = make(records)
-            if fig is not None:
-                with new_file(out / name) as tmp:  # a full disk leaves the old plot, not 0 bytes
-                    fig.savefig(tmp, dpi=120, bbox_inches="tight", format="png")
-                plt.close(fig)
-                print(out / name)
-    except (Exception, KeyboardInterrupt, Interrupted) as e:  # signals, a full disk: one line
-        if (code := cli_ending(e)) is None:
-            raise
-        return code
+    check_place(out, "--out")  # made when the first figure is drawn: a stop leaves nothing
+    for name, make in (
+        ("loss.png", loss_figure),
+        ("expert_load.png", expert_load_figure),
+        ("dropped.png", dropped_figure),
+        ("exchange.png", exchange_figure),
+        ("downstream.png", downstream_figure),
+    ):
+        fig = make(records)
+        if fig is not None:
+            out.mkdir(parents=True, exist_ok=True)
+            with new_file(out / name) as tmp:  # a full disk leaves the old plot, not 0 bytes
+                fig.savefig(tmp, dpi=120, bbox_inches="tight", format="png")
+            plt.close(fig)
+            print(out / name)
     return 0
 
 

@@ -48,6 +48,7 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
+from moe_jax.cli.entry import command, writes
 from moe_jax.data.inputs import Chunk, check_inputs, chunk_texts, read_chunks
 from moe_jax.data.store import (
     DOCUMENTS_FILE,
@@ -60,8 +61,6 @@ from moe_jax.data.store import (
     tokenizer_hash,
 )
 from moe_jax.run.output import (
-    Interrupted,
-    cli_ending,
     new_output,
     pid_alive,
     signals_deferred,
@@ -301,6 +300,7 @@ def make_tokenizer(
     return load_tokenizer(spec)
 
 
+@command
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(
         prog="python -m moe_jax.prepare",
@@ -332,28 +332,21 @@ def main(argv: list[str]) -> int:
         p.error(f"--workers must be >= 1, got {args.workers}")
     if args.separator == "":
         p.error("--separator must not be empty")
-    try:
-        refuse_existing(Path(args.out))  # before the char tokenizer's pass over the inputs
-        paths = [Path(i) for i in args.inputs]
-        check_inputs(paths, args.column)
-        tok = make_tokenizer(args.tokenizer, paths, args.field, args.column, args.separator)
-        meta = prepare(
-            args.inputs,
-            tok,
-            args.out,
-            field=args.field,
-            column=args.column,
-            separator=args.separator,
-            workers=args.workers,
-            progress=True,
-        )
-    except DataError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except (Exception, KeyboardInterrupt, Interrupted) as e:  # signals, a full disk: one line
-        if (code := cli_ending(e, args.out)) is None:
-            raise
-        return code
+    writes(args.out)
+    refuse_existing(Path(args.out))  # before the char tokenizer's pass over the inputs
+    paths = [Path(i) for i in args.inputs]
+    check_inputs(paths, args.column)
+    tok = make_tokenizer(args.tokenizer, paths, args.field, args.column, args.separator)
+    meta = prepare(
+        args.inputs,
+        tok,
+        args.out,
+        field=args.field,
+        column=args.column,
+        separator=args.separator,
+        workers=args.workers,
+        progress=True,
+    )
     print(
         f"wrote {args.out}: {meta['documents']:,} documents, {meta['tokens']:,} tokens "
         f"({meta['dtype']}), tokenizer {describe_tokenizer(tok)}"

@@ -32,6 +32,7 @@ from pathlib import Path
 
 import jax
 
+from moe_jax.cli.entry import command
 from moe_jax.scopes import PARTS
 
 PROFILE_DIR = "profile"  # RUN_DIR/profile
@@ -289,6 +290,7 @@ def format_summary(trace: Path, top: int = 10) -> str:
     return "\n".join(lines)
 
 
+@command
 def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     if args and args[0] in ("-h", "--help"):

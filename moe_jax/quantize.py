@@ -16,6 +16,8 @@ from pathlib import Path
 
 from flax import nnx
 
+from moe_jax.cli.entry import command, writes
+from moe_jax.config.checks import check_mxfp4
 from moe_jax.load import load_model, newest_again, open_run
 from moe_jax.model.int8 import (
     QUANTIZATIONS,
@@ -27,8 +29,6 @@ from moe_jax.model.int8 import (
     quantize_model,
     quantize_tensor,
 )
-from moe_jax.run.layout import RunError
-from moe_jax.run.output import Interrupted, cli_ending
 from moe_jax.run.store import write_inference_run
 
 __all__ = [
@@ -64,6 +64,8 @@ def quantize_run(
                 f"'{run_dir}' is already {run.meta['quantization']}-quantised; quantise the "
                 f"float run it came from ({run.meta.get('source', 'unknown')})"
             )
+        if mode == "mxfp4":  # the dims, from the config: before the weights are read
+            check_mxfp4(run.meta["config"])
         return run.meta, *load_model(run)
 
     meta, cfg, model, tokenizer = newest_again(read, step)
@@ -88,6 +90,7 @@ def quantize_run(
     )
 
 
+@command
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(
         prog="python -m moe_jax.quantize",
@@ -100,15 +103,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("--out", required=True, help="new run directory for the quantised copy")
     p.add_argument("--step", type=int, help="checkpoint step (default: the latest)")
     args = p.parse_args(argv)
-    try:
-        print(quantize_run(args.run, args.out, args.step, args.mode))
-    except (RunError, QuantizeError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except (Exception, KeyboardInterrupt, Interrupted) as e:  # signals, a full disk: one line
-        if (code := cli_ending(e, args.out)) is None:
-            raise
-        return code
+    writes(args.out)
+    print(quantize_run(args.run, args.out, args.step, args.mode))
     return 0
 
 

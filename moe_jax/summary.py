@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 from flax import nnx
 
+from moe_jax.cli.entry import command
 from moe_jax.config import Config, cli_config
 
 COMPONENTS = (
@@ -277,17 +278,19 @@ def format_summary(cfg: Config, seq_len: int | None = None) -> str:
 USAGE = "usage: python -m moe_jax.summary CONFIG.yaml [section.key=value ...]"
 
 
-def main(argv: Sequence[str] | None = None) -> None:
+@command
+def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     if args and args[0] in ("-h", "--help"):
         print(USAGE)
-        return
+        return 0
     if not args or "=" in args[0]:
         print(f"error: no config file given; {USAGE}", file=sys.stderr)
         raise SystemExit(2)
     cfg = cli_config(args, default_path=None)
     print(format_summary(cfg))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -119,7 +119,7 @@ def torus_3d(chips: int) -> tuple[tuple[int, int, int], tuple[bool, bool, bool]]
     are fixed shapes without wrap-around."""
     if chips in SMALL_3D:
         return SMALL_3D[chips], (False, False, False)
-    if chips % 64 or chips > MAX_3D_CHIPS:
+    if chips <= 0 or chips % 64 or chips > MAX_3D_CHIPS:  # v5p-0 is no slice
         return None
     n = chips // 64
     shapes = itertools.combinations_with_replacement(range(1, n + 1), 3)

@@ -31,6 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
+from moe_jax.cli.entry import command
 from moe_jax.config import SAMPLING_RULES, sampling_problem
 from moe_jax.config.run import WEIGHT_KINDS
 from moe_jax.errors import MoeJaxError
@@ -145,64 +146,53 @@ class Streamer:
         self.pending, self.shown = "", max(end, self.shown)
 
 
+@command
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
-    from moe_jax.config import Config, ConfigError, sampling_config
+    from moe_jax.config import Config, sampling_config
 
-    try:
-        prompt = checked_prompt(args)
-        sampling_config(Config(), args.overrides)  # keys and values, before the slow imports
-    except (FlagError, ConfigError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    prompt = checked_prompt(args)
+    sampling_config(Config(), args.overrides)  # keys and values, before the slow imports
     import_jax()
     return sample(args, prompt)
 
 
 def sample(args: argparse.Namespace, prompt: str | None) -> int:
     """Load the run and print its samples (the flags are checked)."""
-    from moe_jax.backends import KernelError
-    from moe_jax.config import ConfigError
     from moe_jax.load import load_sampler, read_run_meta
-    from moe_jax.run.layout import RunError
     from moe_jax.sampling import SamplingError
-    from moe_jax.tokenizer import DataError
 
-    try:
-        if args.chat:  # a tokenizer without a chat template is refused before the weights load
-            saved = read_run_meta(args.run, args.step)["tokenizer"]
-            if saved.chat_template is None:
-                saved.apply_chat_template([])  # DataError, naming the fix
-        cfg, sampler, tokenizer = load_sampler(args.run, args.overrides, args.step)
-        s = cfg.sample
-        num_samples = args.num_samples if args.num_samples is not None else s.batch_size
-        new_tokens = s.max_new_tokens if args.max_new_tokens is None else args.max_new_tokens
-        prompt = s.prompt if prompt is None else prompt
-        if args.chat:  # the template writes the special tokens
-            prompt = tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
-        ids = tokenizer.encode(prompt, add_special_tokens=not args.chat).tolist()
-        stop = [] if args.ignore_eos or tokenizer.eos_id is None else [tokenizer.eos_id]
-        if len(ids) + new_tokens > cfg.model.max_seq_len:  # as the Sampler would, in flags
-            raise SamplingError(
-                f"the prompt's {len(ids)} tokens + --max-new-tokens {new_tokens} exceed the "
-                f"model's context (model.max_seq_len={cfg.model.max_seq_len}); shorten the "
-                "prompt or lower --max-new-tokens"
-            )
-        streamer = Streamer(tokenizer, prompt, ids) if num_samples == 1 else None
-        out = sampler.generate(
-            [ids] * num_samples,
-            new_tokens,
-            temperature=args.temperature if args.temperature is not None else s.temperature,
-            top_k=args.top_k if args.top_k is not None else s.top_k,
-            top_p=args.top_p if args.top_p is not None else s.top_p,
-            seed=args.seed if args.seed is not None else s.seed,
-            stop_tokens=stop,
-            vocab_size=tokenizer.vocab_size,
-            on_token=streamer,
+    if args.chat:  # a tokenizer without a chat template is refused before the weights load
+        saved = read_run_meta(args.run, args.step)["tokenizer"]
+        if saved.chat_template is None:
+            saved.apply_chat_template([])  # DataError, naming the fix
+    cfg, sampler, tokenizer = load_sampler(args.run, args.overrides, args.step)
+    s = cfg.sample
+    num_samples = args.num_samples if args.num_samples is not None else s.batch_size
+    new_tokens = s.max_new_tokens if args.max_new_tokens is None else args.max_new_tokens
+    prompt = s.prompt if prompt is None else prompt
+    if args.chat:  # the template writes the special tokens
+        prompt = tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
+    ids = tokenizer.encode(prompt, add_special_tokens=not args.chat).tolist()
+    stop = [] if args.ignore_eos or tokenizer.eos_id is None else [tokenizer.eos_id]
+    if len(ids) + new_tokens > cfg.model.max_seq_len:  # as the Sampler would, in flags
+        raise SamplingError(
+            f"the prompt's {len(ids)} tokens + --max-new-tokens {new_tokens} exceed the "
+            f"model's context (model.max_seq_len={cfg.model.max_seq_len}); shorten the "
+            "prompt or lower --max-new-tokens"
         )
-    except (RunError, ConfigError, KernelError, DataError, SamplingError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    streamer = Streamer(tokenizer, prompt, ids) if num_samples == 1 else None
+    out = sampler.generate(
+        [ids] * num_samples,
+        new_tokens,
+        temperature=args.temperature if args.temperature is not None else s.temperature,
+        top_k=args.top_k if args.top_k is not None else s.top_k,
+        top_p=args.top_p if args.top_p is not None else s.top_p,
+        seed=args.seed if args.seed is not None else s.seed,
+        stop_tokens=stop,
+        vocab_size=tokenizer.vocab_size,
+        on_token=streamer,
+    )
     if streamer is not None:
         streamer.flush()
         print()

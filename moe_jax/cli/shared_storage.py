@@ -23,6 +23,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from moe_jax.cli.configs import config_path
+from moe_jax.cli.entry import command
 from moe_jax.cli.train import config_argv
 from moe_jax.config import Config, cli_config
 
@@ -69,6 +70,7 @@ def problems(cfg: Config, token: str) -> list[str]:
     return found
 
 
+@command
 def main(argv: Sequence[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else list(argv)
     if args[:1] in (["-h"], ["--help"]):

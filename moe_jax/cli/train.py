@@ -25,6 +25,7 @@ import sys
 from collections.abc import Sequence
 
 from moe_jax.cli.configs import config_path
+from moe_jax.cli.entry import command
 from moe_jax.config import ConfigError, cli_config
 from moe_jax.runtime import import_jax, reexec_with_hugepages
 
@@ -33,17 +34,17 @@ USAGE = "usage: moe-jax-train [CONFIG] [section.key=value ...]   (or: python tra
 
 def config_argv(argv: Sequence[str]) -> list[str]:
     """argv with its config name, if it starts with one, made the config file's path; an
-    unknown name prints one line and exits 2, as a bad config does."""
+    unknown name is a ConfigError, as a bad config is."""
     args = list(argv)
     if args and "=" not in args[0]:
         try:
             args[0] = str(config_path(args[0]))
         except FileNotFoundError as e:
-            print(f"error: {e}", file=sys.stderr)
-            raise SystemExit(2) from None
+            raise ConfigError(str(e)) from None
     return args
 
 
+@command
 def main(argv: Sequence[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv and argv[0] in ("-h", "--help"):
@@ -52,22 +53,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     cfg = cli_config(config_argv(argv), default_path=config_path("tiny"))
     # Only now jax and what imports it (seconds): a bad config has failed before that.
     import_jax()
-    from moe_jax.backends import KernelError
-    from moe_jax.run.layout import RunError
-    from moe_jax.run.store import SaveError
     from moe_jax.sharding import init_distributed
-    from moe_jax.tokenizer import DataError
-    from moe_jax.trainer import TrainingError, train
+    from moe_jax.trainer import train
 
-    try:
-        init_distributed(cfg)
-        result = train(cfg)
-    except (ConfigError, KernelError, DataError, RunError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except (TrainingError, SaveError) as e:  # the last complete checkpoint is kept
-        print(f"error: {e}", file=sys.stderr)
-        return 1
+    init_distributed(cfg)
+    result = train(cfg)
     if result.stopped_by is not None:
         return 128 + result.stopped_by  # the shell convention for "terminated by a signal"
     return 0

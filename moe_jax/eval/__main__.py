@@ -21,6 +21,8 @@ import json
 import sys
 from pathlib import Path
 
+from moe_jax.cli.entry import command, writes
+
 COUNT_FLAGS = {"limit": 1, "batch_size": 1, "num_fewshot": 0, "step": 0, "bootstrap_iters": 0}
 
 
@@ -57,67 +59,49 @@ def check_flags(args: argparse.Namespace) -> str | None:
     return None
 
 
+@command
 def main(argv: list[str]) -> int:
     args = parse_args(argv)
-    from moe_jax.config import Config, ConfigError, sampling_config
+    from moe_jax.config import Config, sampling_config
+    from moe_jax.eval import EvalError
 
-    try:
-        sampling_config(Config(), args.overrides)
-    except ConfigError as e:
-        return _error(str(e))
+    sampling_config(Config(), args.overrides)
     if problem := check_flags(args):
-        return _error(problem)
+        raise EvalError(problem)
     if importlib.util.find_spec("lm_eval") is None:
-        return _error("the evaluation harness is not installed: pip install 'moe_jax[eval]'")
+        raise EvalError("the evaluation harness is not installed: pip install 'moe_jax[eval]'")
     return evaluate(args)
-
-
-def _error(message: str) -> int:
-    print(f"error: {message}", file=sys.stderr)
-    return 2
 
 
 def evaluate(args: argparse.Namespace) -> int:
     from lm_eval.utils import handle_non_serializable
 
-    from moe_jax.backends import KernelError
-    from moe_jax.config import ConfigError
-    from moe_jax.eval import EvalError
     from moe_jax.eval.backend import MoeJaxLM
     from moe_jax.eval.tasks import load_suite, metrics
     from moe_jax.load import read_run_meta
-    from moe_jax.run.layout import RunError
-    from moe_jax.run.output import Interrupted, cli_ending, new_file
-    from moe_jax.sampling import SamplingError
-    from moe_jax.tokenizer import DataError
+    from moe_jax.run.output import check_place, new_file
 
-    out = None
-    try:
-        suite = load_suite(args.tasks, args.include_path, args.num_fewshot)
-        # The step pinned first, so that the results go under the step that was evaluated.
-        step = read_run_meta(args.run_dir, args.step)["step"]
-        overrides = dict(item.split("=", 1) for item in args.overrides)
-        lm = MoeJaxLM(args.run_dir, step, args.batch_size, seed=args.seed, **overrides)
-        results = suite.run(
-            lm,
-            args.limit,
-            args.bootstrap_iters,
-            apply_chat_template=args.apply_chat_template,
-            fewshot_as_multiturn=args.apply_chat_template,
-        )
-        results["moe_jax"] = {"run": args.run_dir, "step": step, **lm.stats()}
-        stamp = datetime.datetime.now().strftime("%Y-%m-%dT%H-%M-%S")
-        out = Path(args.run_dir) / "eval" / str(step) / f"results_{stamp}.json"
-        out.parent.mkdir(parents=True, exist_ok=True)
-        with new_file(out) as tmp:
-            text = json.dumps(results, indent=2, default=handle_non_serializable)
-            tmp.write_text(text + "\n", encoding="utf-8")
-    except (EvalError, RunError, ConfigError, DataError, SamplingError, KernelError) as e:
-        return _error(str(e))
-    except (Exception, KeyboardInterrupt, Interrupted) as e:  # signals, a full disk: one line
-        if (code := cli_ending(e, out)) is None:
-            raise
-        return code
+    suite = load_suite(args.tasks, args.include_path, args.num_fewshot)
+    # The step pinned first, so that the results go under the step that was evaluated.
+    step = read_run_meta(args.run_dir, args.step)["step"]
+    stamp = datetime.datetime.now().strftime("%Y-%m-%dT%H-%M-%S")
+    out = Path(args.run_dir) / "eval" / str(step) / f"results_{stamp}.json"
+    check_place(out.parent, "the results' directory")  # before the scoring, not after it
+    writes(out)
+    overrides = dict(item.split("=", 1) for item in args.overrides)
+    lm = MoeJaxLM(args.run_dir, step, args.batch_size, seed=args.seed, **overrides)
+    results = suite.run(
+        lm,
+        args.limit,
+        args.bootstrap_iters,
+        apply_chat_template=args.apply_chat_template,
+        fewshot_as_multiturn=args.apply_chat_template,
+    )
+    results["moe_jax"] = {"run": args.run_dir, "step": step, **lm.stats()}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with new_file(out) as tmp:
+        text = json.dumps(results, indent=2, default=handle_non_serializable)
+        tmp.write_text(text + "\n", encoding="utf-8")
     for name, value in metrics(results).items():
         print(f"{name}: {value:.4f}")
     stats = results["moe_jax"]

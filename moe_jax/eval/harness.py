@@ -12,24 +12,41 @@ override) print one `error: ...` line and exit 2.
 
 from __future__ import annotations
 
+import argparse
 import sys
+from collections.abc import Sequence
+from pathlib import Path
 
 from lm_eval.__main__ import cli_evaluate
 
 import moe_jax.eval.backend  # noqa: F401 (registers "moe_jax" with the harness)
-from moe_jax.backends import KernelError
-from moe_jax.config import ConfigError
-from moe_jax.eval import EvalError
-from moe_jax.run.layout import RunError
-from moe_jax.tokenizer import DataError
+from moe_jax.cli.entry import command
+from moe_jax.eval.tasks import check_known, task_names
 
 
-def main() -> int:
+def check_tasks(argv: Sequence[str]) -> None:
+    """`run --tasks ...`: every name the harness's index (with --include_path) knows, or
+    EvalError in one line before the model loads (lm-eval's own refusal is a traceback).
+    Task YAML files given by path are the harness's to read."""
+    if not argv or argv[0] != "run":
+        return
+    p = argparse.ArgumentParser(add_help=False)
+    p.add_argument("--tasks", nargs="+", default=[])
+    p.add_argument("--include_path", "--include-path", default=None)
+    known, _ = p.parse_known_args(argv[1:])
+    names = [n for given in known.tasks for n in task_names(given)]
+    check_known([n for n in names if not Path(n).exists()], known.include_path)
+
+
+@command
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    check_tasks(argv)
+    own, sys.argv = sys.argv, [sys.argv[0], *argv]  # the harness's CLI reads sys.argv
     try:
         cli_evaluate()
-    except (EvalError, RunError, ConfigError, DataError, KernelError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    finally:
+        sys.argv = own
     return 0
 
 

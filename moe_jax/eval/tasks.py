@@ -41,6 +41,17 @@ def task_names(tasks: str) -> list[str]:
     return names
 
 
+def check_known(names: list[str], include_path: str | None) -> None:
+    """EvalError, naming the nearest known names, for a name the task index lacks."""
+    manager = task_manager(include_path)
+    for name in names:
+        if name not in manager.all_tasks:
+            close = difflib.get_close_matches(name, manager.all_tasks, n=3)
+            hint = f"; did you mean {', '.join(close)}?" if close else ""
+            where = "" if include_path else " (tasks of your own: --include-path DIR of YAMLs)"
+            raise EvalError(f"unknown task '{name}'{hint}{where}")
+
+
 @dataclass
 class Suite:
     """Loaded tasks, ready to run: `objects` are what the names stand for (tasks, groups)."""
@@ -72,12 +83,7 @@ def load_suite(tasks: str, include_path: str | None, num_fewshot: int | None) ->
     """The tasks `tasks` names (comma-separated), loaded with their data and checked."""
     names = task_names(tasks)
     manager = task_manager(include_path)
-    for name in names:
-        if name not in manager.all_tasks:
-            close = difflib.get_close_matches(name, manager.all_tasks, n=3)
-            hint = f"; did you mean {', '.join(close)}?" if close else ""
-            where = "" if include_path else " (tasks of your own: --include-path DIR of YAMLs)"
-            raise EvalError(f"unknown task '{name}'{hint}{where}")
+    check_known(names, include_path)
     objects = []
     for name in names:
         loaded = manager.load(name)

@@ -44,6 +44,7 @@ from pathlib import Path
 from flax import nnx
 from omegaconf import OmegaConf
 
+from moe_jax.cli.entry import command, writes
 from moe_jax.config import Config, ConfigError, config_from_yaml, config_to_yaml, load_config
 from moe_jax.data import load_run_data
 from moe_jax.interop.as_run import hf_tokenizer
@@ -52,11 +53,10 @@ from moe_jax.interop.export import export_run as stream_export
 from moe_jax.interop.safetensors_io import InteropError
 from moe_jax.interop.stream import ImportPlan, Progress
 from moe_jax.model import Transformer
-from moe_jax.run.layout import TOKENIZER_DIR, RunError
-from moe_jax.run.output import Interrupted, cli_ending
+from moe_jax.run.layout import TOKENIZER_DIR
 from moe_jax.run.policy import RESUMABLE_CHANGES
 from moe_jax.run.stream_save import write_params_run
-from moe_jax.tokenizer import DataError, Tokenizer
+from moe_jax.tokenizer import Tokenizer
 
 
 def _require_empty(out: Path) -> None:
@@ -141,6 +141,7 @@ def _stderr(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
 
 
+@command
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m moe_jax.interop",
@@ -176,32 +177,25 @@ def main(argv: list[str]) -> int:
     args, rest = parser.parse_known_args(argv)
     if args.command == "export" and rest or any(r.startswith("-") for r in rest):
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
-    try:
-        if args.command == "import":
-            config = rest.pop(0) if rest and "=" not in rest[0] else None
-            cfg = import_run(args.hf_dir, args.out, config, rest, args.dtype)
-            print(f"imported {args.hf_dir} into {cfg.run_dir} (step 0)")
-        else:
-            arch, cfg = export_run(args.run_dir, args.out, args.step, args.arch, args.dtype)
-            print(f"exported {args.run_dir} as {arch} to {args.out}")
-            if cfg.moe.n_experts and cfg.moe.capacity_factor > 0:
-                print(
-                    "note: transformers never drops a token; the exported model computes what "
-                    f"this run does with moe.capacity_factor=0 (it trained with "
-                    f"{cfg.moe.capacity_factor})"
-                )
-            if cfg.model.mtp_depth and FAMILIES[arch].mtp_rules is None:
-                print(
-                    "note: the multi-token prediction module (model.mtp_depth) is not written; "
-                    "the exported model is the main model, which is all transformers runs"
-                )
-    except (InteropError, ConfigError, DataError, RunError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except (Exception, KeyboardInterrupt, Interrupted) as e:  # signals, a full disk: one line
-        if (code := cli_ending(e, args.out)) is None:
-            raise
-        return code
+    writes(args.out)
+    if args.command == "import":
+        config = rest.pop(0) if rest and "=" not in rest[0] else None
+        cfg = import_run(args.hf_dir, args.out, config, rest, args.dtype)
+        print(f"imported {args.hf_dir} into {cfg.run_dir} (step 0)")
+    else:
+        arch, cfg = export_run(args.run_dir, args.out, args.step, args.arch, args.dtype)
+        print(f"exported {args.run_dir} as {arch} to {args.out}")
+        if cfg.moe.n_experts and cfg.moe.capacity_factor > 0:
+            print(
+                "note: transformers never drops a token; the exported model computes what "
+                f"this run does with moe.capacity_factor=0 (it trained with "
+                f"{cfg.moe.capacity_factor})"
+            )
+        if cfg.model.mtp_depth and FAMILIES[arch].mtp_rules is None:
+            print(
+                "note: the multi-token prediction module (model.mtp_depth) is not written; "
+                "the exported model is the main model, which is all transformers runs"
+            )
     return 0
 
 

@@ -12,7 +12,7 @@ same through KeyboardInterrupt. A signal that lands where Python cannot raise (a
 is raised again before the output is committed. Only kill -9 leaves a sibling behind: the
 next command writing next to it removes every sibling whose process is gone (the pid in its
 name).
-`exit_code` / `one_line` turn those endings into what a CLI prints and returns.
+`one_line` turns those endings into what a command prints and returns (`moe_jax.cli.entry`).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from moe_jax.run.lock import make_dir
+from moe_jax.run.layout import RunError
 
 NO_SPACE = (errno.ENOSPC, errno.EDQUOT)  # a full disk or a used-up quota: free space there
 _SIBLING = re.compile(r"^\.(?P<name>.+)\.tmp-(?P<pid>\d+)-[0-9a-f]{12}$")
@@ -79,38 +79,71 @@ def quiet_unraisable(predicate: Callable[[object], bool]) -> None:
     sys.unraisablehook = hook
 
 
+class _Stopping:
+    """The stopping signals of the outermost `stop_on_signals` block and those nested in it
+    (the entry wrapper's, an output writer's): one record, so that a stop raised once is
+    not raised again by a second signal while its cleanup runs."""
+
+    def __init__(self):
+        self.depth = 0
+        self.noted: list[int] = []
+        self.unwinding = False  # a stop was raised and has not been lost
+
+
+_STOPPING = _Stopping()
+
+
 def _noted_stop(unraisable) -> bool:
-    return getattr(unraisable.exc_value, "noted_by_stop_on_signals", False)
+    if getattr(unraisable.exc_value, "noted_by_stop_on_signals", False):
+        _STOPPING.unwinding = False  # raised where Python could not: the next signal raises
+        return True
+    return False
+
+
+def _stop(signum: int) -> BaseException:
+    e = KeyboardInterrupt() if signum == signal.SIGINT else Interrupted(signum)
+    e.noted_by_stop_on_signals = True
+    return e
+
+
+def _on_signal(signum, frame) -> None:
+    _STOPPING.noted.append(signum)
+    if not _STOPPING.unwinding:
+        _STOPPING.unwinding = True
+        raise _stop(signum)
+    # A second signal while the first one's stop unwinds: the cleanup (a writer's threads
+    # joined, a temporary sibling removed) runs to its end; kill -9 still ends it at once.
 
 
 @contextlib.contextmanager
 def stop_on_signals() -> Iterator[Callable[[], None]]:
     """SIGTERM and SIGHUP raise `Interrupted`, SIGINT KeyboardInterrupt, in the main thread
     for the block's duration (SIGTERM's default action would end the process without running
-    any cleanup). A handler runs wherever the main thread is, and where that is a gc callback
-    or a `__del__` (jax's `_xla_gc_callback` was one) Python cannot raise: it printed the
-    exception as "ignored" and carried on, and an export SIGTERM'd there finished its output.
-    So each signal is also noted, such an exception is kept from printing, and the yielded
-    `check()` raises the first one noted again: the block calls it before it commits
-    anything (a signal noted after the commit ends nothing: the output is whole)."""
-    noted: list[int] = []
-
-    def stop(signum: int) -> BaseException:
-        e = KeyboardInterrupt() if signum == signal.SIGINT else Interrupted(signum)
-        e.noted_by_stop_on_signals = True
-        return e
-
-    def handler(signum, frame):
-        noted.append(signum)
-        raise stop(signum)
+    any cleanup). Once one has been raised, further signals are only noted: the stop's
+    cleanup is not cut short by a second one. A handler runs wherever the main thread is,
+    and where that is a gc callback or a `__del__` (jax's `_xla_gc_callback` was one) Python
+    cannot raise: it printed the exception as "ignored" and carried on, and an export
+    SIGTERM'd there finished its output. So each signal is also noted, such an exception is
+    kept from printing (and the next signal raises again), and the yielded `check()` raises
+    the first one noted again: the block calls it before it commits anything (a signal noted
+    after the commit ends nothing: the output is whole). Blocks nest; the outermost one's
+    end forgets the signals noted."""
 
     def check() -> None:
-        if noted:
-            raise stop(noted[0])
+        if _STOPPING.noted:
+            _STOPPING.unwinding = True
+            raise _stop(_STOPPING.noted[0])
 
     quiet_unraisable(_noted_stop)
-    with _handlers((signal.SIGINT, signal.SIGTERM, signal.SIGHUP), handler):
-        yield check
+    _STOPPING.depth += 1
+    try:
+        with _handlers((signal.SIGINT, signal.SIGTERM, signal.SIGHUP), _on_signal):
+            yield check
+    finally:
+        _STOPPING.depth -= 1
+        if _STOPPING.depth == 0:
+            _STOPPING.noted.clear()
+            _STOPPING.unwinding = False
 
 
 STOPPING = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
@@ -162,6 +195,25 @@ def remove_dead_siblings(out: Path) -> None:
                     entry.unlink(missing_ok=True)
 
 
+def check_place(directory: Path, what: str) -> None:
+    """RunError unless `directory` exists as a writable directory or `make_dir` could make
+    it (its nearest existing ancestor is one): checked, not made, so that a command whose
+    work is long (an evaluation) fails before it rather than after, with nothing written."""
+    path = Path(directory).absolute()
+    for place in (path, *path.parents):
+        if place.is_dir():
+            if os.access(place, os.W_OK | os.X_OK):
+                return
+            reason = f"'{place}' is not writable"
+            break
+        if place.exists() or place.is_symlink():
+            reason = f"'{place}' is a file, not a directory"
+            break
+    else:
+        return
+    raise RunError(f"cannot create {what} '{directory}' ({reason}); choose a writable path")
+
+
 def sibling_name(out: Path) -> Path:
     return out.parent / f".{out.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:12]}"
 
@@ -173,6 +225,9 @@ def new_output(out: Path, what: str) -> Iterator[Path]:
     `out` never exists. An empty `out` (made by a caller) is replaced; the caller refuses a
     non-empty one before the work starts. Not `tempfile.mkdtemp`, whose mode 700 the renamed
     output would keep: this one gets the user's umask."""
+    from moe_jax.run.lock import make_dir  # here: lock imports jax, and the commands' door
+    # (moe_jax.cli.entry) imports this module before a command has checked its input
+
     out = Path(out)
     new_parents = [d for d in out.absolute().parents if not d.exists()]  # removed on failure
     make_dir(out.parent, f"the parent directory of {what}")
@@ -247,17 +302,7 @@ def one_line(e: BaseException, out: str | Path | None = None) -> tuple[str, int]
     if isinstance(e, KeyboardInterrupt):
         return f"stopped by SIGINT (Ctrl-C){kept}", 128 + signal.SIGINT
     if problem := disk_problem(e):
-        where = f" writing '{e.filename}'" if getattr(e, "filename", None) else ""
+        where = f" '{e.filename}'" if getattr(e, "filename", None) else ""
         fix = "choose a writable place" if "read-only" in problem else "free some space there"
         return f"cannot write{where} ({problem}){kept}; {fix}", 1
     return None
-
-
-def cli_ending(e: BaseException, out: str | Path | None = None) -> int | None:
-    """For a CLI's `except`: print `one_line`'s line for `e` and return its exit status, or
-    None (re-raise) for an exception it does not describe."""
-    ending = one_line(e, out)
-    if ending is None:
-        return None
-    print(f"error: {ending[0]}", file=sys.stderr)
-    return ending[1]

@@ -43,7 +43,14 @@ from moe_jax.run.layout import (
     RunError,
 )
 from moe_jax.run.lock import RunLock, make_dir, on_process_0
-from moe_jax.run.output import disk_problem, new_output, no_space, quiet_unraisable, write_text
+from moe_jax.run.output import (
+    disk_problem,
+    new_output,
+    no_space,
+    quiet_unraisable,
+    signals_deferred,
+    write_text,
+)
 from moe_jax.tokenizer import DataError, Tokenizer, tokenizer_from_dict
 from moe_jax.tokenizer.files import SavedFilesError, holds, write_files
 
@@ -312,14 +319,18 @@ def write_inference_run(out_dir: str | Path, step: int, params, meta: dict) -> N
             "config": config_to_yaml(meta["config"]),
             "tokenizer": meta["tokenizer"].to_dict(),
         }
-        manager = _manager(tmp, enable_async_checkpointing=False)
-        manager.save(
-            step,
-            args=ocp.args.Composite(
-                params=ocp.args.StandardSave(params), meta=ocp.args.JsonSave(meta)
-            ),
-        )
-        manager.close()
+        # Orbax writes from threads of its own: a stop raised into the main thread mid-save
+        # left them writing into the sibling being removed (partial files stayed behind; once
+        # a C++ abort). So the save is not cut: a signal during it acts once it returns.
+        with signals_deferred():
+            manager = _manager(tmp, enable_async_checkpointing=False)
+            manager.save(
+                step,
+                args=ocp.args.Composite(
+                    params=ocp.args.StandardSave(params), meta=ocp.args.JsonSave(meta)
+                ),
+            )
+            manager.close()
 
 
 class Checkpointer:

@@ -10,6 +10,8 @@ import signal
 import sys
 from pathlib import Path
 
+from moe_jax.cli.entry import command, say
+
 
 def parse_args(argv):
     p = argparse.ArgumentParser(prog="python -m moe_jax.serve", description=__doc__)
@@ -28,6 +30,7 @@ def parse_args(argv):
     return p.parse_args(argv)
 
 
+@command
 def main(argv=None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     try:
@@ -35,25 +38,21 @@ def main(argv=None) -> int:
 
         from moe_jax.serve.app import create_app
     except ImportError as e:
-        print(f"error: the server needs the serve extra (pip install 'moe_jax[serve]'): {e}")
-        return 2
-    from moe_jax.engine import Engine, EngineError
+        return say(f"the server needs the serve extra (pip install 'moe_jax[serve]'): {e}")
+    from moe_jax.engine import Engine
     from moe_jax.load import load_sampler
 
-    try:
-        _, sampler, tokenizer = load_sampler(args.run, args.overrides, args.step)
-        engine = Engine(
-            sampler,
-            max_slots=args.max_slots,
-            page_size=args.page_size,
-            n_pages=args.pages,
-            chunk=args.chunk,
-            max_queue=args.max_queue,
-            vocab_size=tokenizer.vocab_size,
-        )
-    except (ValueError, OSError, EngineError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    # Until uvicorn serves, a signal stops the command as any other (moe_jax.cli.entry).
+    _, sampler, tokenizer = load_sampler(args.run, args.overrides, args.step)
+    engine = Engine(
+        sampler,
+        max_slots=args.max_slots,
+        page_size=args.page_size,
+        n_pages=args.pages,
+        chunk=args.chunk,
+        max_queue=args.max_queue,
+        vocab_size=tokenizer.vocab_size,
+    )
     name = args.model_name or Path(args.run).resolve().name
     app = create_app(engine, tokenizer, name)
     config = uvicorn.Config(
