@@ -51,11 +51,18 @@ def tokens(B=2, T=16, seed=0):
     return jax.random.randint(jax.random.key(seed), (B, T), 0, 256)
 
 
-def test_zero_b_equals_base_and_merged_equals_adapted():
+MLA = ("attention.kind=mla", "attention.qk_norm=none", "attention.nope_interval=0",
+       "attention.q_lora_rank=12", "attention.kv_lora_rank=16", "attention.qk_nope_head_dim=8",
+       "attention.qk_rope_head_dim=8", "attention.v_head_dim=6")  # fmt: skip
+
+
+@pytest.mark.parametrize("attention", ["gqa", "mla"])
+def test_zero_b_equals_base_and_merged_equals_adapted(attention):
     """Fresh adapters (B = 0) leave the model its base; with B drawn the adapted model
     equals its base with the adapters merged in (`merge_into_base`), and differs from the
-    base by more than rounding."""
-    cfg = tiny_config(*LORA, "moe.shared_expert_hidden=16", "moe.capacity_factor=0")
+    base by more than rounding. MLA: wq_a, wq_b, wkv_a and wo adapted."""
+    extra = MLA if attention == "mla" else ()
+    cfg = tiny_config(*LORA, "moe.shared_expert_hidden=16", "moe.capacity_factor=0", *extra)
     model = Transformer(cfg, rngs=nnx.Rngs(0))
     x = tokens()
     base = base_of(model, cfg)
@@ -176,3 +183,27 @@ def test_dropout_masks_the_adapters_input_in_training_steps_only():
     a, b = logits(k1, 0.5), logits(k2, 0.5)
     assert float(jnp.max(jnp.abs(a - plain))) > 1e-3 and float(jnp.max(jnp.abs(a - b))) > 1e-3
     np.testing.assert_array_equal(logits(k1, 0.5), a)
+
+
+def test_adapters_are_sharded_like_their_weights():
+    """On a mesh (fsdp x expert x tensor), A's input dims are laid out as its weight's
+    input dims and B's output dims as its weight's output dims; the rank dim is whole."""
+    from moe_jax.sharding import make_mesh
+
+    mesh_keys = ("mesh.fsdp=2", "mesh.expert=2", "mesh.tensor=2")
+    cfg = tiny_config(*LORA, *mesh_keys, "moe.shared_expert_hidden=16")
+    _, state = init_state(cfg, make_optimizer(cfg.train), abstract=True, mesh=make_mesh(cfg))
+    flat = {p: v.get_raw_value().sharding.spec for p, v in nnx.to_flat_state(state["params"])}
+    n_in = {"wo": 2}
+    checked = 0
+    for p, spec in flat.items():
+        if p[-1] != "a":
+            continue
+        w = p[:-2] + (p[-2][len(PREFIX) :],)
+        w_spec, b_spec = tuple(flat[w]), tuple(flat[p[:-1] + ("b",)])
+        lead = 2 if "experts" in p else 1  # the layer stack, the experts
+        k = lead + n_in.get(w[-1], 1)
+        assert tuple(spec)[:k] == w_spec[:k] and tuple(spec)[k:] in ((), (None,)), (p, spec)
+        assert b_spec[:lead] == w_spec[:lead] and b_spec[lead + 1 :] == w_spec[k:], (p, b_spec)
+        checked += any(w_spec)  # a weight split over some mesh axis
+    assert checked >= 10

@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import json
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
@@ -179,3 +180,25 @@ def test_a_lora_run_from_an_hf_dir_resumes_exactly_and_exports_both_ways(tmp_pat
         theirs = peft_model(torch.from_numpy(x)).logits.numpy()
     np.testing.assert_allclose(theirs, ours, rtol=0, atol=1e-5)
     assert run_cfg.lora.dropout == 0.1
+
+    # and the adapter imported onto the HF base (lora.init_adapter): a new run starts from
+    # exactly these pairs, on a mesh, with base dtype bf16 (the base cast, the pairs not)
+    from moe_jax.run.init_from import init_source, start_state, with_source_architecture
+    from moe_jax.sharding import make_mesh
+    from moe_jax.train_step import init_state, make_optimizer
+
+    new = load_config(None, [
+        f"init_from={directory}", f"run_dir={tmp_path / 'new'}", "lora.rank=4", "lora.alpha=8",
+        "lora.targets=[attention,mlp]", f"lora.init_adapter={tmp_path / 'adapter'}",
+        "mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2", "train.batch_size=4",
+    ])  # fmt: skip
+    new = with_source_architecture(new)  # as train.py does
+    tx = make_optimizer(new.train)
+    _, abstract = init_state(new, tx, abstract=True, mesh=make_mesh(new))
+    state, _ = start_state(init_source(new, None, print), abstract, tx, new)
+    for p, v in nnx.to_flat_state(state["params"]):
+        if lora_params.is_trained(p):
+            np.testing.assert_array_equal(v[...], got[p][...], err_msg=str(p))
+        elif p in base and base[p][...].ndim >= 2:
+            assert v[...].dtype == jnp.bfloat16, p
+            np.testing.assert_array_equal(v[...], base[p][...].astype(jnp.bfloat16), str(p))
