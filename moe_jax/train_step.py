@@ -393,7 +393,12 @@ def make_train_step(
             ),
             lora.dropping(key, cfg.lora.dropout),
         ):
-            grads, metrics = compute_grads(params, graphdef, batch, cfg.train)
+            if cfg.train.objective == "dpo":  # preference pairs (moe_jax/dpo.py)
+                from moe_jax import dpo
+
+                grads, metrics = dpo.compute_grads(params, graphdef, batch, cfg)
+            else:
+                grads, metrics = compute_grads(params, graphdef, batch, cfg.train)
         with jax.named_scope(OPTIMIZER):
             metrics["grad_norm"] = optax.tree.norm(grads)  # before clipping (adapters' alone)
             metrics["lr"] = schedule(state["step"])

@@ -192,6 +192,28 @@ def _check_across_sections(cfg: Config) -> None:
         cfg.init_from is None or cfg.init_from.strip() != "",
         "init_from is empty; name the run directory to start from, or set it to null",
     )
+    _check_objective(cfg)
+
+
+def _check_objective(cfg: Config) -> None:
+    """train.objective=dpo trains on preference pairs, against the base (adapters off)."""
+    dpo = cfg.train.objective == "dpo"
+    require(
+        dpo == (cfg.data.sft == "preference"),
+        "train.objective=dpo trains on preference pairs (data.sft=preference) and those pairs "
+        "train nothing else; set both or neither",
+    )
+    if dpo:
+        require(
+            cfg.lora.rank > 0,
+            "train.objective=dpo takes its reference from the base with the LoRA adapters off; "
+            "set lora.rank (e.g. lora.rank=16) (a frozen full copy as reference is not built)",
+        )
+        require(
+            cfg.train.grad_accum == 1 and cfg.model.mtp_depth == 0,
+            "train.objective=dpo runs whole batches of pairs without the MTP loss: set "
+            "train.grad_accum=1 and model.mtp_depth=0",
+        )
 
 
 def _check_head_dim(cfg: Config) -> None:

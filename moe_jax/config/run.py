@@ -19,7 +19,9 @@ from moe_jax.config.checks import (
 DEFAULT_WARMUP_STEPS = 50  # train.warmup_steps=null: this many, at most a tenth of the run
 SCHEDULES = ("cosine", "linear", "wsd")  # train.schedule (train_step.lr_schedule)
 WEIGHT_KINDS = ("auto", "float32", "bfloat16", "int8", "mxfp4")  # sample.weights (weights.py)
-SFT_FORMATS = ("none", "prompt_completion", "chat")  # data.sft (moe_jax/data/sft.py)
+# data.sft (moe_jax/data/sft.py; preference: DPO's pairs, moe_jax/data/preference.py)
+SFT_FORMATS = ("none", "prompt_completion", "chat", "preference")
+OBJECTIVES = ("lm", "dpo")  # train.objective (moe_jax/train_step.py, moe_jax/dpo.py)
 MESH_AXES = ("data", "fsdp", "expert", "tensor")  # the axes a mesh.* size names
 # train.trackers (moe_jax/trackers.py); "jsonl" is always on, and may be named
 TRACKERS = ("jsonl", "tensorboard", "wandb", "mlflow")
@@ -74,6 +76,8 @@ class DataConfig:
     # rendered with the tokenizer's chat template; the loss covers the assistant turns).
     # Examples are packed whole into windows of train.seq_len+1 tokens (needs document_mask);
     # the last val_fraction of the examples (at least one) is the validation split.
+    # preference: DPO's pairs (train.objective=dpo; moe_jax/data/preference.py), lines
+    # {"prompt": ..., "chosen": ..., "rejected": ...} of text, or of messages lists.
     sft: str = "none"
 
     @property
@@ -196,6 +200,11 @@ class TrainConfig:
     # Resume from this saved step instead of the latest (e.g. when the latest is damaged); the
     # checkpoints after it are moved to RUN_DIR/superseded. 0 = the latest. A one-off override.
     resume_step: int = 0
+    # What the step minimises: lm (cross-entropy: pretraining and SFT) | dpo (Direct
+    # Preference Optimization on data.sft=preference pairs, moe_jax/dpo.py; the reference
+    # is the base with the LoRA adapters off, so it needs lora.rank > 0)
+    objective: str = "lm"
+    dpo_beta: float = 0.1  # DPO's beta: the strength of the implicit KL to the reference
 
     @property
     def decay_steps(self) -> int:
@@ -213,6 +222,8 @@ class TrainConfig:
         positive(self, "train", ["steps", "batch_size", "seq_len", "grad_accum", "lr", "log_every"])
         positive(self, "train", ["eval_every", "eval_batches"])
         one_of(self.moments_dtype, ("float32", "bfloat16"), "train.moments_dtype")
+        one_of(self.objective, OBJECTIVES, "train.objective")
+        positive(self, "train", ["dpo_beta"])
         require(
             self.batch_size % self.grad_accum == 0,
             f"train.batch_size ({self.batch_size}) must be divisible by train.grad_accum "

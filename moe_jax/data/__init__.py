@@ -57,6 +57,10 @@ def load_data(cfg: Config, tokenizer: Tokenizer | None = None) -> RunData:
 def load_run_data(cfg: Config, tokenizer: Tokenizer | None = None):
     """What a run trains on: the SFT examples with `data.sft`, else `data.load_data`'s corpus
     or prepared dataset(s). The same interface either way (train_iterator, eval_batches...)."""
+    if cfg.data.sft == "preference":  # DPO's pairs
+        from moe_jax.data.preference import load_preference
+
+        return load_preference(cfg, tokenizer)
     if cfg.data.sft != "none":
         return load_sft(cfg, tokenizer)
     return load_data(cfg, tokenizer)

@@ -57,12 +57,15 @@ class Record:
 FORMS = {
     "prompt_completion": '{"prompt": "...", "completion": "..."}',
     "chat": '{"messages": [{"role": "user", "content": "..."}, ...]}',
+    # DPO's pairs (moe_jax/data/preference.py), or with messages: see there
+    "preference": '{"prompt": "...", "chosen": "...", "rejected": "..."}',
 }
 
 
-def read_records(path_spec: str, form: str) -> tuple[list[Record], str]:
+def read_records(path_spec: str, form: str, check=None) -> tuple[list[Record], str]:
     """The JSONL lines of the files `path_spec` names (`data.file_sources`), checked for
-    `form`'s fields, and the SHA-256 of the files' bytes. DataError names file and line."""
+    `form`'s fields (by `check(value, where)` where given), and the SHA-256 of the files'
+    bytes. DataError names file and line."""
     records, digest = [], hashlib.sha256(form.encode())
     for source in file_sources(path_spec):
         digest.update(source.raw)
@@ -84,7 +87,7 @@ def read_records(path_spec: str, form: str) -> tuple[list[Record], str]:
                     f"{where} is not JSON ({e.msg} at column {e.colno}); data.sft={form} reads "
                     f"one JSON object a line: {FORMS[form]}"
                 ) from None
-            _check_fields(value, form, where)
+            check(value, where) if check else _check_fields(value, form, where)
             records.append(Record(where, value))
     return records, digest.hexdigest()[:16]
 

@@ -54,6 +54,20 @@ _dropout: contextvars.ContextVar[tuple[jax.Array, float] | None] = contextvars.C
 )
 
 
+# True while tracing the base alone (DPO's reference): every adapter term left out
+_off: contextvars.ContextVar[bool] = contextvars.ContextVar("lora_off", default=False)
+
+
+@contextlib.contextmanager
+def off():
+    """Trace the model as its base: no adapter term, the experts' weights unmerged."""
+    token = _off.set(True)
+    try:
+        yield
+    finally:
+        _off.reset(token)
+
+
 @contextlib.contextmanager
 def dropping(key: jax.Array, rate: float):
     """Trace a training step whose adapters drop their inputs at `rate`, masks from `key`."""
@@ -111,7 +125,7 @@ def delta(module: nnx.Module, name: str, x, subscripts: str, dtype):
     """The adapter's term (alpha / r) (x A) B of `jnp.einsum(subscripts, x, W)` for weight
     `name` of `module`, or 0 where it has none. x's letters shared with W's are contracted
     (W's first dims); the rest of W's are the output's."""
-    if not has_adapter(module, name):
+    if not has_adapter(module, name) or _off.get():
         return 0
     ad: LowRank = getattr(module, PREFIX + name)
     lhs, rest = subscripts.split(",")
@@ -136,7 +150,7 @@ def merged(module: nnx.Module, weights: dict) -> dict:
     float32 (the layer casts it to its compute dtype as it reads it)."""
     out = dict(weights)
     for name, w in weights.items():
-        if has_adapter(module, name):
+        if has_adapter(module, name) and not _off.get():
             ad: LowRank = getattr(module, PREFIX + name)
             ab = product(ad.a[...], ad.b[...], ad.lead)
             out[name] = w.astype(jnp.float32) + ad.scale * ab

@@ -1,0 +1,87 @@
+"""Direct Preference Optimization (Rafailov et al. 2023), `train.objective=dpo`.
+
+    loss, metrics = dpo_loss(policy_chosen, policy_rejected, ref_chosen, ref_rejected, beta)
+    grads, metrics = compute_grads(params, graphdef, batch, cfg)   # the train step's
+
+Each pair's answers are scored by their summed log-probability (the counted tokens of each
+row: the answer and its EOS, `data/preference.py`) under the policy and the reference:
+    loss = -log sigmoid(beta ((pi_c - ref_c) - (pi_r - ref_r)))
+averaged over the pairs, TRL's `DPOTrainer` loss (loss_type sigmoid, no label smoothing).
+The reference is the policy's base: the same model traced with its LoRA adapters off
+(`lora.adapters.off`), so no second copy of the weights exists; its log-probs carry no
+gradient. The MoE aux loss of the policy's forward is added, as in the LM step.
+
+Metrics (means over the pairs): "dpo_loss"; "reward_chosen" / "reward_rejected", the
+implicit rewards beta (pi - ref); "reward_margin", their difference; "reward_accuracy", the
+fraction of pairs whose chosen reward is the larger; "logps_chosen" / "logps_rejected",
+the policy's summed log-probs; and, for the log line, "ce": the policy's mean cross-entropy
+over all counted tokens of both answers.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from moe_jax import backends
+from moe_jax.lora import adapters
+from moe_jax.lora import params as lora_params
+from moe_jax.model.transformer import LAYER_FRACTIONS
+from moe_jax.train_step import _head, split_batch
+
+
+def dpo_loss(policy_c, policy_r, ref_c, ref_r, beta: float) -> tuple[jax.Array, dict]:
+    """The mean DPO loss of pairs' summed log-probs ([P] each) and its metrics."""
+    reward_c, reward_r = beta * (policy_c - ref_c), beta * (policy_r - ref_r)
+    losses = -jax.nn.log_sigmoid(reward_c - reward_r)
+    loss = jnp.mean(losses)
+    return loss, {
+        "dpo_loss": loss,
+        "reward_chosen": jnp.mean(reward_c),
+        "reward_rejected": jnp.mean(reward_r),
+        "reward_margin": jnp.mean(reward_c - reward_r),
+        "reward_accuracy": jnp.mean((reward_c > reward_r).astype(jnp.float32)),
+        "logps_chosen": jnp.mean(policy_c),
+        "logps_rejected": jnp.mean(policy_r),
+    }
+
+
+def sequence_logps(model, rows: dict) -> tuple[jax.Array, dict, jax.Array, jax.Array]:
+    """(each row's summed log-prob of its counted targets [R], the MoE aux, the sum of the
+    counted targets' cross-entropies, their number) of rows (a batch dict [R, T+1])."""
+    inputs, targets_BT, weights_BT = split_batch(rows)
+    x_BTD, aux = model(
+        inputs["tokens"], positions=inputs.get("positions"), segments=inputs.get("segments"),
+        head=False,
+    )  # fmt: skip
+    chunk = backends.loss_chunk(model.cfg.train.loss_chunk, x_BTD.shape[1])
+    head_DV = model.head_weight() if chunk else None
+    logz_BT, target_logit_BT = _head(model, x_BTD, targets_BT, chunk, head_DV)
+    logp_BT = (target_logit_BT - logz_BT) * weights_BT
+    return jnp.sum(logp_BT, axis=1), aux, -jnp.sum(logp_BT), jnp.sum(weights_BT)
+
+
+def loss_fn(trained, frozen, graphdef, batch: dict, beta: float):
+    """-> (DPO loss + the MoE aux loss, metrics) of a batch of pairs ([P, 2, T+1] arrays,
+    chosen first)."""
+    model = nnx.merge(graphdef, lora_params.join(trained, frozen))
+    rows = {k: v.reshape(-1, v.shape[-1]) for k, v in batch.items()}  # [2P, T+1]: c, r, c, ...
+    policy_R, aux, ce_sum, count = sequence_logps(model, rows)
+    with adapters.off():
+        ref_R = jax.lax.stop_gradient(sequence_logps(model, rows)[0])
+    loss, metrics = dpo_loss(policy_R[0::2], policy_R[1::2], ref_R[0::2], ref_R[1::2], beta)
+    metrics |= {"ce": ce_sum / jnp.maximum(count, 1.0), "n_targets": count}
+    metrics |= {k: aux[k] for k in ("aux_loss", "lb_loss", "z_loss", "expert_load")}
+    if "seq_lb_loss" in aux:
+        metrics["seq_lb_loss"] = aux["seq_lb_loss"]
+    metrics |= {k: aux[k] for k in LAYER_FRACTIONS}
+    return loss + aux["aux_loss"], metrics
+
+
+def compute_grads(params, graphdef, batch: dict, cfg) -> tuple:
+    """-> (gradients of the adapters' A and B, metrics with "loss") of a batch of pairs."""
+    trained, frozen = lora_params.split(params)
+    grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+    (loss, metrics), grads = grad_fn(trained, frozen, graphdef, batch, cfg.train.dpo_beta)
+    return grads, metrics | {"loss": loss}

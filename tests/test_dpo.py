@@ -1,0 +1,192 @@
+"""DPO (moe_jax/dpo.py, moe_jax/data/preference.py): ln 2 at the first step, the loss, its
+gradient and its metrics equal TRL's `DPOTrainer` on the same logits, a tiny model learns
+a separable preference set, and bad pairs are refused by line.
+
+TRL's loss is taken from `DPOTrainer._compute_loss` itself, run on a stand-in trainer (the
+attributes it reads) and a stand-in model whose logits are a leaf tensor: the same logits
+go through our log-probs (`sequence_logps`' arithmetic) and `dpo_loss`. Float32 both
+sides; 1e-6 relative.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections import defaultdict
+from types import SimpleNamespace
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from moe_jax import dpo
+from moe_jax.data.preference import load_preference, pair_rows
+from moe_jax.lora import params as lora_params
+from moe_jax.tokenizer import DataError
+from moe_jax.train_step import init_state, make_optimizer, make_train_step
+from tests.helpers import tiny_config
+
+BETA = 0.1
+
+
+def pairs_config(path, *overrides):
+    return tiny_config(
+        "train.objective=dpo", "data.sft=preference", f"data.path={path}",
+        "moe.n_experts=0", "model.n_layers=2", "attention.nope_interval=0",
+        "attention.temperature_tuning=false", "lora.rank=8", "lora.alpha=16",
+        "lora.targets=[attention,mlp]", "lora.base_dtype=float32", "train.seq_len=24",
+        "train.batch_size=4", "data.val_fraction=0.25", "train.warmup_steps=1",
+        *overrides,
+    )  # fmt: skip
+
+
+def separable(n: int, seed: int = 0) -> list[dict]:
+    """Pairs whose chosen answer always names the larger of two numbers in the prompt."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(n):
+        a, b = rng.choice(90, 2, replace=False) + 10
+        big, small = max(a, b), min(a, b)
+        out.append({"prompt": f"max {a} {b}:", "chosen": f" {big}", "rejected": f" {small}"})
+    return out
+
+
+def write_jsonl(path, values) -> str:
+    path.write_text("".join(json.dumps(v) + "\n" for v in values))
+    return str(path)
+
+
+def pairs_batch(pairs, length: int) -> dict:
+    rows = [pair_rows(p, length) for p in pairs]
+    return {k: jnp.asarray(np.stack([r[k] for r in rows])) for k in rows[0]}
+
+
+def test_the_first_step_loss_is_ln2_and_its_metrics_are_neutral(tmp_path):
+    """Adapters at B = 0: the policy is its reference, every reward 0, the loss ln 2."""
+    cfg = pairs_config(write_jsonl(tmp_path / "p.jsonl", separable(8)))
+    data = load_preference(cfg)
+    graphdef, state = init_state(cfg, make_optimizer(cfg.train))
+    step = make_train_step(cfg, graphdef, make_optimizer(cfg.train))
+    _, m = step(state, pairs_batch(data.train[:4], data.length))
+    np.testing.assert_allclose(m["dpo_loss"], math.log(2), rtol=1e-6)
+    assert float(m["reward_margin"]) == 0 and float(m["reward_accuracy"]) == 0
+    assert float(m["logps_chosen"]) < 0 and float(m["grad_norm"]) > 0
+
+
+def _trl_loss(logits, input_ids, completion_mask, ref_c, ref_r):
+    """TRL's DPO loss (loss_type sigmoid) and metrics of these logits, from its own code."""
+    torch = pytest.importorskip("torch")
+    trl = pytest.importorskip("trl", reason="TRL parity needs trl (the `interop` extra)")
+
+    metrics = {"train": defaultdict(list)}
+    gather = lambda x: x
+    trainer = SimpleNamespace(
+        model=SimpleNamespace(training=True),
+        accelerator=SimpleNamespace(device="cpu", gather_for_metrics=gather, gather=gather),
+        aux_loss_enabled=False, ld_alpha=None, precompute_ref_logps=True,
+        f_divergence_type="reverse_kl", loss_types=["sigmoid"], loss_weights=[1.0], beta=BETA,
+        use_weighting=False, label_smoothing=0.0, _metrics=metrics, _total_train_tokens=0,
+        _tp_size=1,
+    )  # fmt: skip
+    model = lambda **_: SimpleNamespace(logits=logits)
+    inputs = {
+        "input_ids": torch.from_numpy(input_ids),
+        "attention_mask": torch.ones(input_ids.shape, dtype=torch.long),
+        "completion_mask": torch.from_numpy(completion_mask),
+        "ref_chosen_logps": torch.from_numpy(ref_c),
+        "ref_rejected_logps": torch.from_numpy(ref_r),
+    }
+    loss = trl.DPOTrainer._compute_loss(trainer, model, inputs, False)
+    return loss, metrics["train"]
+
+
+def test_loss_gradient_and_metrics_equal_trls():
+    """TRL's batch is [chosen..., rejected...]; ours pairs rows (c, r, c, r, ...)."""
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng(0)
+    P, T, V = 3, 7, 11
+    logits = rng.standard_normal((2 * P, T, V)).astype(np.float32) * 2
+    ids = rng.integers(0, V, (2 * P, T))
+    mask = (rng.random((2 * P, T)) < 0.6).astype(np.int64)
+    mask[:, 1] = 1  # every answer counts a token
+    ref_c, ref_r = (rng.standard_normal(P).astype(np.float32) * 3 - 10 for _ in range(2))
+
+    leaf = torch.tensor(logits, requires_grad=True)
+    loss, trl_metrics = _trl_loss(leaf, ids, mask, ref_c, ref_r)
+    loss.backward()
+
+    def ours(logits_RTV):
+        logp = jax.nn.log_softmax(logits_RTV[:, :-1], axis=-1)
+        picked = jnp.take_along_axis(logp, ids[:, 1:, None], -1)[..., 0] * mask[:, 1:]
+        logps = jnp.sum(picked, axis=1)  # TRL's order: chosen then rejected
+        return dpo.dpo_loss(logps[:P], logps[P:], ref_c, ref_r, BETA)
+
+    (value, metrics), grad = jax.value_and_grad(ours, has_aux=True)(jnp.asarray(logits))
+    np.testing.assert_allclose(value, loss.item(), rtol=1e-6)
+    np.testing.assert_allclose(grad, leaf.grad.numpy(), rtol=1e-5, atol=1e-7)
+    for ours_key, theirs in (
+        ("reward_chosen", "rewards/chosen"), ("reward_rejected", "rewards/rejected"),
+        ("reward_margin", "rewards/margins"), ("reward_accuracy", "rewards/accuracies"),
+        ("logps_chosen", "logps/chosen"), ("logps_rejected", "logps/rejected"),
+    ):  # fmt: skip
+        np.testing.assert_allclose(metrics[ours_key], trl_metrics[theirs][0], rtol=1e-5)
+
+
+GOOD = ["sun", "sea", "sky", "tree", "rain", "leaf", "bird", "moon"]
+
+
+def by_case(n: int, seed: int = 0) -> list[dict]:
+    """Pairs that prefer a lower-case word to an upper-case one, drawn independently."""
+    rng = np.random.default_rng(seed)
+    return [
+        {"prompt": f"q{i}:", "chosen": " " + rng.choice(GOOD),
+         "rejected": " " + rng.choice(GOOD).upper()}
+        for i in range(n)
+    ]  # fmt: skip
+
+
+def test_a_tiny_model_learns_a_separable_preference_set(tmp_path):
+    """Pairs separable by the answers' case: after 20 steps the held-out pairs' reward
+    accuracy is at least 0.9 (it starts at 0: all rewards 0) and their margin positive."""
+    cfg = pairs_config(
+        write_jsonl(tmp_path / "p.jsonl", by_case(80)), "train.lr=2e-2", "train.steps=20",
+        "train.batch_size=8", f"train.dpo_beta={BETA}",
+    )  # fmt: skip
+    data = load_preference(cfg)
+    tx = make_optimizer(cfg.train)
+    graphdef, state = init_state(cfg, tx)
+    step = make_train_step(cfg, graphdef, tx)
+    it = data.train_iterator(cfg)
+    for _ in range(cfg.train.steps):
+        state, m = step(state, {k: jnp.asarray(v) for k, v in next(it).items()})
+    val = pairs_batch(data.val, data.length)
+    trained, frozen = lora_params.split(state["params"])
+    _, metrics = jax.jit(dpo.loss_fn, static_argnums=(2, 4))(trained, frozen, graphdef, val, BETA)
+    assert float(metrics["reward_accuracy"]) >= 0.9, metrics
+    assert float(metrics["reward_margin"]) > 0
+
+
+@pytest.mark.parametrize(
+    ("line", "message"),
+    [
+        ('{"prompt": "a", "chosen": "b"}', "line 2 has no 'rejected' field"),
+        ('{"prompt": "a", "chosen": ["b"], "rejected": "c"}', "line 2 mixes text and messages"),
+        ('[1, 2]', "line 2 holds a JSON list, not an object"),
+    ],
+)  # fmt: skip
+def test_bad_pairs_are_refused_by_line(tmp_path, line, message):
+    path = tmp_path / "p.jsonl"
+    path.write_text(json.dumps(separable(1)[0]) + "\n" + line + "\n")
+    with pytest.raises(DataError, match=message):
+        load_preference(pairs_config(str(path)))
+
+
+def test_dpo_needs_preference_pairs_and_adapters(tmp_path):
+    from moe_jax.config import ConfigError
+
+    path = write_jsonl(tmp_path / "p.jsonl", separable(2))
+    with pytest.raises(ConfigError, match="base with the LoRA adapters off"):
+        pairs_config(path, "lora.rank=0")
+    with pytest.raises(ConfigError, match="set both or neither"):
+        pairs_config(path, "data.sft=prompt_completion")
