@@ -114,6 +114,14 @@ class PreferenceData:
     fingerprint: str
 
     @property
+    def n_train_tokens(self) -> int:
+        return sum(len(t) for pair in self.train for t, _ in pair)
+
+    @property
+    def n_val_tokens(self) -> int:
+        return sum(len(t) for pair in self.val for t, _ in pair)
+
+    @property
     def val_unigram_entropy(self) -> float:
         learned = [t[m == 1] for pair in self.val for t, m in pair]
         return unigram_entropy(np.concatenate(learned), self.tokenizer.vocab_size)
