@@ -57,25 +57,28 @@ NEEDS = {"eval": "lm_eval", "harness": "lm_eval", "serve": "uvicorn"}  # the opt
 # ----------------------------------------------------------------------------- every door
 
 
-def _command_modules() -> set[str]:
+def _command_modules() -> dict[str, str]:
     """The modules of moe_jax that run as a command (an `if __name__ == "__main__"` block),
-    and pyproject's console scripts' modules."""
-    found = set()
+    with that block's source, and pyproject's console scripts' modules."""
+    found = {}
     for path in (ROOT / "moe_jax").rglob("*.py"):
         tree = ast.parse(path.read_text(encoding="utf-8"))
         for node in tree.body:
             if isinstance(node, ast.If) and "__main__" in ast.unparse(node.test):
                 parts = path.relative_to(ROOT).with_suffix("").parts
-                found.add(".".join(parts))
+                found[".".join(parts)] = ast.unparse(node)
     scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
-    return found | {target.split(":")[0] for target in scripts.values()}
+    return found | {target.split(":")[0]: "" for target in scripts.values()}
 
 
 def test_every_command_goes_through_the_door():
     """No command is missed: each module that runs as one is in COMMANDS, and its main is
     the door's (a new command without it would keep its own list of errors and signals)."""
-    modules = _command_modules() - {"moe_jax.__init__"}
-    assert modules <= set(COMMANDS.values()), modules - set(COMMANDS.values())
+    modules = _command_modules()
+    modules.pop("moe_jax.__init__", None)  # a check of how python was started, no command
+    assert set(modules) <= set(COMMANDS.values()), set(modules) - set(COMMANDS.values())
+    for module, block in modules.items():  # the exit status reaches the shell
+        assert not block or "sys.exit(main(" in block, f"{module}: {block}"
     for name, module in COMMANDS.items():
         if NEEDS.get(name) and importlib.util.find_spec(NEEDS[name]) is None:
             continue
@@ -83,6 +86,14 @@ def test_every_command_goes_through_the_door():
         assert getattr(main, "door", False), f"{module}.main does not go through the door"
     for script in ("train.py", "sample.py"):  # the clone's scripts run the same mains
         assert "from moe_jax.cli." in (ROOT / script).read_text()
+
+
+def test_the_config_checks_agree_with_the_kernels():
+    """config.checks refuses MXFP4 dims before the weights load with the quantiser's block."""
+    from moe_jax.config.checks import MXFP4_BLOCK
+    from moe_jax.model import fp4
+
+    assert MXFP4_BLOCK == fp4.BLOCK
 
 
 def test_the_door_turns_each_ending_into_one_line(capsys, tmp_path):

@@ -6,8 +6,9 @@
 lm-eval 0.4.13 finds backends only in its own fixed table or among modules already
 imported (it has no plugin entry point), so a bare `lm_eval --model moe_jax` cannot see this
 package's backend: this module imports it, then hands the arguments to the harness's CLI
-(every flag of `lm_eval`'s works). Errors of the moe_jax backend (a bad run directory, mesh or
-override) print one `error: ...` line and exit 2.
+(every flag of `lm_eval`'s works). `run --tasks` names the harness's index lacks are refused
+first (lm-eval's own refusal is a traceback); those and the moe_jax backend's errors (a bad run
+directory, mesh or override) print one `error: ...` line and exit 2 (moe_jax.cli.entry).
 """
 
 from __future__ import annotations
