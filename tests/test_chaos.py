@@ -7,8 +7,8 @@ The commands run in this process through their `main(argv)`, as `python -m` runs
 door is the whole of what `__main__` adds: `sys.exit(main(argv))`, checked below for every
 command module); a signal is sent to this process at a moment of the command's work by
 wrapping a function it calls there, and its handler runs in the main thread at once, as in
-a command's own process. One tiny run serves every case. Budget: ~40 s on 2 cores (the run's
-two training steps, a few restores and one evaluation's scoring).
+a command's own process. One tiny run serves every case. Budget: ~45 s on 2 cores (the run's
+two training steps, lm-eval's import and task index, a few restores).
 """
 
 from __future__ import annotations
@@ -94,6 +94,19 @@ def test_the_config_checks_agree_with_the_kernels():
     from moe_jax.model import fp4
 
     assert MXFP4_BLOCK == fp4.BLOCK
+
+
+@pytest.mark.parametrize(
+    "change", ["attention.impl=blocked", "moe.impl=ragged", "moe.exchange=buffers",
+               "moe.row_chunks=2", "moe.recv_factor=2.0"],
+)  # fmt: skip
+def test_kernel_choices_are_not_architecture(change):
+    """A run refused for its kernel is rerun with the kernel the line proposes: a resume
+    compares the architecture, not how a step computes it."""
+    from moe_jax.run.policy import incompatible_keys
+    from tests.helpers import tiny_config
+
+    assert incompatible_keys(tiny_config(), tiny_config(change)) == []
 
 
 def test_the_door_turns_each_ending_into_one_line(capsys, tmp_path):
