@@ -77,10 +77,11 @@ class OutOfMemory(TrainingError):
 
 
 class GracefulStop:
-    """Turns the first SIGTERM / SIGINT into a request to checkpoint and stop after the current
-    step; the handlers are then restored, so a second signal acts immediately."""
+    """Turns the first SIGTERM / SIGINT / SIGHUP (a closed terminal) into a request to
+    checkpoint and stop after the current step; the handlers are then restored, so a second
+    signal acts immediately."""
 
-    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+    SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
     def __init__(self):
         self.signum: int | None = None

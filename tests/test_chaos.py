@@ -30,6 +30,8 @@ from pathlib import Path
 import pytest
 
 from moe_jax.cli import entry
+from moe_jax.run.output import Interrupted
+from moe_jax.run.output import stop_on_signals as entry_signals
 
 ROOT = Path(__file__).resolve().parents[1]
 HAS_EVAL = importlib.util.find_spec("lm_eval") is not None
@@ -417,6 +419,20 @@ def test_a_signal_at_any_moment_is_one_line(world, capsys, monkeypatch, case, co
     _assert_clean(world, code, err, before, out)
     assert code == 128 + signum, err
     assert re.match(rf"error: stopped by {signum.name}\b", err.strip().splitlines()[-1]), err
+
+
+@pytest.mark.parametrize("signum", STOPS)
+def test_training_stops_after_its_step_on_each_stopping_signal(signum):
+    """train.py checkpoints and stops on SIGHUP as on SIGTERM and Ctrl-C (a SIGHUP raised
+    mid-step and lost the step's checkpoint); a second signal then acts at once."""
+    from moe_jax.trainer import GracefulStop
+
+    with entry_signals(), GracefulStop() as stop:
+        _send(signum)
+        assert stop.agreed() == signum
+        with pytest.raises(KeyboardInterrupt if signum == signal.SIGINT else Interrupted):
+            _send(signum)
+            sum(range(1000))  # bytecode, where the handler runs
 
 
 def test_a_stop_inside_the_orbax_write_leaves_no_sibling(world, capsys, monkeypatch):
