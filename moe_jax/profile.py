@@ -32,7 +32,7 @@ from pathlib import Path
 
 import jax
 
-from moe_jax.cli.entry import command
+from moe_jax.cli.entry import command, say
 from moe_jax.scopes import PARTS
 
 PROFILE_DIR = "profile"  # RUN_DIR/profile
@@ -297,25 +297,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"{USAGE}\n\n{__doc__.strip()}")
         return 0
     if not args:
-        print(f"error: no trace directory given; {USAGE}", file=sys.stderr)
-        return 2
+        return say(f"no trace directory given; {USAGE}")
     top = 10
     if "--top" in args:
         i = args.index("--top")
         try:
             top = int(args[i + 1])
         except (IndexError, ValueError):
-            print(f"error: --top takes a number of ops; {USAGE}", file=sys.stderr)
-            return 2
+            return say(f"--top takes a number of ops; {USAGE}")
         del args[i : i + 2]
     trace = newest_trace(Path(args[0])) if Path(args[0]).exists() else None
     if trace is None:
-        print(
-            f"error: no perfetto_trace.json.gz under '{args[0]}'; train with "
-            "train.profile_steps=N (and train.profile_start=S) to write one",
-            file=sys.stderr,
+        return say(
+            f"no perfetto_trace.json.gz under '{args[0]}'; train with "
+            "train.profile_steps=N (and train.profile_start=S) to write one"
         )
-        return 2
     print(format_summary(trace, top))
     return 0
 

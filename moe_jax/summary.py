@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 from flax import nnx
 
-from moe_jax.cli.entry import command
+from moe_jax.cli.entry import command, say
 from moe_jax.config import Config, cli_config
 
 COMPONENTS = (
@@ -285,8 +285,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(USAGE)
         return 0
     if not args or "=" in args[0]:
-        print(f"error: no config file given; {USAGE}", file=sys.stderr)
-        raise SystemExit(2)
+        return say(f"no config file given; {USAGE}")
     cfg = cli_config(args, default_path=None)
     print(format_summary(cfg))
     return 0

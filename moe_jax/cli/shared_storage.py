@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from moe_jax.cli.configs import config_path
-from moe_jax.cli.entry import command
+from moe_jax.cli.entry import command, say
 from moe_jax.cli.train import config_argv
 from moe_jax.config import Config, cli_config
 
@@ -88,8 +88,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     elif verb == "clean":
         mark.unlink(missing_ok=True)
     elif found := problems(cfg, token):
-        print(f"error: {'; '.join(found)}", file=sys.stderr)
-        return 2
+        return say("; ".join(found))
     return 0
 
 
