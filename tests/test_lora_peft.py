@@ -139,9 +139,9 @@ def test_a_lora_run_from_an_hf_dir_resumes_exactly_and_exports_both_ways(tmp_pat
     from transformers import AutoModelForCausalLM
 
     from moe_jax.config import load_config
+    from moe_jax.interop.__main__ import main as interop
     from moe_jax.interop.export import export_run
     from moe_jax.load import load_run
-    from moe_jax.lora.peft import export_adapter
     from moe_jax.trainer import train
 
     directory = tmp_path / "hf"
@@ -174,7 +174,8 @@ def test_a_lora_run_from_an_hf_dir_resumes_exactly_and_exports_both_ways(tmp_pat
     export_run(tmp_path / "resumed", tmp_path / "merged")
     merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged").eval()
     np.testing.assert_allclose(hf_logits(merged, x), ours, rtol=0, atol=1e-5)
-    export_adapter(tmp_path / "resumed", tmp_path / "adapter")
+    out = ["--out", str(tmp_path / "adapter")]
+    assert interop(["export-adapter", str(tmp_path / "resumed"), *out]) == 0  # the CLI
     with torch.no_grad():
         peft_model = peft.PeftModel.from_pretrained(hf_base, tmp_path / "adapter").eval()
         theirs = peft_model(torch.from_numpy(x)).logits.numpy()

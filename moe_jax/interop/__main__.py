@@ -2,6 +2,7 @@
 
     python -m moe_jax.interop import HF_DIR --out RUN_DIR [--dtype D] [CONFIG.yaml] [key=value ...]
     python -m moe_jax.interop export RUN_DIR --out HF_DIR [--step N] [--arch A] [--dtype D]
+    python -m moe_jax.interop export-adapter RUN_DIR --out ADAPTER_DIR [--step N] [--arch A]
 
 import: the architecture comes from HF_DIR/config.json; CONFIG.yaml (default: the schema
 defaults) and the overrides set everything else (train, data, mesh, ...) plus the run-time
@@ -29,6 +30,12 @@ config.json's torch_dtype says which; streamed: one tensor read from the checkpo
 written at a time, in shards of at most 2 GB. The multi-token
 prediction layers (model.mtp_depth) are written as DeepSeek-V3 / GLM-4.5 checkpoints hold
 them; the other architectures have none.
+
+A LoRA run (lora.rank > 0) exports merged (each adapted weight W + alpha/r A B);
+export-adapter writes its adapters alone in PEFT's format (adapter_model.safetensors +
+adapter_config.json, PEFT's tensor names for the architecture), which PEFT loads onto the
+HF base; `train.py init_from=BASE lora.init_adapter=ADAPTER_DIR` reads one back
+(moe_jax/lora/peft.py).
 
 Errors (unsupported architecture or setting, missing tensor, existing non-empty --out) print
 one `error: ...` line and exit 2; nothing existing is overwritten.
@@ -173,15 +180,26 @@ def main(argv: list[str]) -> int:
         default=None,
         help="the tensors' dtype (default: the run's params', e.g. bf16 for a bf16 import)",
     )
+    ada = sub.add_parser("export-adapter", help="LoRA run directory -> PEFT adapter directory")
+    ada.add_argument("run_dir", type=Path)
+    ada.add_argument("--out", type=Path, required=True, help="new adapter directory")
+    ada.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")
+    ada.add_argument("--arch", choices=list(FAMILIES), default=None)
     # CONFIG.yaml and key=value overrides may come before or after --out.
     args, rest = parser.parse_known_args(argv)
-    if args.command == "export" and rest or any(r.startswith("-") for r in rest):
+    if args.command != "import" and rest or any(r.startswith("-") for r in rest):
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     writes(args.out)
     if args.command == "import":
         config = rest.pop(0) if rest and "=" not in rest[0] else None
         cfg = import_run(args.hf_dir, args.out, config, rest, args.dtype)
         print(f"imported {args.hf_dir} into {cfg.run_dir} (step 0)")
+    elif args.command == "export-adapter":
+        from moe_jax.lora.peft import export_adapter
+
+        _require_empty(args.out)
+        arch, _ = export_adapter(args.run_dir, args.out, args.step, args.arch)
+        print(f"exported the LoRA adapters of {args.run_dir} for {arch} to {args.out}")
     else:
         arch, cfg = export_run(args.run_dir, args.out, args.step, args.arch, args.dtype)
         print(f"exported {args.run_dir} as {arch} to {args.out}")
