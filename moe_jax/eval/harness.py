@@ -36,7 +36,7 @@ def check_tasks(argv: Sequence[str]) -> None:
     p.add_argument("--include_path", "--include-path", default=None)
     known, _ = p.parse_known_args(argv[1:])
     names = [n for given in known.tasks for n in task_names(given)]
-    check_known([n for n in names if not Path(n).exists()], known.include_path)
+    check_known([n for n in names if not Path(n).exists()], known.include_path, "--include_path")
 
 
 @command

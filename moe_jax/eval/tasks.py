@@ -41,14 +41,15 @@ def task_names(tasks: str) -> list[str]:
     return names
 
 
-def check_known(names: list[str], include_path: str | None) -> None:
-    """EvalError, naming the nearest known names, for a name the task index lacks."""
+def check_known(names: list[str], include_path: str | None, flag: str = "--include-path") -> None:
+    """EvalError, naming the nearest known names, for a name the task index lacks (`flag`:
+    the command's option for a directory of task YAMLs)."""
     manager = task_manager(include_path)
     for name in names:
         if name not in manager.all_tasks:
             close = difflib.get_close_matches(name, manager.all_tasks, n=3)
             hint = f"; did you mean {', '.join(close)}?" if close else ""
-            where = "" if include_path else " (tasks of your own: --include-path DIR of YAMLs)"
+            where = "" if include_path else f" (tasks of your own: {flag} DIR of YAMLs)"
             raise EvalError(f"unknown task '{name}'{hint}{where}")
 
 
