@@ -337,6 +337,9 @@ def test_a_bad_input_is_one_line(world, capsys, monkeypatch, case, command, argv
 
 
 def _send(signum: int) -> None:
+    """`signum` to this process, only where a handler takes it (a default action would end
+    the test process, not the command)."""
+    assert callable(signal.getsignal(signum)), f"no handler for {signum!r} here"
     os.kill(os.getpid(), signum)
 
 
