@@ -38,8 +38,8 @@ LENGTHS = (5, 11, 30, 19, 3, 40)  # 40: three prefill chunks of 16
 # 12 pages: 1.5 contexts for 4 slots, so long requests preempt others now and then. (Every
 # engine here has these sizes: a pool of another size would compile the programs again.)
 # min_decode_rows: every decode step runs the 4 slots' rows (one shape; the server's tests
-# run the default buckets of 1, 2 and 4 rows).
-SIZES = dict(max_slots=4, page_size=8, chunk=16, n_pages=12, min_decode_rows=4)
+# run the default buckets of 1, 2 and 4 rows); prefill_rows: prefills of 1 and 2 rows.
+SIZES = dict(max_slots=4, page_size=8, chunk=16, n_pages=12, min_decode_rows=4, prefill_rows=2)
 
 
 def prompts_of(lengths, seed=0):

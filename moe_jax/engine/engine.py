@@ -10,13 +10,15 @@ A fixed number of decode slots; a request takes a free slot when it is admitted 
 when it finishes, between steps. One `step()`:
  1. admits queued requests (first come, first served) while a slot and the pages for their
     prompt are free, sharing the pages of a prompt prefix seen before (`pages.PagePool`);
- 2. runs one prefill chunk of `chunk` tokens for the oldest slot still prefilling (a long
-    prompt takes several steps; the others keep decoding meanwhile), which on the prompt's
-    last chunk picks the request's first token;
- 3. runs one decode step for every slot past its prefill: each feeds its last token and
-    picks the next (the rows of the slots up to the highest one decoding, in a power-of-two
-    bucket of at least `min_decode_rows`: fewer shapes to compile, but on CPU a step of 8
-    rows costs ~4x one of 1, its MoE layers computing every expert).
+ 2. runs one prefill chunk of `chunk` tokens for each of the `prefill_rows` oldest slots
+    still prefilling, one row each (a long prompt takes several steps; the others keep
+    decoding meanwhile), which on a prompt's last chunk picks the request's first token.
+    Several rows a call: with one, prefill bounded the throughput under load (a request
+    needs a chunk or two, and finished requests' slots waited for theirs);
+ 3. runs one decode step for every request past its prefill: each feeds its last token and
+    picks the next, one row each (a row is not a slot: the pages travel with the request),
+    in a power-of-two bucket of at least `min_decode_rows`: a few shapes to compile, and
+    neither empty nor prefilling slots' rows computed.
 A request ends at a stop id (which it keeps, as `Sampler` does), at `max_tokens`, or when the
 caller cancels it; its pages go back to the pool. A slot asks for a page only when its
 sequence reaches one; if none is left, the most recently admitted other request is preempted:
@@ -47,6 +49,11 @@ from moe_jax.config import sampling_problem
 from moe_jax.engine.pages import PagePool
 from moe_jax.engine.programs import Batch, Picked, PickMode, Programs, table_width
 from moe_jax.errors import MoeJaxError
+
+
+def _bucket(n: int, lo: int, hi: int) -> int:
+    """Rows for `n` requests: the next power of two, at least `lo`, at most `hi` (>= n)."""
+    return min(hi, max(lo, 1 << math.ceil(math.log2(n))))
 
 
 class EngineError(MoeJaxError, ValueError):
@@ -110,13 +117,14 @@ class Engine:
         max_queue: int = 1024,
         vocab_size: int | None = None,
         min_decode_rows: int = 1,
+        prefill_rows: int = 4,
     ):
         """`n_pages`: the pool (default: every slot's full context, so nothing is ever
         preempted); at least one full context. `vocab_size`: sample ids below it only."""
         cfg = sampler.cfg
         self.V, self.max_len = cfg.model.vocab_size, cfg.model.max_seq_len
         self.page_size, self.chunk, self.max_slots = page_size, chunk, max_slots
-        self.min_decode_rows = min_decode_rows
+        self.min_decode_rows, self.prefill_rows = min_decode_rows, prefill_rows
         self.max_pages = -(-self.max_len // page_size)  # a slot's table: one full context
         n_pages = n_pages or max_slots * self.max_pages
         if n_pages < self.max_pages:
@@ -203,12 +211,14 @@ class Engine:
     # ------------------------------------------------------------------ one step
 
     def step(self) -> list[Event]:
-        """Admit, one prefill chunk, one decode step (module doc) -> the tokens picked."""
+        """Admit, one prefill chunk of up to `prefill_rows` slots, one decode step (module
+        doc) -> the tokens picked."""
         self._admit()
         events = []
         prefilling = [s for s in self.slots if s is not None and s.prefilling]
         if prefilling:
-            events += self._prefill(min(prefilling, key=lambda s: self._order[s.rid]))
+            oldest = sorted(prefilling, key=lambda s: self._order[s.rid])
+            events += self._prefill(oldest[: self.prefill_rows])
         decoding = [s for s in self.slots if s is not None and not s.prefilling]
         decoding = [s for s in decoding if s.rid not in {e.rid for e in events}]
         if decoding:
@@ -234,26 +244,36 @@ class Engine:
     def _pages_for(self, n_positions: int) -> int:
         return -(-n_positions // self.page_size)
 
-    def _prefill(self, seq: _Seq) -> list[Event]:
-        """The next chunk of `seq`'s tokens into its pages; its next token on the last one."""
-        tokens = seq.tokens
-        end = len(tokens) if not seq.out else len(tokens) - 1  # a preempted one's last: decode
-        end = min(end, seq.done + self.chunk)
-        n = end - seq.done
-        tokens_1C = np.zeros((1, self.chunk), np.int32)
-        tokens_1C[0, :n] = tokens[seq.done : end]
-        positions_1C = np.full((1, self.chunk), -1, np.int32)
-        positions_1C[0, :n] = np.arange(seq.done, end)
-        finished = end == len(tokens)
-        self._window_pages(seq, end)
-        batch = self._batch([seq], tokens_1C, positions_1C, np.array([n - 1], np.int32))
-        picked = self.programs.run(batch, self._mode([seq]))
-        seq.done = end
-        if not finished:  # a middle chunk (or a preempted request's refill): no token yet
-            return []
-        if not self.window:
-            self.pool.register(seq.prompt, seq.pages)
-        return self._emit(seq, picked, 0)
+    def _prefill(self, seqs: list[_Seq]) -> list[Event]:
+        """The next chunk of each of `seqs`' tokens into its pages, one row each; a row's next
+        token on its last chunk."""
+        R = _bucket(len(seqs), 1, self.prefill_rows)
+        tokens_RC = np.zeros((R, self.chunk), np.int32)
+        positions_RC = np.full((R, self.chunk), -1, np.int32)
+        last_R, ends = np.zeros(R, np.int32), []
+        for i, seq in enumerate(seqs):
+            tokens = seq.tokens
+            end = len(tokens) if not seq.out else len(tokens) - 1  # a preempted one's last: decode
+            end = min(end, seq.done + self.chunk)
+            n = end - seq.done
+            tokens_RC[i, :n] = tokens[seq.done : end]
+            positions_RC[i, :n] = np.arange(seq.done, end)
+            last_R[i] = n - 1
+            self._window_pages(seq, end)
+            ends.append(end)
+        rows = seqs + [None] * (R - len(seqs))
+        picked = self.programs.run(
+            self._batch(rows, tokens_RC, positions_RC, last_R), self._mode(seqs)
+        )
+        events = []
+        for i, (seq, end) in enumerate(zip(seqs, ends, strict=True)):
+            seq.done = end
+            if end < len(seq.tokens):  # a middle chunk (or a preempted one's refill): no token
+                continue
+            if not self.window:
+                self.pool.register(seq.prompt, seq.pages)
+            events += self._emit(seq, picked, i)
+        return events
 
     def _decode(self, seqs: list[_Seq]) -> list[Event]:
         """Every decoding slot feeds its last token at its position and picks the next."""
@@ -265,24 +285,21 @@ class Engine:
             return []
         for seq in seqs:
             self._window_pages(seq, seq.done + 1)
-        # The slots up to the highest one decoding, in a power-of-two bucket (admission fills
-        # the lowest free slot, so few requests decode few rows).
-        top = max(s.slot for s in seqs) + 1
-        S = min(self.max_slots, max(self.min_decode_rows, 1 << math.ceil(math.log2(top))))
+        # One row per decoding request (a row is not a slot: the pages travel with the
+        # request), in a power-of-two bucket: slots still prefilling take no row.
+        S = _bucket(len(seqs), self.min_decode_rows, self.max_slots)
         tokens_S1 = np.zeros((S, 1), np.int32)
         positions_S1 = np.full((S, 1), -1, np.int32)
-        for seq in seqs:
-            tokens_S1[seq.slot, 0] = seq.tokens[-1]
-            positions_S1[seq.slot, 0] = seq.done
-        rows = [None] * S
-        for seq in seqs:
-            rows[seq.slot] = seq
+        for i, seq in enumerate(seqs):
+            tokens_S1[i, 0] = seq.tokens[-1]
+            positions_S1[i, 0] = seq.done
+        rows = seqs + [None] * (S - len(seqs))
         batch = self._batch(rows, tokens_S1, positions_S1, np.zeros(S, np.int32))
         picked = self.programs.run(batch, self._mode(seqs))
         events = []
-        for seq in seqs:
+        for i, seq in enumerate(seqs):
             seq.done += 1
-            events += self._emit(seq, picked, seq.slot)
+            events += self._emit(seq, picked, i)
         return events
 
     def _grow(self, seq: _Seq, n_positions: int) -> bool:

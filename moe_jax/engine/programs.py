@@ -223,12 +223,15 @@ class Programs:
         flat = [n for ns in numbers["blocks"] for n in ns] + numbers["tail"]
         self.has_rings = any(is_ring(model.cfg, n) for n in flat + numbers.get("prefix", []))
         self._jitted = _jitted(sampler.graphdef)
+        self.shapes: set[tuple] = set()  # (tokens shape, table widths, mode) run so far
 
     def _on_mesh(self):
         return jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext()
 
     def run(self, batch: Batch, mode: PickMode) -> Picked:
         """One call: the pages updated in place (donated), the rows' tokens back on the host."""
+        widths = (batch.table_BM.shape[1], batch.window_BM.shape[1])
+        self.shapes.add((batch.tokens_BT.shape, widths, mode))
         if self.mesh is not None:  # rows and rules replicated over the mesh
             batch = jax.device_put(batch, NamedSharding(self.mesh, P()))
         with self._on_mesh():
