@@ -217,3 +217,33 @@ def test_a_dpo_run_stopped_and_resumed_equals_an_uninterrupted_one(tmp_path):
     records = (tmp_path / "resumed" / "metrics.jsonl").read_text().splitlines()
     last = [r for r in map(json.loads, records) if r["kind"] == "train"][-1]
     assert {"dpo_loss", "reward_margin", "reward_accuracy", "logps_chosen"} <= set(last)
+
+
+def test_message_pairs_count_their_answer_turns_only(tmp_path):
+    """TRL's conversational form through the chat template: each row is the rendered
+    prompt + answer, and only the answer's assistant turn counts (not the prompt's own
+    earlier assistant turn)."""
+    from moe_jax.data.preference import encode_pair
+    from moe_jax.data.sft import Record
+    from moe_jax.tokenizer import load_tokenizer
+    from tests.test_tokenizer import SHAKESPEARE, write_bpe
+
+    if not SHAKESPEARE.is_file():
+        pytest.skip(f"{SHAKESPEARE} not present")
+    write_bpe(tmp_path / "tok")
+    tokenizer = load_tokenizer(str(tmp_path / "tok"))
+    turn = lambda role, text: {"role": role, "content": text}
+    prompt = [turn("user", "Fruit?"), turn("assistant", "Mango."), turn("user", "Veg?")]
+    value = {"prompt": prompt, "chosen": [turn("assistant", "Leek.")],
+             "rejected": [turn("assistant", "Rock.")]}  # fmt: skip
+    # (this template's generation prompt is not how it starts an assistant turn: the counted
+    # text is all that the answer adds, sft.chat_pieces' rule)
+    start = tokenizer.apply_chat_template(prompt, add_generation_prompt=False)
+    for (tokens, mask), answer in zip(
+        encode_pair(Record("line 1", value), tokenizer), ("Leek.", "Rock."), strict=True
+    ):
+        whole = tokenizer.apply_chat_template(prompt + [turn("assistant", answer)], False)
+        decode = lambda ids: tokenizer.library.decode(ids.tolist(), skip_special_tokens=False)
+        assert decode(tokens) == whole
+        assert decode(tokens[mask == 1]) == whole[len(start) :]
+        assert answer in decode(tokens[mask == 1]) and "Mango" not in decode(tokens[mask == 1])

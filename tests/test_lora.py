@@ -9,6 +9,7 @@ adapter term is off by a whole term (B is drawn at 0.3, its terms ~1e-1).
 
 from __future__ import annotations
 
+import dataclasses
 from functools import partial
 
 import jax
@@ -38,9 +39,13 @@ def draw_b(module: nnx.Module, seed: int = 1) -> None:
             p[...] = jax.random.normal(sub, p[...].shape) * 0.3
 
 
+def base_config(cfg):
+    return dataclasses.replace(cfg, lora=dataclasses.replace(cfg.lora, rank=0))
+
+
 def base_of(model: Transformer, cfg) -> Transformer:
     """The base model (no adapters) holding `model`'s base params."""
-    base_cfg = cfg.__class__(**{**cfg.__dict__, "lora": cfg.lora.__class__()})
+    base_cfg = base_config(cfg)
     graphdef = nnx.graphdef(nnx.eval_shape(lambda: Transformer(base_cfg, rngs=nnx.Rngs(0))))
     params = nnx.state(model, nnx.Param)
     kept = [(p, v.copy()) for p, v in nnx.to_flat_state(params) if not lora_params.is_adapter(p)]
@@ -139,6 +144,13 @@ def test_a_train_step_moves_the_adapters_alone():
         "lora.rank=4", ALL, "moe.shared_expert_hidden=16", "train.batch_size=2", "model.n_layers=2",
         "train.seq_len=16", "lora.dropout=0", "train.lr=1e-2",
     )  # fmt: skip
+    from moe_jax.summary import param_counts
+
+    total = param_counts(cfg)[0]  # the summary counts A and B (not the seeds) in their layers
+    n_pairs = sum(a.size for p, a in nnx.to_flat_state(nnx.state(
+        nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0))), nnx.Param))
+        if lora_params.is_trained(p))  # fmt: skip
+    assert total == param_counts(base_config(cfg))[0] + n_pairs
     tx = make_optimizer(cfg.train)
     graphdef, state = init_state(cfg, tx)
     before = {p: np.asarray(v[...]) for p, v in nnx.to_flat_state(state["params"])}

@@ -73,7 +73,9 @@ def encode_pair(record: Record, tokenizer: Tokenizer) -> list[tuple[np.ndarray, 
             mask = np.repeat(np.int32([0, 1]), [len(prompt), len(answer)])
             out.append((np.concatenate([prompt, answer]).astype(np.int32), mask))
         return out
-    start = len(tokenizer.apply_chat_template(v["prompt"], add_generation_prompt=True))
+    # the answer's turns start after the prompt's own rendering (their learned pieces begin
+    # there or, with the generation prompt, after it; the prompt's turns end before it)
+    start = len(tokenizer.apply_chat_template(v["prompt"], add_generation_prompt=False))
     out = []
     for name in ANSWERS:
         pieces, done, ids, masks = (
