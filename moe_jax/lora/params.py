@@ -125,15 +125,6 @@ def _lead_dims(adapters: dict) -> dict:
     }
 
 
-def adapted_weights(params) -> dict:
-    """{base weight path: its adapter's path} of every adapted weight in a params State."""
-    return {
-        p[:-2] + (p[-2][len(PREFIX) :],): p[:-1]
-        for p, _ in nnx.to_flat_state(params)
-        if p[-1] == "seed" and is_adapter(p)
-    }
-
-
 def merge_into_base(params, scale: float):
     """The params of the base model alone: each adapted weight W + `scale` A B (scale =
     lora.alpha / lora.rank), in W's dtype, the adapters dropped."""

@@ -1,8 +1,12 @@
 """LoRA adapters in PEFT's format, both ways, and merged into a streaming export.
 
-    export_adapter(run_dir, out)             # out/adapter_model.safetensors + adapter_config.json
-    import_adapter(adapter_dir, base, out)   # a new run: `base` (run or HF dir) + the adapter
-    read = merged_reader(read, arrays, scale)  # interop.export: W + (alpha / r) A B per weight
+    export_adapter(run_dir, out)       # out/adapter_model.safetensors + adapter_config.json
+    save_adapter(cfg, params, out)     # the same, of params in memory
+    pairs = adapters_from_peft(cfg, adapter_dir)  # {our A / B path: array}: a PEFT adapter read
+    read = merged_reader(read, shapes, scale)     # interop.export: W + (alpha / r) A B
+
+An adapter comes onto a run or a Hugging Face directory as a new run starts from it:
+`train.py init_from=BASE lora.init_adapter=ADAPTER_DIR` (`lora.params.start_adapters`).
 
 PEFT names a Linear's pair `base_model.model.<module>.lora_A.weight` [r, in] and
 `...lora_B.weight` [out, r], with update x A^T B^T (alpha / r). Our pair is A [in..., r],
@@ -18,7 +22,6 @@ The routed experts' stacked pairs have no such form (transformers fuses the expe
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from pathlib import Path
 
@@ -269,12 +272,3 @@ class _OneTensor:
                 f"model's adapter (lora.rank) needs {list(shape)}"
             )
         return self.reader.get(self.name).astype(np.float32)
-
-
-def lora_config_from_peft(cfg: Config, conf: dict) -> Config:
-    """`cfg` with the lora section an adapter's config gives: rank, alpha, dropout."""
-    lora = dataclasses.replace(
-        cfg.lora, rank=int(conf["r"]), alpha=float(conf["lora_alpha"]),
-        dropout=float(conf.get("lora_dropout") or 0.0),
-    )  # fmt: skip
-    return dataclasses.replace(cfg, lora=lora)
