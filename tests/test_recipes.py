@@ -23,7 +23,8 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from recipe_figures import recipe_names, recipe_topology  # noqa: E402
 
 # What issue 51 asks for: Mixtral-8x7B and Qwen3-30B-A3B on v5p and on 8 x H100, DeepSeek-V3
-# on v5p-1024, gpt-oss-120b fine-tuning; recipe -> the shape config it trains.
+# on v5p-1024, gpt-oss-120b fine-tuning, and issue 49's Qwen3-30B-A3B fine-tuning from its
+# HF directory; recipe -> the shape config it trains.
 RECIPES = {
     "recipes/mixtral_8x7b_v5p128": "mixtral_8x7b",
     "recipes/mixtral_8x7b_h100x8": "mixtral_8x7b",
@@ -31,6 +32,7 @@ RECIPES = {
     "recipes/qwen3_30b_a3b_h100x8": "qwen3_30b_a3b",
     "recipes/deepseek_v3_v5p1024": "deepseek_v3",
     "recipes/gpt_oss_120b_sft_v5p64": "gpt_oss_120b",
+    "recipes/qwen3_30b_a3b_sft_v5p16": "qwen3_30b_a3b",
 }
 # Keys a recipe may set beyond its shape config: how the model runs, not what it computes.
 RUN_KEYS = {
