@@ -55,6 +55,7 @@ class Program(NamedTuple):
     max_new_tokens: int
     mode: Mode  # greedy, or which filters run
     stream: bool = False  # call the host back with every step's tokens
+    record: bool = False  # keep each token's experts and each sampled token's log-prob
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,11 +87,12 @@ class Decoding:
         cache = shard_cache(cache)
         return cache | {"blocks": unstack_blocks(cache["blocks"], len(self.weights.blocks))}
 
-    def forward(self, tokens_BT, positions_BT, cache: dict, **kw):
-        """The model over the carried cache -> (its first output, the new carried cache)."""
+    def forward(self, tokens_BT, positions_BT, cache: dict, *, with_aux=False, **kw):
+        """The model over the carried cache -> (its first output, the new carried cache),
+        and with `with_aux` the model's aux (its "routes": the experts the tokens took)."""
         stacked = cache | {"blocks": stack_blocks(cache["blocks"])}
-        out, _, new = self.model()(tokens_BT, positions=positions_BT, cache=stacked, **kw)
-        return out, self.unstacked(new)
+        out, aux, new = self.model()(tokens_BT, positions=positions_BT, cache=stacked, **kw)
+        return (out, self.unstacked(new)) + ((aux,) if with_aux else ())
 
     def prompt_positions(self) -> jax.Array:
         """[B, P]: a prompt's positions, its padding at -1 (written to no sliding-window

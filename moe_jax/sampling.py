@@ -98,6 +98,11 @@ class Generation:
     tokens: np.ndarray  # int32 [B, max_new_tokens]; -1 after a sequence's stop token
     lengths: np.ndarray  # int32 [B]: tokens generated per sequence, its stop token included
     steps: int  # decode-loop iterations run (max_new_tokens - 1 unless all stopped early)
+    # With generate(record=True) (routing replay, `_record_prefill`): routes int32
+    # [n_moe_layers, B, bucket + max_new_tokens, K], logprobs float32 [B, max_new_tokens].
+    # Keyword-only: a subclass adds fields without defaults after these.
+    routes: np.ndarray | None = dataclasses.field(default=None, kw_only=True)
+    logprobs: np.ndarray | None = dataclasses.field(default=None, kw_only=True)
 
     def sequences(self) -> list[list[int]]:
         return [row[:n].tolist() for row, n in zip(self.tokens, self.lengths, strict=True)]
@@ -111,6 +116,8 @@ def _generate(graphdef, emit_host, weights: Weights, request: Request, *, progra
     decode iterations run)."""
     d = Decoding.start(graphdef, emit_host, weights, request, program)
     c = loop(d, _prefill(d), lambda c: _step(d, c))
+    if program.record:
+        return c["out"], c["it"] - 1, c["routes"], c["logp"]
     return c["out"], c["it"] - 1
 
 
@@ -128,25 +135,65 @@ def _prefill(d: Decoding) -> dict:
     cache = d.unstacked(d.model().init_cache(B, P + d.N))
     # The head only at each row's last prompt position: [B, 1, V], not [B, P, V].
     last_B = r.prompt_len_B - 1
-    logits_B1V, cache = d.forward(r.prompt_BP, d.prompt_positions(), cache, logits_at=last_B)
+    logits_B1V, cache, *aux = d.forward(
+        r.prompt_BP, d.prompt_positions(), cache, logits_at=last_B, with_aux=d.program.record
+    )
     tok_B = _pick(d, logits_B1V[:, 0], 0)
     d.emit(0, tok_B)
     out_BN = jnp.full((B, d.N), -1, jnp.int32).at[:, 0].set(tok_B)
     done_B = d.is_stop(tok_B)
-    return {"it": jnp.int32(1), "tok": tok_B, "cache": cache, "out": out_BN, "done": done_B}
+    c = {"it": jnp.int32(1), "tok": tok_B, "cache": cache, "out": out_BN, "done": done_B}
+    return c | (_record_prefill(d, aux[0]["routes"], logits_B1V[:, 0], tok_B) if aux else {})
 
 
 def _step(d: Decoding, c: dict) -> dict:
     """Feed token `step - 1` at its row's position; sample token `step`."""
     step, done_B = c["it"], c["done"]
     positions_B1 = (d.request.prompt_len_B + step - 1)[:, None]
-    logits_B1V, cache = d.forward(c["tok"][:, None], positions_B1, c["cache"])
+    logits_B1V, cache, *aux = d.forward(
+        c["tok"][:, None], positions_B1, c["cache"], with_aux=d.program.record
+    )
     new_B = _pick(d, logits_B1V[:, 0], step)
     out_tok_B = jnp.where(done_B, -1, new_B)
     d.emit(step, out_tok_B)
     out_BN = jax.lax.dynamic_update_slice(c["out"], out_tok_B[:, None], (0, step))
+    if aux:
+        c = c | _record_step(d, c, aux[0]["routes"], positions_B1[:, 0], logits_B1V, out_tok_B)
     done_B = done_B | d.is_stop(new_B)
-    return {"it": step + 1, "tok": new_B, "cache": cache, "out": out_BN, "done": done_B}
+    new = {"it": step + 1, "tok": new_B, "cache": cache, "out": out_BN, "done": done_B}
+    return c | new
+
+
+# ----------------------------------------------------------------------------- recording
+
+
+def _record_prefill(d: Decoding, routes_LBPK, logits_BV, tok_B) -> dict:
+    """The carry's record for routing replay: "routes" [L, B, P + N, K], the experts of each
+    MoE layer at every position of the row as a trainer lays it out (prompt, then the new
+    tokens), -1 where no token was fed (the prompt's padding, the last new token, which no
+    step feeds); "logp" [B, N], each sampled token's log-prob (`_logp`)."""
+    L, B, P, K = routes_LBPK.shape
+    in_prompt_BP = jnp.arange(P)[None, :] < d.request.prompt_len_B[:, None]
+    routes_LBPK = jnp.where(in_prompt_BP[None, :, :, None], routes_LBPK, -1)
+    routes = jnp.full((L, B, P + d.N, K), -1, jnp.int32).at[:, :, :P].set(routes_LBPK)
+    logp_BN = jnp.zeros((B, d.N), jnp.float32).at[:, 0].set(_logp(d, logits_BV, tok_B))
+    return {"routes": routes, "logp": logp_BN}
+
+
+def _record_step(d: Decoding, c, routes_LB1K, pos_B, logits_B1V, out_tok_B) -> dict:
+    """The fed token's experts at its position; the new token's log-prob (0 once done)."""
+    B = pos_B.shape[0]
+    routes = c["routes"].at[:, jnp.arange(B), pos_B].set(routes_LB1K[:, :, 0])
+    logp_B = jnp.where(out_tok_B >= 0, _logp(d, logits_B1V[:, 0], out_tok_B), 0.0)
+    logp_BN = jax.lax.dynamic_update_slice(c["logp"], logp_B[:, None], (0, c["it"]))
+    return {"routes": routes, "logp": logp_BN}
+
+
+def _logp(d: Decoding, logits_BV, tok_B) -> jax.Array:
+    """log p(token) under the model's logits at the request's temperature, over the whole
+    vocabulary (no top-k / top-p / vocab_size filter): what a trainer recomputes."""
+    logp_BV = jax.nn.log_softmax(logits_BV.astype(jnp.float32) / d.request.temperature, -1)
+    return jnp.take_along_axis(logp_BV, jnp.maximum(tok_B, 0)[:, None], axis=-1)[:, 0]
 
 
 # ----------------------------------------------------------------------------- the API
@@ -169,6 +216,8 @@ def prompt_bucket(length: int, limit: int) -> int:
 class Sampler:
     """Generation from one model's parameters: split once, programs compiled and cached per
     sampler (so keep one Sampler per model rather than one per call)."""
+
+    RECORDS = True  # generate(record=True) keeps routes and log-probs (routing replay)
 
     def __init__(self, model: Transformer, *, mesh: Mesh | None = None, consume: bool = False):
         """`mesh`: generate under it (params sharded over it, e.g. by `load_run(mesh=...)`):
@@ -237,6 +286,7 @@ class Sampler:
         stop_tokens: Sequence[int] = (),
         vocab_size: int | None = None,
         on_token: Callable[[int, np.ndarray], None] | None = None,
+        record: bool = False,
     ) -> Generation:
         """Continue every prompt (token ids) by up to `max_new_tokens` tokens.
 
@@ -245,13 +295,17 @@ class Sampler:
         smaller than the model's vocabulary, and the ids beyond it decode to nothing.
         `on_token(step, tokens_B)` streams each step's tokens (-1 for finished rows) from
         inside the compiled loop; it compiles a separate (otherwise identical) program.
+        `record` (routing replay): the Generation's `routes` and `logprobs` too (see
+        `_record_prefill`); a separate program.
         """
+        if record and not self.RECORDS:
+            raise SamplingError(f"{type(self).__name__} does not record routes; use Sampler")
         request, program = self._inputs(
             prompts, max_new_tokens, temperature, top_k, top_p, seed, stop_tokens, vocab_size
         )
         if self.mesh is not None:  # prompts and sampling values replicated over the mesh
             request = jax.device_put(request, NamedSharding(self.mesh, P()))
-        program = program._replace(stream=on_token is not None)
+        program = program._replace(stream=on_token is not None, record=record)
         self._listener, self._pending, self._next_step = on_token, {}, 0
         try:
             with self._on_mesh():
@@ -259,6 +313,11 @@ class Sampler:
             outputs = jax.device_get(outputs)  # waits for the program (and its callbacks)
         finally:
             self._listener = None
+        if record:
+            out_BN, steps, routes, logp_BN = outputs
+            return dataclasses.replace(
+                self._generation(out_BN, steps), routes=routes, logprobs=logp_BN
+            )
         return self._generation(*outputs)
 
     def _generation(self, out_BN: np.ndarray, steps) -> Generation:

@@ -350,6 +350,8 @@ class SpeculativeSampler(Sampler):
     """A `Sampler` that drafts with the model's MTP module (module doc): the same arguments
     and the same distribution of text (greedy: the same text), in fewer steps."""
 
+    RECORDS = False  # its steps emit several tokens: routing replay records with `Sampler`
+
     def __init__(self, model: Transformer, *, mesh=None, consume: bool = False, draft_depth=None):
         """`draft_depth`: how many MTP depths draft, 1..model.mtp_depth (None: the model's
         sample.draft_depth, else all of them)."""

@@ -90,6 +90,7 @@ def expert_specs(ax: Axes) -> dict:
 def expert_parallel(
     x_BTD,
     valid_BT,
+    replay_BTK=None,
     *,
     weights: dict,
     router: dict,
@@ -99,8 +100,9 @@ def expert_parallel(
     mesh,
     replicated: bool,
 ) -> tuple[jax.Array, dict]:
-    """The MoE layer over `mesh`: -> (y_BTD, the statistic sums over all tokens).
-    `router`: route_group's router arguments by name, the same on every device.
+    """The MoE layer over `mesh`: -> (y_BTD, the statistic sums over all tokens, the
+    experts every token took [B, T, K]). `router`: route_group's router arguments by name,
+    the same on every device. `replay_BTK`: recorded experts to reuse (`routing.route`).
     `replicated`: a batch the batch axes do not split (see `own_experts`)."""
     ax = mesh_axes(mesh, replicated)
     specs = expert_specs(ax)
@@ -115,14 +117,15 @@ def expert_parallel(
         ragged=backends.exchange(impl, cfg.exchange) == "ragged",
     )
     x_spec = P(ax.batch_axes or None, None, None)
-    valid = () if valid_BT is None else (valid_BT,)  # split like the tokens
+    # the optional per-token inputs, split like the tokens
+    rows = {k: a for k, a in (("valid_bT", valid_BT), ("replay_bTK", replay_BTK)) if a is not None}
     return jax.shard_map(
         step,
         mesh=mesh,
         in_specs=(x_spec, {n: P() for n in router}, {n: specs[n][0] for n in weights})
-        + (P(ax.batch_axes or None, None),) * len(valid),
-        out_specs=(x_spec, P()),
-    )(x_BTD, router, weights, *valid)
+        + ({k: P(ax.batch_axes or None, *(None,) * (a.ndim - 1)) for k, a in rows.items()},),
+        out_specs=(x_spec, P(), x_spec),
+    )(x_BTD, router, weights, rows)
 
 
 def _gathered_weight(a, name, *, specs, ax: Axes, fs_plan, dtype, window=False):
@@ -142,10 +145,11 @@ def _gathered_weight(a, name, *, specs, ax: Axes, fs_plan, dtype, window=False):
     return gather.gather(a, fs_plan, axis)
 
 
-def _shard_step(x_bTD, router, w, *valid, cfg, dtype, impl, ax, specs, fs_plan, ragged):
-    """One shard's part: route its tokens, gather its expert weights, run a path."""
+def _shard_step(x_bTD, router, w, rows, *, cfg, dtype, impl, ax, specs, fs_plan, ragged):
+    """One shard's part: route its tokens, gather its expert weights, run a path.
+    `rows`: valid_bT and replay_bTK where given. -> (y_bTD, sums, experts_bTK)."""
     E_loc = cfg.n_experts // ax.ep
-    r = route_group(x_bTD, **router, cfg=cfg, dtype=dtype, valid_bT=valid[0] if valid else None)
+    r = route_group(x_bTD, **router, cfg=cfg, dtype=dtype, **rows)
     # Small exchanges (decoding) keep the buffers, whose experts then run as batched matmuls
     # over every slot (see expert_swiglu), as the ragged impl's own do.
     exchange = ragged and not ax.replicated and ax.ep * r.cap >= experts_lib.MAP_MIN_CAPACITY
@@ -168,7 +172,7 @@ def _shard_step(x_bTD, router, w, *valid, cfg, dtype, impl, ax, specs, fs_plan, 
             w[n] = jax.lax.pcast(a, same, to="varying")
     run = dict(cfg=cfg, dtype=dtype, impl=impl, ep=ax.ep, tp=ax.tp)
     if ax.replicated:
-        return own_experts(x_bTD, w, r, **run), r.sums
+        return own_experts(x_bTD, w, r, **run), r.sums, r.experts
     b, T, K = r.experts.shape
     exchanged = {}
     if ax.ep == 1 and b * T * K < cfg.n_experts:
@@ -195,7 +199,7 @@ def _shard_step(x_bTD, router, w, *valid, cfg, dtype, impl, ax, specs, fs_plan, 
     # "rounds" is the same everywhere already; "overflow" sums over the owners.
     sums = r.sums | {k: v for k, v in exchanged.items() if k == "overflow"}
     sums = jax.lax.psum(sums, ax.batch_axes) if ax.batch_axes else sums
-    return y_bTD, sums | {k: v for k, v in exchanged.items() if k == "rounds"}
+    return y_bTD, sums | {k: v for k, v in exchanged.items() if k == "rounds"}, r.experts
 
 
 def buffer_exchange(x_bTD, w: dict, r: Routing, *, cfg: MoEConfig, dtype, impl, ep, tp):

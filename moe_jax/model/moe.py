@@ -99,18 +99,25 @@ class MoE(nnx.Module):
         return logits
 
     def __call__(
-        self, x_BTD: jax.Array, n_groups: int = 1, valid_BT: jax.Array | None = None
+        self,
+        x_BTD: jax.Array,
+        n_groups: int = 1,
+        valid_BT: jax.Array | None = None,
+        replay_BTK: jax.Array | None = None,
     ) -> tuple[jax.Array, dict]:
         """x_BTD -> (y_BTD, stats). Without a mesh the batch is routed in `n_groups` groups.
-        `valid_BT` (bool, optional): False marks padding, which is not routed."""
+        `valid_BT` (bool, optional): False marks padding, which is not routed. `replay_BTK`
+        (int, optional): routing replay, the experts to use (-1: route the token itself;
+        `routing.route`). stats["experts"] [B, T, K]: the experts every token took."""
         mesh = jax.sharding.get_abstract_mesh()
         if mesh.empty:
-            y_BTD, stats = self._local(x_BTD, n_groups, valid_BT)
+            y_BTD, stats = self._local(x_BTD, n_groups, valid_BT, replay_BTK)
         else:  # rows split over the batch axes, or (a batch they do not divide) replicated
             replicated = x_BTD.shape[0] % n_batch_shards(mesh) != 0
-            y_BTD, sums = expert_parallel(
+            y_BTD, sums, experts_BTK = expert_parallel(
                 x_BTD,
                 valid_BT,
+                replay_BTK,
                 weights=self.experts.weights(),
                 router=self._router_params(),
                 cfg=self.cfg,
@@ -120,22 +127,24 @@ class MoE(nnx.Module):
                 replicated=replicated,
             )
             stats = aux_stats(sums, x_BTD.shape[0] * x_BTD.shape[1], self.cfg)
+            stats["experts"] = experts_BTK
         if hasattr(self, "shared"):
             with jax.named_scope(SHARED_EXPERT):
                 y_BTD = y_BTD + self.shared(x_BTD)
         return y_BTD.astype(x_BTD.dtype), stats
 
-    def _local(self, x_BTD: jax.Array, n_groups: int, valid_BT) -> tuple[jax.Array, dict]:
+    def _local(self, x_BTD: jax.Array, n_groups: int, valid_BT, replay_BTK) -> tuple:
         B, T, D = x_BTD.shape
         G, K, E = n_groups, self.cfg.top_k, self.cfg.n_experts
         assert B % G == 0, f"batch {B} does not split into {G} routing groups"
-        split = lambda a: a.reshape(G, B // G, *a.shape[1:])
-        router = self._router_params()
-        valid_GbT = None if valid_BT is None else split(valid_BT)
+        split = lambda a: None if a is None else a.reshape(G, B // G, *a.shape[1:])
+        router, cfg, dtype = self._router_params(), self.cfg, self.dtype
         r_G = jax.vmap(
-            lambda x, v: route_group(x, **router, cfg=self.cfg, dtype=self.dtype, valid_bT=v),
+            lambda x, v, e: route_group(
+                x, **router, cfg=cfg, dtype=dtype, valid_bT=v, replay_bTK=e
+            ),
             out_axes=Routing(0, 0, 0, 0, None, 0),
-        )(split(x_BTD), valid_GbT)
+        )(split(x_BTD), split(valid_BT), split(replay_BTK))
         sums = jax.tree.map(lambda a: jnp.sum(a, axis=0), r_G.sums)
         merge = lambda a: a.reshape(B, *a.shape[2:])
         if B * T * K < E:
@@ -155,7 +164,7 @@ class MoE(nnx.Module):
             y_BTD = self._grouped(x_BTD, r, bound)
         else:
             y_BTD = merge(self._buffered(split(x_BTD), r_G))
-        return y_BTD, aux_stats(sums, B * T, self.cfg)
+        return y_BTD, aux_stats(sums, B * T, self.cfg) | {"experts": merge(r_G.experts)}
 
     def _router_params(self) -> dict:
         """route_group's router arguments, by name."""

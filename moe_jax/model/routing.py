@@ -24,7 +24,10 @@ def capacity(tokens_per_group: int, cfg: MoEConfig) -> int:
 
 
 def route(
-    logits_TE: jax.Array, cfg: MoEConfig, correction_E: jax.Array | None = None
+    logits_TE: jax.Array,
+    cfg: MoEConfig,
+    correction_E: jax.Array | None = None,
+    replay_TK: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """-> (weights_TK, experts_TK, router probabilities_TE used by the load-balance loss).
 
@@ -32,7 +35,12 @@ def route(
     or groups), of the scores plus the bias, inside the topk_group best groups
     (`limit_to_groups`). Ties go to the lower expert (lax.top_k). The weights: the picked
     experts' scores (softmax, or sigmoid of the logit), never the bias, optionally
-    renormalised over the k, times moe.routed_scaling_factor."""
+    renormalised over the k, times moe.routed_scaling_factor.
+
+    `replay_TK` (routing replay, int): experts recorded elsewhere (the sampler's), taken
+    instead of the top-k for every token whose first entry is >= 0 (-1: not recorded, the
+    token routes itself). The weights are still this router's scores at those experts,
+    renormalised as configured, so the gradient reaches the chosen experts' router columns."""
     if cfg.score == "softmax":
         scores_TE = probs_TE = jax.nn.softmax(logits_TE, axis=-1)
     else:
@@ -47,6 +55,9 @@ def route(
         if cfg.n_group > 1:
             choice_TE = limit_to_groups(choice_TE, cfg.n_group, cfg.topk_group)
         experts_TK = jax.lax.top_k(choice_TE, cfg.top_k)[1]
+    if replay_TK is not None:
+        recorded_T1 = replay_TK[..., :1] >= 0
+        experts_TK = jnp.where(recorded_T1, replay_TK.astype(experts_TK.dtype), experts_TK)
     weights_TK = jnp.take_along_axis(scores_TE, experts_TK, axis=-1)
     if cfg.renormalize:
         weights_TK = weights_TK / jnp.sum(weights_TK, axis=-1, keepdims=True)
@@ -118,12 +129,15 @@ def route_group(
     dtype,
     valid_bT: jax.Array | None = None,
     correction_E: jax.Array | None = None,
+    replay_bTK: jax.Array | None = None,
 ) -> Routing:
-    """Route one group of tokens (`correction_E`: the choice's bias, see `route`). With
-    `valid_bT`, the statistic sums are over the valid tokens and count them ("tokens")."""
+    """Route one group of tokens (`correction_E`: the choice's bias; `replay_bTK`: recorded
+    experts to reuse; see `route`). With `valid_bT`, the statistic sums are over the valid
+    tokens and count them ("tokens"). Replayed experts take their capacity slots as the
+    group's own choices would: the drops are this group's, of the replayed choices."""
     b, T, _ = x_bTD.shape
     logits_bTE = x_bTD.astype(jnp.float32) @ router_DE + router_bias_E
-    weights_bTK, experts_bTK, probs_bTE = route(logits_bTE, cfg, correction_E)
+    weights_bTK, experts_bTK, probs_bTE = route(logits_bTE, cfg, correction_E, replay_bTK)
     cap = capacity(b * T, cfg)
     slot_bTK, keep_bTK = assign_slots(experts_bTK, cfg.n_experts, cap, valid_bT)
     load_bTKE = jax.nn.one_hot(experts_bTK, cfg.n_experts, dtype=jnp.float32)

@@ -101,23 +101,29 @@ class DecoderLayer(nnx.Module):
             self.ffn = SwiGLU(D, cfg.model.ffn_hidden, cfg, rngs=rngs)
             lora.attach(self.ffn, cfg, "mlp", rngs)
 
-    def __call__(self, x_BTD, positions_BT, cache: KVCache | None, n_groups: int, segments_BT):
+    def __call__(
+        self, x_BTD, positions_BT, cache: KVCache | None, n_groups: int, segments_BT, replay=None
+    ):
+        """-> (x_BTD, cache, stats: the MoE's, None for a dense FFN). `replay` [B, T, K]:
+        routing replay's experts for an MoE layer (`MoE.__call__`)."""
         if cache is not None or self.remat[0] == "none":
-            return self._forward(x_BTD, positions_BT, cache, n_groups, segments_BT)
+            return self._forward(x_BTD, positions_BT, cache, n_groups, segments_BT, replay)
         # Kept whole, the dense prefix's 3 layers and the MTP layer held DeepSeek-V3's
         # activations at 8192 tokens (attention's q, k, v, the FFN's hidden) beside the scan's.
         graphdef, state = nnx.split(self)
 
-        def run(state, x_BTD, positions_BT, segments_BT):
+        def run(state, x_BTD, positions_BT, segments_BT, replay):
             layer = nnx.merge(graphdef, state)
-            x_BTD, _, stats = layer._forward(x_BTD, positions_BT, None, n_groups, segments_BT)
+            x_BTD, _, stats = layer._forward(
+                x_BTD, positions_BT, None, n_groups, segments_BT, replay
+            )
             return x_BTD, stats
 
         run = remat(run, *self.remat, scanned=False)
-        x_BTD, stats = run(state, x_BTD, positions_BT, segments_BT)
+        x_BTD, stats = run(state, x_BTD, positions_BT, segments_BT, replay)
         return x_BTD, None, stats
 
-    def _forward(self, x_BTD, positions_BT, cache, n_groups: int, segments_BT):
+    def _forward(self, x_BTD, positions_BT, cache, n_groups: int, segments_BT, replay=None):
         # Every use of the input reads this named copy, so that a remat policy keeping it
         # (model.remat_offload=layer_input) replaces the input the layer scan would keep.
         # The activations are pinned to rows over the batch axes at every layer boundary
@@ -128,7 +134,7 @@ class DecoderLayer(nnx.Module):
         x_BTD = x_BTD + h
         if self.is_moe:
             valid_BT = None if segments_BT is None else segments_BT != 0
-            h, stats = layer.ffn(layer.ffn_norm(x_BTD), n_groups, valid_BT)
+            h, stats = layer.ffn(layer.ffn_norm(x_BTD), n_groups, valid_BT, replay)
         else:
             with jax.named_scope(MLP):
                 h, stats = layer.ffn(layer.ffn_norm(x_BTD)), None
@@ -144,11 +150,13 @@ class Block(nnx.Module):
             [DecoderLayer(cfg, k + j, rngs=rngs) for j in range(cfg.layer_period)]
         )
 
-    def __call__(self, x_BTD, positions_BT, caches, n_groups: int, segments_BT):
+    def __call__(self, x_BTD, positions_BT, caches, n_groups: int, segments_BT, replays=None):
+        """`replays`: per layer, its replayed experts (None: its own routing, or dense)."""
         new_caches, all_stats = [], []
         for j, layer in enumerate(self.layers):
             cache = caches[j] if caches else None
-            x_BTD, c, stats = layer(x_BTD, positions_BT, cache, n_groups, segments_BT)
+            replay = replays[j] if replays else None
+            x_BTD, c, stats = layer(x_BTD, positions_BT, cache, n_groups, segments_BT, replay)
             new_caches.append(c)
             all_stats.append(stats)
         return x_BTD, new_caches, all_stats
@@ -238,8 +246,11 @@ class Transformer(nnx.Module):
         image_mask: jax.Array | None = None,
         logits_at: jax.Array | None = None,
         head: bool = True,
+        routes: jax.Array | None = None,
     ):
+        """See the module doc. `routes` [n_moe_layers, B, T, K] int: routing replay."""
         B, T = tokens_BT.shape
+        replay = self._replays(routes)
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
         x_BTD = gather.lookup(tokens_BT, self.embed.embedding, self.dtype)
@@ -254,12 +265,13 @@ class Transformer(nnx.Module):
         block_stats, new_block_caches = [], []
         if self.n_blocks:
             x_BTD, new_block_caches, block_stats = self._run_blocks(
-                x_BTD, positions, cache["blocks"] if cache else None, n_groups, segments
-            )
+                x_BTD, positions, cache["blocks"] if cache else None, n_groups, segments,
+                replay["blocks"],
+            )  # fmt: skip
         tail_stats, new_tail_caches = [], []
         for i, layer in enumerate(self.tail):
             c = cache["tail"][i] if cache else None
-            x_BTD, c, stats = layer(x_BTD, positions, c, n_groups, segments)
+            x_BTD, c, stats = layer(x_BTD, positions, c, n_groups, segments, replay["tail"][i])
             new_tail_caches.append(c)
             tail_stats.append(stats)
 
@@ -268,6 +280,8 @@ class Transformer(nnx.Module):
         # head=False: the last layer's output [B, T, D] instead, for `logits` in chunks
         logits_BTV = self.logits(x_BTD) if head else x_BTD
         aux = self._aux(block_stats, tail_stats)
+        if "routes" not in aux:  # no MoE layer
+            aux["routes"] = jnp.zeros((0, B, T, self.cfg.moe.top_k), jnp.int32)
         if cache is None:
             return logits_BTV, aux
         new_cache = {"blocks": new_block_caches, "tail": new_tail_caches}
@@ -303,32 +317,62 @@ class Transformer(nnx.Module):
         img_BTD = jnp.take_along_axis(img_BND, slot_BT[..., None], axis=1)
         return jnp.where(mask_BT[..., None], img_BTD, x_BTD)
 
-    def _run_blocks(self, x_BTD, positions_BT, caches, n_groups, segments_BT):
-        """Apply the stacked blocks; stats come back stacked [n_blocks, ...] per block layer."""
+    def _run_blocks(self, x_BTD, positions_BT, caches, n_groups, segments_BT, replays):
+        """Apply the stacked blocks; stats come back stacked [n_blocks, ...] per block layer.
+        `replays`: per block layer, its replayed experts stacked [n_blocks, B, T, K], or None."""
         graphdef, state = nnx.split(self.blocks)
 
         def body(x, xs):
-            block_state, block_caches = xs
+            block_state, block_caches, replay = xs
             block = nnx.merge(graphdef, block_state)
-            x, new_caches, stats = block(x, positions_BT, block_caches, n_groups, segments_BT)
+            x, new_caches, stats = block(
+                x, positions_BT, block_caches, n_groups, segments_BT, replay
+            )
             return x, (new_caches, stats)
 
         if self.cfg.model.scan_layers:
             if caches is None:  # a forward that may be differentiated: apply model.remat
                 m = self.cfg.model
                 body = remat(body, m.remat, m.remat_saved, m.remat_offloaded)
-            x_BTD, (new_caches, stats) = jax.lax.scan(body, x_BTD, (state, caches))
+            x_BTD, (new_caches, stats) = jax.lax.scan(body, x_BTD, (state, caches, replays))
             return x_BTD, new_caches, stats
         per_block = []
         for b in range(self.n_blocks):
-            xs = jax.tree.map(lambda a, b=b: a[b], (state, caches))
+            xs = jax.tree.map(lambda a, b=b: a[b], (state, caches, replays))
             x_BTD, ys = body(x_BTD, xs)
             per_block.append(ys)
         new_caches, stats = jax.tree.map(lambda *a: jnp.stack(a), *per_block)
         return x_BTD, new_caches, stats
 
+    def moe_layers(self) -> list[int]:
+        """The MoE layers' indices in layer order: the order of aux["routes"] and `routes`."""
+        return [i for i in range(self.cfg.model.n_layers) if self.cfg.is_moe(i)]
+
+    def _replays(self, routes_LBTK) -> dict:
+        """`routes` [n_moe_layers, B, T, K] as the layers take it: "blocks", per block layer
+        its layers' [n_blocks, B, T, K] (None if dense or not replayed); "tail", per layer."""
+        P, k = self.cfg.layer_period, self.cfg.moe.first_dense_layers
+        tail = range(k + self.n_blocks * P, self.cfg.model.n_layers)
+        if routes_LBTK is None:
+            return {"blocks": None, "tail": [None] * len(tail)}
+        order = {layer: i for i, layer in enumerate(self.moe_layers())}
+        if routes_LBTK.shape[0] != len(order):
+            raise ValueError(
+                f"routes holds {routes_LBTK.shape[0]} MoE layers' experts, the model has "
+                f"{len(order)} MoE layers"
+            )
+        blocks = None
+        if self.n_blocks:
+            at = lambda j: np.array([order[k + b * P + j] for b in range(self.n_blocks)])
+            blocks = [routes_LBTK[at(j)] if k + j in order else None for j in range(P)]
+        return {
+            "blocks": blocks,
+            "tail": [routes_LBTK[order[i]] if i in order else None for i in tail],
+        }
+
     def _aux(self, block_stats: list, tail_stats: list) -> dict:
-        """Per-MoE-layer stats in layer order, and the mean aux losses."""
+        """Per-MoE-layer stats in layer order, and the mean aux losses; "routes" [n_moe_layers,
+        B, T, K]: the experts each MoE layer's tokens took."""
         moe = self.cfg.moe
         per_layer = []  # list of (layer index, stats dict with scalar/[E] leaves)
         P, k = self.cfg.layer_period, moe.first_dense_layers
@@ -354,6 +398,7 @@ class Transformer(nnx.Module):
             "lb_loss": jnp.mean(stacked["lb_loss"]),
             "z_loss": jnp.mean(stacked["z_loss"]),
             "expert_load": stacked["expert_load"],
+            "routes": stacked["experts"],
             **{name: stacked[name] for name in LAYER_FRACTIONS},
         }
         if "seq_lb_loss" in stacked:  # moe.seq_aux_loss_weight > 0: summed (routing.aux_loss)
