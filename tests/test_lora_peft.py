@@ -28,7 +28,6 @@ from moe_jax.interop import InteropError, load_hf  # noqa: E402
 from moe_jax.lora import params as lora_params  # noqa: E402
 from moe_jax.lora.peft import adapters_from_peft, save_adapter  # noqa: E402
 from moe_jax.model import Transformer  # noqa: E402
-from tests.helpers import tiny_config  # noqa: E402
 from tests.test_interop import hf_logits, hf_model, our_logits, tokens  # noqa: E402
 from tests.test_lora import draw_b  # noqa: E402
 
@@ -122,13 +121,37 @@ def test_a_peft_saved_adapter_reads_into_our_pairs(adapted, tmp_path):
         adapters_from_peft(cfg, tmp_path / "some")
 
 
-def test_export_refuses_routed_expert_adapters(tmp_path):
-    cfg = tiny_config("lora.rank=2", "lora.targets=[experts]", "attention.nope_interval=0",
-                      "attention.temperature_tuning=false")  # fmt: skip
-    params = nnx.state(Transformer(cfg, rngs=nnx.Rngs(0)), nnx.Param)
-    with pytest.raises(InteropError, match="routed experts' adapters have no PEFT form"):
-        save_adapter(cfg, params, tmp_path / "x")
-    assert not (tmp_path / "x").exists()
+def test_routed_expert_adapters_equal_peft_on_a_moe_model(tmp_path):
+    """A Qwen3-MoE with adapters on attention and its routed experts: the pairs go out one
+    per expert (`mlp.experts.{e}.gate_proj`, ...: the per-expert names vLLM reads, which PEFT
+    folds into its adapter of transformers' fused experts), PEFT's logits equal ours, and
+    they read back to the same pairs."""
+    directory = tmp_path / "base"
+    hf_model("qwen3_moe").save_pretrained(directory)
+    base_cfg, base = load_hf(directory)
+    lora = dataclasses.replace(LORA, targets=("attention", "experts"))
+    cfg = dataclasses.replace(base_cfg, lora=lora)
+    model = Transformer(cfg, rngs=nnx.Rngs(1))
+    nnx.update(model, nnx.state(base, nnx.Param))
+    draw_b(model, seed=4)
+    save_adapter(cfg, nnx.state(model, nnx.Param), tmp_path / "adapter")
+    names = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert {"gate_proj", "up_proj", "down_proj"} <= set(names["target_modules"])
+
+    x = tokens(2, 12, seed=7)
+    hf = peft_base(directory)
+    base_logits = hf_logits(hf, x)
+    with torch.no_grad():
+        theirs = peft.PeftModel.from_pretrained(hf, tmp_path / "adapter").eval()
+        theirs = theirs(torch.from_numpy(x)).logits.numpy()
+    ours = our_logits(model, x)
+    assert np.abs(ours - base_logits).max() > 1e-2
+    np.testing.assert_allclose(theirs, ours, rtol=0, atol=1e-5)
+    read = adapters_from_peft(cfg, tmp_path / "adapter")
+    flat = dict(nnx.to_flat_state(nnx.state(model, nnx.Param)))
+    assert any("experts" in p for p in read)
+    for p, a in read.items():
+        np.testing.assert_array_equal(a, np.asarray(flat[p][...]), err_msg=str(p))
 
 
 def test_a_lora_run_from_an_hf_dir_resumes_exactly_and_exports_both_ways(tmp_path):

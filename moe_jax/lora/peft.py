@@ -14,10 +14,15 @@ B [r, out...] for a weight [in..., out...], the Linear's transpose: the family's
 for the weight (`interop.common.linear`: [in..., out...] <-> [out, in]) maps A as a
 weight of `in` inputs and r outputs, and B as one of r inputs (its output dims after
 size-1 input dims), so every family that writes the weight as one Linear gets PEFT's
-names and layout from its own mapping. Each pair is checked: the rule applied to A B must
-give lora_B lora_A, which refuses any weight whose Hugging Face form is not one Linear.
-The routed experts' stacked pairs have no such form (transformers fuses the experts into
-3-D parameters): export those merged (`python -m moe_jax.interop export`).
+names and layout from its own mapping. The routed experts' stacked pairs go out through
+the families' per-expert rule the same way, one Linear's pair per expert
+(`mlp.experts.{e}.gate_proj` for Qwen-MoE, `block_sparse_moe.experts.{e}.w1` for Mixtral):
+the names vLLM reads, which PEFT folds into its adapter of transformers' fused experts.
+Each pair is checked: the rule applied to A B must give lora_B lora_A, which refuses a
+weight whose Hugging Face form is not a Linear per weight (or per expert: gpt-oss's fused,
+biased experts), to be exported merged instead (`python -m moe_jax.interop export`).
+Reading an adapter back applies the same rule to arrays of their own flat indices: where
+each index lands says where each PEFT entry goes.
 """
 
 from __future__ import annotations
@@ -71,42 +76,56 @@ def merged_reader(read, shapes: dict, scale: float):
     return merged
 
 
-def _pair(rule, a: np.ndarray, b: np.ndarray, where: str) -> tuple[str, np.ndarray, np.ndarray]:
-    """(the Linear's module name, lora_A [r, in], lora_B [out, r]) of our pair A [in..., r],
-    B [r, out...] through the weight's rule; InteropError where the rule is not one Linear."""
-    n_in = a.ndim - 1
-    b_as_weight = b.reshape((b.shape[0],) + (1,) * (n_in - 1) + b.shape[1:])
+def _b_as_weight(b, n_in: int, lead: int):
+    """B [lead..., r, out...] as a weight of r inputs whose rule expects `n_in` input dims
+    (size-1 dims after the rank)."""
+    return b.reshape(b.shape[: lead + 1] + (1,) * (n_in - 1) + b.shape[lead + 1 :])
+
+
+def _pairs(rule, paths, a_list, b_list, where: str) -> list[tuple[str, np.ndarray, np.ndarray]]:
+    """[(a Linear's module name, lora_A [r, in], lora_B [out, r])] of our pairs (A [lead...,
+    in..., r], B [lead..., r, out...] for each of the rule's weights) through the rule: A as
+    a weight of r outputs, B as one of r inputs, checked against the rule applied to A B
+    (which must give lora_B lora_A under the same name); InteropError where it does not."""
+    leads = [_n_lead(p) for p in paths]
+    bs = [_b_as_weight(b, a.ndim - 1 - k, k) for a, b, k in zip(a_list, b_list, leads, strict=True)]
     try:
-        (name_a, lora_a), = [(n, np.asarray(t)) for n, t in rule.save(a)]  # fmt: skip
-        (name_b, lora_b), = [(n, np.asarray(t)) for n, t in rule.save(b_as_weight)]  # fmt: skip
-        ((name_w, w),) = [(n, np.asarray(t)) for n, t in rule.save(product(a, b, 0))]
+        got_a = [(n, np.asarray(t)) for n, t in rule.save(*a_list)]
+        got_b = [(n, np.asarray(t)) for n, t in rule.save(*bs)]
+        abs_ = [product(a, b, k) for a, b, k in zip(a_list, b_list, leads, strict=True)]
+        got_w = [(n, np.asarray(t)) for n, t in rule.save(*abs_)]
     except (ValueError, TypeError):
-        name_a = None
-    if name_a is None or not name_a == name_b == name_w or not name_a.endswith(".weight"):
-        raise InteropError(f"{where}: its Hugging Face form is not one Linear; export it merged")
-    if w.shape != (lora_b.shape[0], lora_a.shape[1]) or not np.allclose(
-        w, lora_b @ lora_a, rtol=1e-4, atol=1e-6 * max(1.0, float(np.abs(w).max()))
-    ):
-        raise InteropError(f"{where}: its Hugging Face form is not one Linear; export it merged")
-    return name_a[: -len(".weight")], lora_a, lora_b
+        got_a = got_b = got_w = []
+    out = []
+    for (na, la), (nb, lb), (nw, w) in zip(got_a, got_b, got_w, strict=False):
+        ok = na == nb == nw and na.endswith(".weight") and la.ndim == lb.ndim == 2
+        ok = ok and w.shape == (lb.shape[0], la.shape[1])
+        tol = 1e-6 * max(1.0, float(np.abs(w).max())) if ok else 0
+        if not (ok and np.allclose(w, lb @ la, rtol=1e-4, atol=tol)):
+            got_a = []
+            break
+        out.append((na[: -len(".weight")], la, lb))
+    if not got_a or len(out) != len(got_w):
+        raise InteropError(
+            f"{where}: its Hugging Face form is not a Linear (or one per expert); export it merged"
+        )
+    return out
 
 
-def _linear_adapters(cfg: Config, family, shapes: dict):
-    """(tensor name prefix, rule, weight path, block) of every adapted weight, each once;
-    InteropError for an adapted weight that no single-param rule holds."""
-    seen = set()
+def _adapted_rules(cfg: Config, family, shapes: dict):
+    """(tensor name prefix, rule, its weights' paths, block, where) of every rule whose
+    weights have adapters; InteropError where only some of a rule's weights have them."""
     for prefix, rule, paths, block in _placements(cfg, family):
-        for p in paths:
-            if adapter_of(p) + ("a",) not in shapes:
-                continue
-            where = ".".join(map(str, p)) + ("" if block is None else f" (block {block})")
-            if len(paths) != 1 or _n_lead(p):
-                raise InteropError(
-                    f"{where}: the routed experts' adapters have no PEFT form (transformers "
-                    "fuses the experts); export the run merged instead"
-                )
-            seen.add((p, block))
-            yield prefix, rule, p, block, where
+        adapted = [adapter_of(p) + ("a",) in shapes for p in paths]
+        if not any(adapted):
+            continue
+        where = ".".join(map(str, paths[0])) + ("" if block is None else f" (block {block})")
+        if not all(adapted):
+            raise InteropError(
+                f"{where}: one Hugging Face tensor group holds weights with and without "
+                "adapters; adapt all of them (lora.targets) or export the run merged"
+            )
+        yield prefix, rule, paths, block, where
 
 
 def export_adapter(
@@ -145,13 +164,13 @@ def save_adapter(cfg: Config, params, out: str | Path, architecture: str | None 
 def _write_adapter(cfg: Config, read, shapes: dict, out, architecture) -> str:
     family, _ = pick_family(cfg, architecture)
     tensors, modules = {}, set()
-    for prefix, rule, p, block, where in _linear_adapters(cfg, family, shapes):
-        ad = adapter_of(p)
-        name, lora_a, lora_b = _pair(rule, read(ad + ("a",), block), read(ad + ("b",), block),
-                                     where)  # fmt: skip
-        tensors[f"{PEFT_PREFIX}{prefix}{name}.lora_A.weight"] = lora_a
-        tensors[f"{PEFT_PREFIX}{prefix}{name}.lora_B.weight"] = lora_b
-        modules.add(name.rsplit(".", 1)[-1])
+    for prefix, rule, paths, block, where in _adapted_rules(cfg, family, shapes):
+        a_list = [read(adapter_of(p) + ("a",), block) for p in paths]
+        b_list = [read(adapter_of(p) + ("b",), block) for p in paths]
+        for name, lora_a, lora_b in _pairs(rule, paths, a_list, b_list, where):
+            tensors[f"{PEFT_PREFIX}{prefix}{name}.lora_A.weight"] = lora_a
+            tensors[f"{PEFT_PREFIX}{prefix}{name}.lora_B.weight"] = lora_b
+            modules.add(name.rsplit(".", 1)[-1])
     _write(Path(out), tensors, _adapter_config(cfg, sorted(modules)))
     return family.architecture
 
@@ -227,22 +246,15 @@ def adapters_from_peft(cfg: Config, adapter_dir: Path, architecture: str | None 
     shapes = {p: tuple(v.shape) for p, v in nnx.to_flat_state(abstract)}
     reader = TensorReader(adapter_dir)
     names, used, out = set(reader.names()), set(), {}
-    for prefix, rule, p, block, where in _linear_adapters(cfg, family, shapes):
-        ad = adapter_of(p)
-        lead = () if block is None else (block,)
-        a = np.zeros(shapes[ad + ("a",)][len(lead) :], np.float32)
-        b = np.zeros(shapes[ad + ("b",)][len(lead) :], np.float32)
-        # the Linear's name, from the rule itself (as export finds it)
-        module, _, _ = _pair(rule, a + 1, b + 1, where)
-        for x, side in ((a, "A"), (b, "B")):
-            name = f"{PEFT_PREFIX}{prefix}{module}.lora_{side}.weight"
-            if name not in names:
-                raise InteropError(f"'{adapter_dir}' has no tensor '{name}' (for {where})")
-            used.add(name)
-            arg = x if side == "A" else x.reshape((x.shape[0],) + (1,) * (a.ndim - 2) + x.shape[1:])
-            rule.load(_OneTensor(reader, name), arg)
-        for leaf, x in (("a", a), ("b", b)):
-            out.setdefault(ad + (leaf,), {})[block] = x
+    for prefix, rule, paths, block, where in _adapted_rules(cfg, family, shapes):
+        lead = 0 if block is None else 1
+        for leaf, side in (("a", "A"), ("b", "B")):
+            want = [shapes[adapter_of(p) + (leaf,)][lead:] for p in paths]
+            n_ins = [len(shapes[adapter_of(p) + ("a",)]) - lead - 1 - _n_lead(p) for p in paths]
+            arrays = _placed(rule, paths, want, n_ins if leaf == "b" else None, where, _peft_reader(
+                reader, f"{PEFT_PREFIX}{prefix}", side, adapter_dir, where, used))  # fmt: skip
+            for p, x in zip(paths, arrays, strict=True):
+                out.setdefault(adapter_of(p) + (leaf,), {})[block] = x
     if names - used:
         extra = sorted(names - used)[0]
         raise InteropError(
@@ -256,19 +268,41 @@ def adapters_from_peft(cfg: Config, adapter_dir: Path, architecture: str | None 
     return {p: stack(by_block) for p, by_block in out.items()}
 
 
-class _OneTensor:
-    """A `common.Source` stand-in that hands a rule one PEFT tensor, checked for shape."""
+def _peft_reader(reader: TensorReader, prefix: str, side: str, adapter_dir, where, used):
+    """module name -> its lora_{side} tensor (float32), recorded as used."""
 
-    def __init__(self, reader: TensorReader, name: str):
-        self.reader, self.name = reader, name
-
-    def has(self, name: str) -> bool:
-        return True
-
-    def __call__(self, name: str, shape: tuple[int, ...]):
-        if self.reader.shape(self.name) != tuple(shape):
+    def read(module: str, shape: tuple) -> np.ndarray:
+        name = f"{prefix}{module}.lora_{side}.weight"
+        if not reader.has(name):
+            raise InteropError(f"'{adapter_dir}' has no tensor '{name}' (for {where})")
+        if reader.shape(name) != tuple(shape):
             raise InteropError(
-                f"tensor '{self.name}' has shape {list(self.reader.shape(self.name))}; this "
-                f"model's adapter (lora.rank) needs {list(shape)}"
+                f"tensor '{name}' has shape {list(reader.shape(name))}; this model's adapter "
+                f"(lora.rank) needs {list(shape)}"
             )
-        return self.reader.get(self.name).astype(np.float32)
+        used.add(name)
+        return reader.get(name).astype(np.float32)
+
+    return read
+
+
+def _placed(rule, paths, shapes: list, n_ins, where: str, read) -> list[np.ndarray]:
+    """Our A (or, with `n_ins`, its weights' input dims, B) arrays of `shapes` for the rule's
+    weights, from PEFT's tensors: the rule
+    applied to arrays of their own flat indices says where each tensor's entries go (it only
+    moves entries: transposes, reshapes, one matrix per expert)."""
+    sizes = [int(np.prod(s)) for s in shapes]
+    starts = np.concatenate([[0], np.cumsum(sizes)])
+    index = [np.arange(a, a + n, dtype=np.float64).reshape(s)
+             for a, n, s in zip(starts[:-1], sizes, shapes, strict=True)]  # fmt: skip
+    if n_ins is not None:  # B: a weight of r inputs
+        index = [
+            _b_as_weight(x, n, _n_lead(p)) for x, n, p in zip(index, n_ins, paths, strict=True)
+        ]
+    flat = np.full(starts[-1], np.nan, np.float32)
+    for name, idx in rule.save(*index):
+        idx = np.asarray(idx)
+        flat[idx.astype(np.int64)] = read(name[: -len(".weight")], idx.shape)
+    if np.isnan(flat).any():
+        raise InteropError(f"{where}: the adapter does not fill this model's pairs")
+    return [flat[a:b].reshape(s) for a, b, s in zip(starts[:-1], starts[1:], shapes, strict=True)]
