@@ -109,6 +109,8 @@ def format_train(r: dict, end: int) -> str:
         parts.insert(3, f"mtp ce {r['mtp_ce']:.4f}")
     if "reward_accuracy" in r:  # train.objective=dpo (moe_jax/dpo.py)
         parts.insert(3, f"reward acc {r['reward_accuracy']:.2f} margin {r['reward_margin']:.3f}")
+    if "reward_mean" in r:  # train.objective=grpo (moe_jax/rl/grpo.py)
+        parts.insert(3, f"reward {r['reward_mean']:.3f} clip {r['clip_frac']:.3f}")
     if r["tokens_per_s"]:
         parts.append(f"{r['tokens_per_s'] / 1e3:.1f}k tok/s, MFU {100 * r['mfu']:.1f}%")
     if np.size(r["dropped_frac"]):

@@ -397,6 +397,10 @@ def make_train_step(
                 from moe_jax import dpo
 
                 grads, metrics = dpo.compute_grads(params, graphdef, batch, cfg)
+            elif cfg.train.objective == "grpo":  # rollouts (moe_jax/rl/grpo.py)
+                from moe_jax.rl import grpo
+
+                grads, metrics = grpo.compute_grads(params, graphdef, batch, cfg)
             else:
                 grads, metrics = compute_grads(params, graphdef, batch, cfg.train)
         with jax.named_scope(OPTIMIZER):

@@ -305,7 +305,10 @@ class Run:
         cfg, t = self.cfg, self.cfg.train
         start, window = self.step, _Window()
         while self.step < end:
-            batch = _on_mesh(next(self.it), self.mesh)
+            batch = next(self.it)
+            if self.rollouts is not None:  # train.objective=grpo: this state's rollouts
+                batch = self.rollouts(state, batch, self.step)
+            batch = _on_mesh(batch, self.mesh)
             self.running = self.step + 1
             profiler.before(self.step + 1, partial(self._compiled_text, state, batch))
             state, metrics = self.train_step(state, batch)
@@ -370,6 +373,11 @@ class Run:
         # Sums and counts: packed batches count different numbers of targets, so the
         # validation loss is their total over the total count, not a mean of batch means.
         self.eval_step = make_eval_step(self.graphdef, True)  # sums=True
+        self.rollouts = None
+        if cfg.train.objective == "grpo":  # the sampler and the rewards (moe_jax/rl/)
+            from moe_jax.rl.collect import Rollouts
+
+            self.rollouts = Rollouts(cfg, self.graphdef, self.data)
         self.meta = {
             "config": cfg,
             "tokenizer": self.data.tokenizer,

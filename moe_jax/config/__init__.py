@@ -33,6 +33,7 @@ from moe_jax.config.model import (
     MoEConfig,
     RopeScalingConfig,
 )
+from moe_jax.config.rl import RLConfig
 from moe_jax.config.run import (
     DEFAULT_WARMUP_STEPS,
     MAX_TEMPERATURE,
@@ -72,6 +73,7 @@ __all__ = [
     "EvalConfig",
     "LORA_TARGETS",
     "LoRAConfig",
+    "RLConfig",
     "MeshConfig",
     "ModelConfig",
     "MoEConfig",
@@ -100,6 +102,7 @@ class Config:
     sample: SampleConfig = field(default_factory=SampleConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     lora: LoRAConfig = field(default_factory=LoRAConfig)
+    rl: RLConfig = field(default_factory=RLConfig)  # train.objective=grpo (moe_jax/rl/)
     run_dir: str = "runs/tiny"
     seed: int = 0
     # Start a new run from the params of another run directory (trained, or imported with
@@ -154,7 +157,7 @@ class Config:
         numbers_in_range(self)
         for section in (self.model, self.attention, self.moe, self.mesh, self.train,
                         self.data, self.checkpoint, self.sample, self.eval,
-                        self.lora):  # fmt: skip
+                        self.lora, self.rl):  # fmt: skip
             section.check()
         _check_across_sections(self)
 
@@ -196,7 +199,9 @@ def _check_across_sections(cfg: Config) -> None:
 
 
 def _check_objective(cfg: Config) -> None:
-    """train.objective=dpo trains on preference pairs, against the base (adapters off)."""
+    """train.objective=dpo trains on preference pairs, against the base (adapters off);
+    grpo on prompts (`_check_grpo`)."""
+    _check_grpo(cfg)
     dpo = cfg.train.objective == "dpo"
     require(
         dpo == (cfg.data.sft == "preference"),
@@ -212,6 +217,27 @@ def _check_objective(cfg: Config) -> None:
         require(
             cfg.train.grad_accum == 1 and cfg.model.mtp_depth == 0,
             "train.objective=dpo runs whole batches of pairs without the MTP loss: set "
+            "train.grad_accum=1 and model.mtp_depth=0",
+        )
+
+
+def _check_grpo(cfg: Config) -> None:
+    grpo, rl = cfg.train.objective == "grpo", cfg.rl
+    require(
+        grpo == (cfg.data.sft == "prompts"),
+        "train.objective=grpo samples from prompts (data.sft=prompts) and those prompts "
+        "train nothing else; set both or neither",
+    )
+    if grpo:
+        require(rl.rewards, "train.objective=grpo needs rl.rewards=[pkg.module:function, ...]")
+        require(
+            rl.kl_beta == 0 or cfg.lora.rank > 0,
+            "rl.kl_beta > 0 takes the reference from the base with the LoRA adapters off; set "
+            "lora.rank (e.g. lora.rank=16), or rl.kl_beta=0",
+        )
+        require(
+            cfg.train.grad_accum == 1 and cfg.model.mtp_depth == 0,
+            "train.objective=grpo runs whole batches of rollouts without the MTP loss: set "
             "train.grad_accum=1 and model.mtp_depth=0",
         )
 

@@ -20,8 +20,8 @@ DEFAULT_WARMUP_STEPS = 50  # train.warmup_steps=null: this many, at most a tenth
 SCHEDULES = ("cosine", "linear", "wsd")  # train.schedule (train_step.lr_schedule)
 WEIGHT_KINDS = ("auto", "float32", "bfloat16", "int8", "mxfp4")  # sample.weights (weights.py)
 # data.sft (moe_jax/data/sft.py; preference: DPO's pairs, moe_jax/data/preference.py)
-SFT_FORMATS = ("none", "prompt_completion", "chat", "preference")
-OBJECTIVES = ("lm", "dpo")  # train.objective (moe_jax/train_step.py, moe_jax/dpo.py)
+SFT_FORMATS = ("none", "prompt_completion", "chat", "preference", "prompts")  # prompts: GRPO's
+OBJECTIVES = ("lm", "dpo", "grpo")  # train.objective (train_step.py, dpo.py, rl/grpo.py)
 MESH_AXES = ("data", "fsdp", "expert", "tensor")  # the axes a mesh.* size names
 # train.trackers (moe_jax/trackers.py); "jsonl" is always on, and may be named
 TRACKERS = ("jsonl", "tensorboard", "wandb", "mlflow")
@@ -202,7 +202,8 @@ class TrainConfig:
     resume_step: int = 0
     # What the step minimises: lm (cross-entropy: pretraining and SFT) | dpo (Direct
     # Preference Optimization on data.sft=preference pairs, moe_jax/dpo.py; the reference
-    # is the base with the LoRA adapters off, so it needs lora.rank > 0)
+    # is the base with the LoRA adapters off, so it needs lora.rank > 0) | grpo (GRPO / GSPO
+    # on rollouts of data.sft=prompts, the rl section, moe_jax/rl/)
     objective: str = "lm"
     dpo_beta: float = 0.1  # DPO's beta: the strength of the implicit KL to the reference
 

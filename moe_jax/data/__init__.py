@@ -61,6 +61,10 @@ def load_run_data(cfg: Config, tokenizer: Tokenizer | None = None):
         from moe_jax.data.preference import load_preference
 
         return load_preference(cfg, tokenizer)
+    if cfg.data.sft == "prompts":  # GRPO's prompts (and its reward functions)
+        from moe_jax.data.prompts import load_prompts
+
+        return load_prompts(cfg, tokenizer)
     if cfg.data.sft != "none":
         return load_sft(cfg, tokenizer)
     return load_data(cfg, tokenizer)

@@ -59,6 +59,7 @@ FORMS = {
     "chat": '{"messages": [{"role": "user", "content": "..."}, ...]}',
     # DPO's pairs (moe_jax/data/preference.py), or with messages: see there
     "preference": '{"prompt": "...", "chosen": "...", "rejected": "..."}',
+    "prompts": '{"prompt": "...", ...}',  # GRPO's (moe_jax/data/prompts.py)
 }
 
 

@@ -20,8 +20,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from moe_jax import backends
+from moe_jax.loss import head_statistics
 from moe_jax.sampling import Generation
-from moe_jax.train_step import _head
 
 
 def rollout_rows(
@@ -61,7 +61,7 @@ def token_logps(model, tokens_BS, *, routes=None, temperature: float = 1.0):
     x_BTD, aux = model(inputs_BT, head=False, routes=replay)
     chunk = backends.loss_chunk(model.cfg.train.loss_chunk, x_BTD.shape[1])
     head_DV = model.head_weight(x_BTD) / temperature
-    logz_BT, target_BT = _head(model, x_BTD, targets_BT, chunk, head_DV)
+    logz_BT, target_BT = head_statistics(model.logits, x_BTD, targets_BT, chunk, head_DV)
     return target_BT - logz_BT, aux
 
 

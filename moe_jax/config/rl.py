@@ -1,0 +1,54 @@
+"""The rl section: GRPO (`train.objective=grpo`, moe_jax/rl/)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from moe_jax.config.checks import non_negative, one_of, positive, require
+
+RL_LEVELS = ("token", "sequence")  # rl.level: the ratio per token (GRPO) or sequence (GSPO)
+
+
+@dataclass(frozen=True)
+class RLConfig:
+    # The reward functions, each "pkg.module:function", imported at the start of the run and
+    # called on every step's rollouts as TRL calls them: fn(prompts=[str], completions=[str],
+    # **columns) -> one float (or None: 0) per completion, `columns` every other field of
+    # the prompts' JSONL lines as lists. The reward is their weighted sum.
+    rewards: tuple[str, ...] = ()
+    reward_weights: tuple[float, ...] = ()  # one per reward; empty: all 1
+    group_size: int = 4  # G completions sampled per prompt (train.batch_size prompts a step)
+    max_new_tokens: int = 64  # a completion's most tokens (it ends earlier at EOS)
+    temperature: float = 1.0  # the sampler's; the trainer's log-probs are of logits / it
+    # The clipped ratio's range [1 - clip_eps, 1 + clip_eps_high] (clip_eps_high 0: clip_eps)
+    clip_eps: float = 0.2
+    clip_eps_high: float = 0.0
+    level: str = "token"  # token: GRPO's per-token ratio | sequence: GSPO's per-sequence one
+    # Advantages (r - group mean) / (group std + 1e-4) (TRL's); false: r - group mean only
+    scale_rewards: bool = True
+    # KL to the reference (k3: exp(ref - logp) - (ref - logp) - 1 per token), the reference
+    # being the base with the LoRA adapters off (as DPO's); 0: none, no reference forward.
+    kl_beta: float = 0.0
+    # Rollout routing replay: the training forward reuses the experts every token took in the
+    # sampler (moe_jax/model/routing.py `route`); the router's weights at them still learn.
+    routing_replay: bool = True
+
+    def check(self) -> None:
+        positive(self, "rl", ["group_size", "max_new_tokens", "temperature", "clip_eps"])
+        non_negative(self, "rl", ["clip_eps_high", "kl_beta"])
+        one_of(self.level, RL_LEVELS, "rl.level")
+        bad = [r for r in self.rewards if r.count(":") != 1 or not all(r.split(":"))]
+        require(
+            not bad,
+            f"rl.rewards has {bad}: name each reward function as pkg.module:function",
+        )
+        require(
+            not self.reward_weights or len(self.reward_weights) == len(self.rewards),
+            f"rl.reward_weights has {len(self.reward_weights)} weights for "
+            f"{len(self.rewards)} rl.rewards; give one per reward, or none (all 1)",
+        )
+        require(
+            self.group_size > 1,
+            f"rl.group_size={self.group_size} leaves no other completion of a prompt to compare "
+            "with (every advantage 0); sample at least 2 per prompt",
+        )
