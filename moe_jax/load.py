@@ -125,6 +125,8 @@ def load_model(
     else:
         check_compatible(meta, cfg, "load", run_dir)
     quantized = meta.get("quantization")
+    if not quantized and cfg.lora.rank and cfg.lora.base_dtype in QUANTIZATIONS:
+        quantized = cfg.lora.base_dtype  # a LoRA run's frozen base, stored quantised
     if quantized and quantized not in QUANTIZATIONS:
         raise RunError(
             f"checkpoint {step} in '{run_dir}' is quantised as '{quantized}', which this "

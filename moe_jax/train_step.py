@@ -438,14 +438,18 @@ def init_state(cfg: Config, tx: optax.GradientTransformation, abstract: bool = F
     With a `mesh`, every array is created (or described, when abstract) already laid out
     over it: params by their logical axes, Adam moments like their params."""
 
+    def build(seed):
+        model = Transformer(cfg, rngs=nnx.Rngs(seed))
+        # the frozen base in lora.base_dtype (an int8 or mxfp4 one quantised)
+        return lora_params.quantized_base(model, cfg.lora.base_dtype) if cfg.lora.rank else model
+
     def init():
-        model = Transformer(cfg, rngs=nnx.Rngs(cfg.seed))
-        params = nnx.state(model, nnx.Param)
-        if cfg.lora.rank:  # the frozen base in lora.base_dtype
+        params = nnx.state(build(cfg.seed), nnx.Param)
+        if cfg.lora.rank:
             params = lora_params.with_base_dtype(params, cfg.lora.base_dtype)
         return make_state(0, params, tx.init(params))
 
-    graphdef = nnx.graphdef(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0))))
+    graphdef = nnx.graphdef(nnx.eval_shape(lambda: build(0)))
     shapes = jax.eval_shape(init)
     shardings = state_shardings(shapes, mesh) if mesh is not None else None
     if abstract:

@@ -187,9 +187,9 @@ def test_dpo_needs_preference_pairs_and_adapters(tmp_path):
 
 
 def test_a_dpo_run_stopped_and_resumed_equals_an_uninterrupted_one(tmp_path):
-    """train.py with train.objective=dpo: 2 + 2 steps (the data position and the adapters'
-    optimizer state restored) end bit for bit where 4 straight steps do; the DPO metrics
-    reach metrics.jsonl."""
+    """train.py with train.objective=dpo on an int8 base (lora.base_dtype=int8): 2 + 2 steps
+    (the data position, the adapters' optimizer state and the int8 base restored) end bit
+    for bit where 4 straight steps do; the DPO metrics reach metrics.jsonl."""
     from flax import nnx
 
     from moe_jax.load import load_run
@@ -199,7 +199,7 @@ def test_a_dpo_run_stopped_and_resumed_equals_an_uninterrupted_one(tmp_path):
     cfg = lambda run: pairs_config(
         path, f"run_dir={run}", "train.steps=4", "train.log_every=1", "train.eval_every=100",
         "train.eval_batches=1", "checkpoint.every=2", "train.trackers=[]", "lora.dropout=0.1",
-        "train.peak_flops=1e11",
+        "train.peak_flops=1e11", "lora.base_dtype=int8",
     )  # fmt: skip
     train(cfg(tmp_path / "straight"))
     train(cfg(tmp_path / "resumed"), stop_at=2)

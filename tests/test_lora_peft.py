@@ -158,7 +158,8 @@ def test_a_lora_run_from_an_hf_dir_resumes_exactly_and_exports_both_ways(tmp_pat
     """train.py init_from=HF_DIR with LoRA (dropout on): the base comes from the checkpoint
     and stays as it was, a run stopped and resumed ends bit for bit where an uninterrupted
     one does, and its merged export (transformers) and its adapter on the HF base (PEFT)
-    both give the run's own logits."""
+    both give the run's own logits; the adapter starts a new run on a mesh (bf16 base), and
+    an int8 base from the HF directory is the bf16 base's int8 form, laid out."""
     from transformers import AutoModelForCausalLM
 
     from moe_jax.config import load_config
@@ -226,3 +227,21 @@ def test_a_lora_run_from_an_hf_dir_resumes_exactly_and_exports_both_ways(tmp_pat
         elif p in base and base[p][...].ndim >= 2:
             assert v[...].dtype == jnp.bfloat16, p
             np.testing.assert_array_equal(v[...], base[p][...].astype(jnp.bfloat16), str(p))
+
+    # lora.base_dtype=int8: the HF base read in bfloat16, then quantised weight by weight
+    # (a layer at a time) onto the mesh: each stored weight is the bf16 base's int8 form
+    from moe_jax.model.int8 import CONTRACTED_AXES, QuantizedParam, quantize_tensor
+
+    q = dataclasses.replace(new, lora=dataclasses.replace(new.lora, base_dtype="int8"))
+    _, abstract = init_state(q, tx, abstract=True, mesh=make_mesh(q))
+    targets = dict(nnx.to_flat_state(abstract["params"]))
+    state, _ = start_state(init_source(q, None, print), abstract, tx, q)
+    n = 0
+    for p, v in nnx.to_flat_state(state["params"]):
+        if isinstance(v, QuantizedParam):
+            want = quantize_tensor(base[p][...].astype(jnp.bfloat16), CONTRACTED_AXES[p[-1]])
+            for k, a in v.get_raw_value().items():
+                np.testing.assert_array_equal(a, want[k], err_msg=str(p))
+                assert a.sharding == targets[p].get_raw_value()[k].sharding, p
+            n += 1
+    assert n >= 8  # attention's 4, the MLP's 3, the head

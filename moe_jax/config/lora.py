@@ -9,7 +9,7 @@ from moe_jax.config.checks import non_negative, require
 # lora.targets: the layer groups that get adapters (moe_jax/lora/adapters.py names each
 # group's weights)
 LORA_TARGETS = ("attention", "mlp", "shared", "experts")
-LORA_BASE_DTYPES = ("bfloat16", "float32")
+LORA_BASE_DTYPES = ("bfloat16", "float32", "int8", "mxfp4")
 
 
 @dataclass(frozen=True)
@@ -28,7 +28,12 @@ class LoRAConfig:
     # pair, stacked over the experts).
     targets: tuple[str, ...] = ("attention",)
     # The frozen base's matmul weights are stored in this dtype (vectors, like norms,
-    # biases and the router's correction bias, stay float32).
+    # biases and the router's correction bias, stay float32). int8 (QLoRA-style): every
+    # matmul weight but the router's and the embedding's int8 with one scale per output
+    # channel (moe_jax/model/int8.py), dequantised as each layer reads it; mxfp4: the routed
+    # experts' weights MXFP4 (model.d_model and moe.expert_hidden multiples of 32). Beside
+    # either, the other matmul weights are bfloat16. Use model.remat=full or dots with
+    # these: without remat the backward keeps each layer's dequantised weights.
     base_dtype: str = "bfloat16"
     # A PEFT adapter directory (adapter_model.safetensors + adapter_config.json) whose pairs
     # a run started with init_from takes instead of new adapters (its r and alpha must be

@@ -3,7 +3,8 @@
     trained, frozen = split(params)        # the adapters' A and B / everything else
     params = join(trained, frozen)
     tx = adapters_only(tx)                 # optimizer state for the adapters alone
-    params = with_base_dtype(params, cfg)  # the frozen matmul weights in lora.base_dtype
+    model = quantized_base(model, cfg)     # int8 / mxfp4 base: its matmul weights quantised
+    params = with_base_dtype(params, cfg)  # the other frozen weights in lora.base_dtype
     params = fresh_adapters(params, seed)  # new adapters (A random, B 0) on a restored base
     params = merge_into_base(params)       # W + (alpha / r) A B, the adapters gone
 
@@ -21,6 +22,15 @@ import optax
 from flax import nnx
 
 from moe_jax.lora.adapters import PREFIX, SEEDS, product
+from moe_jax.model import fp4
+from moe_jax.model.int8 import (
+    CONTRACTED_AXES,
+    QUANTIZATIONS,
+    Int8Param,
+    QuantizedParam,
+    quantize_model,
+    quantize_tensor,
+)
 
 TRAINED = ("a", "b")  # an adapter's leaves that train (its `seed` does not)
 
@@ -73,19 +83,83 @@ def adapters_only(tx: optax.GradientTransformation) -> optax.GradientTransformat
     return optax.GradientTransformation(init, update)
 
 
+def quantized_base(model: nnx.Module, base_dtype: str) -> nnx.Module:
+    """`model` with its frozen base's matmul weights quantised where `base_dtype`
+    (lora.base_dtype) is int8 (every matmul weight but the router's, one scale per output
+    channel) or mxfp4 (the routed experts' weights): `model.int8.quantize_model`, whose
+    weights dequantise as each layer reads them. The adapters stay float32 (their names are
+    no weight's); `model` itself for a float base."""
+    return quantize_model(model, base_dtype) if base_dtype in QUANTIZATIONS else model
+
+
 def with_base_dtype(params, dtype: str):
     """The params with the frozen base's matmul weights (floating, 2 dims or more, not an
-    adapter's) cast to `dtype`; vectors (norm scales, biases, the router's correction bias
-    updated outside the gradient) stay as they are."""
+    adapter's, not quantised) cast to `dtype` (bfloat16 beside an int8 or mxfp4 base: the
+    embedding, the router, what mxfp4 leaves); vectors (norm scales, biases, the router's
+    correction bias updated outside the gradient) stay as they are."""
+    dtype = "bfloat16" if dtype in QUANTIZATIONS else dtype
 
     def cast(path, v):
+        if isinstance(v, QuantizedParam) or is_adapter(path):
+            return v
         a = v[...]
-        if is_adapter(path) or a.ndim < 2 or not jnp.issubdtype(a.dtype, jnp.floating):
+        if a.ndim < 2 or not jnp.issubdtype(a.dtype, jnp.floating):
             return v
         return v.replace(a.astype(dtype))
 
     flat = [(p, cast(p, v)) for p, v in nnx.to_flat_state(params)]
     return nnx.from_flat_state(flat)
+
+
+def float_target(target):
+    """The restore target of a quantised base's float source (`init_from`): each quantised
+    weight of `target` (abstract, laid out) as a plain bfloat16 Param of the weight's shape,
+    laid out as the weight is (its logical axes); the rest of `target` as it is."""
+    from moe_jax.sharding import logical_to_spec
+
+    def one(v):
+        if not isinstance(v, QuantizedParam):
+            return v
+        shape = v.get_value().shape  # the dequantised weight's (abstract)
+        sharding = getattr(next(iter(v.get_raw_value().values())), "sharding", None)
+        if sharding is not None:
+            spec = logical_to_spec(tuple(v.get_metadata()["out_sharding"]))
+            sharding = jax.sharding.NamedSharding(sharding.mesh, spec)
+        value = jax.ShapeDtypeStruct(shape, jnp.bfloat16, sharding=sharding)
+        return nnx.Param(value, **v.get_metadata())
+
+    return jax.tree.map(one, target, is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+def quantize_restored(params, target):
+    """`params` (restored into `float_target(target)`) with each weight that `target` holds
+    quantised quantised onto its layout: weight by weight, each float array freed once its
+    quantised form exists, and a stacked weight one layer at a time, so that the peak is the
+    bfloat16 base and one layer's float32 temporaries, not a float32 copy of a weight."""
+    flat_target = dict(nnx.to_flat_state(target))
+    out = []
+    for p, v in nnx.to_flat_state(params):
+        t = flat_target[p]
+        if isinstance(t, QuantizedParam):
+            w = v[...]
+            raw = _quantized(w, p[-1], isinstance(t, Int8Param))
+            shardings = {k: a.sharding for k, a in t.get_raw_value().items()}
+            if all(s is not None for s in shardings.values()):
+                raw = {k: jax.device_put(a, shardings[k]) for k, a in raw.items()}
+            w.delete()
+            v = type(t)(raw, **t.get_metadata())
+        out.append((p, v))
+    return nnx.from_flat_state(out)
+
+
+def _quantized(w: jax.Array, name: str, int8: bool) -> dict:
+    """Weight `name`'s stored arrays (int8's or mxfp4's), a leading axis at a time where it
+    is not contracted (a layer stack's, the experts')."""
+    axes = CONTRACTED_AXES[name]
+    one = (lambda x: quantize_tensor(x, axes)) if int8 else fp4.quantize
+    if -w.ndim in axes or w.ndim < 3:  # axis 0 contracted (or no stack): whole
+        return one(w)
+    return jax.jit(lambda w: jax.lax.map(one, w))(w)
 
 
 def fresh_adapters(params, key: jax.Array):

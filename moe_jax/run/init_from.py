@@ -32,6 +32,7 @@ from moe_jax.config import Config
 from moe_jax.interop.as_run import is_hf_dir, with_hf_architecture
 from moe_jax.load import read_run_meta, restore_params
 from moe_jax.lora import params as lora_params
+from moe_jax.model.int8 import QUANTIZATIONS
 from moe_jax.run.layout import RunError
 from moe_jax.run.policy import check_compatible
 from moe_jax.tokenizer import DataError, Tokenizer, load_tokenizer
@@ -108,12 +109,20 @@ def start_state(
     optimizer state laid out like its abstract one, step 0; `source` with the step read: the
     newest instead, unless pinned, if training there removed the one checked meanwhile).
     With LoRA (`cfg.lora.rank`), the source is the frozen base, restored in
-    lora.base_dtype, and the adapters are new (`lora.params.fresh_adapters`, from cfg.seed)
+    lora.base_dtype (int8 or mxfp4: read in bfloat16, then quantised weight by weight), and
+    the adapters are new (`lora.params.fresh_adapters`, from cfg.seed)
     or, with lora.init_adapter, a PEFT adapter's (`lora.peft.adapters_from_peft`)."""
     target, adapters = abstract_state["params"], None
     if lora_params.has_adapters(target):
         adapters, target = nnx.split_state(target, lora_params.is_adapter, ...)
-    params, step = restore_params(source.run_dir, source.step, target, or_newest=not source.pinned)
+    # an int8 / mxfp4 base: the source's float weights read in bfloat16, then quantised
+    quantized = adapters is not None and cfg.lora.base_dtype in QUANTIZATIONS
+    read_into = lora_params.float_target(target) if quantized else target
+    params, step = restore_params(
+        source.run_dir, source.step, read_into, or_newest=not source.pinned
+    )
+    if quantized:
+        params = lora_params.quantize_restored(params, target)
     if adapters is not None:
         params = lora_params.start_adapters(params, adapters, cfg)
     opt_sharding = jax.tree.map(lambda a: a.sharding, abstract_state["opt_state"])
