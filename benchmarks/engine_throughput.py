@@ -9,8 +9,11 @@ Requests: `--requests` prompts of random bytes, their lengths spread evenly over
 One at a time: a `Sampler.generate([prompt], N)` call per request, one after another. The
 engine: a closed loop keeping `c` requests in flight (the next submitted as one ends), with
 `--slots` slots (default: the largest concurrency). Tokens/s = generated tokens / wall time
-of the whole workload, after a warm-up pass (compiles excluded). Time to first token: from a
-request's submission to its first token; inter-token latency: between its successive tokens;
+of the whole workload, after a warm-up pass (compiles excluded); every engine pass sends
+prompts of the same lengths and new tokens (none found in the prefix cache: the sampler has
+none). The JSON line also has the process' CPU seconds (`cpu_s`), steadier than wall time on
+a loaded machine. Time to first token: from a request's submission to its first token;
+inter-token latency: between its successive tokens;
 p50 / p90 / p99 over all requests. KV memory per request: the pages it held at its peak
 (every layer's k and v) against a full-context allocation (model.max_seq_len positions) and
 against the sampler's (its prompt bucket + new tokens). `--peer`: transformers' continuous
@@ -23,6 +26,7 @@ Prints a table and, last, one JSON line with every figure.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import sys
 import time
@@ -37,10 +41,12 @@ from moe_jax.model import Transformer
 from moe_jax.sampling import Sampler, prompt_bucket
 
 
-def workload(n: int, lo: int, hi: int, seed: int = 0) -> list[list[int]]:
-    rng = np.random.default_rng(seed)
+def workload(n: int, lo: int, hi: int, tokens_seed: int = 0) -> list[list[int]]:
+    """n prompts, lengths spread over [lo, hi] in one shuffled order whatever the seed (so
+    every pass runs the same shapes), random tokens drawn by `tokens_seed`."""
     lengths = np.linspace(lo, hi, n).round().astype(int)
-    rng.shuffle(lengths)
+    np.random.default_rng(0).shuffle(lengths)
+    rng = np.random.default_rng(tokens_seed)
     return [rng.integers(0, 256, int(L)).tolist() for L in lengths]
 
 
@@ -51,11 +57,11 @@ def one_at_a_time(sampler: Sampler, prompts, N: int) -> dict:
         buckets.setdefault(prompt_bucket(len(p), 10**9), p)
     for p in buckets.values():
         sampler.generate([p], N, temperature=0)
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     for p in prompts:
         sampler.generate([p], N, temperature=0)
-    wall = time.perf_counter() - start
-    return {"tok_s": len(prompts) * N / wall, "wall_s": wall}
+    wall, cpu = time.perf_counter() - start, time.process_time() - cpu
+    return {"tok_s": len(prompts) * N / wall, "wall_s": wall, "cpu_s": cpu}
 
 
 def peer(cfg, style: str, prompts, N: int) -> dict:
@@ -79,7 +85,7 @@ def closed_loop(engine: Engine, prompts, N: int, c: int) -> dict:
     params = SamplingParams(max_tokens=N)
     pending, inflight = list(prompts), set()
     submitted, times, peak = {}, {}, {}
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     while pending or engine.has_work():
         while pending and len(inflight) < c:
             rid = engine.submit(pending.pop(0), params)
@@ -93,8 +99,8 @@ def closed_loop(engine: Engine, prompts, N: int, c: int) -> dict:
             times[e.rid].append(now)
             if e.finish_reason is not None:
                 inflight.discard(e.rid)
-    return {"wall": time.perf_counter() - start, "submitted": submitted, "times": times,
-            "peak_pages": peak}  # fmt: skip
+    return {"wall": time.perf_counter() - start, "cpu": time.process_time() - cpu,
+            "submitted": submitted, "times": times, "peak_pages": peak}  # fmt: skip
 
 
 def percentiles(values) -> dict:
@@ -104,9 +110,11 @@ def percentiles(values) -> dict:
     return {"p50_ms": float(p[0]), "p90_ms": float(p[1]), "p99_ms": float(p[2])}
 
 
-def engine_figures(engine: Engine, prompts, N: int, c: int) -> dict:
-    closed_loop(engine, prompts, N, c)  # warm-up: every shape this workload needs compiles
-    r = closed_loop(engine, prompts, N, c)
+def engine_figures(engine: Engine, passes, N: int, c: int) -> dict:
+    """`passes`: two workloads of the same lengths, other tokens (a prompt seen before would
+    find its pages in the prefix cache, which the sampler one at a time has not)."""
+    closed_loop(engine, next(passes), N, c)  # warm-up: every shape this workload needs compiles
+    r = closed_loop(engine, next(passes), N, c)
     tokens = sum(len(t) for t in r["times"].values())
     ttft = [r["times"][rid][0] - t for rid, t in r["submitted"].items()]
     itl = [d for t in r["times"].values() for d in np.diff(t)]
@@ -114,6 +122,7 @@ def engine_figures(engine: Engine, prompts, N: int, c: int) -> dict:
         "concurrency": c,
         "tok_s": tokens / r["wall"],
         "wall_s": r["wall"],
+        "cpu_s": r["cpu"],
         "ttft": percentiles(ttft),
         "itl": percentiles(itl),
         "peak_pages_mean": float(np.mean(list(r["peak_pages"].values()))),
@@ -136,6 +145,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--slots", type=count(), default=None)
     p.add_argument("--page-size", type=count(), default=16)
     p.add_argument("--chunk", type=count(), default=128)
+    p.add_argument("--prefill-rows", type=count(), default=4, help="slots prefilled a call")
     p.add_argument("--no-baseline", action="store_true", help="skip one-at-a-time")
     p.add_argument("--peer", action="store_true", help="also time transformers' generate_batch")
     args = p.parse_args(argv)
@@ -149,9 +159,16 @@ def main(argv: list[str]) -> int:
     sampler = Sampler(Transformer(cfg, rngs=nnx.Rngs(0)))
     prompts, N = workload(args.requests, lo, hi), args.new_tokens
     slots = args.slots or max(args.concurrency)
-    engine = Engine(sampler, max_slots=slots, page_size=args.page_size, chunk=args.chunk)
+    engine = Engine(
+        sampler,
+        max_slots=slots,
+        page_size=args.page_size,
+        chunk=args.chunk,
+        prefill_rows=args.prefill_rows,
+    )
     base = None if args.no_baseline else one_at_a_time(sampler, prompts, N)
-    rows = [engine_figures(engine, prompts, N, c) for c in args.concurrency]
+    fresh = (workload(args.requests, lo, hi, tokens_seed=k) for k in itertools.count(1))
+    rows = [engine_figures(engine, fresh, N, c) for c in args.concurrency]
     hf = peer(cfg, args.style, prompts, N) if args.peer else None
     per_pos = kv_bytes_per_position(engine)
     kv = {
@@ -179,7 +196,8 @@ def main(argv: list[str]) -> int:
           f"{kv['sampler_mib']:.2f}, full context {kv['full_context_mib']:.2f}")  # fmt: skip
     print(json.dumps({"benchmark": "engine_throughput", "size": args.size, "style": args.style,
                       "requests": args.requests, "prompt_lens": [lo, hi], "new_tokens": N,
-                      "slots": slots, "one_at_a_time": base, "engine": rows, "kv": kv,
+                      "slots": slots, "chunk": args.chunk, "prefill_rows": args.prefill_rows,
+                      "one_at_a_time": base, "engine": rows, "kv": kv,
                       "transformers_generate_batch": hf,
                       "machine_idle_at_start": idle, **machine()}))  # fmt: skip
     return 0
