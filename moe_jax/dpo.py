@@ -7,9 +7,12 @@ Each pair's answers are scored by their summed log-probability (the counted toke
 row: the answer and its EOS, `data/preference.py`) under the policy and the reference:
     loss = -log sigmoid(beta ((pi_c - ref_c) - (pi_r - ref_r)))
 averaged over the pairs, TRL's `DPOTrainer` loss (loss_type sigmoid, no label smoothing).
-The reference is the policy's base: the same model traced with its LoRA adapters off
-(`lora.adapters.off`), so no second copy of the weights exists; its log-probs carry no
-gradient. The MoE aux loss of the policy's forward is added, as in the LM step.
+With LoRA the reference is the policy's base: the same model traced with its adapters off
+(`lora.adapters.off`), so no second copy of the weights exists. A full fine-tune's is a
+frozen copy of the params the run started from, held in the optimizer state
+(`moe_jax.reference`; its matmul weights in the compute dtype, so bfloat16 on accelerators).
+Either way its log-probs carry no gradient. The MoE aux loss of the policy's forward is
+added, as in the LM step.
 
 Metrics (means over the pairs): "dpo_loss"; "reward_chosen" / "reward_rejected", the
 implicit rewards beta (pi - ref); "reward_margin", their difference; "reward_accuracy", the
@@ -62,14 +65,19 @@ def sequence_logps(model, rows: dict) -> tuple[jax.Array, dict, jax.Array, jax.A
     return jnp.sum(logp_BT, axis=1), aux, -jnp.sum(logp_BT), jnp.sum(weights_BT)
 
 
-def loss_fn(trained, frozen, graphdef, batch: dict, beta: float):
+def loss_fn(trained, frozen, graphdef, batch: dict, beta: float, reference=None):
     """-> (DPO loss + the MoE aux loss, metrics) of a batch of pairs ([P, 2, T+1] arrays,
-    chosen first)."""
+    chosen first). `reference`: the frozen params of a full fine-tune's reference, or None
+    for LoRA's base (the model with its adapters off)."""
     model = nnx.merge(graphdef, lora_params.join(trained, frozen))
     rows = {k: v.reshape(-1, v.shape[-1]) for k, v in batch.items()}  # [2P, T+1]: c, r, c, ...
     policy_R, aux, ce_sum, count = sequence_logps(model, rows)
-    with adapters.off():
-        ref_R = jax.lax.stop_gradient(sequence_logps(model, rows)[0])
+    if reference is None:
+        with adapters.off():
+            ref_R = sequence_logps(model, rows)[0]
+    else:
+        ref_R = sequence_logps(nnx.merge(graphdef, reference), rows)[0]
+    ref_R = jax.lax.stop_gradient(ref_R)
     loss, metrics = dpo_loss(policy_R[0::2], policy_R[1::2], ref_R[0::2], ref_R[1::2], beta)
     metrics |= {"ce": ce_sum / jnp.maximum(count, 1.0), "n_targets": count}
     metrics |= {k: aux[k] for k in ("aux_loss", "lb_loss", "z_loss", "expert_load")}
@@ -79,9 +87,11 @@ def loss_fn(trained, frozen, graphdef, batch: dict, beta: float):
     return loss + aux["aux_loss"], metrics
 
 
-def compute_grads(params, graphdef, batch: dict, cfg) -> tuple:
-    """-> (gradients of the adapters' A and B, metrics with "loss") of a batch of pairs."""
+def compute_grads(params, graphdef, batch: dict, cfg, reference=None) -> tuple:
+    """-> (gradients of the trained params: the adapters' A and B with LoRA, else all;
+    metrics with "loss") of a batch of pairs; `reference` as `loss_fn` takes it."""
     trained, frozen = lora_params.split(params)
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
-    (loss, metrics), grads = grad_fn(trained, frozen, graphdef, batch, cfg.train.dpo_beta)
+    beta = cfg.train.dpo_beta
+    (loss, metrics), grads = grad_fn(trained, frozen, graphdef, batch, beta, reference)
     return grads, metrics | {"loss": loss}

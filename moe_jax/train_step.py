@@ -63,6 +63,7 @@ from moe_jax.model import Transformer, gather
 from moe_jax.model.balancing import update_correction_bias
 from moe_jax.model.mtp import MTP_LAYER_STATS, mtp_hidden, with_mtp_stats
 from moe_jax.model.transformer import LAYER_FRACTIONS
+from moe_jax.reference import reference_params, with_reference
 from moe_jax.scopes import HEAD_LOSS, OPTIMIZER, scoped
 from moe_jax.sharding import BATCH_AXES, logical_to_spec, state_shardings, with_shardings
 from moe_jax.train_state import make_state
@@ -143,7 +144,13 @@ def stored_in(tx: optax.GradientTransformation, dtype) -> optax.GradientTransfor
     return optax.GradientTransformation(lambda params: cast(tx.init(params), dtype), update)
 
 
-def make_optimizer(t: TrainConfig) -> optax.GradientTransformation:
+def make_optimizer(
+    t: TrainConfig, reference_dtype: str = "float32"
+) -> optax.GradientTransformation:
+    """AdamW as the module doc says, for the adapters alone where the params hold LoRA
+    adapters. With train.objective=dpo its state also holds the frozen reference of a full
+    fine-tune (`moe_jax.reference`), its matmul weights in `reference_dtype`: pass the
+    compute dtype, `backends.compute_dtype(cfg.model.dtype)`, as train.py does."""
     adamw = optax.adamw(
         lr_schedule(t),
         b1=t.b1,
@@ -155,7 +162,8 @@ def make_optimizer(t: TrainConfig) -> optax.GradientTransformation:
     if t.moments_dtype != "float32":
         adamw = stored_in(adamw, jnp.dtype(t.moments_dtype))
     # with LoRA adapters in the params, state for them alone (moe_jax/lora/params.py)
-    return lora_params.adapters_only(optax.chain(clip_by_global_norm(t.clip_norm), adamw))
+    tx = lora_params.adapters_only(optax.chain(clip_by_global_norm(t.clip_norm), adamw))
+    return with_reference(tx, reference_dtype) if t.objective == "dpo" else tx
 
 
 # ----------------------------------------------------------------------------- steps
@@ -396,7 +404,8 @@ def make_train_step(
             if cfg.train.objective == "dpo":  # preference pairs (moe_jax/dpo.py)
                 from moe_jax import dpo
 
-                grads, metrics = dpo.compute_grads(params, graphdef, batch, cfg)
+                reference = reference_params(state["opt_state"])  # None: LoRA's base
+                grads, metrics = dpo.compute_grads(params, graphdef, batch, cfg, reference)
             elif cfg.train.objective == "grpo":  # rollouts (moe_jax/rl/grpo.py)
                 from moe_jax.rl import grpo
 

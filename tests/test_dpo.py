@@ -176,30 +176,67 @@ def test_bad_pairs_are_refused_by_line(tmp_path, line, message):
         load_preference(pairs_config(str(path)))
 
 
-def test_dpo_needs_preference_pairs_and_adapters(tmp_path):
+def test_dpo_needs_preference_pairs(tmp_path):
     from moe_jax.config import ConfigError
 
     path = write_jsonl(tmp_path / "p.jsonl", separable(2))
-    with pytest.raises(ConfigError, match="base with the LoRA adapters off"):
-        pairs_config(path, "lora.rank=0")
     with pytest.raises(ConfigError, match="set both or neither"):
         pairs_config(path, "data.sft=prompt_completion")
 
 
-def test_a_dpo_run_stopped_and_resumed_equals_an_uninterrupted_one(tmp_path):
-    """train.py with train.objective=dpo on an int8 base (lora.base_dtype=int8): 2 + 2 steps
-    (the data position, the adapters' optimizer state and the int8 base restored) end bit
-    for bit where 4 straight steps do; the DPO metrics reach metrics.jsonl."""
+def test_a_full_fine_tunes_reference_equals_loras_base_where_they_coincide(tmp_path):
+    """A full fine-tune's reference is a frozen copy of its initial params
+    (moe_jax/reference.py); LoRA's is its base with the adapters off. A LoRA policy (B
+    drawn) against its base, and a full policy holding the same weights merged against a
+    copy of that base, give the same loss and metrics (float reassociation apart)."""
+    from flax import nnx
+
+    from moe_jax.model import Transformer
+    from moe_jax.reference import frozen_copy
+    from tests.test_lora import base_config, draw_b
+
+    cfg = pairs_config(write_jsonl(tmp_path / "p.jsonl", by_case(16)), "data.val_fraction=0.5")
+    data = load_preference(cfg)
+    batch = pairs_batch(data.val, data.length)
+    model = Transformer(cfg, rngs=nnx.Rngs(0))
+    draw_b(model)
+    params = nnx.state(model, nnx.Param)
+    loss = jax.jit(dpo.loss_fn, static_argnums=(2, 4))
+    trained, frozen = lora_params.split(params)
+    want, want_m = loss(trained, frozen, nnx.graphdef(model), batch, BETA)
+
+    full = base_config(cfg)
+    graphdef = nnx.graphdef(nnx.eval_shape(lambda: Transformer(full, rngs=nnx.Rngs(0))))
+    policy = lora_params.merge_into_base(params, cfg.lora.alpha / cfg.lora.rank)
+    base = nnx.from_flat_state(
+        [(p, v) for p, v in nnx.to_flat_state(params) if not lora_params.is_adapter(p)]
+    )
+    got, got_m = loss(policy, None, graphdef, batch, BETA, frozen_copy(base, "float32"))
+    assert abs(float(want_m["reward_chosen"])) > 1e-2  # the policies are not their reference
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+    for k in ("reward_chosen", "reward_rejected", "logps_chosen", "logps_rejected"):
+        np.testing.assert_allclose(got_m[k], want_m[k], rtol=1e-5, atol=1e-6, err_msg=k)
+
+
+@pytest.mark.parametrize("base", ["lora_int8", "full_bf16"])
+def test_a_dpo_run_stopped_and_resumed_equals_an_uninterrupted_one(tmp_path, base):
+    """train.py with train.objective=dpo, LoRA on an int8 base (lora.base_dtype=int8) or a
+    full fine-tune computing in bfloat16 (its reference a frozen copy of the initial params,
+    matmul weights in bfloat16, in the optimizer state): 2 + 2 steps (the data position, the
+    optimizer state, the int8 base or the reference restored) end bit for bit where 4
+    straight steps do; the DPO metrics reach metrics.jsonl, the first step's loss ln 2."""
     from flax import nnx
 
     from moe_jax.load import load_run
     from moe_jax.trainer import train
 
     path = write_jsonl(tmp_path / "p.jsonl", by_case(24))
+    which = {"lora_int8": ["lora.base_dtype=int8", "lora.dropout=0.1"],
+             "full_bf16": ["lora.rank=0", "model.dtype=bfloat16"]}[base]  # fmt: skip
     cfg = lambda run: pairs_config(
         path, f"run_dir={run}", "train.steps=4", "train.log_every=1", "train.eval_every=100",
-        "train.eval_batches=1", "checkpoint.every=2", "train.trackers=[]", "lora.dropout=0.1",
-        "train.peak_flops=1e11", "lora.base_dtype=int8",
+        "train.eval_batches=1", "checkpoint.every=2", "train.trackers=[]",
+        "train.peak_flops=1e11", *which,
     )  # fmt: skip
     train(cfg(tmp_path / "straight"))
     train(cfg(tmp_path / "resumed"), stop_at=2)
@@ -209,8 +246,10 @@ def test_a_dpo_run_stopped_and_resumed_equals_an_uninterrupted_one(tmp_path):
     for p, v in straight.items():
         np.testing.assert_array_equal(resumed[p][...], v[...], err_msg=str(p))
     records = (tmp_path / "resumed" / "metrics.jsonl").read_text().splitlines()
-    last = [r for r in map(json.loads, records) if r["kind"] == "train"][-1]
-    assert {"dpo_loss", "reward_margin", "reward_accuracy", "logps_chosen"} <= set(last)
+    steps = [r for r in map(json.loads, records) if r["kind"] == "train"]
+    assert {"dpo_loss", "reward_margin", "reward_accuracy", "logps_chosen"} <= set(steps[-1])
+    # step 1: the policy is its reference (the full copy holds the bf16 values it reads)
+    np.testing.assert_allclose(steps[0]["dpo_loss"], math.log(2), rtol=1e-6)
 
 
 def test_message_pairs_count_their_answer_turns_only(tmp_path):

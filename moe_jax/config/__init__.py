@@ -199,7 +199,8 @@ def _check_across_sections(cfg: Config) -> None:
 
 
 def _check_objective(cfg: Config) -> None:
-    """train.objective=dpo trains on preference pairs, against the base (adapters off);
+    """train.objective=dpo trains on preference pairs (against the base with LoRA's adapters
+    off, or a frozen copy of the initial params: moe_jax/reference.py);
     grpo on prompts (`_check_grpo`)."""
     _check_grpo(cfg)
     dpo = cfg.train.objective == "dpo"
@@ -209,11 +210,6 @@ def _check_objective(cfg: Config) -> None:
         "train nothing else; set both or neither",
     )
     if dpo:
-        require(
-            cfg.lora.rank > 0,
-            "train.objective=dpo takes its reference from the base with the LoRA adapters off; "
-            "set lora.rank (e.g. lora.rank=16) (a frozen full copy as reference is not built)",
-        )
         require(
             cfg.train.grad_accum == 1 and cfg.model.mtp_depth == 0,
             "train.objective=dpo runs whole batches of pairs without the MTP loss: set "

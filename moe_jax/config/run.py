@@ -202,7 +202,8 @@ class TrainConfig:
     resume_step: int = 0
     # What the step minimises: lm (cross-entropy: pretraining and SFT) | dpo (Direct
     # Preference Optimization on data.sft=preference pairs, moe_jax/dpo.py; the reference
-    # is the base with the LoRA adapters off, so it needs lora.rank > 0) | grpo (GRPO / GSPO
+    # is the base with the LoRA adapters off, or without LoRA a frozen copy of the initial
+    # params in the optimizer state, moe_jax/reference.py) | grpo (GRPO / GSPO
     # on rollouts of data.sft=prompts, the rl section, moe_jax/rl/)
     objective: str = "lm"
     dpo_beta: float = 0.1  # DPO's beta: the strength of the implicit KL to the reference
