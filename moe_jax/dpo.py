@@ -7,6 +7,11 @@ Each pair's answers are scored by their summed log-probability (the counted toke
 row: the answer and its EOS, `data/preference.py`) under the policy and the reference:
     loss = -log sigmoid(beta ((pi_c - ref_c) - (pi_r - ref_r)))
 averaged over the pairs, TRL's `DPOTrainer` loss (loss_type sigmoid, no label smoothing).
+`train.dpo_loss` picks another form, each TRL's own, on per-token means (n: an answer's
+counted tokens):
+    ipo    ((pi_c - ref_c) / n_c - (pi_r - ref_r) / n_r - 1 / (2 beta))^2    (DPOTrainer)
+    simpo  -log sigmoid(beta (pi_c / n_c - pi_r / n_r) - gamma), no reference forward
+           (CPOTrainer loss_type=simpo with cpo_alpha=0; its rewards beta pi / n)
 With LoRA the reference is the policy's base: the same model traced with its adapters off
 (`lora.adapters.off`), so no second copy of the weights exists. A full fine-tune's is a
 frozen copy of the params the run started from, held in the optimizer state
@@ -34,10 +39,22 @@ from moe_jax.model.transformer import LAYER_FRACTIONS
 from moe_jax.train_step import _head, split_batch
 
 
-def dpo_loss(policy_c, policy_r, ref_c, ref_r, beta: float) -> tuple[jax.Array, dict]:
-    """The mean DPO loss of pairs' summed log-probs ([P] each) and its metrics."""
-    reward_c, reward_r = beta * (policy_c - ref_c), beta * (policy_r - ref_r)
-    losses = -jax.nn.log_sigmoid(reward_c - reward_r)
+def dpo_loss(
+    policy_c, policy_r, ref_c, ref_r, beta: float, kind="sigmoid", n_c=1.0, n_r=1.0, gamma=0.5
+) -> tuple[jax.Array, dict]:
+    """The mean loss `kind` (train.dpo_loss) of pairs' summed log-probs ([P] each; n_c, n_r:
+    each answer's counted tokens, for the per-token forms) and its metrics."""
+    n_c, n_r = jnp.maximum(n_c, 1.0), jnp.maximum(n_r, 1.0)
+    if kind == "simpo":  # no reference: beta times the per-token log-prob is the reward
+        reward_c, reward_r = beta * policy_c / n_c, beta * policy_r / n_r
+        losses = -jax.nn.log_sigmoid(reward_c - reward_r - gamma)
+    else:
+        reward_c, reward_r = beta * (policy_c - ref_c), beta * (policy_r - ref_r)
+        if kind == "ipo":  # the squared distance of the per-token log-ratios' gap to 1/(2 beta)
+            gap = (policy_c - ref_c) / n_c - (policy_r - ref_r) / n_r
+            losses = (gap - 1 / (2 * beta)) ** 2
+        else:
+            losses = -jax.nn.log_sigmoid(reward_c - reward_r)
     loss = jnp.mean(losses)
     return loss, {
         "dpo_loss": loss,
@@ -52,7 +69,8 @@ def dpo_loss(policy_c, policy_r, ref_c, ref_r, beta: float) -> tuple[jax.Array, 
 
 def sequence_logps(model, rows: dict) -> tuple[jax.Array, dict, jax.Array, jax.Array]:
     """(each row's summed log-prob of its counted targets [R], the MoE aux, the sum of the
-    counted targets' cross-entropies, their number) of rows (a batch dict [R, T+1])."""
+    counted targets' cross-entropies, each row's number of them [R]) of rows (a batch dict
+    [R, T+1])."""
     inputs, targets_BT, weights_BT = split_batch(rows)
     x_BTD, aux = model(
         inputs["tokens"], positions=inputs.get("positions"), segments=inputs.get("segments"),
@@ -62,23 +80,30 @@ def sequence_logps(model, rows: dict) -> tuple[jax.Array, dict, jax.Array, jax.A
     head_DV = model.head_weight() if chunk else None
     logz_BT, target_logit_BT = _head(model, x_BTD, targets_BT, chunk, head_DV)
     logp_BT = (target_logit_BT - logz_BT) * weights_BT
-    return jnp.sum(logp_BT, axis=1), aux, -jnp.sum(logp_BT), jnp.sum(weights_BT)
+    return jnp.sum(logp_BT, axis=1), aux, -jnp.sum(logp_BT), jnp.sum(weights_BT, axis=1)
 
 
 def loss_fn(trained, frozen, graphdef, batch: dict, beta: float, reference=None):
     """-> (DPO loss + the MoE aux loss, metrics) of a batch of pairs ([P, 2, T+1] arrays,
     chosen first). `reference`: the frozen params of a full fine-tune's reference, or None
-    for LoRA's base (the model with its adapters off)."""
+    for LoRA's base (the model with its adapters off). SimPO runs no reference forward."""
     model = nnx.merge(graphdef, lora_params.join(trained, frozen))
+    t = model.cfg.train
     rows = {k: v.reshape(-1, v.shape[-1]) for k, v in batch.items()}  # [2P, T+1]: c, r, c, ...
-    policy_R, aux, ce_sum, count = sequence_logps(model, rows)
-    if reference is None:
+    policy_R, aux, ce_sum, count_R = sequence_logps(model, rows)
+    if t.dpo_loss == "simpo":
+        ref_R = jnp.zeros_like(policy_R)
+    elif reference is None:
         with adapters.off():
             ref_R = sequence_logps(model, rows)[0]
     else:
         ref_R = sequence_logps(nnx.merge(graphdef, reference), rows)[0]
     ref_R = jax.lax.stop_gradient(ref_R)
-    loss, metrics = dpo_loss(policy_R[0::2], policy_R[1::2], ref_R[0::2], ref_R[1::2], beta)
+    loss, metrics = dpo_loss(
+        policy_R[0::2], policy_R[1::2], ref_R[0::2], ref_R[1::2], beta, t.dpo_loss,
+        count_R[0::2], count_R[1::2], t.simpo_gamma,
+    )  # fmt: skip
+    count = jnp.sum(count_R)
     metrics |= {"ce": ce_sum / jnp.maximum(count, 1.0), "n_targets": count}
     metrics |= {k: aux[k] for k in ("aux_loss", "lb_loss", "z_loss", "expert_load")}
     if "seq_lb_loss" in aux:

@@ -2,10 +2,11 @@
 gradient and its metrics equal TRL's `DPOTrainer` on the same logits, a tiny model learns
 a separable preference set, and bad pairs are refused by line.
 
-TRL's loss is taken from `DPOTrainer._compute_loss` itself, run on a stand-in trainer (the
-attributes it reads) and a stand-in model whose logits are a leaf tensor: the same logits
-go through our log-probs (`sequence_logps`' arithmetic) and `dpo_loss`. Float32 both
-sides; 1e-6 relative.
+TRL's loss is taken from `DPOTrainer._compute_loss` itself (train.dpo_loss sigmoid, ipo),
+run on a stand-in trainer (the attributes it reads) and a stand-in model whose logits are a
+leaf tensor, and for simpo from `CPOTrainer.get_batch_logps` and `cpo_loss`: the same
+logits go through our log-probs (`sequence_logps`' arithmetic) and `dpo_loss`. Float32
+both sides; 1e-6 relative.
 """
 
 from __future__ import annotations
@@ -62,8 +63,8 @@ def pairs_batch(pairs, length: int) -> dict:
     return {k: jnp.asarray(np.stack([r[k] for r in rows])) for k in rows[0]}
 
 
-def _trl_loss(logits, input_ids, completion_mask, ref_c, ref_r):
-    """TRL's DPO loss (loss_type sigmoid) and metrics of these logits, from its own code."""
+def _trl_loss(logits, input_ids, completion_mask, ref_c, ref_r, kind="sigmoid"):
+    """TRL's DPO loss (loss_type `kind`) and metrics of these logits, from its own code."""
     torch = pytest.importorskip("torch")
     trl = pytest.importorskip("trl", reason="TRL parity needs trl (the `interop` extra)")
 
@@ -73,7 +74,7 @@ def _trl_loss(logits, input_ids, completion_mask, ref_c, ref_r):
         model=SimpleNamespace(training=True),
         accelerator=SimpleNamespace(device="cpu", gather_for_metrics=gather, gather=gather),
         aux_loss_enabled=False, ld_alpha=None, precompute_ref_logps=True,
-        f_divergence_type="reverse_kl", loss_types=["sigmoid"], loss_weights=[1.0], beta=BETA,
+        f_divergence_type="reverse_kl", loss_types=[kind], loss_weights=[1.0], beta=BETA,
         use_weighting=False, label_smoothing=0.0, _metrics=metrics, _total_train_tokens=0,
         _tp_size=1,
     )  # fmt: skip
@@ -89,30 +90,62 @@ def _trl_loss(logits, input_ids, completion_mask, ref_c, ref_r):
     return loss, metrics["train"]
 
 
-def test_loss_gradient_and_metrics_equal_trls():
-    """TRL's batch is [chosen..., rejected...]; ours pairs rows (c, r, c, r, ...)."""
+def _trl_simpo(logits, input_ids, completion_mask):
+    """TRL's SimPO loss (CPOTrainer loss_type simpo, cpo_alpha 0: no NLL term) and rewards of
+    these logits, from its own code: its per-token mean log-probs, then its loss."""
+    torch = pytest.importorskip("torch")
+    cpo = pytest.importorskip("trl.experimental.cpo.cpo_trainer")
+
+    labels = torch.from_numpy(np.where(completion_mask == 1, input_ids, -100))
+    logps = cpo.CPOTrainer.get_batch_logps(logits, labels, average_log_prob=True)
+    trainer = SimpleNamespace(
+        alpha=0.0, loss_type="simpo", simpo_gamma=GAMMA, beta=BETA, label_smoothing=0.0,
+        accelerator=SimpleNamespace(device="cpu"),
+    )  # fmt: skip
+    losses, reward_c, reward_r = cpo.CPOTrainer.cpo_loss(trainer, *logps.chunk(2))
+    metrics = {"rewards/chosen": [reward_c.mean().item()],
+               "rewards/rejected": [reward_r.mean().item()]}  # fmt: skip
+    return losses.mean(), metrics
+
+
+GAMMA = 0.3  # SimPO's margin
+
+
+@pytest.mark.parametrize("kind", ["sigmoid", "ipo", "simpo"])
+def test_loss_gradient_and_metrics_equal_trls(kind):
+    """TRL's batch is [chosen..., rejected...]; ours pairs rows (c, r, c, r, ...). sigmoid
+    and ipo against DPOTrainer, simpo against CPOTrainer."""
     torch = pytest.importorskip("torch")
     rng = np.random.default_rng(0)
     P, T, V = 3, 7, 11
     logits = rng.standard_normal((2 * P, T, V)).astype(np.float32) * 2
     ids = rng.integers(0, V, (2 * P, T))
     mask = (rng.random((2 * P, T)) < 0.6).astype(np.int64)
-    mask[:, 1] = 1  # every answer counts a token
+    mask[:, 0], mask[:, 1] = 0, 1  # a prompt token first; every answer counts a token
     ref_c, ref_r = (rng.standard_normal(P).astype(np.float32) * 3 - 10 for _ in range(2))
 
     leaf = torch.tensor(logits, requires_grad=True)
-    loss, trl_metrics = _trl_loss(leaf, ids, mask, ref_c, ref_r)
+    if kind == "simpo":
+        loss, trl_metrics = _trl_simpo(leaf, ids, mask)
+    else:
+        loss, trl_metrics = _trl_loss(leaf, ids, mask, ref_c, ref_r, kind)
     loss.backward()
+    n = mask[:, 1:].sum(axis=1).astype(np.float32)
 
     def ours(logits_RTV):
         logp = jax.nn.log_softmax(logits_RTV[:, :-1], axis=-1)
         picked = jnp.take_along_axis(logp, ids[:, 1:, None], -1)[..., 0] * mask[:, 1:]
         logps = jnp.sum(picked, axis=1)  # TRL's order: chosen then rejected
-        return dpo.dpo_loss(logps[:P], logps[P:], ref_c, ref_r, BETA)
+        return dpo.dpo_loss(logps[:P], logps[P:], ref_c, ref_r, BETA, kind, n[:P], n[P:], GAMMA)
 
     (value, metrics), grad = jax.value_and_grad(ours, has_aux=True)(jnp.asarray(logits))
     np.testing.assert_allclose(value, loss.item(), rtol=1e-6)
     np.testing.assert_allclose(grad, leaf.grad.numpy(), rtol=1e-5, atol=1e-7)
+    if kind == "simpo":
+        for k in ("chosen", "rejected"):
+            np.testing.assert_allclose(metrics[f"reward_{k}"], trl_metrics[f"rewards/{k}"][0],
+                                       rtol=1e-5)  # fmt: skip
+        return
     for ours_key, theirs in (
         ("reward_chosen", "rewards/chosen"), ("reward_rejected", "rewards/rejected"),
         ("reward_margin", "rewards/margins"), ("reward_accuracy", "rewards/accuracies"),

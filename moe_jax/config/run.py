@@ -21,6 +21,7 @@ SCHEDULES = ("cosine", "linear", "wsd")  # train.schedule (train_step.lr_schedul
 WEIGHT_KINDS = ("auto", "float32", "bfloat16", "int8", "mxfp4")  # sample.weights (weights.py)
 # data.sft (moe_jax/data/sft.py; preference: DPO's pairs, moe_jax/data/preference.py)
 SFT_FORMATS = ("none", "prompt_completion", "chat", "preference", "prompts")  # prompts: GRPO's
+DPO_LOSSES = ("sigmoid", "ipo", "simpo")  # train.dpo_loss (dpo.py)
 OBJECTIVES = ("lm", "dpo", "grpo")  # train.objective (train_step.py, dpo.py, rl/grpo.py)
 MESH_AXES = ("data", "fsdp", "expert", "tensor")  # the axes a mesh.* size names
 # train.trackers (moe_jax/trackers.py); "jsonl" is always on, and may be named
@@ -207,6 +208,11 @@ class TrainConfig:
     # on rollouts of data.sft=prompts, the rl section, moe_jax/rl/)
     objective: str = "lm"
     dpo_beta: float = 0.1  # DPO's beta: the strength of the implicit KL to the reference
+    # DPO's loss, TRL's loss_type (moe_jax/dpo.py): sigmoid (DPO) | ipo (IPO, on per-token
+    # log-ratios, as TRL's) | simpo (SimPO, TRL's CPOTrainer loss_type=simpo with
+    # cpo_alpha=0: per-token log-probs, no reference, margin train.simpo_gamma)
+    dpo_loss: str = "sigmoid"
+    simpo_gamma: float = 0.5
 
     @property
     def decay_steps(self) -> int:
@@ -225,6 +231,7 @@ class TrainConfig:
         positive(self, "train", ["eval_every", "eval_batches"])
         one_of(self.moments_dtype, ("float32", "bfloat16"), "train.moments_dtype")
         one_of(self.objective, OBJECTIVES, "train.objective")
+        one_of(self.dpo_loss, DPO_LOSSES, "train.dpo_loss")
         positive(self, "train", ["dpo_beta"])
         require(
             self.batch_size % self.grad_accum == 0,
