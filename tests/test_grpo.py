@@ -164,29 +164,34 @@ def test_a_reward_that_does_not_import_or_miscounts_is_named(tmp_path):
 
 
 def test_a_grpo_run_stopped_and_resumed_equals_an_uninterrupted_one(tmp_path):
-    """train.py with train.objective=grpo: 2 + 2 steps (the prompt position, the params the
-    rollouts are drawn from, the seed of each step's draw) end bit for bit where 4 straight
-    steps do; the GRPO metrics reach metrics.jsonl, the sampler's and the trainer's
-    log-probs agree (one update per rollout batch, replayed routing)."""
+    """train.py with train.objective=grpo on a data x expert x tensor mesh: resumed from
+    step 2's checkpoint (train.resume_step: the prompt position, the params the rollouts are
+    drawn from, the optimizer state), steps 3 and 4 end bit for bit where the straight run's
+    did (each step's draw seeded by its step); the GRPO metrics reach metrics.jsonl, the
+    sampler's and the trainer's log-probs agree (one update per rollout batch, replayed
+    routing through the expert exchange)."""
     from flax import nnx
 
     from moe_jax.load import load_run
     from moe_jax.trainer import train
 
     path = write_jsonl(tmp_path / "p.jsonl", sums(12))
-    cfg = lambda run: grpo_config(
+    cfg = lambda run, *more: grpo_config(
         path, f"run_dir={run}", "train.steps=4", "train.log_every=1", "train.eval_every=100",
         "train.eval_batches=1", "checkpoint.every=2", "train.trackers=[]",
-        "train.peak_flops=1e11", "train.lr=1e-2",
+        "train.peak_flops=1e11", "train.lr=1e-2", "train.batch_size=4", "mesh.data=2",
+        "mesh.expert=2", "mesh.tensor=2", *more,
     )  # fmt: skip
-    train(cfg(tmp_path / "straight"))
-    train(cfg(tmp_path / "resumed"), stop_at=2)
-    train(cfg(tmp_path / "resumed"))
-    params = lambda run: dict(nnx.to_flat_state(nnx.state(load_run(run)[1], nnx.Param)))
-    straight, resumed = params(tmp_path / "straight"), params(tmp_path / "resumed")
+    params = lambda: dict(nnx.to_flat_state(nnx.state(load_run(run, 4)[1], nnx.Param)))
+    run = tmp_path / "run"
+    train(cfg(run))  # 4 straight steps, saving at 2 and 4
+    straight = params()
+    # back to step 2's checkpoint (its data position, optimizer state, params) and on to 4
+    train(cfg(run, "train.resume_step=2"))
+    resumed = params()
     for p, v in straight.items():
         np.testing.assert_array_equal(resumed[p][...], v[...], err_msg=str(p))
-    records = (tmp_path / "resumed" / "metrics.jsonl").read_text().splitlines()
+    records = (run / "metrics.jsonl").read_text().splitlines()
     trains = [r for r in map(json.loads, records) if r["kind"] == "train"]
     assert {"reward_mean", "reward_std", "kl", "clip_frac", "logp_diff_max"} <= set(trains[-1])
     for r in trains:
