@@ -61,6 +61,12 @@ def export_run(
             f"it came from ({meta.get('source')})"
         )
     cfg, tokenizer = meta["config"], meta["tokenizer"]
+    if cfg.lora.rank and cfg.lora.base_dtype in ("int8", "mxfp4"):
+        raise InteropError(
+            f"'{run_dir}' trained LoRA adapters on an {cfg.lora.base_dtype} base; export the "
+            "adapters (python -m moe_jax.interop export-adapter) and merge them into the float "
+            "base the run started from"
+        )
     family, hf_config = pick_family(cfg, architecture)
     if tokenizer.files:
         hf_config |= {"bos_token_id": tokenizer.bos_id, "eos_token_id": tokenizer.eos_id}
