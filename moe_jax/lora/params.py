@@ -1,12 +1,14 @@
 """LoRA in the train state: which params train, the frozen base, merging.
 
-    trained, frozen = split(params)        # the adapters' A and B / everything else
+    trained, frozen = split(params)               # the adapters' A and B / everything else
     params = join(trained, frozen)
-    tx = adapters_only(tx)                 # optimizer state for the adapters alone
-    model = quantized_base(model, cfg)     # int8 / mxfp4 base: its matmul weights quantised
-    params = with_base_dtype(params, cfg)  # the other frozen weights in lora.base_dtype
-    params = fresh_adapters(params, seed)  # new adapters (A random, B 0) on a restored base
-    params = merge_into_base(params)       # W + (alpha / r) A B, the adapters gone
+    tx = adapters_only(tx)                        # optimizer state for the adapters alone
+    model = quantized_base(model, base_dtype)     # int8 / mxfp4: the base's matmuls quantised
+    params = with_base_dtype(params, base_dtype)  # the other frozen weights in base_dtype
+    read_into = float_target(target)              # init_from into a quantised base: read
+    params = quantize_restored(params, target)    # the source in bf16, then quantise it
+    params = fresh_adapters(params, seed)         # new adapters (A random, B 0) on a base
+    params = merge_into_base(params)              # W + (alpha / r) A B, the adapters gone
 
 A params tree without adapters (lora.rank 0) goes through all of these unchanged: `split`
 gives it whole as the trained part, so full fine-tuning's step is the step it always was.
