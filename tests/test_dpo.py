@@ -11,6 +11,7 @@ both sides; 1e-6 relative.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from collections import defaultdict
@@ -249,6 +250,38 @@ def test_a_full_fine_tunes_reference_equals_loras_base_where_they_coincide(tmp_p
     np.testing.assert_allclose(got, want, rtol=1e-5)
     for k in ("reward_chosen", "reward_rejected", "logps_chosen", "logps_rejected"):
         np.testing.assert_allclose(got_m[k], want_m[k], rtol=1e-5, atol=1e-6, err_msg=k)
+
+
+def test_simpo_and_ipo_through_the_model(tmp_path):
+    """train.dpo_loss through `loss_fn`: simpo equals the formula on per-token mean log-probs
+    taken from the model's whole logits (each answer's counted tokens: its loss mask);
+    ipo with the policy equal to its reference (B = 0) is (1 / (2 beta))^2."""
+    from flax import nnx
+
+    from moe_jax.model import Transformer
+
+    path = write_jsonl(tmp_path / "p.jsonl", by_case(16))
+    cfg = pairs_config(path, "data.val_fraction=0.5", "train.dpo_loss=simpo", "train.dpo_beta=2")
+    data = load_preference(cfg)
+    batch = pairs_batch(data.val, data.length)
+    model = Transformer(cfg, rngs=nnx.Rngs(0))
+    trained, frozen = lora_params.split(nnx.state(model, nnx.Param))
+    loss = jax.jit(dpo.loss_fn, static_argnums=(2, 4))
+    got, metrics = loss(trained, frozen, nnx.graphdef(model), batch, 2.0)
+
+    tokens = np.asarray(batch["tokens"]).reshape(-1, batch["tokens"].shape[-1])
+    mask = np.asarray(batch["loss_mask"]).reshape(tokens.shape)[:, 1:]
+    logits = np.asarray(jax.jit(lambda m, x: m(x)[0])(model, tokens[:, :-1]), np.float64)
+    logp = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
+    picked = np.take_along_axis(logp, tokens[:, 1:, None], -1)[..., 0]
+    mean = (picked * mask).sum(1) / mask.sum(1)  # rows c, r, c, r, ...
+    want = np.mean(np.logaddexp(0, -(2.0 * (mean[0::2] - mean[1::2]) - cfg.train.simpo_gamma)))
+    np.testing.assert_allclose(got - metrics["aux_loss"], want, rtol=1e-5)
+
+    ipo = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, dpo_loss="ipo"))
+    graphdef = nnx.graphdef(nnx.eval_shape(lambda: Transformer(ipo, rngs=nnx.Rngs(0))))
+    got, metrics = loss(trained, frozen, graphdef, batch, BETA)
+    np.testing.assert_allclose(got - metrics["aux_loss"], (1 / (2 * BETA)) ** 2, rtol=1e-6)
 
 
 @pytest.mark.parametrize("base", ["lora_int8", "full_bf16"])
