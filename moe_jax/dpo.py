@@ -13,7 +13,7 @@ counted tokens):
     simpo  -log sigmoid(beta (pi_c / n_c - pi_r / n_r) - gamma), no reference forward
            (CPOTrainer loss_type=simpo with cpo_alpha=0; its rewards beta pi / n)
 With LoRA the reference is the policy's base: the same model traced with its adapters off
-(`lora.adapters.off`), so no second copy of the weights exists. A full fine-tune's is a
+(`model.lora.off`), so no second copy of the weights exists. A full fine-tune's is a
 frozen copy of the params the run started from, held in the optimizer state
 (`moe_jax.reference`; its matmul weights in the compute dtype, so bfloat16 on accelerators).
 Either way its log-probs carry no gradient. The MoE aux loss of the policy's forward is
@@ -33,10 +33,10 @@ import jax.numpy as jnp
 from flax import nnx
 
 from moe_jax import backends
-from moe_jax.lora import adapters
 from moe_jax.lora import params as lora_params
+from moe_jax.loss import split_batch, target_statistics
+from moe_jax.model import lora as adapters
 from moe_jax.model.transformer import LAYER_FRACTIONS
-from moe_jax.train_step import _head, split_batch
 
 
 def dpo_loss(
@@ -78,7 +78,7 @@ def sequence_logps(model, rows: dict) -> tuple[jax.Array, dict, jax.Array, jax.A
     )  # fmt: skip
     chunk = backends.loss_chunk(model.cfg.train.loss_chunk, x_BTD.shape[1])
     head_DV = model.head_weight() if chunk else None
-    logz_BT, target_logit_BT = _head(model, x_BTD, targets_BT, chunk, head_DV)
+    logz_BT, target_logit_BT = target_statistics(model, x_BTD, targets_BT, chunk, head_DV)
     logp_BT = (target_logit_BT - logz_BT) * weights_BT
     return jnp.sum(logp_BT, axis=1), aux, -jnp.sum(logp_BT), jnp.sum(weights_BT, axis=1)
 

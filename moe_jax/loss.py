@@ -1,5 +1,9 @@
-"""The output head's per-token statistics for the loss, optionally a chunk of positions at a time.
+"""The loss's pieces that every objective shares (cross-entropy, DPO, GRPO): a batch split into
+the model's inputs, its targets and which targets count, and the output head's per-token
+statistics, optionally a chunk of positions at a time.
 
+    inputs, targets_BT, weights_BT = split_batch(batch)
+    logz_BT, target_logit_BT = target_statistics(model, x_BTD, targets_BT, chunk, head_DV)
     logz_BT, target_logit_BT = head_statistics(model.logits, x_BTD, targets_BT, chunk)
 
 Cross-entropy needs, per target, only logsumexp(logits) and the target's logit, yet computing
@@ -19,6 +23,10 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+
+from moe_jax.model import gather
+from moe_jax.scopes import HEAD_LOSS, scoped
+from moe_jax.sharding import logical_to_spec
 
 
 def _statistics(logits_fn, x_BTD, targets_BT):
@@ -53,3 +61,46 @@ def head_statistics(
     logz_NBc, target_NBc = jax.lax.map(one, (x_NBcD, t_NBc))
     unchunk = lambda a_NBc: a_NBc.swapaxes(0, 1).reshape(B, T)
     return unchunk(logz_NBc), unchunk(target_NBc)
+
+
+Batch = jax.Array | dict[str, jax.Array]
+BATCH_KEYS = ("tokens", "segments", "positions", "loss_mask")
+
+
+def split_batch(batch: Batch) -> tuple[dict, jax.Array, jax.Array]:
+    """-> (model inputs: tokens, positions and segments [B, T] as given; targets [B, T];
+    float32 weights [B, T], 1 where a target counts in the loss, else 0)."""
+    if not isinstance(batch, dict):
+        batch = {"tokens": batch}
+    if "tokens" not in batch or not set(batch) <= set(BATCH_KEYS):
+        raise ValueError(
+            f"a batch dict holds 'tokens' and optionally 'segments', 'positions', 'loss_mask'; "
+            f"got {sorted(batch)}"
+        )
+    tokens_BT1 = batch["tokens"]
+    inputs = {"tokens": tokens_BT1[:, :-1]}
+    inputs |= {k: batch[k][:, :-1] for k in ("positions", "segments") if k in batch}
+    counted_BT = jnp.ones(tokens_BT1[:, 1:].shape, bool)
+    if "segments" in batch:  # no target across a document boundary, none on padding
+        seg_BT1 = batch["segments"]
+        counted_BT = (seg_BT1[:, 1:] == seg_BT1[:, :-1]) & (seg_BT1[:, :-1] != 0)
+    if "loss_mask" in batch:
+        counted_BT &= batch["loss_mask"][:, 1:] != 0
+    return inputs, tokens_BT1[:, 1:], counted_BT.astype(jnp.float32)
+
+
+@scoped(HEAD_LOSS)
+def target_statistics(model, x_BTD, targets_BT, chunk: int, head_DV):
+    """-> (logsumexp of the logits, the target's logit), each float32 [B, T], of the model's
+    head `head_DV` over the final-normed `x_BTD`, `chunk` positions at a time (0: at once)."""
+    # mesh.weight_gather=steps: the chunks run per device, the head gathered one axis at a time
+    by_steps = chunk and gather.head_statistics(
+        head_statistics, model.final_norm(x_BTD), targets_BT, chunk, head_DV
+    )
+    if by_steps:
+        return by_steps
+    if chunk and not jax.sharding.get_abstract_mesh().empty:
+        # gathered here, once, whole but for `tensor`'s vocab split (the chunks' loop would
+        # gather it again every chunk)
+        head_DV = jax.lax.with_sharding_constraint(head_DV, logical_to_spec((None, "vocab")))
+    return head_statistics(model.logits, x_BTD, targets_BT, chunk, head_DV)

@@ -4,7 +4,7 @@ run starts from, held in the optimizer state and never updated.
     tx = with_reference(tx, dtype)           # make_optimizer, for train.objective=dpo
     ref = reference_params(state["opt_state"])  # the copy; None with LoRA adapters
 
-With LoRA the reference is the base with the adapters off (`lora.adapters.off`) and no copy
+With LoRA the reference is the base with the adapters off (`model.lora.off`) and no copy
 is made (`init` finds adapters in the params and keeps nothing).
 
 Why the optimizer state: the copy is then made wherever an optimizer state is made, from the

@@ -91,7 +91,7 @@ def param_breakdown(cfg: Config) -> ParamBreakdown:
     for path, var in nnx.to_flat_state(nnx.state(abstract, nnx.Param)):
         names = [str(p) for p in path]
         if names[-1] == "seed" and names[-2].startswith("lora_"):
-            continue  # a LoRA adapter's dropout seed (moe_jax/lora/adapters.py), not a weight
+            continue  # a LoRA adapter's dropout seed (moe_jax/model/lora.py), not a weight
         shape = var.shape
         size = math.prod(shape)
         comp = "mtp_proj" if names[-1] == "eh_proj" else _component(names)

@@ -17,7 +17,7 @@ or a dict of int32 [B, T+1] arrays: "tokens", and optionally "segments" (documen
 padding: attention stays inside each document, and target t+1 counts only if segments[t+1]
 == segments[t] != 0), "positions" (restarting at 0 at each document; default 0..T-1) and
 "loss_mask" (1 for targets to learn, e.g. a completion but not its prompt; applied to [:, 1:]
-together with the segment rule). See `split_batch`.
+together with the segment rule). See `loss.split_batch`.
 
 Loss = cross-entropy (fp32) averaged over the counted targets + the MoE aux loss the model
 returns (lb_loss_weight * load balance + z_loss_weight * router z-loss, means over the MoE
@@ -56,16 +56,15 @@ from jax.sharding import PartitionSpec as P
 
 from moe_jax import backends
 from moe_jax.config import Config, TrainConfig
-from moe_jax.lora import adapters as lora
 from moe_jax.lora import params as lora_params
-from moe_jax.loss import head_statistics
-from moe_jax.model import Transformer, gather
+from moe_jax.loss import Batch, head_statistics, split_batch, target_statistics
+from moe_jax.model import Transformer, gather, lora
 from moe_jax.model.balancing import update_correction_bias
 from moe_jax.model.mtp import MTP_LAYER_STATS, mtp_hidden, with_mtp_stats
 from moe_jax.model.transformer import LAYER_FRACTIONS
 from moe_jax.reference import reference_params, with_reference
-from moe_jax.scopes import HEAD_LOSS, OPTIMIZER, scoped
-from moe_jax.sharding import BATCH_AXES, logical_to_spec, state_shardings, with_shardings
+from moe_jax.scopes import HEAD_LOSS, OPTIMIZER
+from moe_jax.sharding import BATCH_AXES, state_shardings, with_shardings
 from moe_jax.train_state import make_state
 
 # ----------------------------------------------------------------------------- optimizer
@@ -169,32 +168,6 @@ def make_optimizer(
 # ----------------------------------------------------------------------------- steps
 
 
-Batch = jax.Array | dict[str, jax.Array]
-BATCH_KEYS = ("tokens", "segments", "positions", "loss_mask")
-
-
-def split_batch(batch: Batch) -> tuple[dict, jax.Array, jax.Array]:
-    """-> (model inputs: tokens, positions and segments [B, T] as given; targets [B, T];
-    float32 weights [B, T], 1 where a target counts in the loss, else 0)."""
-    if not isinstance(batch, dict):
-        batch = {"tokens": batch}
-    if "tokens" not in batch or not set(batch) <= set(BATCH_KEYS):
-        raise ValueError(
-            f"a batch dict holds 'tokens' and optionally 'segments', 'positions', 'loss_mask'; "
-            f"got {sorted(batch)}"
-        )
-    tokens_BT1 = batch["tokens"]
-    inputs = {"tokens": tokens_BT1[:, :-1]}
-    inputs |= {k: batch[k][:, :-1] for k in ("positions", "segments") if k in batch}
-    counted_BT = jnp.ones(tokens_BT1[:, 1:].shape, bool)
-    if "segments" in batch:  # no target across a document boundary, none on padding
-        seg_BT1 = batch["segments"]
-        counted_BT = (seg_BT1[:, 1:] == seg_BT1[:, :-1]) & (seg_BT1[:, :-1] != 0)
-    if "loss_mask" in batch:
-        counted_BT &= batch["loss_mask"][:, 1:] != 0
-    return inputs, tokens_BT1[:, 1:], counted_BT.astype(jnp.float32)
-
-
 def n_targets(batch: Batch) -> jax.Array:
     """The number of targets the batch counts in its loss (float32 scalar)."""
     return jnp.sum(split_batch(batch)[2])
@@ -265,22 +238,6 @@ def mtp_loss(model, x_BTD, batch: Batch, chunk: int, head_DV, aux: dict, total_K
     return loss, aux, metrics
 
 
-@scoped(HEAD_LOSS)
-def _head(model, x_BTD, targets_BT, chunk: int, head_DV):
-    """-> (logsumexp of the logits, the target's logit), each float32 [B, T]."""
-    # mesh.weight_gather=steps: the chunks run per device, the head gathered one axis at a time
-    by_steps = chunk and gather.head_statistics(
-        head_statistics, model.final_norm(x_BTD), targets_BT, chunk, head_DV
-    )
-    if by_steps:
-        return by_steps
-    if chunk and not jax.sharding.get_abstract_mesh().empty:
-        # gathered here, once, whole but for `tensor`'s vocab split (the chunks' loop would
-        # gather it again every chunk)
-        head_DV = jax.lax.with_sharding_constraint(head_DV, logical_to_spec((None, "vocab")))
-    return head_statistics(model.logits, x_BTD, targets_BT, chunk, head_DV)
-
-
 def loss_fn(
     params,
     graphdef: nnx.GraphDef,
@@ -308,7 +265,7 @@ def loss_fn(
     # Never the whole [B, T, V] logits with train.loss_chunk (see moe_jax/loss.py)
     chunk = backends.loss_chunk(model.cfg.train.loss_chunk, x_BTD.shape[1])
     head_DV = model.head_weight() if chunk else None
-    logz_BT, target_logit_BT = _head(model, x_BTD, targets_BT, chunk, head_DV)
+    logz_BT, target_logit_BT = target_statistics(model, x_BTD, targets_BT, chunk, head_DV)
     with jax.named_scope(HEAD_LOSS):
         count = jnp.sum(weights_BT)
         ce_sum = jnp.sum((logz_BT - target_logit_BT) * weights_BT)

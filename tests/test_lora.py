@@ -19,8 +19,8 @@ import pytest
 from flax import nnx
 
 from moe_jax.lora import params as lora_params
-from moe_jax.lora.adapters import PREFIX
 from moe_jax.model import Transformer
+from moe_jax.model.lora import PREFIX
 from moe_jax.model.moe import MoE
 from moe_jax.train_step import init_state, make_optimizer, make_train_step
 from tests.helpers import forward, one_expert_at_a_time, tiny_config
@@ -177,7 +177,7 @@ def test_dropout_masks_the_adapters_input_in_training_steps_only():
     """lora.dropout: inside `dropping` the adapter term changes with the key and is the same
     again for the same key; outside it (eval, sampling) there is none; the base term never
     changes."""
-    from moe_jax.lora import adapters
+    from moe_jax.model import lora as adapters
 
     cfg = tiny_config("lora.rank=4", "lora.targets=[mlp]", "moe.n_experts=0")
     model = Transformer(cfg, rngs=nnx.Rngs(0))

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from moe_jax.config.checks import non_negative, require
 
-# lora.targets: the layer groups that get adapters (moe_jax/lora/adapters.py names each
+# lora.targets: the layer groups that get adapters (moe_jax/model/lora.py names each
 # group's weights)
 LORA_TARGETS = ("attention", "mlp", "shared", "experts")
 LORA_BASE_DTYPES = ("bfloat16", "float32", "int8", "mxfp4")

@@ -23,7 +23,6 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from moe_jax.lora.adapters import PREFIX, SEEDS, product
 from moe_jax.model import fp4
 from moe_jax.model.int8 import (
     CONTRACTED_AXES,
@@ -33,6 +32,7 @@ from moe_jax.model.int8 import (
     quantize_model,
     quantize_tensor,
 )
+from moe_jax.model.lora import PREFIX, SEEDS, product
 
 TRAINED = ("a", "b")  # an adapter's leaves that train (its `seed` does not)
 

@@ -37,8 +37,8 @@ from moe_jax.config import Config
 from moe_jax.interop.convert import _placements, pick_family
 from moe_jax.interop.lazy import Deferred
 from moe_jax.interop.safetensors_io import SINGLE_FILE, InteropError, ShardWriter, TensorReader
-from moe_jax.lora.adapters import PREFIX, product
 from moe_jax.model import Transformer
+from moe_jax.model.lora import PREFIX, product
 from moe_jax.run.layout import CHECKPOINT_DIR
 from moe_jax.run.output import new_output
 from moe_jax.run.store import open_checkpoints, read_meta

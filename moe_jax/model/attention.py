@@ -43,8 +43,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from moe_jax import backends
 from moe_jax.config import Config
-from moe_jax.lora import adapters as lora
-from moe_jax.model import attention_kernels, gather
+from moe_jax.model import attention_kernels, gather, lora
 from moe_jax.model.kv_cache import KVCache, check_cache_inputs, ring_keys, write_cache, write_ring
 from moe_jax.model.norm import RMSNorm, rms_norm
 from moe_jax.model.paged_kv import is_paged, paged_keys

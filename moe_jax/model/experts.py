@@ -17,8 +17,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from moe_jax import backends
 from moe_jax.config import Config
-from moe_jax.lora import adapters as lora
-from moe_jax.model import gather
+from moe_jax.model import gather, lora
 from moe_jax.model.filled_rows import swiglu_filled
 from moe_jax.model.glu import SWIGLU, Activation, glu
 from moe_jax.model.grouped import grouped_buffers

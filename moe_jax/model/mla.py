@@ -46,8 +46,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from moe_jax import backends
 from moe_jax.config import Config
-from moe_jax.lora import adapters as lora
-from moe_jax.model import attention_kernels, gather
+from moe_jax.model import attention_kernels, gather, lora
 from moe_jax.model.attention import (
     ATTENTION_OUT,
     attend,

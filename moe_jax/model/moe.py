@@ -45,7 +45,7 @@ from flax import nnx
 
 from moe_jax import backends
 from moe_jax.config import Config
-from moe_jax.lora import adapters as lora
+from moe_jax.model import lora
 from moe_jax.model.exchange import expert_parallel
 from moe_jax.model.experts import (
     GROUPED_IMPLS,

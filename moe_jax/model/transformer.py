@@ -59,8 +59,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from moe_jax import backends
 from moe_jax.config import Config
-from moe_jax.lora import adapters as lora
-from moe_jax.model import gather
+from moe_jax.model import gather, lora
 from moe_jax.model.attention import Attention
 from moe_jax.model.int8 import after
 from moe_jax.model.kv_cache import KVCache

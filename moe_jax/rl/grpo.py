@@ -42,8 +42,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from moe_jax.lora import adapters
 from moe_jax.lora import params as lora_params
+from moe_jax.model import lora as adapters
 from moe_jax.model.transformer import LAYER_FRACTIONS
 from moe_jax.rl.rollouts import expert_agreement, token_logps
 
