@@ -336,8 +336,8 @@ def test_message_pairs_count_their_answer_turns_only(tmp_path):
     from moe_jax.tokenizer import load_tokenizer
     from tests.test_tokenizer import SHAKESPEARE, write_bpe
 
-    if not SHAKESPEARE.is_file():
-        pytest.skip(f"{SHAKESPEARE} not present")
+    if not SHAKESPEARE.is_file():  # the chat BPE is trained on the shared corpus, as
+        pytest.skip(f"{SHAKESPEARE} not present")  # test_tokenizer's are (CI's clone has it)
     write_bpe(tmp_path / "tok")
     tokenizer = load_tokenizer(str(tmp_path / "tok"))
     turn = lambda role, text: {"role": role, "content": text}
