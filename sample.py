@@ -10,7 +10,7 @@ import sys
 
 DEFER_JAX_IMPORT = True  # see moe_jax/__init__.py: jax only once the input is checked
 
-from moe_jax.runtime import reexec_with_hugepages  # noqa: E402
+from moe_jax.process_setup import reexec_with_hugepages  # noqa: E402
 
 if __name__ == "__main__":  # first: a glibc tunable is read only when a process starts
     reexec_with_hugepages()

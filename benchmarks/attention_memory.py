@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import argparse
 
-from moe_jax.runtime import held_stderr, import_jax
+from moe_jax.process_setup import held_stderr, import_jax
 
 import_jax()  # JAX_PLATFORMS=cpu without an accelerator, quietly (the topologies need it)
 

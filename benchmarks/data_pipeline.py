@@ -43,7 +43,7 @@ from pathlib import Path
 import numpy as np
 from common import count
 
-from moe_jax.runtime import reexec_with_hugepages
+from moe_jax.process_setup import reexec_with_hugepages
 
 SHAKESPEARE = Path(__file__).resolve().parents[2] / "shared/data/tinyshakespeare.txt"
 SEPARATOR = "\n\n"  # tinyshakespeare's speeches are paragraphs

@@ -39,9 +39,9 @@ from common import (
 )
 from flax import nnx
 
+from moe_jax.inference.sampling import Sampler
 from moe_jax.model import Transformer
-from moe_jax.runtime import reexec_with_hugepages
-from moe_jax.sampling import Sampler
+from moe_jax.process_setup import reexec_with_hugepages
 
 
 def ours(sampler: Sampler, B: int, P: int, N: int, seed: int = 0):

@@ -1,5 +1,6 @@
-"""Engine throughput: continuous batching (`moe_jax.engine`) at 1, 8 and 64 concurrent requests
-against sample.py's sampler one request at a time, on the same model and requests.
+"""Engine throughput: continuous batching (`moe_jax.inference.engine`) at 1, 8 and 64
+concurrent requests against sample.py's sampler one request at a time, on the same model and
+requests.
 
     python benchmarks/engine_throughput.py                          # small mixtral, 64 requests
     python benchmarks/engine_throughput.py --concurrency 1,8 --requests 16 --new-tokens 32
@@ -36,9 +37,9 @@ import numpy as np
 from common import STYLES, bench_config, count, counts, hf_model, machine, wait_until_idle
 from flax import nnx
 
-from moe_jax.engine import Engine, SamplingParams
+from moe_jax.inference.engine import Engine, SamplingParams
+from moe_jax.inference.sampling import Sampler, prompt_bucket
 from moe_jax.model import Transformer
-from moe_jax.sampling import Sampler, prompt_bucket
 
 
 def workload(n: int, lo: int, hi: int, tokens_seed: int = 0) -> list[list[int]]:

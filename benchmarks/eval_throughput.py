@@ -32,7 +32,7 @@ from pathlib import Path
 
 from common import SIZES, bench_config, count, hf_model, machine
 
-from moe_jax.runtime import reexec_with_hugepages
+from moe_jax.process_setup import reexec_with_hugepages
 
 os.environ.update(HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
 VOCAB = 300

@@ -34,9 +34,9 @@ from pathlib import Path
 import numpy as np
 
 from moe_jax.config import load_config
+from moe_jax.inference.sampling import Sampler
 from moe_jax.load import load_run
 from moe_jax.metrics import read_metrics
-from moe_jax.sampling import Sampler
 from moe_jax.tokenizer import load_tokenizer
 from moe_jax.trainer import train
 

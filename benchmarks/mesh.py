@@ -27,14 +27,14 @@ os.environ["XLA_FLAGS"] = (
 ).strip()
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from moe_jax.runtime import import_jax  # noqa: E402
+from moe_jax.process_setup import import_jax  # noqa: E402
 
 import_jax()  # before this file's own jax import: without the CUDA plugin's no-driver lines
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 from benchmarks.common import bench_config, median_time  # noqa: E402
-from moe_jax.runtime import reexec_with_hugepages  # noqa: E402
+from moe_jax.process_setup import reexec_with_hugepages  # noqa: E402
 from moe_jax.sharding import global_batch, make_mesh  # noqa: E402
 from moe_jax.train_step import init_state, make_optimizer, make_train_step  # noqa: E402
 

@@ -41,7 +41,7 @@ import sys
 import tempfile
 import time
 
-from moe_jax.runtime import import_jax
+from moe_jax.process_setup import import_jax
 
 import_jax()  # before this file's own jax import: without the CUDA plugin's no-driver lines
 import jax  # noqa: E402
@@ -54,7 +54,7 @@ import moe_jax.model.transformer as transformer_mod  # noqa: E402
 import moe_jax.train_step as train_step_mod  # noqa: E402
 from moe_jax.config import ConfigError  # noqa: E402
 from moe_jax.metrics import measure_peak_flops  # noqa: E402
-from moe_jax.runtime import reexec_with_hugepages  # noqa: E402
+from moe_jax.process_setup import reexec_with_hugepages  # noqa: E402
 from moe_jax.scopes import PARTS  # noqa: E402
 from moe_jax.summary import train_flops_per_token  # noqa: E402
 

@@ -33,7 +33,7 @@ from common import STYLES, bench_config, machine
 from train_throughput import Worker, figures, shared_figures, take_turns
 
 from moe_jax.config import ConfigError
-from moe_jax.runtime import reexec_with_hugepages
+from moe_jax.process_setup import reexec_with_hugepages
 
 SWEEPS = {
     "experts": ("moe.n_experts", [8, 16, 32]),

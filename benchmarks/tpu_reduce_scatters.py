@@ -1,4 +1,4 @@
-"""Which reduce-scatters libtpu keeps, compiled on this CPU: the rule behind `gather.steps`'
+"""Which reduce-scatters libtpu keeps, compiled on this CPU: the rule behind `weight_gather.steps`'
 order and the down projections' leading shard axis (issue 23).
 
     python benchmarks/tpu_reduce_scatters.py                  # v5p-128, bf16

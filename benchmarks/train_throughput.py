@@ -49,7 +49,7 @@ import numpy as np
 from common import SIZES, STYLES, bench_config, hf_model, machine, wait_until_idle
 
 from moe_jax.config import ConfigError
-from moe_jax.runtime import reexec_with_hugepages
+from moe_jax.process_setup import reexec_with_hugepages
 
 REPLY = "@@reply "  # prefix of the worker's protocol lines (libraries may print to stdout too)
 

@@ -3,7 +3,7 @@
 import os
 import sys
 
-from moe_jax.runtime import import_jax
+from moe_jax.process_setup import import_jax
 
 __version__ = "0.1.0"
 

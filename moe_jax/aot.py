@@ -65,7 +65,7 @@ class DoesNotFit(Exception):
 
 def quiet(verbose: bool):
     """The compilers' own logs: passed through with --verbose, else held back."""
-    from moe_jax.runtime import held_stderr
+    from moe_jax.process_setup import held_stderr
 
     return contextlib.nullcontext() if verbose else held_stderr()
 
@@ -98,9 +98,9 @@ def lower_decode(cfg, mesh):
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    from moe_jax.sampling import Sampler
+    from moe_jax.inference.sampling import Sampler
+    from moe_jax.inference.weights import abstract_model, weights_kind
     from moe_jax.sharding import INFERENCE_RULES, state_shardings, with_shardings
-    from moe_jax.weights import abstract_model, weights_kind
 
     abstract = abstract_model(cfg, weights_kind(cfg))
     graphdef, params = nnx.split(abstract, nnx.Param)

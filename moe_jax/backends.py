@@ -44,7 +44,7 @@ AUTO = {
     # The ~1B-active train step with these, 8 x 4096: 42.2% MFU (remat dots).
     "gpu": {"attention": "cudnn", "moe": "batched"},
     # Dropless (moe.capacity_factor <= 0) on GPU: the grouped rows through jax's Mosaic GPU
-    # kernels with our VJP (`model/mosaic_gmm.py`), where every expert is on the device
+    # kernels with our VJP (`model/mosaic.py`), where every expert is on the device
     # (ep 1: the ragged exchange has not run on several GPUs yet), in 16 bits, at dims
     # their tiles divide; else the row above. The batched buffers, dropless, hold C = every
     # token a group routes for every expert: E / k times the rows (4x for the kit's model).
@@ -59,6 +59,10 @@ AUTO_DROPLESS = {"gpu": {"moe": "mosaic"}}
 # model.dtype=auto: the compute dtype each backend runs (parameters stay float32). XLA:CPU has
 # no fast bf16 matmuls; the accelerators' matrix units are bf16.
 COMPUTE_DTYPE = {"cpu": "float32", "gpu": "bfloat16", "tpu": "bfloat16"}
+# Where each kernel lives (moe_jax/model/): attention `blocked` attention.py, `cudnn` and
+# `splash` attention_kernels.py (cuDNN's training form: cudnn_attention.py); moe `buckets`
+# buckets.py, `batched` experts.py (`expert_swiglu`'s batched matmul), `ragged` and
+# `megablox` grouped.py (XLA's ragged_dot, the Pallas TPU grouped matmul), `mosaic` mosaic.py.
 IMPLS = {
     "attention": ("auto", "blocked", "cudnn", "splash"),
     "moe": ("auto", "buckets", "batched", "ragged", "megablox", "mosaic"),
@@ -78,7 +82,7 @@ EXCHANGE = {"cpu": "buffers", "gpu": "ragged", "tpu": "ragged"}
 EXCHANGES = ("auto", "ragged", "buffers")
 GROUPED_EXCHANGE = ("ragged", "mosaic")  # the grouped impls whose rows go by the ragged exchange
 # How training gathers the attention weights and the head, split over the batch axes
-# (ZeRO-3), and sends their gradients back (mesh.weight_gather, moe_jax/model/gather.py):
+# (ZeRO-3), and sends their gradients back (mesh.weight_gather, moe_jax/model/weight_gather.py):
 # "partitioner" leaves both to XLA; "steps" gathers inside a shard_map one batch axis at a time, so
 # the gradients leave as reduce-scatters over one axis each. libtpu turns a collective over
 # the whole 64-chip torus of v5p-128 into an all-reduce (the gathers of a zero-padded buffer,
@@ -147,12 +151,12 @@ def takes(
     import jax.numpy as jnp
 
     if impl == "mosaic":
-        from moe_jax.model import mosaic_gmm
+        from moe_jax.model import mosaic
 
         dims, ep = (shape or {}).get("dims"), (shape or {}).get("ep", 1)
         sixteen = dtype is not None and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16)
-        fits = dims is not None and mosaic_gmm.dims_fit(*dims)
-        return sixteen and fits and ep == 1 and mosaic_gmm.available()
+        fits = dims is not None and mosaic.dims_fit(*dims)
+        return sixteen and fits and ep == 1 and mosaic.available()
 
     if impl == "cudnn":
         return (dtype is None or jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16)) and (

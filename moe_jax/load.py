@@ -24,16 +24,22 @@ from flax import nnx
 
 from moe_jax.config import MESH_AXES, Config, sampling_config
 from moe_jax.config.checks import check_inference
+from moe_jax.inference.sampling import Sampler
+from moe_jax.inference.speculative import SpeculativeSampler
+from moe_jax.inference.weights import (
+    WeightsDoNotFit,
+    abstract_model,
+    check_fits,
+    to_kind,
+    weights_kind,
+)
 from moe_jax.interop.as_run import hf_meta, hf_params, is_hf_dir, packs_mxfp4
 from moe_jax.model.int8 import QUANTIZATIONS
 from moe_jax.run.layout import RunError
 from moe_jax.run.policy import check_compatible
 from moe_jax.run.store import CheckpointRemoved, open_checkpoints, read_meta, restore
-from moe_jax.sampling import Sampler
 from moe_jax.sharding import INFERENCE_RULES, make_mesh, state_shardings
-from moe_jax.speculative import SpeculativeSampler
 from moe_jax.tokenizer import Tokenizer
-from moe_jax.weights import WeightsDoNotFit, abstract_model, check_fits, to_kind, weights_kind
 
 T = TypeVar("T")
 
@@ -114,7 +120,7 @@ def load_model(
     `config.sampling_config`), else the saved one. `mesh`: restore each weight straight onto it,
     sharded by `sharding.INFERENCE_RULES` (no device or host ever holds a whole copy),
     else onto the first device. `weights`: the form to restore the weights in
-    (`moe_jax.weights`: float32, bfloat16, int8, mxfp4, auto); a run written by
+    (`moe_jax.inference.weights`: float32, bfloat16, int8, mxfp4, auto); a run written by
     `moe_jax.quantize` keeps its quantisation whatever it says. Float weights are cast as they
     are read; int8 or mxfp4 of a float run is quantised after a float restore (bf16 where the
     compute is), which holds both forms for a moment. RunError before anything is read if the

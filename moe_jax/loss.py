@@ -24,7 +24,7 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
-from moe_jax.model import gather
+from moe_jax.model import weight_gather
 from moe_jax.scopes import HEAD_LOSS, scoped
 from moe_jax.sharding import logical_to_spec
 
@@ -94,7 +94,7 @@ def target_statistics(model, x_BTD, targets_BT, chunk: int, head_DV):
     """-> (logsumexp of the logits, the target's logit), each float32 [B, T], of the model's
     head `head_DV` over the final-normed `x_BTD`, `chunk` positions at a time (0: at once)."""
     # mesh.weight_gather=steps: the chunks run per device, the head gathered one axis at a time
-    by_steps = chunk and gather.head_statistics(
+    by_steps = chunk and weight_gather.head_statistics(
         head_statistics, model.final_norm(x_BTD), targets_BT, chunk, head_DV
     )
     if by_steps:

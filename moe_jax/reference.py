@@ -30,8 +30,8 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
+from moe_jax.inference.weights import MATMUL_WEIGHTS
 from moe_jax.lora.params import has_adapters
-from moe_jax.weights import MATMUL_WEIGHTS
 
 
 class ReferenceState(NamedTuple):

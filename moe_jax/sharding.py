@@ -19,7 +19,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from moe_jax.config import MESH_AXES, Config, ConfigError
-from moe_jax.runtime import drop_gloo_noise
+from moe_jax.process_setup import drop_gloo_noise
 
 BATCH_AXES = ("data", "fsdp", "expert")  # the batch is split over all of these
 

@@ -58,7 +58,7 @@ from moe_jax import backends
 from moe_jax.config import Config, TrainConfig
 from moe_jax.lora import params as lora_params
 from moe_jax.loss import Batch, head_statistics, split_batch, target_statistics
-from moe_jax.model import Transformer, gather, lora
+from moe_jax.model import Transformer, lora, weight_gather
 from moe_jax.model.balancing import update_correction_bias
 from moe_jax.model.mtp import MTP_LAYER_STATS, mtp_hidden, with_mtp_stats
 from moe_jax.model.transformer import LAYER_FRACTIONS
@@ -219,7 +219,7 @@ def mtp_loss(model, x_BTD, batch: Batch, chunk: int, head_DV, aux: dict, total_K
         model.mtp, hidden, parts, strict=True
     ):
         with jax.named_scope(HEAD_LOSS):  # as the main loss: steps run the chunks per device
-            by_steps = chunk and gather.head_statistics(
+            by_steps = chunk and weight_gather.head_statistics(
                 head_statistics, layer.head_norm(h_BTD), targets_BT, chunk, head_DV
             )
             logz_BT, target_logit_BT = by_steps or head_statistics(
@@ -353,7 +353,7 @@ def make_train_step(
         # lora.dropout's masks: new every step, the same again when a resumed run redoes it
         key = jax.random.fold_in(jax.random.key(cfg.seed), state["step"])
         with (
-            gather.gathering(
+            weight_gather.gathering(
                 backends.weight_gather(m.weight_gather), backends.gather_group(m.gather_group)
             ),
             lora.dropping(key, cfg.lora.dropout),

@@ -31,8 +31,10 @@ from moe_jax.config import Config
 from moe_jax.data import load_run_data
 from moe_jax.errors import MoeJaxError
 from moe_jax.eval.in_training import TaskEval
+from moe_jax.inference.weights import WeightsDoNotFit, check_train_fits
 from moe_jax.metrics import MetricsWriter, compute_units, unit_peak_flops
 from moe_jax.preflight import check_kernels
+from moe_jax.process_setup import platform_line
 from moe_jax.profile import StepProfiler
 from moe_jax.run import hf_exports
 from moe_jax.run.init_from import init_source, start_state, with_source_architecture
@@ -40,7 +42,6 @@ from moe_jax.run.layout import RunError
 from moe_jax.run.output import no_space
 from moe_jax.run.policy import inspect_run
 from moe_jax.run.store import Checkpointer
-from moe_jax.runtime import platform_line
 from moe_jax.sharding import check_batch_split, global_batch, make_mesh
 from moe_jax.summary import param_counts, train_flops_per_token
 from moe_jax.trackers import check_trackers, open_trackers
@@ -61,7 +62,6 @@ from moe_jax.train_step import (
     make_optimizer,
     make_train_step,
 )
-from moe_jax.weights import WeightsDoNotFit, check_train_fits
 
 
 class TrainingError(MoeJaxError, RuntimeError):
@@ -223,10 +223,10 @@ def train(cfg: Config, *, stop_at: int | None = None) -> TrainResult:
             _, state = init_state(cfg, tx, mesh=mesh)
         # Outside the mesh: under it, a measured matmul would run replicated on every device.
         peak = unit_peak_flops(cfg.train.peak_flops)
-        run = Run(cfg, mesh, graphdef, tx, it, data, ckpt, log, peak, tasks)
+        training = Training(cfg, mesh, graphdef, tx, it, data, ckpt, log, peak, tasks)
         with jax.set_mesh(mesh):
             start, saved = (resume.step, resume.step) if resume else (0, None)
-            return run.loop(state, start=start, last_saved=saved, stop_at=stop_at)
+            return training.loop(state, start=start, last_saved=saved, stop_at=stop_at)
     except OSError as e:  # the disk filled up under the metrics too: one line for both
         if not no_space(e):
             raise
@@ -250,7 +250,7 @@ class _Window:
 
 
 @dataclass
-class Run:
+class Training:
     """One training invocation's fixed parts; `loop` runs the steps, each followed by the
     named duties that fall on it: log, eval, save, stop."""
 

@@ -42,7 +42,7 @@ OWN_CACHE = os.path.join(tempfile.gettempdir(), f"moe_jax_tests_{run_id}")
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", OWN_CACHE)  # a user's own cache wins
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
 
-from moe_jax.runtime import import_jax  # noqa: E402
+from moe_jax.process_setup import import_jax  # noqa: E402
 
 import_jax()  # without the CUDA plugin's no-driver lines (the `aot` extra)
 import jax  # noqa: E402

@@ -158,11 +158,13 @@ def test_attention_weights_gathered_by_steps_compile_for_tpu(monkeypatch):
     are gathered inside a shard_map one axis at a time; the train step compiles for v5p-8
     with the projections going that way, no conditionals, gradients leaving as
     reduce-scatters."""
-    from moe_jax.model import gather
+    from moe_jax.model import weight_gather
 
     gathers = []
-    steps = gather.gather
-    monkeypatch.setattr(gather, "gather", lambda w, p, *a: gathers.append(p) or steps(w, p, *a))
+    steps = weight_gather.gather
+    monkeypatch.setattr(
+        weight_gather, "gather", lambda w, p, *a: gathers.append(p) or steps(w, p, *a)
+    )
     cfg = tiny_config("model.n_layers=2", "mesh.fsdp=2", "mesh.expert=2")
     with jax.default_matmul_precision("default"):  # Mosaic's kernels: see above
         r = aot.compile_step(cfg, get_topology("v5p-8"), "train")
@@ -181,15 +183,17 @@ def test_fsdp_in_groups_and_expert_windows_compile_for_tpu(monkeypatch):
     steps of 8 on v5p-128), and the experts' row windows each gathering their own experts'
     weights inside the layer's scan: compiles for v5p-8 with no conditionals, the gathers
     going by groups of devices."""
-    from moe_jax.model import experts, gather, grouped
+    from moe_jax.model import experts, grouped, weight_gather
 
     monkeypatch.setattr(experts, "MAP_MIN_CAPACITY", 1)  # the tiny exchange: ragged
     windows = []
     chunked = grouped._swiglu_chunked
     monkeypatch.setattr(grouped, "_swiglu_chunked", lambda *a: windows.append(a[-1]) or chunked(*a))
     plans = []
-    steps = gather.gather
-    monkeypatch.setattr(gather, "gather", lambda w, p, *a: plans.append(p) or steps(w, p, *a))
+    steps = weight_gather.gather
+    monkeypatch.setattr(
+        weight_gather, "gather", lambda w, p, *a: plans.append(p) or steps(w, p, *a)
+    )
     over = ["model.n_layers=2", "mesh.fsdp=4", "mesh.gather_group=2", "moe.row_chunks=2"]
     cfg = tiny_config(*over, "train.batch_size=8")
     with jax.default_matmul_precision("default"):  # Mosaic's kernels: see above
@@ -206,7 +210,7 @@ def test_down_projections_gradients_leave_as_reduce_scatters_on_tpu(tmp_path):
     """libtpu (0.0.42) compiles a reduce-scatter along a minor dim whose result is an odd
     multiple of 128 wide into an all-reduce (benchmarks/tpu_reduce_scatters.py). The dense
     and shared MLPs' down projections [F, D] are therefore gathered on a leading shard axis
-    (`gather.einsum`): with D 512 over fsdp 2 x expert 2 their gradients leave as
+    (`weight_gather.einsum`): with D 512 over fsdp 2 x expert 2 their gradients leave as
     reduce-scatters to [F, 256] then [F, 128]. Gathered along D itself (`gather_leading`
     patched to `gather`) libtpu made them all-reduces of [F, 256], which this check finds."""
     F = 1024

@@ -38,9 +38,9 @@ def test_auto_falls_back_where_the_fused_kernel_does_not_take_the_operands():
 @pytest.fixture
 def gpu_host(monkeypatch):
     """As on a GPU host, where the Mosaic GPU kernels can be built (this CPU cannot)."""
-    from moe_jax.model import mosaic_gmm
+    from moe_jax.model import mosaic
 
-    monkeypatch.setattr(mosaic_gmm, "available", lambda: True)
+    monkeypatch.setattr(mosaic, "available", lambda: True)
 
 
 def test_auto_picks_the_mosaic_kernels_for_a_dropless_moe_on_one_gpu_only(gpu_host):
@@ -127,8 +127,8 @@ def test_impl_keys_are_validated():
 def test_model_dtype_auto_computes_in_bf16_on_accelerators_only():
     from flax import nnx
 
+    from moe_jax.inference.weights import weights_kind
     from moe_jax.model import Transformer
-    from moe_jax.weights import weights_kind
 
     cfg = tiny_config("model.dtype=auto")
     build = lambda: nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))

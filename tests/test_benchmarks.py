@@ -34,7 +34,7 @@ def run(monkeypatch, capsys):
     in this process (only the workers it starts are processes of their own): the script's
     start-up and imports (jax, torch, transformers: seconds) are this process's already."""
     # No huge-page re-exec of this process, nor of each worker (a second start-up each; the
-    # re-exec itself is tests/test_runtime.py's)
+    # re-exec itself is tests/test_process_setup.py's)
     monkeypatch.setenv("MOE_JAX_HUGEPAGES", "0")
 
     def run_script(script: str, *args: str) -> subprocess.CompletedProcess:

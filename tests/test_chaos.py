@@ -318,7 +318,7 @@ def test_a_bad_input_is_one_line(world, capsys, monkeypatch, case, command, argv
     out = world.root / f"out_{case}"
     if case in BEFORE_WEIGHTS:
         monkeypatch.setattr("moe_jax.load.load_model", _no_weights)
-        monkeypatch.setattr("moe_jax.quantize.load_model", _no_weights)
+        monkeypatch.setattr("moe_jax.inference.quantize.load_model", _no_weights)
     place = world.run / "eval"
     if case == "eval-place-a-file":  # RUN/eval cannot be made: refused before the scoring
         place.write_text("in the way")
@@ -372,9 +372,10 @@ def _at(target: str, signum: int, *, during: float | None = None) -> Callable:
 
 # (id, command, argv, the moment: where the signal lands, heavy: one signal, not each)
 MOMENTS = [
-    ("quantize-early", "quantize", ["{run}", "--out", "{out}"], "moe_jax.quantize:open_run", False),
+    ("quantize-early", "quantize", ["{run}", "--out", "{out}"],
+     "moe_jax.inference.quantize:open_run", False),
     ("quantize-quantising", "quantize", ["{run}", "--out", "{out}"],
-     "moe_jax.quantize:quantize_model", True),
+     "moe_jax.inference.quantize:quantize_model", True),
     ("quantize-tokenizer-files", "quantize", ["{run}", "--out", "{out}"],
      "moe_jax.run.store:keep_tokenizer_files", True),
     ("export-writing", "interop", ["export", "{run}", "--out", "{out}"],

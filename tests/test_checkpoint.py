@@ -417,7 +417,7 @@ def test_a_full_disk_under_the_metrics_is_the_same_one_error(tmp_path, monkeypat
 FULL_DISK_SCRIPT = """
 import runpy, sys
 sys.path.insert(0, {root!r})
-from moe_jax.runtime import import_jax
+from moe_jax.process_setup import import_jax
 import_jax()  # as train.py does, before this test module imports jax
 from tests.test_checkpoint import _fill_the_disk_at
 _fill_the_disk_at(4)

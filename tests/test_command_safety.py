@@ -259,7 +259,7 @@ def test_a_full_disk_at_a_runs_start_leaves_no_config(tmp_path, monkeypatch):
 
 
 def test_export_and_quantize_on_a_full_disk_say_so_in_one_line(tmp_path, monkeypatch, capsys):
-    from moe_jax import quantize
+    from moe_jax.inference import quantize
     from moe_jax.interop import __main__ as interop
     from moe_jax.interop.safetensors_io import ShardWriter
     from moe_jax.trainer import train
@@ -319,7 +319,7 @@ def test_readers_take_the_newest_when_training_removes_theirs(two_checkpoints, m
     damaged ... the run's only checkpoint') when training deleted it under them."""
     import orbax.checkpoint as ocp
 
-    from moe_jax.quantize import quantize_run
+    from moe_jax.inference.quantize import quantize_run
 
     run, training_meanwhile = two_checkpoints
     monkeypatch.setattr(ocp.CheckpointManager, "restore", training_meanwhile)
@@ -401,7 +401,7 @@ def test_tasks_orphaned_by_a_failed_restore_are_not_logged(caplog):
 def test_train_refuses_a_model_that_cannot_fit_before_allocating(tmp_path, monkeypatch):
     """Mixtral-8x7B on a host that could not hold it ran 43 s and died with a 17-line
     out-of-memory error; now one line before anything is allocated or written."""
-    from moe_jax import weights
+    from moe_jax.inference import weights
     from moe_jax.trainer import train
     from tests.test_train import _cfg
 

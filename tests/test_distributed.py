@@ -193,7 +193,7 @@ def test_two_processes_train_together_like_one(tmp_path, straight_run):
 def test_gloo_connection_lines_are_told_apart_from_the_rest():
     """Gloo's threads interleave their lines' pieces (seen in a run: the first line below
     holds two starts and one end, the second the rest)."""
-    from moe_jax.runtime import is_gloo_noise
+    from moe_jax.process_setup import is_gloo_noise
 
     ends = " is connected to 3 peer ranks. Expected number of connected peer ranks is : 3"
     for line in (f"[Gloo] Rank 0{ends}", f"[Gloo] Rank [Gloo] Rank 1{ends}", f"0{ends}"):

@@ -15,10 +15,10 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from moe_jax.engine import Engine, EngineError, QueueFull, SamplingParams
+from moe_jax.inference.engine import Engine, EngineError, QueueFull, SamplingParams
+from moe_jax.inference.sampling import Sampler
 from moe_jax.model import Transformer
 from moe_jax.model.int8 import quantize_model
-from moe_jax.sampling import Sampler
 from moe_jax.sharding import make_mesh, state_shardings
 from tests.helpers import tiny_config
 

@@ -11,8 +11,8 @@ from flax import nnx
 
 from moe_jax.eval import EvalError
 from moe_jax.eval.generation import Generator, GenOptions, cut_at_stops
+from moe_jax.inference.sampling import Sampler
 from moe_jax.model import Transformer
-from moe_jax.sampling import Sampler
 from moe_jax.tokenizer.simple import CharTokenizer
 from tests.helpers import tiny_config
 

@@ -32,10 +32,10 @@ from flax import nnx
 from moe_jax.config import ConfigError, load_config
 from moe_jax.data import load_run_data
 from moe_jax.data.sft import Record, encode_examples, pack
+from moe_jax.inference.quantize import quantize_run
+from moe_jax.inference.sampling import Sampler
 from moe_jax.load import load_run
-from moe_jax.quantize import quantize_run
 from moe_jax.run.init_from import init_source, start_state
-from moe_jax.sampling import Sampler
 from moe_jax.sharding import make_mesh
 from moe_jax.tokenizer import DataError, HFTokenizer, load_tokenizer
 from moe_jax.train_step import init_state, make_optimizer

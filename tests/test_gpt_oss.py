@@ -160,7 +160,7 @@ def test_sampler_with_ring_caches_equals_repeated_full_forwards():
     """The sampler pads prompts of 3 and 21 tokens to a 32-token bucket: the padding must
     reach no ring (a window of 8 would otherwise lose the short row's keys to it), and greedy
     tokens equal the argmax of repeated full forwards (`greedy_reference`)."""
-    from moe_jax.sampling import Sampler
+    from moe_jax.inference.sampling import Sampler
     from tests.test_sampling import greedy_reference
 
     cfg = tiny_config(*GPT_OSS, "model.init_std=0.05", "model.max_seq_len=64", "train.seq_len=64")
@@ -240,8 +240,8 @@ def test_mxfp4_experts_compute_their_dequantised_weights_and_sample():
     other weight as it was; the model computes what a float model holding the dequantised
     experts computes (1e-5), on the buffers and the gathered picked experts, and the sampler
     (its decode loop dequantising in each layer's turn) gives that model's greedy tokens."""
+    from moe_jax.inference.sampling import Sampler
     from moe_jax.model.int8 import Mxfp4Param, QuantizedParam, QuantizeError, quantize_model
-    from moe_jax.sampling import Sampler
     from tests.test_sampling import greedy_reference
 
     cfg = tiny_config(*GPT_OSS, "model.init_std=0.05", "moe.expert_hidden=32")

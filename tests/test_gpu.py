@@ -51,7 +51,7 @@ def test_mosaic_grouped_matmul_equals_float32_values_and_gradients():
     products in float32: rows not a multiple of the tile, an empty group, and rows past the
     groups (dropped), which must read exact zeros in y and dx; the empty group's dW too.
     bf16 operands and outputs: ~4e-3 in norm; 1e-2 flags a lost tile or a wrong transpose."""
-    from moe_jax.model import mosaic_gmm
+    from moe_jax.model import mosaic
 
     n, K, N = 3000, 256, 384
     sizes = jnp.array([700, 0, 1100, 31, 969], jnp.int32)  # 2800 rows in groups, 200 past
@@ -59,7 +59,7 @@ def test_mosaic_grouped_matmul_equals_float32_values_and_gradients():
     x = jax.random.normal(ks[0], (n, K), jnp.bfloat16)
     w = jax.random.normal(ks[1], (5, K, N), jnp.bfloat16) * K**-0.5
     dy = jax.random.normal(ks[2], (n, N), jnp.bfloat16)
-    assert mosaic_gmm.takes(x, w)
+    assert mosaic.takes(x, w)
 
     def reference(x, w):
         group = jnp.searchsorted(jnp.cumsum(sizes), jnp.arange(n), side="right")
@@ -70,7 +70,7 @@ def test_mosaic_grouped_matmul_equals_float32_values_and_gradients():
     f32 = lambda a: a.astype(jnp.float32)
     want, vjp = jax.vjp(reference, f32(x), f32(w))
     want_dx, want_dw = vjp(f32(dy))
-    got, vjp = jax.vjp(jax.jit(lambda x, w: mosaic_gmm.grouped_matmul(x, w, sizes)), x, w)
+    got, vjp = jax.vjp(jax.jit(lambda x, w: mosaic.grouped_matmul(x, w, sizes)), x, w)
     dx, dw = vjp(dy)
     for name, a, b in (("y", got, want), ("dx", dx, want_dx), ("dw", dw, want_dw)):
         assert np.all(np.isfinite(np.asarray(a, np.float32))), name

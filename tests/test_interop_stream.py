@@ -225,7 +225,7 @@ def test_init_from_the_hf_directory_takes_the_import_s_first_step(bf16, tmp_path
 
 
 def test_quantize_from_the_hf_directory_equals_quantizing_the_import(bf16, tmp_path):
-    from moe_jax.quantize import quantize_run
+    from moe_jax.inference.quantize import quantize_run
 
     hf_dir, run = bf16
     quantize_run(hf_dir, tmp_path / "from_hf")
@@ -357,8 +357,8 @@ def test_mxfp4_experts_are_taken_packed_from_a_gpt_oss_directory(tmp_path):
     """sample.weights=mxfp4 from a gpt-oss directory as released (experts MXFP4): the experts
     stay packed (the checkpoint's own codes and scales, re-laid: the values of decoding them
     and packing again, though a code may differ where a block's scale could be smaller)."""
+    from moe_jax.inference.weights import to_kind
     from moe_jax.model.int8 import Mxfp4Param
-    from moe_jax.weights import to_kind
 
     model = hf_model("gpt_oss", seed=3)
     (tmp_path / "hf").mkdir()

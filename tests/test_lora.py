@@ -102,7 +102,7 @@ def per_expert_loop(moe: MoE, x_BTD: jax.Array) -> jax.Array:
 
 
 @pytest.mark.parametrize(
-    "path", ["buffers", "filled_rows", "ragged", "decode"]
+    "path", ["buffers", "buckets", "ragged", "decode"]
 )  # fmt: skip
 def test_expert_adapters_equal_a_per_expert_loop(path, monkeypatch):
     """The routed experts' stacked adapters, merged into their weights, against each
@@ -114,7 +114,7 @@ def test_expert_adapters_equal_a_per_expert_loop(path, monkeypatch):
         "moe.capacity_factor=0", "moe.n_experts=8" if path == "decode" else "moe.n_experts=4",
         f"moe.impl={impl}",
     )  # fmt: skip
-    if path == "filled_rows":
+    if path == "buckets":
         one_expert_at_a_time(monkeypatch, unrolled=False)
     moe = MoE(cfg, rngs=nnx.Rngs(0))
     draw_b(moe)

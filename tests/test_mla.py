@@ -340,8 +340,8 @@ def test_sharded_forward_and_greedy_decode_equal_one_device():
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as Ps
 
-    from moe_jax.decoding import shard_cache
-    from moe_jax.sampling import Sampler
+    from moe_jax.inference.decoding import shard_cache
+    from moe_jax.inference.sampling import Sampler
     from moe_jax.sharding import make_mesh, state_shardings
 
     overrides = ["attention.q_lora_rank=12", "model.scan_layers=true"]

@@ -18,7 +18,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from moe_jax import aot, backends
-from moe_jax.model import gather
+from moe_jax.model import weight_gather
 from moe_jax.model.moe import MoE
 from moe_jax.sharding import BATCH_AXES, create_sharded, make_mesh, n_batch_shards
 from tests.helpers import randomize_biases, tiny_config
@@ -101,7 +101,7 @@ def test_ragged_exchange_equals_unsharded_and_fixed_buffers(
     if cf > 0:
         assert float(s_ref["dropped_frac"]) > 0.1  # the case really drops
 
-    with gather.gathering("steps" if group else "partitioner", group):
+    with weight_gather.gathering("steps" if group else "partitioner", group):
         jaxpr, ((_, (y, s)), g) = _sharded(cfg, mesh, x)
     # The exchange's 2 small all_to_alls of offsets (none without an expert axis); the rows
     # went by the stand-in

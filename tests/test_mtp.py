@@ -20,7 +20,7 @@ from jax.sharding import PartitionSpec as P
 
 from moe_jax import backends
 from moe_jax.config import ConfigError, load_config
-from moe_jax.model import Transformer, gather
+from moe_jax.model import Transformer, weight_gather
 from moe_jax.sharding import BATCH_AXES, make_mesh
 from moe_jax.summary import (
     _human,
@@ -225,7 +225,7 @@ def test_mtp_loss_on_a_mesh_equals_one_device():
     mesh = make_mesh(cfg)
 
     def grads(params, x):  # as make_train_step runs it
-        with gather.gathering(backends.weight_gather("steps"), backends.gather_group(-1)):
+        with weight_gather.gathering(backends.weight_gather("steps"), backends.gather_group(-1)):
             return compute_grads(params, graphdef, x, cfg.train)
 
     with jax.set_mesh(mesh):

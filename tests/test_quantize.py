@@ -21,9 +21,7 @@ from flax import nnx
 from moe_jax.config import load_config
 from moe_jax.data import load_data
 from moe_jax.data.corpus import eval_batches
-from moe_jax.load import load_run
-from moe_jax.model import Transformer
-from moe_jax.quantize import (
+from moe_jax.inference.quantize import (
     Int8Param,
     QuantizeError,
     is_quantized,
@@ -31,10 +29,12 @@ from moe_jax.quantize import (
     quantize_model,
     quantize_tensor,
 )
-from moe_jax.quantize import main as quantize_main
+from moe_jax.inference.quantize import main as quantize_main
+from moe_jax.inference.sampling import Sampler
+from moe_jax.load import load_run
+from moe_jax.model import Transformer
 from moe_jax.run.layout import RunError
 from moe_jax.run.policy import inspect_run
-from moe_jax.sampling import Sampler
 from moe_jax.trainer import train
 from tests.helpers import dequantised_copy, forward, tiny_config
 from tests.test_sampling import greedy_reference

@@ -1,4 +1,4 @@
-"""`grouped.spread_rows` / `gather_rows`: the MoE rows' permutations with gradients that
+"""`grouped.spread_rows` / `unsort_rows`: the MoE rows' permutations with gradients that
 gather instead of scattering (XLA:GPU runs a scatter-add with atomics: 100 of the dropless
 step's 777 busy ms on an H200). Values and gradients against autodiff of the plain gathers
 (exact: the same additions), and no scatter in the program the backward asks XLA for."""
@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from moe_jax.model.grouped import gather_rows, inverse, sort_rows, spread_rows
+from moe_jax.model.grouped import inverse, sort_rows, spread_rows, unsort_rows
 
 T, K, E, D = 12, 3, 5, 8
 
@@ -39,7 +39,7 @@ def test_gather_rows_equals_the_plain_gather_values_and_gradient():
     y = jax.random.normal(jax.random.key(4), (S, D))
     dy = jax.random.normal(jax.random.key(5), (T * K, D))
     plain = lambda y: y.at[inv].get(mode="fill", fill_value=0)
-    ours = lambda y: gather_rows(y, inv, order[:S])
+    ours = lambda y: unsort_rows(y, inv, order[:S])
     np.testing.assert_array_equal(ours(y), plain(y))
     assert not np.any(np.asarray(ours(y))[np.asarray(inv) >= S]), "dropped rows read zeros"
     got, want = jax.vjp(ours, y)[1](dy)[0], jax.vjp(plain, y)[1](dy)[0]
@@ -52,7 +52,7 @@ def test_their_backward_asks_for_no_scatter():
 
     def both(x):
         rows = spread_rows(x, order[:S], inv, K)
-        return jnp.sum(gather_rows(rows * 2, inv, order[:S]) ** 2)
+        return jnp.sum(unsort_rows(rows * 2, inv, order[:S]) ** 2)
 
     # what the program asks XLA for (compiled, XLA:CPU may expand a scatter into a loop)
     scatters = lambda f: re.findall(r"stablehlo\.scatter", jax.jit(jax.grad(f)).lower(x).as_text())

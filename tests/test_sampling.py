@@ -19,10 +19,10 @@ import pytest
 from flax import nnx
 
 from moe_jax.data.corpus import train_iterator
+from moe_jax.inference.draws import Mode, sample_tokens
+from moe_jax.inference.sampling import Sampler, SamplingError, prompt_bucket
 from moe_jax.model import Transformer
 from moe_jax.run.store import Checkpointer
-from moe_jax.sampling import Sampler, SamplingError, prompt_bucket
-from moe_jax.sampling_rules import Mode, sample_tokens
 from moe_jax.sharding import make_mesh, state_shardings
 from moe_jax.tokenizer import CharTokenizer
 from moe_jax.train_step import init_state, make_optimizer

@@ -33,7 +33,7 @@ import uvicorn  # noqa: E402
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers  # noqa: E402
 
 from moe_jax.data.corpus import train_iterator  # noqa: E402
-from moe_jax.engine import Engine  # noqa: E402
+from moe_jax.inference.engine import Engine  # noqa: E402
 from moe_jax.load import load_sampler  # noqa: E402
 from moe_jax.run.store import Checkpointer  # noqa: E402
 from moe_jax.serve.app import create_app  # noqa: E402

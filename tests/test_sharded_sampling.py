@@ -21,12 +21,12 @@ from jax.sharding import PartitionSpec as P
 
 from moe_jax.config import sampling_config
 from moe_jax.data.corpus import train_iterator
+from moe_jax.inference.sampling import Sampler
 from moe_jax.load import load_run, load_sampler
 from moe_jax.model import Transformer
 from moe_jax.model.int8 import Int8Param
 from moe_jax.run.layout import RunError
 from moe_jax.run.store import Checkpointer
-from moe_jax.sampling import Sampler
 from moe_jax.sharding import make_mesh, state_shardings
 from moe_jax.tokenizer import ByteTokenizer
 from moe_jax.train_step import make_optimizer
@@ -161,7 +161,7 @@ def test_an_int8_run_restores_sharded(run, tmp_path):
     """A run written by `moe_jax.quantize` restores its int8 values and scales onto the mesh
     (split like the float weights), and samples as quantising on load does (on the mesh of
     the test above: the programs are the same, compiled once)."""
-    from moe_jax.quantize import quantize_run
+    from moe_jax.inference.quantize import quantize_run
 
     quantize_run(run, tmp_path / "int8")
     want, _ = sample(run, weights="int8")
@@ -205,14 +205,14 @@ def test_cli_bad_mesh_or_override_is_one_line(run, capsys, extra, message):
 
 def test_weights_that_do_not_fit_are_refused_before_reading(run, monkeypatch, capsys):
     """CPU devices share the host's memory: all shards together must fit what it has."""
-    import moe_jax.weights
+    import moe_jax.inference.weights
 
     cfg = load_run(run)[0]
     graphdef, params = nnx.split(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0))))
     fp32_bytes = sum(x.size * 4 for x in jax.tree.leaves(params))
-    monkeypatch.setattr(moe_jax.weights, "host_memory", lambda: fp32_bytes)
+    monkeypatch.setattr(moe_jax.inference.weights, "host_memory", lambda: fp32_bytes)
     load_run(run)  # exactly enough
-    monkeypatch.setattr(moe_jax.weights, "host_memory", lambda: fp32_bytes - 1)
+    monkeypatch.setattr(moe_jax.inference.weights, "host_memory", lambda: fp32_bytes - 1)
     with pytest.raises(RunError, match="the weights need .* GiB per device"):
         load_run(run)
     load_run(run, weights="bfloat16")  # smaller: fits
@@ -223,7 +223,7 @@ def test_weights_that_do_not_fit_are_refused_before_reading(run, monkeypatch, ca
 
 
 def test_kv_cache_splits_over_batch_and_kv_heads():
-    from moe_jax.decoding import shard_cache
+    from moe_jax.inference.decoding import shard_cache
 
     cfg = tiny_config(*RUN, "mesh.tensor=2", "mesh.expert=2", "mesh.data=2")
     mesh = make_mesh(cfg, inference=True)

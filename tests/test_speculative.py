@@ -1,5 +1,5 @@
-"""Speculative decoding with the model's MTP module (moe_jax/speculative.py, its rule in
-moe_jax/speculative_rules.py). Greedy: the plain sampler's tokens at every drafting depth (1,
+"""Speculative decoding with the model's MTP module (moe_jax/inference/speculative.py, its rule in
+moe_jax/inference/acceptance.py). Greedy: the plain sampler's tokens at every drafting depth (1,
 2, 3), every draft the full forward's over the text and the drafts before it, the per-depth
 counts a host simulation's; the caches (full, sliding-window ring, MLA) through kept drafts,
 rejections and hypothetical entries; stop tokens, streaming, a mesh, the CLI, the refusals.
@@ -33,13 +33,13 @@ from jax.sharding import PartitionSpec as P
 
 from moe_jax.config import ConfigError
 from moe_jax.data.corpus import train_iterator
+from moe_jax.inference.draws import Mode, filtered_logits
+from moe_jax.inference.sampling import Sampler, SamplingError
+from moe_jax.inference.speculative import SpeculativeSampler
 from moe_jax.model import Transformer
 from moe_jax.model.mtp import mtp_hidden
 from moe_jax.run.store import Checkpointer
-from moe_jax.sampling import Sampler, SamplingError
-from moe_jax.sampling_rules import Mode, filtered_logits
 from moe_jax.sharding import make_mesh, state_shardings
-from moe_jax.speculative import SpeculativeSampler
 from moe_jax.tokenizer import ByteTokenizer
 from moe_jax.train_step import init_state, make_optimizer, make_train_step
 from tests.helpers import tiny_config
@@ -353,7 +353,7 @@ def rule_probs(logits, temperature, top_k, top_p, n_vocab):
 
 
 def test_filtered_logits_are_the_rules_distribution():
-    """`sampling_rules.filtered_logits` (the speculative rule's p and q) against the numpy
+    """`draws.filtered_logits` (the speculative rule's p and q) against the numpy
     definition on random logits with ties: the same kept set, probabilities to 1e-6."""
     logits = np.round(np.random.default_rng(0).normal(size=(64, 12)) * 2, 1).astype(np.float32)
     for temperature, top_k, top_p in [(1.0, 0, 0.8), (0.5, 4, 1.0), (2.0, 5, 0.7), (1.0, 0, 1.0)]:

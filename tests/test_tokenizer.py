@@ -22,8 +22,8 @@ import pytest
 import sentencepiece
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
+from moe_jax.inference.quantize import quantize_run
 from moe_jax.load import read_run_meta
-from moe_jax.quantize import quantize_run
 from moe_jax.run.layout import RunError
 from moe_jax.run.store import keep_tokenizer_files
 from moe_jax.tokenizer import (

@@ -99,12 +99,12 @@ def test_attention_weights_gathered_by_steps_equal_the_partitioners(default_step
     shard_map that gathers their weights over expert, then fsdp (tensor still splitting the
     heads); the same step as the partitioner's gathers. The projections must really go that
     way (their gathers counted when traced)."""
-    from moe_jax.model import gather
+    from moe_jax.model import weight_gather
 
     gathers = []
-    steps = gather.gather
+    steps = weight_gather.gather
     monkeypatch.setattr(
-        gather, "gather", lambda w, plan, *a: gathers.append(plan) or steps(w, plan, *a)
+        weight_gather, "gather", lambda w, plan, *a: gathers.append(plan) or steps(w, plan, *a)
     )
     got = one_step("model.remat=none", "mesh.weight_gather=steps")
     # the 4 projections of each attention layer (the expert weights' go over fsdp alone)
@@ -117,13 +117,15 @@ def test_loss_head_gathered_by_steps_equals_the_partitioners(monkeypatch):
     """With the vocabulary whole on each device (no tensor axis) and the loss in chunks, the
     head too is gathered by steps, in the shard_map that runs the chunks on each device's
     rows: the same step as the partitioner's gathers."""
-    from moe_jax.model import gather
+    from moe_jax.model import weight_gather
 
     mesh = ["mesh.tensor=1", "mesh.data=2", "train.loss_chunk=8"]
     want = one_step("model.remat=none", *mesh, "mesh.weight_gather=partitioner")
     ran = []
-    statistics = gather.head_statistics
-    monkeypatch.setattr(gather, "head_statistics", lambda *a: ran.append(statistics(*a)) or ran[-1])
+    statistics = weight_gather.head_statistics
+    monkeypatch.setattr(
+        weight_gather, "head_statistics", lambda *a: ran.append(statistics(*a)) or ran[-1]
+    )
     got = one_step("model.remat=none", *mesh, "mesh.weight_gather=steps")
     assert ran and all(r is not None for r in ran)
     assert_same_step(got, want)
@@ -145,23 +147,25 @@ def test_weights_gathered_in_groups_equal_the_partitioners(mesh, group, plan, mo
     over those devices alone). Every gathered weight goes that way (attention, the dense and
     shared MLPs, the experts inside their map, the embedding and the head, these two in
     blocks of the vocabulary), and the step is the partitioner's."""
-    from moe_jax.model import gather
+    from moe_jax.model import weight_gather
 
     mesh = [*mesh, "mesh.tensor=1", "mesh.data=1", "train.loss_chunk=8"]
     mesh += ["moe.interleave_step=2", "moe.shared_expert_hidden=32"]
     want = one_step("model.remat=none", *mesh, "mesh.weight_gather=partitioner")
     # the embedding and the head (32 KiB each) gathered in 4 blocks of the vocabulary
-    monkeypatch.setattr(gather, "TABLE_BLOCK_BYTES", 8 * 2**10)
+    monkeypatch.setattr(weight_gather, "TABLE_BLOCK_BYTES", 8 * 2**10)
     plans, shapes = [], []
-    steps = gather.gather
+    steps = weight_gather.gather
     monkeypatch.setattr(
-        gather,
+        weight_gather,
         "gather",
         lambda w, p, *a: plans.append(p) or shapes.append(w.shape) or steps(w, p, *a),
     )
     ran = []
-    statistics = gather.head_statistics
-    monkeypatch.setattr(gather, "head_statistics", lambda *a: ran.append(statistics(*a)) or ran[-1])
+    statistics = weight_gather.head_statistics
+    monkeypatch.setattr(
+        weight_gather, "head_statistics", lambda *a: ran.append(statistics(*a)) or ran[-1]
+    )
     got = one_step(
         "model.remat=none", *mesh, "mesh.weight_gather=steps", f"mesh.gather_group={group}"
     )
@@ -183,18 +187,18 @@ def test_weights_gathered_in_groups_equal_the_partitioners(mesh, group, plan, mo
     [(8, 4, [4, 2]), (64, 8, [8, 8]), (256, 8, [8, 8, 4]), (96, 8, [8, 12]), (8, 2, [2, 2, 2])],
 )
 def test_gather_steps_make_every_block_whole_in_order(n, group, sizes):
-    """`gather.steps` of an axis of n in groups: whole groups major, the rest they do not tile
-    minor (sizes major first: the gradient's reduce-scatters run in that order), each step's
-    groups tile the axis, and the steps, run minor first as tiled all-gathers (each device
-    concatenating its group's blocks in group order), leave every device all n blocks in
-    index order."""
-    from moe_jax.model import gather
+    """`weight_gather.steps` of an axis of n in groups: whole groups major, the rest they do
+    not tile minor (sizes major first: the gradient's reduce-scatters run in that order), each
+    step's groups tile the axis, and the steps, run minor first as tiled all-gathers (each
+    device concatenating its group's blocks in group order), leave every device all n blocks
+    in index order."""
+    from moe_jax.model import weight_gather
 
     class Mesh:
         shape = {"fsdp": n}
 
-    with gather.gathering("steps", group):
-        plan = gather.steps(("fsdp",), Mesh)
+    with weight_gather.gathering("steps", group):
+        plan = weight_gather.steps(("fsdp",), Mesh)
     assert [len(groups[0]) for _, groups in plan] == sizes
     held = {i: [i] for i in range(n)}
     for _, groups in reversed(plan):

@@ -49,7 +49,7 @@ SIZES = {
         # (41.6% MFU against B 4's 38.8%): profiled first; then what keeps more of the forward
         # to skip its recomputation
         # (issue 54) remat dots was the fastest with the capacity buffers (49,866 tok/s, 42.2%
-        # by the all-keys count): the baseline; then the grouped kernels of `mosaic_gmm`
+        # by the all-keys count): the baseline; then the grouped kernels of `mosaic`
         # dropless, profiled, and at the same capacity; then dropless with full remat
         train_variants=[
             ["model.remat=dots"],
@@ -439,9 +439,9 @@ def _moe_impls(M: dict) -> dict:
         return jax.lax.ragged_dot(x, w, sizes, preferred_element_type=jnp.float32).astype(x.dtype)
 
     def mosaic(x, w, sizes):  # moe.impl=mosaic: jax's Mosaic GPU kernels, our VJP
-        from moe_jax.model import mosaic_gmm
+        from moe_jax.model import mosaic
 
-        return mosaic_gmm.grouped_matmul(x, w, sizes)
+        return mosaic.grouped_matmul(x, w, sizes)
 
     # Measured on the H200 and left out since: XLA's ragged_dot (26.5 ms forward, 171 ms with
     # the backward), its Triton lowering (missing from jax 0.11.2), tokamax's Triton
@@ -467,7 +467,7 @@ WGRAD_TILES = [
 def kernel_tiles(S: dict) -> None:
     """jax's two Mosaic GPU kernels alone at each tile of the sweep: the forward's three
     products (and dx's, with the weights transposed) and the weight gradients' three, on
-    the kernels' benchmark rows. Picks mosaic_gmm's tiles."""
+    the kernels' benchmark rows. Picks mosaic's tiles."""
     M = S["moe"]
     x, (wg, wu, wd), sizes, dy = _moe_inputs(M)
     h = jax.random.normal(jax.random.key(7), (x.shape[0], M["F"]), jnp.bfloat16)
@@ -674,9 +674,9 @@ def decode(S: dict, dry: bool, variant: str = "") -> None:
     from flax import nnx
 
     from moe_jax.config import load_config
+    from moe_jax.inference.sampling import Sampler
+    from moe_jax.inference.weights import to_kind
     from moe_jax.model import Transformer
-    from moe_jax.sampling import Sampler
-    from moe_jax.weights import to_kind
 
     D_ = S["decode"]
     P, N = D_["prompt"], D_["new"]

@@ -4,13 +4,13 @@
     moe-jax-sample --run runs/tiny --prompt "def " --max-new-tokens 300 --temperature 0.7
     moe-jax-sample --run runs/tiny --prompt-file prompt.txt --num-samples 4 --top-k 40 --seed 1
     moe-jax-sample --run runs/imported --chat --prompt "Hi!"    # through the chat template
-    moe-jax-sample --run runs/tiny sample.weights=int8          # int8 weights (moe_jax.weights)
+    moe-jax-sample --run runs/tiny sample.weights=int8          # int8 weights
     moe-jax-sample --run runs/mixtral mesh.expert=2 model.dtype=bfloat16   # over 2 devices
 
 Defaults for the sampling flags come from the run's saved config (its `sample` section), with
 `section.key=value` overrides of the mesh, the compute dtype and the sample section (as
 train.py takes them). A mesh of more than one device restores each weight straight onto its
-shard and generates expert/tensor/fsdp-parallel (moe_jax.sampling). One
+shard and generates expert/tensor/fsdp-parallel (moe_jax.inference.sampling). One
 sample streams to the terminal as it is decoded; several are decoded as one batch in one
 compiled program and printed one after the other. The output includes the prompt.
 
@@ -32,14 +32,14 @@ from pathlib import Path
 import numpy as np
 
 from moe_jax.cli.entry import command
-from moe_jax.config import SAMPLING_RULES, sampling_problem
+from moe_jax.config import SAMPLING_RANGES, sampling_problem
 from moe_jax.config.run import WEIGHT_KINDS
 from moe_jax.errors import MoeJaxError
-from moe_jax.runtime import import_jax, reexec_with_hugepages
+from moe_jax.process_setup import import_jax, reexec_with_hugepages
 
 SEPARATOR = "\n" + "-" * 40 + "\n"
 # The counting flags' ranges, (argparse dest, test, rule), checked before jax is imported;
-# the sampling values' (temperature, top-k, top-p, seed) are the config's SAMPLING_RULES.
+# the sampling values' (temperature, top-k, top-p, seed) are the config's SAMPLING_RANGES.
 FLAG_RULES = (
     ("num_samples", lambda v: v >= 1, "must be >= 1"),
     ("max_new_tokens", lambda v: v >= 1, "must be >= 1"),
@@ -97,7 +97,7 @@ def checked_prompt(args: argparse.Namespace) -> str | None:
         value = getattr(args, dest)
         if value is not None and not ok(value):
             raise FlagError(f"--{dest.replace('_', '-')} {rule}, got {value}")
-    given = {n: getattr(args, n) for n, _, _ in SAMPLING_RULES if getattr(args, n) is not None}
+    given = {n: getattr(args, n) for n, _, _ in SAMPLING_RANGES if getattr(args, n) is not None}
     if problem := sampling_problem(given, "--"):
         raise FlagError(problem)
     if args.prompt_file is None:
@@ -159,8 +159,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def sample(args: argparse.Namespace, prompt: str | None) -> int:
     """Load the run and print its samples (the flags are checked)."""
+    from moe_jax.inference.sampling import SamplingError
     from moe_jax.load import load_sampler, read_run_meta
-    from moe_jax.sampling import SamplingError
 
     if args.chat:  # a tokenizer without a chat template is refused before the weights load
         saved = read_run_meta(args.run, args.step)["tokenizer"]
@@ -199,7 +199,7 @@ def sample(args: argparse.Namespace, prompt: str | None) -> int:
     else:
         texts = [prompt + continuation(tokenizer, ids, seq) for seq in out.sequences()]
         print(SEPARATOR.join(texts))
-    if hasattr(out, "acceptance_rate"):  # sample.speculative (moe_jax/speculative.py)
+    if hasattr(out, "acceptance_rate"):  # sample.speculative (moe_jax/inference/speculative.py)
         print(speculation_report(out), file=sys.stderr)
     return 0
 
@@ -222,6 +222,6 @@ def speculation_report(out) -> str:
 
 def script() -> None:
     """The `moe-jax-sample` console script: huge-page malloc first (a glibc tunable is read
-    only when a process starts, moe_jax/runtime.py), then main."""
+    only when a process starts, moe_jax/process_setup.py), then main."""
     reexec_with_hugepages()
     sys.exit(main())

@@ -27,7 +27,7 @@ from collections.abc import Sequence
 from moe_jax.cli.configs import config_path
 from moe_jax.cli.entry import command
 from moe_jax.config import ConfigError, cli_config
-from moe_jax.runtime import import_jax, reexec_with_hugepages
+from moe_jax.process_setup import import_jax, reexec_with_hugepages
 
 USAGE = "usage: moe-jax-train [CONFIG] [section.key=value ...]   (or: python train.py ...)"
 
@@ -65,6 +65,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def script() -> None:
     """The `moe-jax-train` console script: huge-page malloc first (a glibc tunable is read
-    only when a process starts, moe_jax/runtime.py), then main."""
+    only when a process starts, moe_jax/process_setup.py), then main."""
     reexec_with_hugepages()
     sys.exit(main())

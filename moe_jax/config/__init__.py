@@ -2,7 +2,7 @@
 
 OmegaConf does the merging and type coercion against the dataclass schema; each section
 checks its own fields (`model.py`: model, attention, moe; `run.py`: data, train, mesh,
-checkpoint, sample, eval), `Config.check` the rules across sections, and every failure is one
+checkpoint, sample, eval), `Config.check` the checks across sections, and every failure is one
 `ConfigError` whose message names the problem and the fix. The result is a tree of frozen
 (hence hashable) dataclasses, so a config can be a static argument to `jax.jit`.
 
@@ -39,7 +39,7 @@ from moe_jax.config.run import (
     MAX_TEMPERATURE,
     MESH_AXES,
     MIN_TEMPERATURE,
-    SAMPLING_RULES,
+    SAMPLING_RANGES,
     SCHEDULES,
     SFT_FORMATS,
     WEIGHT_KINDS,
@@ -61,7 +61,7 @@ __all__ = [
     "REMAT_NAMES",
     "REMAT_POLICIES",
     "SAMPLING_OVERRIDES",
-    "SAMPLING_RULES",
+    "SAMPLING_RANGES",
     "SCHEDULES",
     "SFT_FORMATS",
     "WEIGHT_KINDS",
@@ -153,7 +153,7 @@ class Config:
         return math.lcm(*(max(n, 1) for n in intervals))
 
     def check(self) -> None:
-        """Every section's own checks, then the rules that span sections."""
+        """Every section's own checks, then the checks that span sections."""
         numbers_in_range(self)
         for section in (self.model, self.attention, self.moe, self.mesh, self.train,
                         self.data, self.checkpoint, self.sample, self.eval,

@@ -28,9 +28,9 @@ MESH_AXES = ("data", "fsdp", "expert", "tensor")  # the axes a mesh.* size names
 TRACKERS = ("jsonl", "tensorboard", "wandb", "mlflow")
 # Logits divided by the temperature stay finite in float32 (|logit| < 1e30) inside this range.
 MIN_TEMPERATURE, MAX_TEMPERATURE = 1e-6, 1e6
-# The sampling values' ranges, (name, test, rule): the sample section, the sampler's
-# arguments (moe_jax/sampling.py) and sample.py's flags all check these.
-SAMPLING_RULES = (
+# The sampling values' ranges, (name, test, range): the sample section, the sampler's
+# arguments (moe_jax/inference/sampling.py) and sample.py's flags all check these.
+SAMPLING_RANGES = (
     (
         "temperature",
         lambda v: v == 0 or MIN_TEMPERATURE <= v <= MAX_TEMPERATURE,
@@ -43,12 +43,12 @@ SAMPLING_RULES = (
 
 
 def sampling_problem(values: dict, prefix: str = "") -> str | None:
-    """The first of `values` (name -> value; those SAMPLING_RULES name) out of its range, as
+    """The first of `values` (name -> value; those SAMPLING_RANGES name) out of its range, as
     a message naming it after `prefix` ("sample.": the key; "--": the flag), or None."""
-    for name, ok, rule in SAMPLING_RULES:
+    for name, ok, wanted in SAMPLING_RANGES:
         if name in values and not ok(values[name]):
             shown = name.replace("_", "-") if prefix == "--" else name
-            return f"{prefix}{shown} {rule}, got {values[name]}"
+            return f"{prefix}{shown} {wanted}, got {values[name]}"
     return None
 
 
@@ -316,7 +316,7 @@ class MeshConfig:
     # 0 elsewhere; 0 = a whole axis). A longer batch axis is gathered in steps of at most this
     # many devices: the rest that groups of it do not tile first (consecutive devices), then
     # the groups across them (fsdp 64: 8 x 8; fsdp 256: 4, 8, 8; expert 16: 2, 8;
-    # moe_jax/model/gather.py).
+    # moe_jax/model/weight_gather.py).
     gather_group: int = -1
     # multi-host (jax.distributed): on with `distributed` or when a coordinator / more than one
     # process is given; unset fields come from JAX_COORDINATOR_ADDRESS or the cluster's env
@@ -382,20 +382,21 @@ class SampleConfig:
     # sets the length); `moe_jax.aot --step decode` compiles for both.
     batch_size: int = 1
     prompt_len: int = 128
-    # Form of the weights when sampling (moe_jax/weights.py): auto (bfloat16 if model.dtype is
-    # bfloat16, else float32: no result changes) | float32 | bfloat16 | int8 (per channel) |
-    # mxfp4 (the routed experts in MXFP4, the rest bfloat16: gpt-oss as released)
+    # Form of the weights when sampling (moe_jax/inference/weights.py): auto (bfloat16 if
+    # model.dtype is bfloat16, else float32: no result changes) | float32 | bfloat16 |
+    # int8 (per channel) | mxfp4 (the routed experts in MXFP4, the rest bfloat16: gpt-oss as
+    # released)
     weights: str = "auto"
-    # Speculative decoding (moe_jax/speculative.py): the model's MTP module (model.mtp_depth
-    # >= 1) drafts up to draft_depth tokens a step (null: one per MTP depth; at most
-    # model.mtp_depth, checked when the sampler is built) and the main model checks them in
+    # Speculative decoding (moe_jax/inference/speculative.py): the model's MTP module
+    # (model.mtp_depth >= 1) drafts up to draft_depth tokens a step (null: one per MTP depth;
+    # at most model.mtp_depth, checked when the sampler is built) and the main model checks them in
     # one forward; the text has the plain sampler's distribution (greedy: its text, token for
     # token), in fewer steps.
     speculative: bool = False
     draft_depth: int | None = None
 
     def check(self) -> None:
-        values = {name: getattr(self, name) for name, _, _ in SAMPLING_RULES}
+        values = {name: getattr(self, name) for name, _, _ in SAMPLING_RANGES}
         problem = sampling_problem(values, "sample.")
         require(problem is None, problem)
         one_of(self.weights, WEIGHT_KINDS, "sample.weights")

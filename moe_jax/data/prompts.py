@@ -27,7 +27,7 @@ import numpy as np
 from moe_jax.config import Config, ConfigError
 from moe_jax.data.sft import Record, read_records
 from moe_jax.data.windows import batch_examples, local_rows, unigram_entropy
-from moe_jax.sampling import prompt_bucket
+from moe_jax.inference.sampling import prompt_bucket
 from moe_jax.tokenizer import DataError, Tokenizer, load_tokenizer
 
 FORM = '{"prompt": "...", ...} (or a list of messages; other fields go to the rewards)'

@@ -31,7 +31,7 @@ from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 from moe_jax.eval import EvalError
 from moe_jax.eval.generation import Generator, GenOptions
 from moe_jax.eval.scoring import Scorer
-from moe_jax.sampling import Sampler
+from moe_jax.inference.sampling import Sampler
 from moe_jax.tokenizer import DataError, Tokenizer
 
 DEFAULT_BATCH_SIZE = 8

@@ -1,5 +1,5 @@
-"""The harness's `generate_until`: continuations from the generation engine (`moe_jax.engine`:
-continuous batching over a paged KV cache), cut at stop strings.
+"""The harness's `generate_until`: continuations from the generation engine
+(`moe_jax.inference.engine`: continuous batching over a paged KV cache), cut at stop strings.
 
     generator = Generator(sampler, tokenizer, batch_size=8, max_length=1024)
     generator.generate([(context_ids, GenOptions(until=("\\n",), max_gen_toks=32)), ...])
@@ -30,9 +30,9 @@ from dataclasses import dataclass
 
 from tqdm import tqdm
 
-from moe_jax.engine import Engine, SamplingParams
 from moe_jax.eval import EvalError
-from moe_jax.sampling import Sampler
+from moe_jax.inference.engine import Engine, SamplingParams
+from moe_jax.inference.sampling import Sampler
 from moe_jax.tokenizer import DataError, Tokenizer
 
 # Tokens past the longest stop string's characters that the per-token check decodes: a

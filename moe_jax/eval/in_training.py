@@ -23,7 +23,7 @@ import importlib.util
 from flax import nnx
 
 from moe_jax.config import Config, ConfigError
-from moe_jax.sampling import Sampler
+from moe_jax.inference.sampling import Sampler
 from moe_jax.tokenizer import DataError, Tokenizer
 
 KIND = "downstream"  # the records' kind in metrics.jsonl

@@ -17,7 +17,7 @@ positions per row ([B, C, D], C the batch's longest continuation rounded up to a
 before the final norm and the head, so the logits are [B, C, V] instead of [B, T, V] (the
 whole sequence's logits would be most of the work at a large vocabulary). The model is the
 sampler's own (its params, split into blocks once, re-stacked inside the program, which
-copies nothing: see `moe_jax.sampling.unstack_blocks`), so a run is loaded and held once for
+copies nothing: see `inference.sampling.unstack_blocks`), so a run is loaded and held once for
 scoring and generation, sharded over the sampler's mesh when it has one (rows then split over
 the batch axes where they divide).
 """
@@ -39,7 +39,7 @@ from tqdm import tqdm
 
 from moe_jax.eval import EvalError
 from moe_jax.eval.buckets import batches, bucket
-from moe_jax.sampling import Sampler, model_of
+from moe_jax.inference.sampling import Sampler, model_of
 from moe_jax.sharding import split_batch_axes
 
 MIN_SCORED = 8  # fewest scored positions per row a program computes: short continuations share

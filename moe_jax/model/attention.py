@@ -43,7 +43,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from moe_jax import backends
 from moe_jax.config import Config
-from moe_jax.model import attention_kernels, gather, lora
+from moe_jax.model import attention_kernels, lora, weight_gather
 from moe_jax.model.kv_cache import KVCache, check_cache_inputs, ring_keys, write_cache, write_ring
 from moe_jax.model.norm import RMSNorm, rms_norm
 from moe_jax.model.paged_kv import is_paged, paged_keys
@@ -201,7 +201,7 @@ class Attention(nnx.Module):
         return self.sinks[...].astype(jnp.float32).reshape(K, self.n_heads // K)
 
     def _project(self, x_BTD: jax.Array, name: str) -> jax.Array:
-        y = gather.einsum("btd,dhk->bthk", x_BTD, getattr(self, f"w{name}"), self.dtype)
+        y = weight_gather.einsum("btd,dhk->bthk", x_BTD, getattr(self, f"w{name}"), self.dtype)
         y = y + lora.delta(self, f"w{name}", x_BTD, "btd,dhk->bthk", self.dtype)
         if hasattr(self, f"{name}_bias"):
             y = y + getattr(self, f"{name}_bias")[...].astype(self.dtype)
@@ -239,7 +239,7 @@ class Attention(nnx.Module):
             out_BTHD = self._self_attention(q_BTHD, k_BTKD, v_BTKD, positions_BT, segments_BT)
         else:
             out_BTHD, cache = self._cached(q_BTHD, k_BTKD, v_BTKD, positions_BT, cache)
-        y_BTD = gather.einsum("bthk,hkd->btd", out_BTHD, self.wo, self.dtype)
+        y_BTD = weight_gather.einsum("bthk,hkd->btd", out_BTHD, self.wo, self.dtype)
         y_BTD = y_BTD + lora.delta(self, "wo", out_BTHD, "bthk,hkd->btd", self.dtype)
         if hasattr(self, "o_bias"):
             y_BTD = y_BTD + self.o_bias[...].astype(self.dtype)

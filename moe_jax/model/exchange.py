@@ -22,10 +22,10 @@ from moe_jax import backends
 from moe_jax.config import MoEConfig
 from moe_jax.model import exchange_rounds as rounds_lib
 from moe_jax.model import experts as experts_lib
-from moe_jax.model import gather
-from moe_jax.model.experts import down_bias, expert_swiglu, filled_slots, gathered_swiglu
+from moe_jax.model import weight_gather
+from moe_jax.model.experts import down_bias, expert_swiglu, filled_slots, picked_swiglu
 from moe_jax.model.glu import Activation
-from moe_jax.model.grouped import gather_rows, grouped_swiglu, inverse, sort_rows, spread_rows
+from moe_jax.model.grouped import grouped_swiglu, inverse, sort_rows, spread_rows, unsort_rows
 from moe_jax.model.routing import (
     Routing,
     from_buffers,
@@ -113,7 +113,7 @@ def expert_parallel(
         impl=impl,
         ax=ax,
         specs=specs,
-        fs_plan=gather.steps((ax.fs,), mesh) if ax.fs else (),  # mesh.gather_group's steps
+        fs_plan=weight_gather.steps((ax.fs,), mesh) if ax.fs else (),  # mesh.gather_group's steps
         ragged=backends.exchange(impl, cfg.exchange) == "ragged",
     )
     x_spec = P(ax.batch_axes or None, None, None)
@@ -141,8 +141,8 @@ def _gathered_weight(a, name, *, specs, ax: Axes, fs_plan, dtype, window=False):
         # On v5p-128 at fsdp 64 libtpu turned the last reduce-scatter of a window's gradient,
         # along its minor dim (to a 224-wide shard), into an all-reduce. (The whole layer's
         # weights, gathered on a leading axis, went the other way round: benchmarks/README.md.)
-        return gather.gather_leading(a, fs_plan, axis)
-    return gather.gather(a, fs_plan, axis)
+        return weight_gather.gather_leading(a, fs_plan, axis)
+    return weight_gather.gather(a, fs_plan, axis)
 
 
 def _shard_step(x_bTD, router, w, rows, *, cfg, dtype, impl, ax, specs, fs_plan, ragged):
@@ -303,7 +303,7 @@ def ragged_exchange(
         stats = {"rounds": rounds.count, "overflow": rounds.overflow}
     stats = {k: v.astype(jnp.float32) for k, v in stats.items()}
     with jax.named_scope(COMBINE):  # each assignment's row; dropped ones read zeros
-        y_nD = gather_rows(y_sD, inv_n, sent_s)
+        y_nD = unsort_rows(y_sD, inv_n, sent_s)
         y_bTD = sum_choices(y_nD.reshape(b, T, K, D), r.weights, r.keep, cfg.route_scale)
     return y_bTD, stats
 
@@ -350,7 +350,7 @@ def own_experts(x_bTD, w, r: Routing, *, cfg: MoEConfig, dtype, impl, ep, tp) ->
     if b * T * K < E:  # few tokens (decoding): read only the picked experts' weights
         mine = (r.experts >= first) & (r.experts < first + E_loc)
         local = jnp.clip(r.experts - first, 0, E_loc - 1)
-        y_bTD = gathered_swiglu(
+        y_bTD = picked_swiglu(
             x_bTD, local, r.weights, r.keep & mine, w, dtype,
             route_scale=cfg.route_scale, reduce_axis=tp, act=Activation.from_config(cfg),
         )  # fmt: skip

@@ -1,7 +1,7 @@
 """The experts: the dense SwiGLU MLP, `Experts` (n_experts of them, stacked), and the ways
 their SwiGLU runs on routed tokens: on capacity buffers (`expert_swiglu`: the CPU's filled rows,
 the GPU's batched matmul, the grouped matmul), or on a few tokens' picked experts' gathered
-weights (`gathered_swiglu`, decoding). The down projection's bias is added in one place
+weights (`picked_swiglu`, decoding). The down projection's bias is added in one place
 (`down_bias`), once even where tensor-parallel partial sums are still to be summed.
 
 The gated activation (`glu.Activation`: SwiGLU, or gpt-oss's clamped form) is a static
@@ -17,8 +17,8 @@ from jax.ad_checkpoint import checkpoint_name
 
 from moe_jax import backends
 from moe_jax.config import Config
-from moe_jax.model import gather, lora
-from moe_jax.model.filled_rows import swiglu_filled
+from moe_jax.model import lora, weight_gather
+from moe_jax.model.buckets import swiglu_filled
 from moe_jax.model.glu import SWIGLU, Activation, glu
 from moe_jax.model.grouped import grouped_buffers
 from moe_jax.model.routing import scale_inputs, sum_choices
@@ -49,7 +49,7 @@ class SwiGLU(nnx.Module):
         # into slow transposing copies for the weight gradients (contracted over both B and T),
         # and the layer's forward + backward took twice as long.
         x_ND = x_BTD.reshape(-1, x_BTD.shape[-1])
-        # (each matmul's weight gathered by mesh.weight_gather, see gather.einsum)
+        # (each matmul's weight gathered by mesh.weight_gather, see weight_gather.einsum)
         gate_NF = self._matmul("w_gate", x_ND, "nd,df->nf")
         up_NF = self._matmul("w_up", x_ND, "nd,df->nf")
         y_ND = self._matmul("w_down", jax.nn.silu(gate_NF) * up_NF, "nf,fd->nd")
@@ -57,7 +57,7 @@ class SwiGLU(nnx.Module):
 
     def _matmul(self, name: str, x, subscripts: str) -> jax.Array:
         """x times weight `name`, plus its LoRA adapter's term where it has one."""
-        y = gather.einsum(subscripts, x, getattr(self, name), self.dtype)
+        y = weight_gather.einsum(subscripts, x, getattr(self, name), self.dtype)
         return y + lora.delta(self, name, x, subscripts, self.dtype)
 
 
@@ -128,7 +128,7 @@ def expert_swiglu(
     down-projection bias then comes from the axis' first shard only).
 
     Big buffers (training) run one expert at a time on the filled rows of each segment only
-    (`filled_rows`): an expert's [C, F] intermediates then stay in the CPU cache instead of
+    (`buckets`): an expert's [C, F] intermediates then stay in the CPU cache instead of
     [E, C, F] arrays going through memory (the medium training step used ~15% less CPU), and
     the capacity padding costs nothing. Big enough experts, up to UNROLL_MAX_EXPERTS of
     them, are unrolled in the trace; others run in a `lax.map`, whose compile time does not
@@ -152,7 +152,7 @@ def expert_swiglu(
         y_ESCD = grouped_buffers(x_ESCD, w_in, dtype, filled_ES, impl, row_chunks, act)
     elif S * C >= MAP_MIN_CAPACITY:
         if reduce_axis is not None:
-            # Each tensor shard's input cotangent is a partial sum. `filled_rows`' hand-written
+            # Each tensor shard's input cotangent is a partial sum. `buckets`' hand-written
             # backward must return it typed like its input, so the input is made varying here
             # and the sum of the partials (this cast's transpose) is one all-reduce for all
             # experts, after the per-expert loop.
@@ -191,7 +191,7 @@ def expert_swiglu(
 
 
 @scoped(EXPERTS)
-def gathered_swiglu(
+def picked_swiglu(
     x_BTD,
     experts_BTK,
     w_BTK,

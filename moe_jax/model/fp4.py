@@ -29,7 +29,7 @@ E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3
 _MIDPOINTS = ((0.25, False), (0.75, True), (1.25, False), (1.75, True), (2.5, False),
               (3.5, True), (5.0, False))  # fmt: skip
 
-# The format's two rules, written once for NumPy (`xp=np`: interop.mxfp4, the checkpoints'
+# The format's two operations, written once for NumPy (`xp=np`: interop.mxfp4, the checkpoints'
 # layout) and JAX (here, the model's): which scale a block gets, which code a value gets.
 
 

@@ -1,5 +1,5 @@
 """The experts' gated activation h = act(gate, up), and its backward for the kernels whose
-backward is written by hand (`filled_rows`, `grouped`).
+backward is written by hand (`buckets`, `grouped`).
 
     act = Activation.from_config(cfg.moe)  # static: a hashable NamedTuple
     h_NF = glu(gate_NF, up_NF, act)

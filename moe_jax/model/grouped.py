@@ -1,6 +1,6 @@
 """Experts as one grouped matmul over rows sorted by expert (the accelerators' MoE kernel).
 
-The CPU path (`filled_rows`) runs each expert on its capacity buffer's filled rows, picked
+The CPU path (`buckets`) runs each expert on its capacity buffer's filled rows, picked
 from a few static buckets by `lax.switch`: on a GPU every such conditional waits on the host,
 and a TPU serialises them. Here the routed rows are sorted by expert instead, so that expert
 e's rows are one contiguous group, and each projection is one grouped matmul whose groups are
@@ -24,8 +24,8 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from moe_jax import backends
-from moe_jax.model import mosaic_gmm
-from moe_jax.model.filled_rows import SAVED_NAMES
+from moe_jax.model import mosaic
+from moe_jax.model.buckets import SAVED_NAMES
 from moe_jax.model.glu import SWIGLU, Activation, glu, glu_vjp
 from moe_jax.scopes import EXPERTS, scoped
 
@@ -76,30 +76,30 @@ spread_rows.defvjp(_spread_rows_fwd, _spread_rows_bwd)
 
 
 @jax.custom_vjp
-def gather_rows(y_sD, inv_n, order_s) -> jax.Array:
+def unsort_rows(y_sD, inv_n, order_s) -> jax.Array:
     """y_sD[inv_n], positions past S reading zeros: each assignment's row back in token
     order. The gradient is the gather by `order_s` (the permutation's inverse)."""
     return y_sD.at[inv_n].get(mode="fill", fill_value=0)
 
 
-def _gather_rows_fwd(y_sD, inv_n, order_s):
-    return gather_rows(y_sD, inv_n, order_s), order_s
+def _unsort_rows_fwd(y_sD, inv_n, order_s):
+    return unsort_rows(y_sD, inv_n, order_s), order_s
 
 
-def _gather_rows_bwd(order_s, dy_nD):
+def _unsort_rows_bwd(order_s, dy_nD):
     return dy_nD[order_s], None, None
 
 
-gather_rows.defvjp(_gather_rows_fwd, _gather_rows_bwd)
+unsort_rows.defvjp(_unsort_rows_fwd, _unsort_rows_bwd)
 
 
 def grouped_matmul(x_nK, w_EKN, sizes_E, impl: str, max_group: int | None = None) -> jax.Array:
     """Rows in groups of sizes_E (in expert order) times their expert's [K, N] weight; rows
     past the groups give zeros. The weight gradient is written by hand (`ragged_hand_grad`);
     `max_group` (static): no group has more rows. impl "mosaic": jax's Mosaic GPU kernels
-    (`mosaic_gmm`) where they take the operands, XLA's ragged_dot otherwise."""
-    if impl == "mosaic" and mosaic_gmm.takes(x_nK, w_EKN):
-        return mosaic_gmm.grouped_matmul(x_nK, w_EKN, sizes_E)
+    (`mosaic`) where they take the operands, XLA's ragged_dot otherwise."""
+    if impl == "mosaic" and mosaic.takes(x_nK, w_EKN):
+        return mosaic.grouped_matmul(x_nK, w_EKN, sizes_E)
     if impl == "megablox":
         from jax.experimental.pallas.ops.tpu.megablox import gmm
 
@@ -267,7 +267,7 @@ def _projections(x_nD, w, sizes_E, expert_n, impl):
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
 def _swiglu_sorted(x_nD, w, sizes_E, expert_n, impl, max_group, act):
     """The grouped SwiGLU with a hand-written backward that keeps only the rows and the
-    gate/up products (by `filled_rows`' checkpoint names, so `model.remat=dots` keeps the
+    gate/up products (by `buckets`' checkpoint names, so `model.remat=dots` keeps the
     same ones on both paths) and recomputes the rest: left to autodiff, every layer also kept
     silu(gate) * up and the sigmoid, [rows, F] each (Qwen3-30B-A3B on v5p-128: ~5 GiB a step)."""
     return _swiglu_sorted_fwd(x_nD, w, sizes_E, expert_n, impl, max_group, act)[0]

@@ -1,7 +1,7 @@
 """LoRA adapters in the model: a low-rank pair beside a frozen weight (Hu et al. 2021).
 
     lora.attach(self, cfg, "attention", rngs)      # in a layer's __init__, after its weights
-    y = gather.einsum("btd,dhk->bthk", x, self.wq, dtype)
+    y = weight_gather.einsum("btd,dhk->bthk", x, self.wq, dtype)
     y = y + lora.delta(self, "wq", x, "btd,dhk->bthk", dtype)   # 0 where wq has no adapter
     w = lora.merged(self, {"w_gate": ..., ...}, dtype)          # routed experts: W + s A B
 

@@ -46,7 +46,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from moe_jax import backends
 from moe_jax.config import Config
-from moe_jax.model import attention_kernels, gather, lora
+from moe_jax.model import attention_kernels, lora, weight_gather
 from moe_jax.model.attention import (
     ATTENTION_OUT,
     attend,
@@ -104,20 +104,21 @@ class MLAttention(nnx.Module):
         lora.attach(self, cfg, "attention", rngs)  # wk_b / wv_b (also absorbed) get none
 
     def _w(self, v: nnx.Param) -> jax.Array:
-        """A weight without a model dim (nothing for `gather.einsum` to gather), as computed."""
+        """A weight without a model dim (nothing for `weight_gather.einsum` to gather), as
+        computed."""
         return v[...].astype(self.dtype)
 
     def _query(self, x_BTD: jax.Array) -> jax.Array:
         if hasattr(self, "wq"):
-            q_BTHQ = gather.einsum("btd,dhq->bthq", x_BTD, self.wq, self.dtype)
+            q_BTHQ = weight_gather.einsum("btd,dhq->bthq", x_BTD, self.wq, self.dtype)
             return q_BTHQ + lora.delta(self, "wq", x_BTD, "btd,dhq->bthq", self.dtype)
-        q_BTr = gather.einsum("btd,dr->btr", x_BTD, self.wq_a, self.dtype)
+        q_BTr = weight_gather.einsum("btd,dr->btr", x_BTD, self.wq_a, self.dtype)
         q_BTr = self.q_a_norm(q_BTr + lora.delta(self, "wq_a", x_BTD, "btd,dr->btr", self.dtype))
         q_BTHQ = jnp.einsum("btr,rhq->bthq", q_BTr, self._w(self.wq_b))
         return q_BTHQ + lora.delta(self, "wq_b", q_BTr, "btr,rhq->bthq", self.dtype)
 
     def _latent(self, x_BTD: jax.Array) -> jax.Array:
-        kv_BTL = gather.einsum("btd,dl->btl", x_BTD, self.wkv_a, self.dtype)
+        kv_BTL = weight_gather.einsum("btd,dl->btl", x_BTD, self.wkv_a, self.dtype)
         return kv_BTL + lora.delta(self, "wkv_a", x_BTD, "btd,dl->btl", self.dtype)
 
     @scoped(ATTENTION)
@@ -148,7 +149,7 @@ class MLAttention(nnx.Module):
             out_BTHV, cache = self._absorbed(
                 q_nope_BTHN, q_pe_BTHP, c_BTR, k_pe_BT1P, positions_BT, cache
             )
-        y_BTD = gather.einsum("bthv,hvd->btd", out_BTHV, self.wo, self.dtype)
+        y_BTD = weight_gather.einsum("bthv,hvd->btd", out_BTHV, self.wo, self.dtype)
         y_BTD = y_BTD + lora.delta(self, "wo", out_BTHV, "bthv,hvd->btd", self.dtype)
         return checkpoint_name(y_BTD, "out_proj"), cache
 

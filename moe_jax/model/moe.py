@@ -54,10 +54,10 @@ from moe_jax.model.experts import (
     down_bias,
     expert_swiglu,
     filled_slots,
-    gathered_swiglu,
+    picked_swiglu,
 )
 from moe_jax.model.glu import Activation
-from moe_jax.model.grouped import gather_rows, grouped_swiglu, inverse, sort_rows, spread_rows
+from moe_jax.model.grouped import grouped_swiglu, inverse, sort_rows, spread_rows, unsort_rows
 from moe_jax.model.routing import (
     Routing,
     aux_stats,
@@ -152,7 +152,7 @@ class MoE(nnx.Module):
             # of running all E experts on mostly empty buffers. Same drops as the buffers.
             # (LoRA: the merged weights of every expert; merge adapters before serving)
             ex = self.experts.weights() if self.experts.has_adapters() else self.experts
-            y_BTD = gathered_swiglu(
+            y_BTD = picked_swiglu(
                 x_BTD, merge(r_G.experts), merge(r_G.weights), merge(r_G.keep), ex,
                 self.dtype, route_scale=self.cfg.route_scale, act=Activation.from_config(self.cfg),
             )  # fmt: skip
@@ -219,7 +219,7 @@ class MoE(nnx.Module):
         if bias is not None:
             y_nD = y_nD + down_bias(bias[expert_n], self.dtype)
         with jax.named_scope(COMBINE):
-            y_BTKD = gather_rows(y_nD, inv_n, order_n).reshape(B, T, K, D)
+            y_BTKD = unsort_rows(y_nD, inv_n, order_n).reshape(B, T, K, D)
             return sum_choices(y_BTKD, r.weights, r.keep, self.cfg.route_scale)
 
     def _buffered(self, x_GbTD, r_G: Routing) -> jax.Array:

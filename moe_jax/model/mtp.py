@@ -33,7 +33,7 @@ the copies are exact and skips them, an export writes them, as the released chec
 the serving engines that read them from that layer have them).
 
 At sampling, the depths draft a chain of next tokens for speculative decoding (depth k the
-token k ahead, `moe_jax.speculative`): each depth's decoder layer keeps a KV cache like the
+token k ahead, `inference.speculative`): each depth's decoder layer keeps a KV cache like the
 main layers (`Transformer.init_cache(mtp=True)`).
 """
 
@@ -45,7 +45,7 @@ from flax import nnx
 
 from moe_jax import backends
 from moe_jax.config import Config, MoEConfig
-from moe_jax.model import gather
+from moe_jax.model import weight_gather
 from moe_jax.model.norm import RMSNorm
 from moe_jax.model.routing import aux_loss
 from moe_jax.sharding import param
@@ -75,7 +75,7 @@ class MTPLayer(nnx.Module):
         """-> (h_k [B, T, D], the layer's new cache, its MoE stats or None); `emb_BTD`: the
         embeddings of the tokens k places ahead of each position."""
         x_BTC = jnp.concatenate([self.enorm(emb_BTD), self.hnorm(h_BTD)], axis=-1)
-        x_BTD = gather.einsum("btc,cd->btd", x_BTC, self.eh_proj, self.dtype)
+        x_BTD = weight_gather.einsum("btc,cd->btd", x_BTC, self.eh_proj, self.dtype)
         return self.layer(x_BTD, positions_BT, cache, n_groups, segments_BT)
 
     def logits(self, h_BTD: jax.Array, head_DV: jax.Array) -> jax.Array:
@@ -95,7 +95,7 @@ def mtp_hidden(model, x_BTD, ahead_KBT: list, positions_BT=None, segments_BT=Non
         positions_BT = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
     h_BTD, out = x_BTD, []
     for layer, ahead_BT in zip(model.mtp, ahead_KBT, strict=True):
-        emb_BTD = gather.lookup(ahead_BT, model.embed.embedding, model.dtype)
+        emb_BTD = weight_gather.lookup(ahead_BT, model.embed.embedding, model.dtype)
         h_BTD, _, stats = layer(h_BTD, emb_BTD, positions_BT, None, 1, segments_BT)
         out.append((h_BTD, stats))
     return out

@@ -1,4 +1,4 @@
-"""A paged KV cache (the generation engine's, `moe_jax.engine`): one pool of fixed-size pages
+"""A paged KV cache (the generation engine's, `inference.engine`): one pool of fixed-size pages
 per layer, shared by every decode slot, and a page table per slot naming the pages that hold
 its positions, so a sequence holds pages for its actual length rather than for the whole
 context, and pages of a common prompt prefix can be shared between slots.

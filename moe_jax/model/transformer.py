@@ -21,7 +21,7 @@ offloaded to host memory on top of dots or full (`remat.py`).
 
 With `model.mtp_depth` > 0 the model also holds `mtp`, DeepSeek-V3's multi-token prediction
 layers (`mtp.py`): the forward never runs them; the loss applies them to the `head=False`
-output, and speculative sampling drafts with them (`moe_jax.speculative`).
+output, and speculative sampling drafts with them (`moe_jax.inference.speculative`).
 
 Image inputs (`model.vision` = d_vision > 0): precomputed image embeddings [B, N, d_vision] go
 through a learned projection `vision_proj` [d_vision, d_model] and replace the token embeddings
@@ -59,7 +59,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from moe_jax import backends
 from moe_jax.config import Config
-from moe_jax.model import gather, lora
+from moe_jax.model import lora, weight_gather
 from moe_jax.model.attention import Attention
 from moe_jax.model.int8 import after
 from moe_jax.model.kv_cache import KVCache
@@ -227,7 +227,7 @@ class Transformer(nnx.Module):
         cache = {"blocks": blocks, "tail": [zeros(k + j) for j in range(len(self.tail))]}
         if k:
             cache["prefix"] = [zeros(i) for i in range(k)]
-        if mtp:  # the MTP layers' (moe_jax/speculative.py), of the last layer's kind
+        if mtp:  # the MTP layers' (moe_jax/inference/speculative.py), of the last layer's kind
             cache["mtp"] = [zeros(cfg.model.n_layers - 1) for _ in range(cfg.model.mtp_depth)]
         return cache
 
@@ -252,7 +252,7 @@ class Transformer(nnx.Module):
         replay = self._replays(routes)
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
-        x_BTD = gather.lookup(tokens_BT, self.embed.embedding, self.dtype)
+        x_BTD = weight_gather.lookup(tokens_BT, self.embed.embedding, self.dtype)
         if images is not None or image_mask is not None:
             x_BTD = self._insert_images(x_BTD, images, image_mask)
 

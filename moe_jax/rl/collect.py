@@ -4,7 +4,7 @@ trip): the trainer hands over a batch of prompt indices and trains on what this 
     rollouts = Rollouts(cfg, graphdef, data)            # data: data.prompts.PromptData
     batch = rollouts(state, {"index": idx_B}, step)     # numpy rows for grpo.compute_grads
 
-The jitted sampler (`moe_jax.sampling`, made once, its weights swapped every step) draws
+The jitted sampler (`moe_jax.inference.sampling`, made once, its weights swapped every step) draws
 rl.group_size completions of every prompt at rl.temperature, seeded by (seed, step) so a
 resumed run draws what the uninterrupted one did, recording each token's experts and
 log-prob (`generate(record=True)`); the completions end at the tokenizer's EOS or after
@@ -20,11 +20,11 @@ import numpy as np
 from flax import nnx
 
 from moe_jax.data.prompts import prompt_text
-from moe_jax.decoding import unstack_blocks
 from moe_jax.errors import MoeJaxError
+from moe_jax.inference.decoding import unstack_blocks
+from moe_jax.inference.sampling import Sampler
 from moe_jax.rl.grpo import group_advantages
 from moe_jax.rl.rollouts import rollout_rows
-from moe_jax.sampling import Sampler
 
 
 class RewardError(MoeJaxError, ValueError):

@@ -17,7 +17,7 @@ sampled tokens), the reference being the base with the LoRA adapters off, and th
 loss. pi_old is the sampler's log-prob of the token (one update per rollout batch: rho is
 1 but for the sampler / trainer mismatch, which routing replay removes for the experts).
 
-Capacity: the sampler never drops (its graph is dropless, `moe_jax.sampling`), and replay
+Capacity: the sampler never drops (its graph is dropless, `moe_jax.inference.sampling`), and replay
 hands the training forward the sampler's choices, not its drops: with moe.capacity_factor
 > 0 the training forward still queues the replayed assignments into its own capacity slots
 (its routing groups, its priority rule) and drops what overflows, so a dropped assignment

@@ -20,8 +20,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from moe_jax import backends
+from moe_jax.inference.sampling import Generation
 from moe_jax.loss import head_statistics
-from moe_jax.sampling import Generation
 
 
 def rollout_rows(

@@ -1,4 +1,4 @@
-"""An OpenAI-compatible HTTP server over the generation engine (`moe_jax.engine`):
+"""An OpenAI-compatible HTTP server over the generation engine (`moe_jax.inference.engine`):
 
     python -m moe_jax.serve RUN_DIR [--host 127.0.0.1] [--port 8000] [--max-slots 8]
         [--max-queue 256] [--page-size 16] [--pages N] [--chunk 64] [--step N] [overrides]

@@ -39,7 +39,7 @@ def main(argv=None) -> int:
         from moe_jax.serve.app import create_app
     except ImportError as e:
         return say(f"the server needs the serve extra (pip install 'moe_jax[serve]'): {e}")
-    from moe_jax.engine import Engine
+    from moe_jax.inference.engine import Engine
     from moe_jax.load import load_sampler
 
     # Until uvicorn serves, a signal stops the command as any other (moe_jax.cli.entry).

@@ -18,7 +18,7 @@ step.
 import asyncio
 import contextlib
 
-from moe_jax.engine import Engine, EngineError, Event, QueueFull
+from moe_jax.inference.engine import Engine, EngineError, Event, QueueFull
 from moe_jax.serve.reply import Item, Reply, error
 from moe_jax.serve.requests import BadRequest, Job, parse
 from moe_jax.serve.text import TextStream

@@ -10,7 +10,7 @@ import time
 import uuid
 from typing import TYPE_CHECKING, NamedTuple
 
-from moe_jax.engine import Event
+from moe_jax.inference.engine import Event
 from moe_jax.serve.requests import Job
 
 if TYPE_CHECKING:  # the serve extra's; imported where used, so the module imports without it

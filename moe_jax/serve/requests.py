@@ -16,9 +16,9 @@ from __future__ import annotations
 import dataclasses
 import secrets
 
-from moe_jax.engine import SamplingParams
-from moe_jax.engine.programs import TOP_LOGPROBS
 from moe_jax.errors import MoeJaxError
+from moe_jax.inference.engine import SamplingParams
+from moe_jax.inference.engine.programs import TOP_LOGPROBS
 from moe_jax.tokenizer import DataError
 
 MAX_N = 16

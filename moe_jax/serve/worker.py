@@ -13,7 +13,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from moe_jax.engine import Engine, Event, SamplingParams
+from moe_jax.inference.engine import Engine, Event, SamplingParams
 
 # Latency histogram buckets, seconds (Prometheus' `le` bounds; +Inf is added).
 LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)

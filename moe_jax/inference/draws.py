@@ -1,4 +1,4 @@
-"""The sampling rules: how one token is drawn from each row's logits.
+"""Drawing tokens: how one token is drawn from each row's logits.
 
 Applied in this order to each row's logits: temperature (0 = greedy argmax), top-k (keep the k
 most likely; 0 = off), top-p (keep the smallest most-likely set whose mass reaches p; 1 = off).
@@ -48,7 +48,7 @@ def sample_tokens(
 def filtered_logits(logits_BV, temperature, top_k, top_p, mode: Mode) -> jax.Array:
     """The distribution `sample_tokens` draws from (not greedy), as float32 logits [B, V] in
     token order: divided by the temperature, -inf outside the top-k / top-p set
-    (`moe_jax.speculative_rules` needs the probabilities themselves, not only a draw)."""
+    (`moe_jax.inference.acceptance` needs the probabilities themselves, not only a draw)."""
     assert not mode.greedy, "greedy picks the argmax; it draws from no distribution"
     logits_BV = logits_BV.astype(jnp.float32) / temperature
     if not (mode.top_k or mode.top_p):

@@ -1,5 +1,5 @@
-"""The decode loop that both samplers run (`moe_jax.sampling`: a token a step;
-`moe_jax.speculative`: drafts checked a step), once: the request as one value, the model
+"""The decode loop that both samplers run (`moe_jax.inference.sampling`: a token a step;
+`moe_jax.inference.speculative`: drafts checked a step), once: the request as one value, the model
 called with its layer blocks kept apart, each row's key, the stop test, streaming, and the
 while loop. A sampler gives its prefill (the loop's first carry) and its step.
 
@@ -24,7 +24,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from moe_jax.sampling_rules import Mode
+from moe_jax.inference.draws import Mode
 from moe_jax.sharding import split_batch_axes
 
 

@@ -1,6 +1,6 @@
-"""Speculative sampling's rule (Leviathan et al. 2023, arXiv:2211.17192; Chen et al. 2023,
-arXiv:2302.01318): which drafts the main model keeps and the token it adds, such that every
-emitted token has exactly the distribution the plain sampler draws it from.
+"""Accepting drafts: speculative sampling's rule (Leviathan et al. 2023, arXiv:2211.17192;
+Chen et al. 2023, arXiv:2302.01318): which drafts the main model keeps and the token it
+adds, such that every emitted token has exactly the distribution the plain sampler draws it from.
 
 A step checks drafts d_1..d_K of the tokens after the newest one. d_j was drawn from q_j (the
 draft's distribution) and the main model's distribution of the same token is p_{j-1} (the
@@ -11,7 +11,7 @@ Each emitted token is then distributed by p given the tokens before it (the pape
 P(d kept) + P(rejected) norm(max(0, p - q)) = min(p, q) + (1 - sum min(p, q)) (p - min(p, q))
 / (1 - sum min(p, q)) = p), whatever the drafts are: a poor draft costs speed, not accuracy.
 
-p and q are the sampling rule's distributions (`sampling_rules.filtered_logits`): the
+p and q are the sampling rule's distributions (`draws.filtered_logits`): the
 temperature, then the top-k / top-p filter applied to each by its own logits (the standard
 way, as vLLM and Hugging Face do it), so a draft outside p's set is always rejected and every
 token stays inside p's set, as the plain sampler's. Greedy (temperature 0) is the limit with
@@ -29,7 +29,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from moe_jax.sampling_rules import Mode, filtered_logits, in_vocab
+from moe_jax.inference.draws import Mode, filtered_logits, in_vocab
 
 
 def step_keys(row_keys_B, step, n: int) -> list:

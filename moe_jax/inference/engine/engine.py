@@ -1,6 +1,6 @@
 """The generation engine: continuous batching over a paged KV cache.
 
-    engine = Engine(sampler, max_slots=8)                # a `moe_jax.sampling.Sampler`'s model
+    engine = Engine(sampler, max_slots=8)                # an `inference.sampling.Sampler`'s model
     rid = engine.submit(prompt_ids, SamplingParams(max_tokens=64, temperature=0.7, seed=1))
     while engine.has_work():
         for event in engine.step(): ...    # Event(rid, token, finish_reason, logprob, top)
@@ -46,9 +46,9 @@ import jax
 import numpy as np
 
 from moe_jax.config import sampling_problem
-from moe_jax.engine.pages import PagePool
-from moe_jax.engine.programs import Batch, Picked, PickMode, Programs, table_width
 from moe_jax.errors import MoeJaxError
+from moe_jax.inference.engine.pages import PagePool
+from moe_jax.inference.engine.programs import Batch, Picked, PickMode, Programs, table_width
 
 
 def _bucket(n: int, lo: int, hi: int) -> int:

@@ -58,9 +58,9 @@ it is sampled. The callback syncs with the host every step, which costs nothing 
 on CPU or for text a person reads; batches compile without it. JAX orders callbacks on one
 device only; under a mesh they are unordered and the host puts the steps back in order.
 
-Sampling rules (temperature, top-k, top-p, one key a row): `moe_jax.sampling_rules`. The loop's
+Drawing tokens (temperature, top-k, top-p, one key a row): `moe_jax.inference.draws`. The loop's
 scaffolding (the request as one value, the model calls, row keys, stop test, streaming), which
-the speculative sampler shares: `moe_jax.decoding`.
+the speculative sampler shares: `moe_jax.inference.decoding`.
 """
 
 from __future__ import annotations
@@ -79,11 +79,19 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from moe_jax.config import sampling_problem
-from moe_jax.decoding import Decoding, Program, Request, Weights, loop, model_of, unstack_blocks
 from moe_jax.errors import MoeJaxError
+from moe_jax.inference.decoding import (
+    Decoding,
+    Program,
+    Request,
+    Weights,
+    loop,
+    model_of,
+    unstack_blocks,
+)
+from moe_jax.inference.draws import Mode, pick_tokens
 from moe_jax.model import Transformer
 from moe_jax.model.int8 import is_quantized, quantize_model
-from moe_jax.sampling_rules import Mode, pick_tokens
 
 MIN_BUCKET = 16  # shortest prompt bucket: shorter prompts are padded to this
 STOP_BUCKET = 8  # stop-token lists are padded to a multiple of this
@@ -321,7 +329,7 @@ class Sampler:
         return self._generation(*outputs)
 
     def _generation(self, out_BN: np.ndarray, steps) -> Generation:
-        """The program's outputs as the caller gets them (`moe_jax.speculative` adds its own)."""
+        """The program's outputs as the caller gets them (`speculative` adds its own)."""
         return Generation(out_BN, np.sum(out_BN >= 0, axis=1).astype(np.int32), int(steps))
 
     def lower(self, prompts, max_new_tokens: int, *, sharding=None, **kw) -> jax.stages.Lowered:

@@ -20,7 +20,7 @@ MoE's map. The embedding and the head go in blocks of the vocabulary (`TABLE_BLO
         x_BTD = lookup(tokens_BT, embedding, dtype)               # the embedding's rows
         stats = head_statistics(loss_stats, normed_BTD, targets_BT, chunk, head_DV)  # head
 
-Only the train step's trace gathers this way (sampling lays its weights out by other rules,
+Only the train step's trace gathers this way (sampling lays its weights out by other sharding rules,
 `sharding.INFERENCE_RULES`), and only where two steps split the weight's model dim; a batch
 the batch axes do not divide runs replicated, and a vocabulary split over `tensor` keeps the
 partitioner's embedding and head.

@@ -1,4 +1,4 @@
-"""`mosaic_gmm`'s own code on the CPU: the VJP that joins jax's two Mosaic GPU kernels, the
+"""`mosaic`'s own code on the CPU: the VJP that joins jax's two Mosaic GPU kernels, the
 masking of what they leave unwritten, the types inside `shard_map`, and the tile fitting.
 
 Mosaic GPU kernels run on Hopper GPUs only (tests/test_gpu.py runs the real ones there), so
@@ -18,7 +18,7 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from moe_jax.model import mosaic_gmm
+from moe_jax.model import mosaic
 
 
 def _group_of_rows(n, sizes):
@@ -44,9 +44,7 @@ def fake_transposed_ragged_dot(lhs, rhs, *, group_sizes, **tile):
 
 @pytest.fixture
 def fake_kernels(monkeypatch):
-    monkeypatch.setattr(
-        mosaic_gmm, "_kernels", lambda: (fake_ragged_dot, fake_transposed_ragged_dot)
-    )
+    monkeypatch.setattr(mosaic, "_kernels", lambda: (fake_ragged_dot, fake_transposed_ragged_dot))
 
 
 SIZES = jnp.array([5, 0, 9, 3], jnp.int32)  # 17 rows in groups, 3 past them (dropped)
@@ -69,7 +67,7 @@ def _reference(x, w):
 
 def test_values_and_gradients_equal_ragged_dot_with_nothing_unwritten_read(fake_kernels):
     x, w, dy = _operands()
-    y, vjp = jax.vjp(lambda x, w: mosaic_gmm.grouped_matmul(x, w, SIZES), x, w)
+    y, vjp = jax.vjp(lambda x, w: mosaic.grouped_matmul(x, w, SIZES), x, w)
     dx, dw = vjp(dy)
     want, want_vjp = jax.vjp(_reference, x, w)
     want_dx, want_dw = want_vjp(dy)
@@ -90,7 +88,7 @@ def test_inside_a_shard_map_the_gradients_carry_their_inputs_types(fake_kernels)
 
     def shard(x, w, dy):
         sizes = SIZES  # each shard's rows hold the same groups
-        _, vjp = jax.vjp(lambda x, w: mosaic_gmm.grouped_matmul(x, w, sizes), x, w)
+        _, vjp = jax.vjp(lambda x, w: mosaic.grouped_matmul(x, w, sizes), x, w)
         return vjp(dy)
 
     f = jax.shard_map(
@@ -107,15 +105,15 @@ def test_inside_a_shard_map_the_gradients_carry_their_inputs_types(fake_kernels)
 
 
 def test_tiles_fit_the_dims_or_the_operands_are_refused():
-    assert mosaic_gmm.fitted((128, 128, 64, 4, 1), 2048, 768) == (128, 128, 64, 4, 1)
+    assert mosaic.fitted((128, 128, 64, 4, 1), 2048, 768) == (128, 128, 64, 4, 1)
     # 2880 (gpt-oss's hidden) is a multiple of 64, not of 128
-    assert mosaic_gmm.fitted((128, 128, 64, 4, 1), 2880, 2048) == (64, 64, 64, 4, 1)
-    assert mosaic_gmm.fitted((128, 128, 64, 4, 1), 40, 128) is None
+    assert mosaic.fitted((128, 128, 64, 4, 1), 2880, 2048) == (64, 64, 64, 4, 1)
+    assert mosaic.fitted((128, 128, 64, 4, 1), 40, 128) is None
     bf = lambda *shape: jnp.zeros(shape, jnp.bfloat16)
-    assert mosaic_gmm.takes(bf(8, 256), bf(4, 256, 128))
-    assert not mosaic_gmm.takes(bf(8, 40), bf(4, 40, 128))  # tiny configs: XLA's ragged_dot
-    assert not mosaic_gmm.takes(jnp.zeros((8, 256)), jnp.zeros((4, 256, 128)))  # float32
-    assert not mosaic_gmm.takes(bf(8, 256), jnp.zeros((4, 256, 128)))  # mixed dtypes
+    assert mosaic.takes(bf(8, 256), bf(4, 256, 128))
+    assert not mosaic.takes(bf(8, 40), bf(4, 40, 128))  # tiny configs: XLA's ragged_dot
+    assert not mosaic.takes(jnp.zeros((8, 256)), jnp.zeros((4, 256, 128)))  # float32
+    assert not mosaic.takes(bf(8, 256), jnp.zeros((4, 256, 128)))  # mixed dtypes
 
 
 def test_the_grouped_matmul_sends_only_operands_the_kernels_take(fake_kernels, monkeypatch):
@@ -124,9 +122,7 @@ def test_the_grouped_matmul_sends_only_operands_the_kernels_take(fake_kernels, m
     from moe_jax.model import grouped
 
     calls = []
-    monkeypatch.setattr(
-        mosaic_gmm, "grouped_matmul", lambda *a: calls.append(a) or _reference(*a[:2])
-    )
+    monkeypatch.setattr(mosaic, "grouped_matmul", lambda *a: calls.append(a) or _reference(*a[:2]))
     x, w, _ = _operands(jnp.bfloat16)
     grouped.grouped_matmul(x, w, SIZES, "mosaic")
     assert len(calls) == 1

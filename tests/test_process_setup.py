@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from moe_jax.runtime import accelerator_present
+from moe_jax.process_setup import accelerator_present
 
 pytestmark = pytest.mark.skipif(
     sys.platform != "linux" or platform.libc_ver()[0] != "glibc", reason="glibc only"
@@ -21,7 +21,7 @@ pytestmark = pytest.mark.skipif(
 # buffer it touched (AnonHugePages of its smaps_rollup, kB).
 CHILD = """
 import json, os, sys
-from moe_jax.runtime import reexec_with_hugepages
+from moe_jax.process_setup import reexec_with_hugepages
 reexec_with_hugepages()
 import numpy as np
 buf = np.ones(64 * 2**20, np.float32)
@@ -69,7 +69,7 @@ def test_opt_out(tmp_path):
     assert out["argv"] == ["a b", "--flag"]
 
 
-PLATFORM_CHILD = "from moe_jax.runtime import platform_line; print(platform_line())"
+PLATFORM_CHILD = "from moe_jax.process_setup import platform_line; print(platform_line())"
 
 
 @pytest.mark.parametrize(

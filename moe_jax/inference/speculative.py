@@ -6,16 +6,16 @@ arXiv:2412.19437 sec. 5.4.3: 85-90% of its second-token predictions accepted).
     out.sequences()                             # the greedy text, token for token
     out.acceptance_rate, out.acceptance_rates   # drafts kept, all together and per depth
 
-The program is the plain sampler's (`moe_jax.sampling`: one jitted prefill + while loop, the
+The program is the plain sampler's (`sampling`: one jitted prefill + while loop, the
 same arguments, prompt buckets, stop tokens, streaming and mesh, on the same loop skeleton,
-`moe_jax.decoding`) with another prefill and loop body. With
+`decoding`) with another prefill and loop body. With
 K drafting depths (`draft_depth`, sample.draft_depth: 1..model.mtp_depth, default all) a row
 holds its newest token x (at position p, not yet fed) and drafts d_1..d_K of the K tokens
 after it, and each step
 1. runs the main model on [x, d_1, .., d_K] at positions p..p+K, one forward of K+1
    positions, whose distribution at p+j-1 is the one the plain sampler would draw d_j's
    token from;
-2. keeps d_1, d_2, .. while the rule keeps them (`speculative_rules`: greedy, while each is
+2. keeps d_1, d_2, .. while the rule keeps them (`acceptance`: greedy, while each is
    the main model's argmax; at a temperature, speculative sampling's rejection rule) and
    emits them and one more token of the main model's (at the first rejection, or the bonus
    after all K): 1 to K+1 tokens, each distributed exactly as the plain sampler's (greedy:
@@ -56,7 +56,7 @@ stopped. A step checks only as many drafts as the row has room for, and ends at 
 stop token. Streaming (`on_token`) calls back K+1 times a step, with each row's first, second,
 .. token of the step (-1 where it emitted none), so its step numbers count calls, not tokens.
 Randomness: each row's key (`fold_in(seed, row)`, as the plain sampler's) folded with the step
-and split (`speculative_rules.step_keys`): a seed gives the same text, but not the plain
+and split (`acceptance.step_keys`): a seed gives the same text, but not the plain
 sampler's text (the same distribution, drawn otherwise).
 """
 
@@ -69,10 +69,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from moe_jax.decoding import Decoding, Program, Request, Weights, loop, shard_cache
-from moe_jax.model import Transformer, gather
-from moe_jax.sampling import Generation, Sampler, SamplingError
-from moe_jax.speculative_rules import DraftRule, step_keys
+from moe_jax.inference.acceptance import DraftRule, step_keys
+from moe_jax.inference.decoding import Decoding, Program, Request, Weights, loop, shard_cache
+from moe_jax.inference.sampling import Generation, Sampler, SamplingError
+from moe_jax.model import Transformer, weight_gather
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,7 +133,7 @@ class _Runner:
     def depth(self, k: int, h_BTD, ahead_BT, positions_BT, cache):
         """MTP depth k over h_{k-1} and the tokens k ahead -> (h_k [B, T, D], its cache)."""
         model = self.model()
-        emb_BTD = gather.lookup(ahead_BT, model.embed.embedding, model.dtype)
+        emb_BTD = weight_gather.lookup(ahead_BT, model.embed.embedding, model.dtype)
         h_BTD, cache, _ = model.mtp[k - 1](h_BTD, emb_BTD, positions_BT, cache, 1, None)
         return h_BTD, shard_cache(cache)
 

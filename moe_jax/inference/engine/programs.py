@@ -13,10 +13,10 @@ every slot's last token). The page table is cut to a power-of-two number of page
 longest row's), so attention reads about the rows' actual lengths, not the whole context; a
 program is compiled per (tokens shape, table width, sampling mode): a few, whatever the
 requests. The weights, the graph and the capacity-free MoE are the sampler's
-(`moe_jax.sampling.Sampler`), so the engine computes what `sample.py` computes.
+(`moe_jax.inference.sampling.Sampler`), so the engine computes what `sample.py` computes.
 
 Sampling per row (`pick`): greedy rows take the argmax; sampled rows with neither top-k nor
-top-p draw from the tempered logits, filtered rows through `sampling_rules.sample_tokens`'s
+top-p draw from the tempered logits, filtered rows through `draws.sample_tokens`'s
 sorted path, each exactly as `Sampler.generate` draws that request alone (row key
 fold_in(seed, r), folded with the step), so a request's text does not depend on the other
 requests in flight. The static mode only skips work no row needs (all greedy; no filter).
@@ -36,8 +36,8 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from moe_jax.decoding import Weights, model_of, stack_blocks, unstack_blocks
-from moe_jax.sampling_rules import Mode, in_vocab, sample_tokens
+from moe_jax.inference.decoding import Weights, model_of, stack_blocks, unstack_blocks
+from moe_jax.inference.draws import Mode, in_vocab, sample_tokens
 
 
 class Batch(NamedTuple):
