@@ -25,6 +25,13 @@ sequence reaches one; if none is left, the most recently admitted other request 
 its pages are freed and it waits at the queue's head, to be prefilled again with the tokens it
 has so far (greedy, it then goes on as before; its sampling keys are per step, so sampled too).
 
+Speculative decoding (`Engine(sampler, speculative=True, draft_depth=K)`, a model with MTP
+layers): step 3 is a verify call instead, each decoding request feeding its newest token and
+the K tokens its MTP layers drafted, and emitting 1..K+1 tokens (greedy: the same tokens);
+prefill chunks fill the MTP layers' pages too, and a prompt's last chunk drafts
+(`speculation.py` the host side, `draft_programs.py` the programs; `self.speculation` counts
+the drafts checked and kept).
+
 Sliding-window layers keep their pages in a pool of their own, released once behind the
 window (`programs` module doc); a model with such layers shares no prefix pages (the window
 pages of a prefix are gone by the time it could be shared).
