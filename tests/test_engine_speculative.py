@@ -59,7 +59,9 @@ DEEPSEEK = [
     "moe.score=sigmoid",
     "moe.correction_bias=true",
 ]
-LENGTHS = (5, 11, 20, 17, 3, 14)  # 20: two prefill chunks of 16 (the first ends K early)
+# 17: two prefill chunks, the first ending K positions early (at 15, not 16, so that the
+# MTP layers over it see prompt tokens only); 1: the last chunk is the prompt's only token.
+LENGTHS = (5, 11, 20, 17, 1, 14)
 # 8 pages of 8 for 4 slots (one full context): requests preempt others; a request's 20 +
 # 10 positions stay within a table of 4 pages.
 SIZES = dict(max_slots=4, page_size=8, chunk=16, n_pages=8, min_decode_rows=4, prefill_rows=2)
@@ -262,6 +264,33 @@ def test_on_a_mesh_speculation_gives_the_same_tokens_and_drafts(setup):
     tokens, drafts = run_staggered(engine, prompts, SamplingParams(max_tokens=N_NEW))
     assert tokens == greedy
     assert drafts == [row[:N_NEW].tolist() for row in spec.drafts]
+
+
+def test_sliding_window_rings_page_the_mtp_layers_too():
+    """Every layer in a window of 6, so the MTP layers' pages are read through the window
+    pool's table too and released once behind every query's window (the MTP layers' queries
+    start K - 1 positions before the newest token): `SpeculativeSampler`'s tokens and drafts,
+    and each slot holds few window pages however long its text."""
+    window = ["attention.sliding_window=6", "attention.chunk_size=0"]
+    model = Transformer(tiny_config(*DEEPSEEK[:5], *window), rngs=nnx.Rngs(0))
+    sampler = Sampler(model)
+    prompts = prompts_of((13, 20, 4), seed=2)
+    want = SpeculativeSampler(model).generate(prompts, N_NEW, temperature=0, vocab_size=N_VOCAB)
+    engine = engine_of(sampler)
+    held, step = [], engine.step
+
+    def watched_step():  # the window pages each slot holds
+        events = step()
+        held.extend(sum(p >= 0 for p in s.window_pages) for s in filter(None, engine.slots))
+        return events
+
+    engine.step = watched_step
+    tokens, drafts = run_staggered(engine, prompts, SamplingParams(max_tokens=N_NEW))
+    assert tokens == want.sequences()
+    assert drafts == [row[:n].tolist() for row, n in zip(want.drafts, want.lengths, strict=True)]
+    assert_counts_are_the_tokens(engine, tokens, drafts)
+    # 30 positions span 4 pages; the window's 6 (+ K - 1) and the K + 1 a step writes, 3
+    assert engine.window == 6 and max(held) <= 3 and engine.window_pool.in_use() == 0
 
 
 def test_refusals_are_one_line(setup):
