@@ -9,6 +9,7 @@ Budget: ~20 s on 2 CPU cores.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -68,15 +69,13 @@ def write_tokenizer(directory):
     return load_tokenizer(str(directory))
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    """(base URL, engine, sampler, tokenizer, run dir) of a live server on a fresh tiny run."""
-    root = tmp_path_factory.mktemp("serve")
-    tokenizer = write_tokenizer(root / "tok")
+def write_run(root, tokenizer, *overrides):
+    """A tiny run (one checkpoint of its initial params) -> its directory."""
     run = root / "tiny"
     cfg = tiny_config(
         "model.init_std=0.05", "model.n_layers=2", "attention.nope_interval=2",
         "model.vocab_size=264", "model.max_seq_len=128", "train.seq_len=64", f"run_dir={run}",
+        *overrides,
     )  # fmt: skip
     _, state = init_state(cfg, make_optimizer(cfg.train))
     batches = train_iterator(tokenizer.encode(CORPUS), 16, 4, cfg.seed)
@@ -84,9 +83,12 @@ def server(tmp_path_factory):
     ckpt.save(1, state["params"], state["opt_state"], batches,
               {"config": cfg, "tokenizer": tokenizer, "fingerprint": "test"})  # fmt: skip
     ckpt.close()
-    _, sampler, tokenizer = load_sampler(run)
-    engine = Engine(sampler, max_slots=4, page_size=16, chunk=16, max_queue=64,
-                    vocab_size=tokenizer.vocab_size)  # fmt: skip
+    return run
+
+
+@contextlib.contextmanager
+def serving(engine, tokenizer):
+    """The app on `engine` served by uvicorn in a thread -> its base URL."""
     config = uvicorn.Config(create_app(engine, tokenizer, "tiny"), host="127.0.0.1", port=0,
                             log_level="warning")  # fmt: skip
     srv = uvicorn.Server(config)
@@ -97,9 +99,23 @@ def server(tmp_path_factory):
         assert time.time() < deadline and thread.is_alive(), "the server did not start"
         time.sleep(0.05)
     port = srv.servers[0].sockets[0].getsockname()[1]
-    yield f"http://127.0.0.1:{port}", engine, sampler, tokenizer, run
-    srv.should_exit = True
-    thread.join(30)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        srv.should_exit = True
+        thread.join(30)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    """(base URL, engine, sampler, tokenizer, run dir) of a live server on a fresh tiny run."""
+    root = tmp_path_factory.mktemp("serve")
+    run = write_run(root, write_tokenizer(root / "tok"))
+    _, sampler, tokenizer = load_sampler(run)
+    engine = Engine(sampler, max_slots=4, page_size=16, chunk=16, max_queue=64,
+                    vocab_size=tokenizer.vocab_size)  # fmt: skip
+    with serving(engine, tokenizer) as base:
+        yield base, engine, sampler, tokenizer, run
 
 
 @pytest.fixture(scope="module")
@@ -299,3 +315,38 @@ def test_the_command_refuses_a_missing_run_in_one_line(capsys):
 
     assert main(["/nonexistent/run"]) == 2
     assert capsys.readouterr().err.startswith("error: run directory '/nonexistent/run'")
+
+
+def test_speculation_through_the_server_gives_the_same_text_and_counts_its_drafts(
+    server, tmp_path, capsys
+):
+    """A run with one MTP layer served as `--speculative` asks (`engine_for`, the command's
+    engine): a completion is the plain program's greedy text, and /metrics counts the drafts
+    checked and kept, in all and per depth. `--speculative` on a run without MTP layers: a
+    one-line error, exit 2."""
+    from moe_jax.serve.__main__ import engine_for, main, parse_args
+
+    run = write_run(tmp_path, server[3], "model.mtp_depth=1")
+    flags = ["--speculative", "--max-slots", "2", "--page-size", "16", "--chunk", "16"]
+    cfg, sampler, tok = load_sampler(run)
+    engine = engine_for(parse_args([str(run), *flags]), cfg, sampler, tok)
+    assert engine.speculation.K == 1
+    prompt = "the quick brown"
+    ids = tok.encode(prompt, add_special_tokens=True).tolist()
+    with serving(engine, tok) as base:
+        client = openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=0, timeout=60)
+        got = client.completions.create(model="tiny", prompt=prompt, max_tokens=N, temperature=0)
+        metrics = httpx.get(base + "/metrics").text
+    assert (got.choices[0].text, got.choices[0].finish_reason) == greedy_text(
+        (None, None, sampler, tok), ids
+    )
+    counts = dict(line.rsplit(" ", 1) for line in metrics.splitlines() if line[0] != "#")
+    drafted = int(counts["moe_jax_spec_decode_draft_tokens_total"])
+    assert drafted > 0 and drafted == int(engine.speculation.drafted.sum())
+    accepted = int(counts["moe_jax_spec_decode_accepted_tokens_total"])
+    assert accepted == int(engine.speculation.accepted.sum())
+    assert counts['moe_jax_spec_decode_draft_tokens_by_depth_total{depth="1"}'] == str(drafted)
+    capsys.readouterr()
+    assert main([str(server[4]), "--speculative"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "model.mtp_depth=0" in err, err

@@ -33,9 +33,10 @@ from moe_jax.inference.draws import Mode, filtered_logits, in_vocab
 
 
 def step_keys(row_keys_B, step, n: int) -> list:
-    """n independent keys per row for one step: n arrays of [B] keys."""
-    split = lambda k: jax.random.split(jax.random.fold_in(k, step), n)
-    keys_BN = jax.vmap(split)(row_keys_B)
+    """n independent keys per row for one step (`step`: every row's, or each row's own [B],
+    as the engine's rows are at their own steps): n arrays of [B] keys."""
+    split = lambda k, s: jax.random.split(jax.random.fold_in(k, s), n)
+    keys_BN = jax.vmap(split)(row_keys_B, jnp.broadcast_to(step, row_keys_B.shape))
     return [keys_BN[:, i] for i in range(n)]
 
 

@@ -132,27 +132,38 @@ class _Runner:
 
     def depth(self, k: int, h_BTD, ahead_BT, positions_BT, cache):
         """MTP depth k over h_{k-1} and the tokens k ahead -> (h_k [B, T, D], its cache)."""
-        model = self.model()
-        emb_BTD = weight_gather.lookup(ahead_BT, model.embed.embedding, model.dtype)
-        h_BTD, cache, _ = model.mtp[k - 1](h_BTD, emb_BTD, positions_BT, cache, 1, None)
+        h_BTD, cache = mtp_depth(self.model(), k, h_BTD, ahead_BT, positions_BT, cache)
         return h_BTD, shard_cache(cache)
 
     def draft(self, k: int, h_BD, key_B):
         """Depth k's draft from its hidden state at the newest token's predecessor [B, D]
         -> (token [B], its distribution [B, V] or [B, 0] greedy)."""
-        model = self.model()
-        h_B1D = h_BD[:, None]
-        logits_B1V = model.mtp[k - 1].logits(h_B1D, model.head_weight(h_B1D))
-        return self.rule.draw(logits_B1V[:, 0], key_B)
+        return mtp_draft(self.model(), self.rule, k, h_BD, key_B)
 
 
-def _at(x_BT, i_B):
+def mtp_depth(model, k: int, h_BTD, ahead_BT, positions_BT, cache):
+    """MTP depth k of `model` over h_{k-1} and the tokens k ahead -> (h_k [B, T, D], its
+    cache) (also the engine's, `moe_jax.inference.engine.draft_programs`, over its pages)."""
+    emb_BTD = weight_gather.lookup(ahead_BT, model.embed.embedding, model.dtype)
+    h_BTD, cache, _ = model.mtp[k - 1](h_BTD, emb_BTD, positions_BT, cache, 1, None)
+    return h_BTD, cache
+
+
+def mtp_draft(model, rule, k: int, h_BD, key_B):
+    """Depth k's draft by `rule` (its `draw`) from its hidden state [B, D] -> (token [B], its
+    distribution [B, V] or [B, 0] greedy)."""
+    h_B1D = h_BD[:, None]
+    logits_B1V = model.mtp[k - 1].logits(h_B1D, model.head_weight(h_B1D))
+    return rule.draw(logits_B1V[:, 0], key_B)
+
+
+def take_at(x_BT, i_B):
     """x[b, i_B[b]] of an array [B, T, ...] -> [B, ...]."""
     i = i_B.reshape(-1, *([1] * (x_BT.ndim - 1)))
     return jnp.take_along_axis(x_BT, i, axis=1)[:, 0]
 
 
-def _put(x_BT, i_B, value_B):
+def put_at(x_BT, i_B, value_B):
     """x [B, T] with x[b, i_B[b]] = value_B[b] (an index past T: unchanged)."""
     return jnp.where(jnp.arange(x_BT.shape[1])[None] == i_B[:, None], value_B[:, None], x_BT)
 
@@ -185,20 +196,20 @@ def _prefill(run: _Runner) -> dict:
     x_BPD, cache = run.main(prompt_BP, positions_BP, d.unstacked(cache))
     last_B = prompt_len_B - 1
     first_key, *draft_keys = step_keys(d.row_keys_B, 0, K + 1)
-    tok_B, _ = run.rule.draw(run.logits(_at(x_BPD, last_B)[:, None])[:, 0], first_key)
+    tok_B, _ = run.rule.draw(run.logits(take_at(x_BPD, last_B)[:, None])[:, 0], first_key)
     d.emit(0, tok_B)
     # The text and its hypothesis: the prompt, the new token, then each draft once drawn.
-    seq_BS = _put(jnp.pad(prompt_BP, ((0, 0), (0, K + 1))), last_B + 1, tok_B)
+    seq_BS = put_at(jnp.pad(prompt_BP, ((0, 0), (0, K + 1))), last_B + 1, tok_B)
     h_BPD, drafts, qs, carried = x_BPD, [], [], []
     for k in range(1, K + 1):  # depth k at prompt position t takes token t+k
         ahead_BP = seq_BS[:, k : k + P]
         h_BPD, mtp_caches[k - 1] = run.depth(k, h_BPD, ahead_BP, positions_BP, mtp_caches[k - 1])
-        d_B, q_BV = run.draft(k, _at(h_BPD, last_B), draft_keys[k - 1])
-        seq_BS = _put(seq_BS, last_B + 1 + k, d_B)
+        d_B, q_BV = run.draft(k, take_at(h_BPD, last_B), draft_keys[k - 1])
+        seq_BS = put_at(seq_BS, last_B + 1 + k, d_B)
         drafts.append(d_B)
         qs.append(q_BV)
         if k < K:  # the first step's depth k+1 starts at p - k = the prompt's length - k
-            carried.append(_at(h_BPD, jnp.maximum(prompt_len_B - k, 0)))
+            carried.append(take_at(h_BPD, jnp.maximum(prompt_len_B - k, 0)))
     zeros_BK = jnp.zeros((B, K), jnp.int32)
     return {
         "it": jnp.int32(1),
@@ -237,18 +248,19 @@ def _verify(run: _Runner, c: dict, p_B, keys: list):
     kept_BK = reached_BK & verdict.kept_BK
     n_kept_B = jnp.sum(kept_BK, axis=1, dtype=jnp.int32)
     # One more token unless the kept drafts filled the row or ended it with a stop token.
-    last_kept_B = _at(c["drafts"], jnp.maximum(n_kept_B - 1, 0))
+    last_kept_B = take_at(c["drafts"], jnp.maximum(n_kept_B - 1, 0))
     stopped_B = (n_kept_B > 0) & is_stop(last_kept_B)
     extra_B = ~c["done"] & ~stopped_B & (n_kept_B < room_B)
     next_B = verdict.next_token(n_kept_B, keys[1])
     return x_BTD, cache, reached_BK, kept_BK, n_kept_B, next_B, extra_B
 
 
-def _draft_chain(run: _Runner, c: dict, x_BTD, p_B, n_kept_B, ahead_BF, keys: list):
+def draft_chain(run: _Runner, c: dict, x_BTD, p_B, n_kept_B, ahead_BF, keys: list):
     """Step 3 of the module doc: every depth over its positions, chained, drafting from the
     newest token's predecessor s = p + n_kept -> (drafts [B, K], their distributions, the
     hidden states the next step carries, the MTP caches). `ahead_BF`: the tokens at p+1..
-    (the emitted ones, then 0), each draft put in as it is drawn."""
+    (the emitted ones, then 0), each draft put in as it is drawn. `run`: anything with K,
+    depth and draft as `_Runner`'s (the engine's runs over its pages, `inference.engine`)."""
     K = run.K
     s_B = p_B + n_kept_B
     h_BTD, drafts, qs, carried, caches = x_BTD, [], [], [], []
@@ -263,13 +275,13 @@ def _draft_chain(run: _Runner, c: dict, x_BTD, p_B, n_kept_B, ahead_BF, keys: li
         positions_BT = start_B[:, None] + window_T
         ahead_BT = jnp.take_along_axis(ahead_BF, (start_B + k - p_B - 1)[:, None] + window_T, 1)
         h_BTD, cache = run.depth(k, h_BTD, ahead_BT, positions_BT, c["mtp"][k - 1])
-        d_B, q_BV = run.draft(k, _at(h_BTD, s_B - start_B), keys[k - 1])
-        ahead_BF = _put(ahead_BF, n_kept_B + k, d_B)  # d_k is the token at s + k + 1
+        d_B, q_BV = run.draft(k, take_at(h_BTD, s_B - start_B), keys[k - 1])
+        ahead_BF = put_at(ahead_BF, n_kept_B + k, d_B)  # d_k is the token at s + k + 1
         drafts.append(d_B)
         qs.append(q_BV)
         caches.append(cache)
         if k < K:  # the next step's depth k+1 starts at s + 1 - k
-            carried.append(_at(h_BTD, jnp.clip(s_B + 1 - k - start_B, 0, K + k - 1)))
+            carried.append(take_at(h_BTD, jnp.clip(s_B + 1 - k - start_B, 0, K + k - 1)))
     return jnp.stack(drafts, 1), jnp.stack(qs, 1), carried, caches
 
 
@@ -295,7 +307,7 @@ def _step(run: _Runner, c: dict) -> dict:
     # Then the drafts, from the newest token's predecessor (rows that ended: anything).
     ahead_BF = jnp.where(i_T[None] <= n_kept_B[:, None], step_BT, 0)
     ahead_BF = jnp.pad(ahead_BF, ((0, 0), (0, 2 * K)))  # room for drafts and a clamped start
-    drafts_BK, q_BKV, carried, mtp_caches = _draft_chain(
+    drafts_BK, q_BKV, carried, mtp_caches = draft_chain(
         run, c, x_BTD, p_B, n_kept_B, ahead_BF, draft_keys
     )
     checked_BT = jnp.where(jnp.pad(reached_BK, ((0, 0), (0, 1))), drafts_BT, -1)

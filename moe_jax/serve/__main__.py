@@ -1,7 +1,9 @@
 """`python -m moe_jax.serve RUN_DIR ...`: load a run (or a Hugging Face directory) as
 sample.py does, build the engine, serve it with uvicorn until SIGINT / SIGTERM (uvicorn's
 graceful shutdown: no new connections, requests in flight finish within
---shutdown-timeout seconds)."""
+--shutdown-timeout seconds). `--speculative` (or the override sample.speculative=true, as
+sample.py takes it) decodes by speculation with the model's MTP layers (`--draft-depth` or
+sample.draft_depth of them drafting)."""
 
 from __future__ import annotations
 
@@ -24,10 +26,31 @@ def parse_args(argv):
     p.add_argument("--page-size", type=int, default=16, help="positions per KV page")
     p.add_argument("--pages", type=int, default=None, help="KV pages (default: full contexts)")
     p.add_argument("--chunk", type=int, default=64, help="prefill chunk, in tokens")
+    p.add_argument("--speculative", action="store_true", help="draft with the model's MTP layers")
+    p.add_argument(
+        "--draft-depth", type=int, default=None, help="MTP depths that draft (default: all)"
+    )
     p.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")
     p.add_argument("--model-name", default=None, help="the model's id (default: the dir name)")
     p.add_argument("--shutdown-timeout", type=float, default=30.0)
     return p.parse_args(argv)
+
+
+def engine_for(args, cfg, sampler, tokenizer):
+    """The engine the flags ask for (an EngineError, one line, if it cannot be built)."""
+    from moe_jax.inference.engine import Engine
+
+    return Engine(
+        sampler,
+        max_slots=args.max_slots,
+        page_size=args.page_size,
+        n_pages=args.pages,
+        chunk=args.chunk,
+        max_queue=args.max_queue,
+        vocab_size=tokenizer.vocab_size,
+        speculative=args.speculative or cfg.sample.speculative,
+        draft_depth=args.draft_depth,
+    )
 
 
 @command
@@ -39,20 +62,11 @@ def main(argv=None) -> int:
         from moe_jax.serve.app import create_app
     except ImportError as e:
         return say(f"the server needs the serve extra (pip install 'moe_jax[serve]'): {e}")
-    from moe_jax.inference.engine import Engine
     from moe_jax.load import load_sampler
 
     # Until uvicorn serves, a signal stops the command as any other (moe_jax.cli.entry).
-    _, sampler, tokenizer = load_sampler(args.run, args.overrides, args.step)
-    engine = Engine(
-        sampler,
-        max_slots=args.max_slots,
-        page_size=args.page_size,
-        n_pages=args.pages,
-        chunk=args.chunk,
-        max_queue=args.max_queue,
-        vocab_size=tokenizer.vocab_size,
-    )
+    cfg, sampler, tokenizer = load_sampler(args.run, args.overrides, args.step)
+    engine = engine_for(args, cfg, sampler, tokenizer)
     name = args.model_name or Path(args.run).resolve().name
     app = create_app(engine, tokenizer, name)
     config = uvicorn.Config(

@@ -5,7 +5,8 @@
 Routes: POST /v1/completions, POST /v1/chat/completions (the tokenizer's chat template; both
 stream server-sent events with "stream": true, ending in `data: [DONE]`), GET /v1/models,
 GET /health, GET /metrics (Prometheus text: queue, running slots, pages in use, token and
-request counters, time-to-first-token and inter-token latency histograms). A body the server
+request counters, time-to-first-token and inter-token latency histograms; with speculation,
+the drafts checked and kept, all and per depth). A body the server
 cannot run answers 400 and a full engine queue 429 (with Retry-After), both in OpenAI's
 error shape; a failed engine step answers 500 for the requests it held, and the server goes
 on. A client that disconnects cancels its request: its slot and pages are freed at the next
@@ -161,9 +162,21 @@ def prometheus_text(worker: Worker) -> str:
         ("moe_jax_rejected_total", "counter", "requests refused with 429", st.rejected),
         ("moe_jax_engine_errors_total", "counter", "engine steps that failed", st.errors),
     ]
+    drafted, accepted = s["drafted"], s["accepted"]
+    rows += [
+        ("moe_jax_spec_decode_draft_tokens_total", "counter", "drafts checked", sum(drafted)),
+        ("moe_jax_spec_decode_accepted_tokens_total", "counter", "drafts kept", sum(accepted)),
+    ]
     lines = []
     for name, kind, help_, value in rows:
         lines += [f"# HELP {name} {help_}", f"# TYPE {name} {kind}", f"{name} {value}"]
+    for name, help_, counts in (
+        ("moe_jax_spec_decode_draft_tokens_by_depth_total", "drafts checked", drafted),
+        ("moe_jax_spec_decode_accepted_tokens_by_depth_total", "drafts kept", accepted),
+    ):
+        if counts:  # speculation on: one series per drafting depth
+            lines += [f"# HELP {name} {help_} per MTP depth", f"# TYPE {name} counter"]
+            lines += [f'{name}{{depth="{k}"}} {n}' for k, n in enumerate(counts, 1)]
     for name, help_, hist in (
         ("moe_jax_time_to_first_token_seconds", "submission to first token", st.ttft),
         ("moe_jax_inter_token_latency_seconds", "between a request's tokens", st.itl),

@@ -96,12 +96,16 @@ class Worker:
     def snapshot(self) -> dict:
         with self.lock:
             e = self.engine
+            spec = e.speculation
             return {
                 "queue": len(e.queue),
                 "running": e.running(),
                 "pages_in_use": e.pool.in_use(),
                 "pages": e.pool.n_pages,
                 "preempted": e.preempted,
+                # speculation's drafts checked and kept per depth (none without it)
+                "drafted": [] if spec is None else spec.drafted.tolist(),
+                "accepted": [] if spec is None else spec.accepted.tolist(),
             }
 
     def _run(self) -> None:

@@ -25,6 +25,13 @@ sequence reaches one; if none is left, the most recently admitted other request 
 its pages are freed and it waits at the queue's head, to be prefilled again with the tokens it
 has so far (greedy, it then goes on as before; its sampling keys are per step, so sampled too).
 
+Speculative decoding (`Engine(sampler, speculative=True, draft_depth=K)`, a model with MTP
+layers): step 3 is a verify call instead, each decoding request feeding its newest token and
+the K tokens its MTP layers drafted, and emitting 1..K+1 tokens (greedy: the same tokens);
+prefill chunks fill the MTP layers' pages too, and a prompt's last chunk drafts
+(`speculation.py` the host side, `draft_programs.py` the programs; `self.speculation` counts
+the drafts checked and kept).
+
 Sliding-window layers keep their pages in a pool of their own, released once behind the
 window (`programs` module doc); a model with such layers shares no prefix pages (the window
 pages of a prefix are gone by the time it could be shared).
@@ -47,8 +54,10 @@ import numpy as np
 
 from moe_jax.config import sampling_problem
 from moe_jax.errors import MoeJaxError
+from moe_jax.inference.engine.draft_programs import DraftPrograms
 from moe_jax.inference.engine.pages import PagePool
 from moe_jax.inference.engine.programs import Batch, Picked, PickMode, Programs, table_width
+from moe_jax.inference.engine.speculation import Speculation, draft_depth_of
 
 
 def _bucket(n: int, lo: int, hi: int) -> int:
@@ -81,6 +90,7 @@ class Event(NamedTuple):
     finish_reason: str | None  # "stop" (a stop id), "length" (max_tokens), else None
     logprob: float = 0.0  # the token's log-probability under the model
     top: tuple[tuple[int, float], ...] = ()  # the TOP_LOGPROBS likeliest (id, logprob)
+    draft: int = -1  # speculation: the draft the token was checked against (-1: none)
 
 
 @dataclasses.dataclass
@@ -94,6 +104,8 @@ class _Seq:
     window_pages: list[int] = dataclasses.field(default_factory=list)  # -1: released
     slot: int = -1
     done: int = 0  # positions already in the cache
+    drafts: list[int] = dataclasses.field(default_factory=list)  # speculation's (speculation.py)
+    it: int = 0  # speculation: the step its next verify call draws at
 
     @property
     def tokens(self) -> list[int]:
@@ -118,10 +130,17 @@ class Engine:
         vocab_size: int | None = None,
         min_decode_rows: int = 1,
         prefill_rows: int = 4,
+        speculative: bool = False,
+        draft_depth: int | None = None,
     ):
         """`n_pages`: the pool (default: every slot's full context, so nothing is ever
-        preempted); at least one full context. `vocab_size`: sample ids below it only."""
+        preempted); at least one full context. `vocab_size`: sample ids below it only.
+        `speculative`: decode by speculation with the model's MTP layers (`speculation.py`),
+        `draft_depth` of them drafting (default: sample.draft_depth, else all)."""
         cfg = sampler.cfg
+        K = draft_depth_of(cfg, draft_depth, EngineError) if speculative else 0
+        if chunk < K:
+            raise EngineError(f"chunk {chunk} is below draft_depth {K}; give at least {K}")
         self.V, self.max_len = cfg.model.vocab_size, cfg.model.max_seq_len
         self.page_size, self.chunk, self.max_slots = page_size, chunk, max_slots
         self.min_decode_rows, self.prefill_rows = min_decode_rows, prefill_rows
@@ -134,10 +153,16 @@ class Engine:
             )
         self.pool = PagePool(n_pages, page_size)
         # Ring layers' pool: each slot holds the pages of its last `window` positions and of
-        # a prefill chunk, so that many per slot never runs short.
+        # a prefill chunk (speculation: and of its MTP layers' K - 1 queries before the
+        # newest token, and K drafts), so that many per slot never runs short.
         window = cfg.attention.sliding_window
-        per_slot = -(-(window + chunk) // page_size) + 1
-        self.programs = Programs(sampler, n_pages, max_slots * per_slot, page_size)
+        per_slot = -(-(window + chunk + 2 * K) // page_size) + 1
+        n_window = max_slots * per_slot
+        if K:
+            self.programs = DraftPrograms(sampler, n_pages, n_window, page_size, max_slots, K)
+        else:
+            self.programs = Programs(sampler, n_pages, n_window, page_size)
+        self.speculation = Speculation(self, K) if K else None
         self.window = window if self.programs.has_rings else 0
         self.window_pool = PagePool(max_slots * per_slot if self.window else 1, page_size)
         self.max_queue, self.n_vocab = max_queue, vocab_size or self.V
@@ -231,6 +256,8 @@ class Engine:
             tokens = seq.tokens
             # Ring layers' pages of a prefix are gone once behind its window: no sharing.
             shared = [] if self.window else self.pool.match_prefix(tokens)
+            if self.speculation is not None:
+                shared = self.speculation.shared_prefix(shared)
             own = self.pool.allocate(self._pages_for(len(tokens)) - len(shared))
             if own is None:  # wait for pages: first come, first served
                 self.pool.release(shared)
@@ -254,7 +281,10 @@ class Engine:
         for i, seq in enumerate(seqs):
             tokens = seq.tokens
             end = len(tokens) if not seq.out else len(tokens) - 1  # a preempted one's last: decode
-            end = min(end, seq.done + self.chunk)
+            if self.speculation is None:
+                end = min(end, seq.done + self.chunk)
+            else:
+                end = self.speculation.chunk_end(seq.done, end, self.chunk)
             n = end - seq.done
             tokens_RC[i, :n] = tokens[seq.done : end]
             positions_RC[i, :n] = np.arange(seq.done, end)
@@ -262,9 +292,10 @@ class Engine:
             self._window_pages(seq, end)
             ends.append(end)
         rows = seqs + [None] * (R - len(seqs))
-        picked = self.programs.run(
-            self._batch(rows, tokens_RC, positions_RC, last_R), self._mode(seqs)
-        )
+        batch = self._batch(rows, tokens_RC, positions_RC, last_R)
+        if self.speculation is not None:
+            return self.speculation.prefill(seqs, batch, ends)
+        picked = self.programs.run(batch, self._mode(seqs))
         events = []
         for i, (seq, end) in enumerate(zip(seqs, ends, strict=True)):
             seq.done = end
@@ -277,6 +308,8 @@ class Engine:
 
     def _decode(self, seqs: list[_Seq]) -> list[Event]:
         """Every decoding slot feeds its last token at its position and picks the next."""
+        if self.speculation is not None:
+            return self.speculation.decode(seqs)
         for seq in sorted(seqs, key=lambda s: self._order[s.rid]):
             if seq.slot >= 0 and not self._grow(seq, seq.done + 1):
                 self._preempt(seq)
@@ -287,7 +320,7 @@ class Engine:
             self._window_pages(seq, seq.done + 1)
         # One row per decoding request (a row is not a slot: the pages travel with the
         # request), in a power-of-two bucket: slots still prefilling take no row.
-        S = _bucket(len(seqs), self.min_decode_rows, self.max_slots)
+        S = self._rows_for(len(seqs))
         tokens_S1 = np.zeros((S, 1), np.int32)
         positions_S1 = np.full((S, 1), -1, np.int32)
         for i, seq in enumerate(seqs):
@@ -301,6 +334,9 @@ class Engine:
             seq.done += 1
             events += self._emit(seq, picked, i)
         return events
+
+    def _rows_for(self, n: int) -> int:
+        return _bucket(n, self.min_decode_rows, self.max_slots)
 
     def _grow(self, seq: _Seq, n_positions: int) -> bool:
         """Pages for `n_positions` of `seq` (preempting others if the pool is short)."""
@@ -322,7 +358,10 @@ class Engine:
         if not self.window:
             return
         PS = self.page_size
-        first_key = seq.done - self.window + 1  # the oldest key any query from here sees
+        # The oldest key any query from here sees (speculation: the MTP layers' queries
+        # start K - 1 positions before the newest token).
+        lag = self.speculation.K - 1 if self.speculation is not None else 0
+        first_key = seq.done - lag - self.window + 1
         for i, page in enumerate(seq.window_pages):
             if page >= 0 and (i + 1) * PS <= first_key:
                 self.window_pool.release([page])
@@ -349,9 +388,12 @@ class Engine:
         self._order.pop(seq.rid, None)
 
     def _emit(self, seq: _Seq, picked: Picked, row: int) -> list[Event]:
-        token = int(picked.tokens_B[row])
         ids, logprobs = picked.top_ids_BK[row].tolist(), picked.top_logprobs_BK[row].tolist()
         top = tuple(zip(ids, logprobs, strict=True))
+        return [self._event(seq, int(picked.tokens_B[row]), float(picked.logprob_B[row]), top)]
+
+    def _event(self, seq: _Seq, token: int, logprob: float, top, draft: int = -1) -> Event:
+        """`seq`'s next token; it leaves at a stop id or `max_tokens`."""
         seq.out.append(token)
         p = seq.params
         reason = "stop" if token in p.stop_ids else None
@@ -359,7 +401,7 @@ class Engine:
             reason = "length"
         if reason is not None:
             self._leave(seq)
-        return [Event(seq.rid, token, reason, float(picked.logprob_B[row]), top)]
+        return Event(seq.rid, token, reason, logprob, top, draft)
 
     # ------------------------------------------------------------------ program inputs
 

@@ -140,33 +140,49 @@ def _without_table(cache):
     return [_without_table(c) for c in cache] if isinstance(cache, list) else cache
 
 
-def _call(graphdef, weights: Weights, pages: dict, b: Batch, *, mode: PickMode):
-    """The model over the pages (blocks kept apart, as `decoding` keeps them) -> (tokens [B],
-    the updated pages)."""
-    model = model_of(graphdef, weights.params, weights.blocks)
+def forward_pages(model, n_blocks: int, pages: dict, b: Batch, **kw):
+    """The model over the pages (blocks kept apart, as `decoding` keeps them) -> (its first
+    output, the updated pages); `kw`: the model's `logits_at` or `head`."""
     # The tables join each block's layers before they are stacked: the model slices every
     # leaf of the stacked blocks by block.
     paged = _with_tables(pages, model.cfg, b)
     paged["blocks"] = stack_blocks(paged["blocks"])
-    logits_B1V, _, new = model(
-        b.tokens_BT, positions=b.positions_BT, cache=paged, logits_at=b.last_B
-    )
+    out, _, new = model(b.tokens_BT, positions=b.positions_BT, cache=paged, **kw)
     new = _without_table(new)
-    new["blocks"] = unstack_blocks(new["blocks"], len(weights.blocks))
+    new["blocks"] = unstack_blocks(new["blocks"], n_blocks)
+    return out, new
+
+
+def token_logprobs(logits_XV, tokens_X, n_vocab):
+    """The picked tokens' log-probabilities under the model [X] (before temperature and
+    filters) and the TOP_LOGPROBS likeliest (ids, log-probabilities) [X, TOP_LOGPROBS], for
+    logits of any leading shape X."""
+    logprobs_XV = jax.nn.log_softmax(in_vocab(logits_XV, n_vocab), axis=-1)
+    top_lp_XK, top_ids_XK = jax.lax.top_k(logprobs_XV, TOP_LOGPROBS)
+    picked_X = jnp.take_along_axis(logprobs_XV, tokens_X[..., None], axis=-1)[..., 0]
+    return picked_X, top_ids_XK, top_lp_XK
+
+
+def _call(graphdef, weights: Weights, pages: dict, b: Batch, *, mode: PickMode):
+    """The model over the pages -> (tokens [B], their log-probabilities, the top ones; the
+    updated pages)."""
+    model = model_of(graphdef, weights.params, weights.blocks)
+    logits_B1V, new = forward_pages(model, len(weights.blocks), pages, b, logits_at=b.last_B)
     logits_BV = logits_B1V[:, 0]
     tokens_B = pick(logits_BV, b, mode)
-    logprobs_BV = jax.nn.log_softmax(in_vocab(logits_BV, b.n_vocab), axis=-1)
-    top_lp_BK, top_ids_BK = jax.lax.top_k(logprobs_BV, TOP_LOGPROBS)
-    picked_B = jnp.take_along_axis(logprobs_BV, tokens_B[:, None], axis=-1)[:, 0]
-    return (tokens_B, picked_B, top_ids_BK, top_lp_BK), new
+    return (tokens_B, *token_logprobs(logits_BV, tokens_B, b.n_vocab)), new
 
 
-def init_pages(model, n_pages: int, n_window_pages: int, page_size: int, mesh=None) -> dict:
+def init_pages(
+    model, n_pages: int, n_window_pages: int, page_size: int, mesh=None, mtp_depth: int = 0
+) -> dict:
     """Zeroed page pools, one per layer, in the model's cache layout (`init_cache`) with its
     layer blocks kept apart: {"k", "v"} [N, PS, K, hd] (MLA: {"latent"} [N, PS, 1, L]); ring
-    layers' (`is_ring`) of `n_window_pages`. Under a mesh the kv heads split over `tensor`
-    where they divide, pages whole."""
-    shapes = jax.eval_shape(lambda: model.init_cache(1, model.cfg.model.max_seq_len))
+    layers' (`is_ring`) of `n_window_pages`; with `mtp_depth`, "mtp": the first MTP layers'
+    (speculative decoding, `drafting`). Under a mesh the kv heads split over `tensor` where
+    they divide, pages whole."""
+    max_len = model.cfg.model.max_seq_len
+    shapes = jax.eval_shape(lambda: model.init_cache(1, max_len, mtp=mtp_depth > 0))
 
     def layer(d):
         names = ("latent",) if "latent" in d else ("k", "v")
@@ -180,6 +196,8 @@ def init_pages(model, n_pages: int, n_window_pages: int, page_size: int, mesh=No
         return out
 
     pages = {k: [layer(d) for d in ds] for k, ds in shapes.items()}
+    if mtp_depth:
+        pages["mtp"] = pages["mtp"][:mtp_depth]
     pages["blocks"] = unstack_blocks(pages["blocks"], model.n_blocks) if model.n_blocks else []
     return pages
 
@@ -220,13 +238,16 @@ def _jitted(graphdef):
 class Programs:
     """The sampler's weights, the page pools, and the jitted call (one per shape and mode)."""
 
-    def __init__(self, sampler, n_pages: int, n_window_pages: int, page_size: int):
+    def __init__(
+        self, sampler, n_pages: int, n_window_pages: int, page_size: int, mtp_depth: int = 0
+    ):
+        """`mtp_depth`: pools for the first MTP layers too (`draft_programs`)."""
         self.sampler = sampler
         self.mesh = sampler.mesh
         self.weights = Weights(sampler.params, sampler.param_blocks)
         model = sampler.inference_model()
         with self._on_mesh():
-            self.pages = init_pages(model, n_pages, n_window_pages, page_size, self.mesh)
+            self.pages = init_pages(model, n_pages, n_window_pages, page_size, self.mesh, mtp_depth)
         numbers = layer_numbers(model.cfg, model.n_blocks, len(model.tail))
         flat = [n for ns in numbers["blocks"] for n in ns] + numbers["tail"]
         self.has_rings = any(is_ring(model.cfg, n) for n in flat + numbers.get("prefix", []))
