@@ -21,6 +21,12 @@ against the sampler's (its prompt bucket + new tokens). `--peer`: transformers' 
 batching (`generate_batch`, its default config, greedy, every token generated) on the same
 model shape (random init) and the whole workload at once, timed on a second call (slow on
 CPU: keep the workload small).
+`--speculative`: the same with speculative decoding (`Engine(speculative=True)`) beside the
+plain engine, on a model with `--draft-depth` MTP layers trained `--train-steps` steps on
+tinyshakespeare (../shared/data; else the Python standard library's sources) so that its
+drafts are worth checking, prompts cut from that text (`--concurrency` 1,8 by default): tokens/s
+and the drafts kept per depth, with and without speculation (a random model's drafts are
+almost never kept: `--train-steps 0` measures what speculation costs then).
 Prints a table and, last, one JSON line with every figure.
 """
 
@@ -30,7 +36,9 @@ import argparse
 import itertools
 import json
 import sys
+import sysconfig
 import time
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -40,6 +48,9 @@ from flax import nnx
 from moe_jax.inference.engine import Engine, SamplingParams
 from moe_jax.inference.sampling import Sampler, prompt_bucket
 from moe_jax.model import Transformer
+from moe_jax.train_step import init_state, make_optimizer, make_train_step
+
+SHAKESPEARE = Path(__file__).resolve().parents[1] / "../shared/data/tinyshakespeare.txt"
 
 
 def workload(n: int, lo: int, hi: int, tokens_seed: int = 0) -> list[list[int]]:
@@ -49,6 +60,36 @@ def workload(n: int, lo: int, hi: int, tokens_seed: int = 0) -> list[list[int]]:
     np.random.default_rng(0).shuffle(lengths)
     rng = np.random.default_rng(tokens_seed)
     return [rng.integers(0, 256, int(L)).tolist() for L in lengths]
+
+
+def corpus_bytes() -> np.ndarray:
+    """tinyshakespeare's bytes, else the standard library's top-level sources'."""
+    if SHAKESPEARE.exists():
+        raw = SHAKESPEARE.read_bytes()
+    else:
+        stdlib = sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))
+        raw = b"".join(p.read_bytes() for p in stdlib[:50])
+    return np.frombuffer(raw, np.uint8).astype(np.int32)
+
+
+def text_workload(text, n: int, lo: int, hi: int, seed: int) -> list[list[int]]:
+    """`workload`'s lengths, each prompt a window of `text` at a random start."""
+    rng = np.random.default_rng(seed)
+    lengths = [len(p) for p in workload(n, lo, hi)]
+    starts = rng.integers(0, len(text) - hi, n)
+    return [text[s : s + L].tolist() for s, L in zip(starts, lengths, strict=True)]
+
+
+def trained_model(cfg, text, steps: int):
+    """The model after `steps` steps on random windows of `text` (its MTP loss weighted 1)."""
+    tx = make_optimizer(cfg.train)
+    graphdef, state = init_state(cfg, tx)
+    step = make_train_step(cfg, graphdef, tx)
+    rng, T, B = np.random.default_rng(0), cfg.train.seq_len, cfg.train.batch_size
+    for _ in range(steps):
+        starts = rng.integers(0, len(text) - T - 1, B)
+        state, _ = step(state, np.stack([text[s : s + T + 1] for s in starts]))
+    return nnx.merge(graphdef, state["params"])
 
 
 def one_at_a_time(sampler: Sampler, prompts, N: int) -> dict:
@@ -115,11 +156,18 @@ def engine_figures(engine: Engine, passes, N: int, c: int) -> dict:
     """`passes`: two workloads of the same lengths, other tokens (a prompt seen before would
     find its pages in the prefix cache, which the sampler one at a time has not)."""
     closed_loop(engine, next(passes), N, c)  # warm-up: every shape this workload needs compiles
+    spec = engine.speculation
+    before = None if spec is None else (spec.drafted.copy(), spec.accepted.copy())
     r = closed_loop(engine, next(passes), N, c)
     tokens = sum(len(t) for t in r["times"].values())
     ttft = [r["times"][rid][0] - t for rid, t in r["submitted"].items()]
     itl = [d for t in r["times"].values() for d in np.diff(t)]
-    return {
+    drafts = {}
+    if spec is not None:  # this pass's drafts checked and kept, per depth
+        drafted, accepted = spec.drafted - before[0], spec.accepted - before[1]
+        drafts = {"drafted": drafted.tolist(), "accepted": accepted.tolist(),
+                  "acceptance": float(accepted.sum() / max(drafted.sum(), 1))}  # fmt: skip
+    return drafts | {
         "concurrency": c,
         "tok_s": tokens / r["wall"],
         "wall_s": r["wall"],
@@ -149,14 +197,22 @@ def main(argv: list[str]) -> int:
     p.add_argument("--prefill-rows", type=count(), default=4, help="slots prefilled a call")
     p.add_argument("--no-baseline", action="store_true", help="skip one-at-a-time")
     p.add_argument("--peer", action="store_true", help="also time transformers' generate_batch")
+    p.add_argument("--speculative", action="store_true", help="with and without speculation")
+    p.add_argument("--draft-depth", type=count(), default=1, help="MTP depths (--speculative)")
+    p.add_argument("--train-steps", type=count(0), default=100, help="(--speculative)")
     args = p.parse_args(argv)
     lo, hi = (args.prompt_lens * 2)[:2]
-    cfg = bench_config(args.size, args.style)
+    # --speculative: the MTP layers' loss weighted as the main one's (drafts worth checking)
+    mtp = [f"model.mtp_depth={args.draft_depth}", "train.mtp_loss_weight=1"]
+    overrides = mtp if args.speculative else []
+    cfg = bench_config(args.size, args.style, *overrides)
     if hi + args.new_tokens > cfg.model.max_seq_len:
         print(f"error: --prompt-lens max {hi} + --new-tokens {args.new_tokens} exceed the "
               f"model's context ({cfg.model.max_seq_len})", file=sys.stderr)  # fmt: skip
         return 2
     idle = wait_until_idle(timeout_s=120)  # recorded: a loaded machine's figures say so
+    if args.speculative:
+        return speculation(args, cfg, lo, hi, idle)
     sampler = Sampler(Transformer(cfg, rngs=nnx.Rngs(0)))
     prompts, N = workload(args.requests, lo, hi), args.new_tokens
     slots = args.slots or max(args.concurrency)
@@ -200,6 +256,50 @@ def main(argv: list[str]) -> int:
                       "slots": slots, "chunk": args.chunk, "prefill_rows": args.prefill_rows,
                       "one_at_a_time": base, "engine": rows, "kv": kv,
                       "transformers_generate_batch": hf,
+                      "machine_idle_at_start": idle, **machine()}))  # fmt: skip
+    return 0
+
+
+def speculation(args, cfg, lo: int, hi: int, idle: bool) -> int:
+    """`--speculative`: the plain engine and the speculative one on a trained MTP model
+    (module doc)."""
+    text = corpus_bytes()
+    t0 = time.perf_counter()
+    model = trained_model(cfg, text, args.train_steps)
+    train_s = time.perf_counter() - t0
+    sampler, N = Sampler(model), args.new_tokens
+    concurrency = args.concurrency if args.concurrency != [1, 8, 64] else [1, 8]
+    slots = args.slots or max(concurrency)
+    sizes = dict(max_slots=slots, page_size=args.page_size, chunk=args.chunk,
+                 prefill_rows=args.prefill_rows)  # fmt: skip
+    prompts = text_workload(text, args.requests, lo, hi, seed=0)
+    base = None if args.no_baseline else one_at_a_time(sampler, prompts, N)
+    rows = {}
+    for name, spec in (("plain", False), ("speculative", True)):
+        engine = Engine(sampler, **sizes, speculative=spec, draft_depth=args.draft_depth)
+        # the same workloads for both: other windows of the text each pass
+        passes = (text_workload(text, args.requests, lo, hi, k) for k in itertools.count(1))
+        rows[name] = [engine_figures(engine, passes, N, c) for c in concurrency]
+    print(f"{args.size} {args.style} + {args.draft_depth} MTP depth(s), trained "
+          f"{args.train_steps} steps ({train_s:.0f} s): {args.requests} requests, prompts "
+          f"{lo}-{hi} of text, {N} new")  # fmt: skip
+    if base:
+        print(f"one at a time (sampler): {base['tok_s']:8.1f} tok/s")
+    print(" conc  plain tok/s (cpu s)  speculative tok/s (cpu s)  speedup  drafts kept")
+    for plain, spec in zip(rows["plain"], rows["speculative"], strict=True):
+        kept = ", ".join(f"{a}/{d}" for a, d in zip(spec["accepted"], spec["drafted"], strict=True))
+        speedup = spec["tok_s"] / plain["tok_s"]
+        print(f"{plain['concurrency']:5d} {plain['tok_s']:10.1f} ({plain['cpu_s']:6.1f})"
+              f"  {spec['tok_s']:15.1f} ({spec['cpu_s']:6.1f})"
+              f"  {speedup:6.2f}x  {spec['acceptance']:.1%} ({kept})")  # fmt: skip
+    print(json.dumps({"benchmark": "engine_throughput_speculative", "size": args.size,
+                      "style": args.style, "draft_depth": args.draft_depth,
+                      "train_steps": args.train_steps, "train_s": train_s,
+                      "corpus": "tinyshakespeare" if SHAKESPEARE.exists() else "stdlib",
+                      "requests": args.requests, "prompt_lens": [lo, hi], "new_tokens": N,
+                      "slots": slots, "chunk": args.chunk, "prefill_rows": args.prefill_rows,
+                      "one_at_a_time": base, "engine": rows["plain"],
+                      "speculative": rows["speculative"],
                       "machine_idle_at_start": idle, **machine()}))  # fmt: skip
     return 0
 

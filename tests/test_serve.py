@@ -321,9 +321,9 @@ def test_speculation_through_the_server_gives_the_same_text_and_counts_its_draft
     server, tmp_path, capsys
 ):
     """A run with one MTP layer served as `--speculative` asks (`engine_for`, the command's
-    engine): a completion is the plain program's greedy text, and /metrics counts the drafts
-    checked and kept, in all and per depth. `--speculative` on a run without MTP layers: a
-    one-line error, exit 2."""
+    engine): a completion is the plain program's greedy text (cut before a stop string), and
+    /metrics counts the drafts checked and kept, in all and per depth. `--speculative` on a
+    run without MTP layers: a one-line error, exit 2."""
     from moe_jax.serve.__main__ import engine_for, main, parse_args
 
     run = write_run(tmp_path, server[3], "model.mtp_depth=1")
@@ -335,11 +335,14 @@ def test_speculation_through_the_server_gives_the_same_text_and_counts_its_draft
     ids = tok.encode(prompt, add_special_tokens=True).tolist()
     with serving(engine, tok) as base:
         client = openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=0, timeout=60)
-        got = client.completions.create(model="tiny", prompt=prompt, max_tokens=N, temperature=0)
+        ask = dict(model="tiny", prompt=prompt, max_tokens=N, temperature=0)
+        got = client.completions.create(**ask)
+        text, reason = greedy_text((None, None, sampler, tok), ids)
+        stop = text[3:5]  # a stop string, wherever in a step's tokens it ends
+        stopped = client.completions.create(**ask, stop=[stop]).choices[0].text
         metrics = httpx.get(base + "/metrics").text
-    assert (got.choices[0].text, got.choices[0].finish_reason) == greedy_text(
-        (None, None, sampler, tok), ids
-    )
+    assert (got.choices[0].text, got.choices[0].finish_reason) == (text, reason)
+    assert stop and stopped == text[: text.find(stop)]
     counts = dict(line.rsplit(" ", 1) for line in metrics.splitlines() if line[0] != "#")
     drafted = int(counts["moe_jax_spec_decode_draft_tokens_total"])
     assert drafted > 0 and drafted == int(engine.speculation.drafted.sum())
