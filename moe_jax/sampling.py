@@ -78,10 +78,11 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from moe_jax import backends
 from moe_jax.config import sampling_problem
 from moe_jax.decoding import Decoding, Program, Request, Weights, loop, model_of, unstack_blocks
 from moe_jax.errors import MoeJaxError
-from moe_jax.model import Transformer
+from moe_jax.model import Transformer, convert
 from moe_jax.model.int8 import is_quantized, quantize_model
 from moe_jax.sampling_rules import Mode, pick_tokens
 
@@ -249,12 +250,20 @@ class Sampler:
         blocks = self.params.pop("blocks") if model.n_blocks else None
         self.param_blocks = unstack_blocks(blocks, model.n_blocks, consume) if blocks else []
         # One jitted function per sampler: the graph is bound, not hashed at every call.
-        self.compiled = jax.jit(
-            partial(_generate, self.graphdef, self._emit), static_argnames="program"
-        )
+        self.compiled = self._jit(partial(_generate, self.graphdef, self._emit))
         self._listener: Callable[[int, np.ndarray], None] | None = None
         self._pending: dict[int, np.ndarray] = {}  # streamed steps not yet handed on
         self._next_step = 0
+
+    def _jit(self, program: Callable):
+        """`program` jitted, its `program` argument static. 16-bit weights for a wider compute
+        dtype (bf16 weights on CPU) compile without the loop-invariant code motion, which
+        would hoist each weight's conversion out of the decode loop: a float copy of every
+        weight alive for the whole loop (`moe_jax.model.convert`)."""
+        dtype = backends.compute_dtype(self.cfg.model.dtype)
+        converts = convert.any_in_turn((self.params, self.param_blocks), dtype)
+        options = backends.loop_compiler_options(converts)
+        return jax.jit(program, static_argnames="program", compiler_options=options)
 
     def _on_mesh(self):
         """The context the programs trace in: `self.mesh` set, or the caller's."""
