@@ -33,8 +33,11 @@ which would otherwise hoist these conversions, or the tie's bitcast as a copy of
 out of the decode loop again. Gathered rows (the embedding's, the picked experts') need
 nothing more: once not hoisted, a gather converts only the rows it reads.
 
-Only where and when a conversion runs changes: each output element is the same sum of the
-same products (tests/test_sampling_memory.py). Elsewhere (float32 weights; the accelerators,
+Only where and when a conversion runs changes, and the values converted are the same. The
+head's chunks are smaller matmuls, which XLA:CPU sums in another order where several rows
+share them (one row, as a batch of one decodes, gives the same logits bit for bit; four rows,
+logits ~1e-7 apart), so a sampled token could change only at a tie within float32 rounding
+(none did: tests/test_sampling_memory.py). Elsewhere (float32 weights; the accelerators,
 whose compute dtype is the weights' bf16) each weight is `w.astype(dtype)` as before.
 """
 
