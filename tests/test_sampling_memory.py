@@ -8,7 +8,7 @@ exactly): what the sampler computed before, every bf16 weight converted whole. T
 values are the same; only the head's matmul is cut into chunks of the vocabulary, which
 XLA:CPU sums in another order where several rows share it (log-probs 5e-7 apart at batch 4,
 equal at batch 1), so the tokens are equal and the log-probs within float32 rounding.
-Budget: ~15 s on 2 CPU cores (tiny models; six sampler compiles).
+Budget: ~20 s on 2 CPU cores (tiny models; seven sampler compiles).
 """
 
 import jax
@@ -96,6 +96,21 @@ def test_tokens_and_logprobs_are_those_of_converting_every_weight_whole(
     np.testing.assert_array_equal(got.tokens, want.tokens)
     np.testing.assert_allclose(got.logprobs, want.logprobs, rtol=0 if prompts is ONE else 1e-6)
     assert (want.tokens >= 0).all()  # every row generated N_NEW tokens: nothing skipped
+
+
+def test_taken_stacked_blocks_split_on_cpu_without_a_copy():
+    """`Sampler(model, consume=True)` (as `load_sampler` builds it): each layer block's
+    weights are views of the stacked arrays' memory, so splitting holds nothing twice; the
+    tokens are those of a sampler that copied them."""
+    model = Transformer(tiny_config("model.init_std=0.05"), rngs=nnx.Rngs(0))  # 2 blocks
+    want = Sampler(model).generate(ONE, N_NEW, temperature=0).tokens
+    stacked = jax.tree.leaves(nnx.state(model.blocks, nnx.Param))
+    spans = [(a.unsafe_buffer_pointer(), a.nbytes) for a in stacked]
+    sampler = Sampler(model, consume=True)
+    for b, block in enumerate(sampler.param_blocks):
+        for (start, size), a in zip(spans, jax.tree.leaves(block), strict=True):
+            assert a.unsafe_buffer_pointer() == start + b * size // len(sampler.param_blocks)
+    np.testing.assert_array_equal(sampler.generate(ONE, N_NEW, temperature=0).tokens, want)
 
 
 def test_dense_conversion_keeps_the_weights_gradient():
