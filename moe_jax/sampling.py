@@ -49,6 +49,10 @@ sampler take the model's stacked weights, freeing each once split, so they are h
 An int8 model (`moe_jax.model.int8`) runs the same program: its weights enter as int8 values
 and scales, and each layer's are dequantised inside the loop in that layer's turn (XLA would
 otherwise hoist them out of the loop as float copies; see `moe_jax.model.int8.after`).
+So does a bf16 model on CPU, which computes in float32: its weights are converted in their
+turn and in parts (`moe_jax.model.convert`), and the program is compiled without XLA's
+loop-invariant code motion, which would hoist every conversion out of the loop (a float32 copy
+of every weight for the whole loop: 2x the weights' bytes in temporaries).
 
 Streaming (`on_token`) calls back to the host from inside the compiled loop
 (`jax.debug.callback`, ordered) rather than running the loop in chunks from Python: the
