@@ -1,17 +1,18 @@
 """Peak host memory of importing (and exporting) a released-size MoE checkpoint, by depth.
 
-    python benchmarks/hf_import_memory.py [--layers 1 4 12] [--dir /tmp] [--export]
+    python benchmarks/hf_import_memory.py [--layers 1 4 12] [--dir /tmp] [--export] [--sample]
 
 Writes a Qwen3-30B-A3B-width checkpoint (d 2048, 32 heads / 4 KV of 128, 128 experts of 768,
 vocab 151936: the released tensor names and shapes) with N layers of random bf16 values to a
 temporary directory, in ~4 GB shards with an index as `save_pretrained` writes them, then
 runs `python -m moe_jax.interop import` (and with --export, `export` of that run; with
---sample, `sample.py --run HF_DIR sample.weights=bfloat16` for two tokens) in a subprocess of
-its own and reports each one's peak RSS (the kernel's high-water mark, file
-pages of the memory maps included) and wall time, next to the time of reading the files once
-(`cat > /dev/null`). Each file is dropped from the page cache first (posix_fadvise), so all
-of them read from disk. A depth whose checkpoint, and its import, do not fit on the disk
-with 8 GB to spare is skipped, saying so.
+--sample, `sample.py --run HF_DIR sample.weights=bfloat16` for two tokens, and the same
+load without sampling, `load_sampler` alone) in a subprocess of its own and reports each
+one's peak RSS (the kernel's high-water mark, file pages of the memory maps included; the
+sampling columns also as a multiple of the weights' bytes) and wall time, next to the time
+of reading the files once (`cat > /dev/null`). Each file is dropped from the page cache
+first (posix_fadvise), so all of them read from disk. A depth whose checkpoint, and its
+import, do not fit on the disk with 8 GB to spare is skipped, saying so.
 """
 
 from __future__ import annotations
@@ -152,16 +153,35 @@ def measure(cmd: list[str]) -> tuple[float, float, str]:
     return peak_kib / 2**20, wall, (lines or [""])[-1]
 
 
+SAMPLE_OVERRIDES = ["sample.weights=bfloat16"]
+
+
 def one(kind: str, src: Path, out: Path) -> None:
-    """Run one import, export or sample and print its peak RSS (`--one`, a process each)."""
+    """Run one import, export, sample or load and print its peak RSS (`--one`, a process
+    each)."""
     cmd = [sys.executable, "-m", "moe_jax.interop", kind, str(src), "--out", str(out)]
     if kind == "import":
         cmd.append("data.tokenizer=byte")
     if kind == "sample":  # straight from the HF directory, bf16 weights, two tokens
         cmd = [sys.executable, "sample.py", "--run", str(src), "--prompt", "To be"]
-        cmd += ["--max-new-tokens", "2", "--num-samples", "1", "sample.weights=bfloat16"]
+        cmd += ["--max-new-tokens", "2", "--num-samples", "1", *SAMPLE_OVERRIDES]
+    if kind == "load":  # what sample.py does before it generates
+        cmd = [sys.executable, __file__, "--load-only", str(src)]
     rss, wall, line = measure(cmd)
     print(json.dumps({"rss_gib": rss, "wall_s": wall, "progress": line}))
+
+
+def load_only(src: Path) -> None:
+    """`--load-only`: the sampler loaded as sample.py loads it (huge pages, the same
+    overrides), and nothing generated: the load's share of sampling's peak RSS."""
+    sys.path.insert(0, str(ROOT))  # this checkout's package, as sample.py imports it
+    from moe_jax.process_setup import import_jax, reexec_with_hugepages
+
+    reexec_with_hugepages()
+    import_jax()
+    from moe_jax.load import load_sampler
+
+    load_sampler(str(src), SAMPLE_OVERRIDES)
 
 
 def cat_time(directory: Path) -> float:
@@ -188,10 +208,14 @@ def main(argv: list[str]) -> None:
     p.add_argument("--export", action="store_true", help="also export each import")
     p.add_argument("--sample", action="store_true", help="also sample.py --run HF_DIR")
     p.add_argument("--one", nargs=3, help=argparse.SUPPRESS)
+    p.add_argument("--load-only", type=Path, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.one:
         return one(args.one[0], Path(args.one[1]), Path(args.one[2]))
+    if args.load_only:
+        return load_only(args.load_only)
     extra = [name for name, on in (("export", args.export), ("sample", args.sample)) if on]
+    extra = [n for name in extra for n in (("sampler load", name) if name == "sample" else (name,))]
     print("| layers | params | safetensors | cat > /dev/null | import: peak RSS, time |"
           + "".join(f" {name}: peak RSS, time |" for name in extra))  # fmt: skip
     print("|---|---|---|---|---|" + "---|" * len(extra))
@@ -214,8 +238,10 @@ def main(argv: list[str]) -> None:
                 exp = run_one("export", work / "run", work / "export")
                 row += f" {exp['rss_gib']:.2f} GiB, {exp['wall_s']:.0f} s |"
             if args.sample:
-                smp = run_one("sample", work / "hf", work / "unused")
-                row += f" {smp['rss_gib']:.2f} GiB, {smp['wall_s']:.0f} s |"
+                for kind in ("load", "sample"):
+                    r = run_one(kind, work / "hf", work / "unused")
+                    times = r["rss_gib"] / (size / 2**30)
+                    row += f" {r['rss_gib']:.2f} GiB ({times:.2f}x), {r['wall_s']:.0f} s |"
             print(row, flush=True)
         finally:
             shutil.rmtree(work, ignore_errors=True)

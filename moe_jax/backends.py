@@ -59,6 +59,16 @@ AUTO_DROPLESS = {"gpu": {"moe": "mosaic"}}
 # model.dtype=auto: the compute dtype each backend runs (parameters stay float32). XLA:CPU has
 # no fast bf16 matmuls; the accelerators' matrix units are bf16.
 COMPUTE_DTYPE = {"cpu": "float32", "gpu": "bfloat16", "tpu": "bfloat16"}
+# Weights stored in 16 bits for a wider compute dtype (sample.weights=bfloat16 on CPU) are
+# converted where they are used. XLA:CPU can neither multiply nor gather bf16, and left to it
+# the float32 copies of every weight were alive at once (hoisted out of the decode loop,
+# scheduled up front): 2.1x the weights in temporaries. Where True the model converts them
+# in their turn and in parts (model/convert.py), and the sampler compiles its loop without
+# XLA's loop-invariant code motion (LOOP_COMPILER_OPTIONS), which would hoist them again. On
+# the accelerators the compute dtype is the weights' bf16: nothing is converted, nothing
+# changes.
+CONVERTS_IN_TURN = {"cpu": True, "gpu": False, "tpu": False}
+LOOP_COMPILER_OPTIONS = {"xla_disable_hlo_passes": "while-loop-invariant-code-motion"}
 # Where each kernel lives (moe_jax/model/): attention `blocked` attention.py, `cudnn` and
 # `splash` attention_kernels.py (cuDNN's training form: cudnn_attention.py); moe `buckets`
 # buckets.py, `batched` experts.py (`expert_swiglu`'s batched matmul), `ragged` and
@@ -229,6 +239,18 @@ def exchange(moe_impl: str, setting: str = "auto") -> str:
             f"{moe_impl} on {backend}; set the exchange to auto"
         )
     return setting
+
+
+def converts_in_turn() -> bool:
+    """Whether the target converts 16-bit weights for a wider compute dtype in their turn and
+    in parts (CONVERTS_IN_TURN)."""
+    return CONVERTS_IN_TURN.get(target(), False)
+
+
+def loop_compiler_options(converts: bool) -> dict | None:
+    """XLA options for a program that loops over the weights (the sampler's decode loop):
+    without loop-invariant code motion where it `converts` weights in turn, else None."""
+    return dict(LOOP_COMPILER_OPTIONS) if converts and converts_in_turn() else None
 
 
 def compute_dtype(dtype: str) -> str:

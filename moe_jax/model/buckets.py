@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
+from moe_jax.model import convert
 from moe_jax.model.glu import SWIGLU, Activation, glu, glu_vjp
 
 # Checkpoint names of the expert's output (what combine's backward needs) and of the
@@ -53,8 +54,9 @@ def _pad_rows(a_RX: jax.Array, rows: int) -> jax.Array:
     return jnp.pad(a_RX, ((0, rows - a_RX.shape[0]), (0, 0)))
 
 
-def _cast(w: dict, dtype) -> dict:
-    return {n: a.astype(dtype) for n, a in w.items()}
+def _cast(w: dict, dtype, x) -> dict:
+    """The weights in `dtype` (16-bit ones converted once `x` exists: `convert.dense`)."""
+    return {n: convert.dense(a, dtype, x) for n, a in w.items()}
 
 
 def _forward_rows(r: int, x_CD, w, dtype, act: Activation):
@@ -62,7 +64,7 @@ def _forward_rows(r: int, x_CD, w, dtype, act: Activation):
     # r = 0 (nothing filled) goes through the same code: its matmuls are empty, and the zeros
     # it pads with carry the inputs' sharding types, as a switch needs under shard_map.
     C = x_CD.shape[0]
-    w = _cast(w, dtype)
+    w = _cast(w, dtype, x_CD)
     x_rD = x_CD[:r]
     gate_rF = x_rD @ w["w_gate"] + w.get("gate_bias", 0)
     up_rF = x_rD @ w["w_up"] + w.get("up_bias", 0)
@@ -73,7 +75,7 @@ def _forward_rows(r: int, x_CD, w, dtype, act: Activation):
 def _backward_rows(r: int, x_CD, w, gate_CF, up_CF, dy_CD, dtype, act: Activation):
     """Cotangents of x (padded to C rows) and of each weight, from the first r rows."""
     C = x_CD.shape[0]
-    wc = _cast(w, dtype)
+    wc = _cast(w, dtype, dy_CD)
     x_rD, gate_rF, up_rF, dy_rD = (a[:r].astype(dtype) for a in (x_CD, gate_CF, up_CF, dy_CD))
     dh_rF = dy_rD @ wc["w_down"].T
     h_rF, dgate_rF, dup_rF = glu_vjp(gate_rF, up_rF, dh_rF, act)

@@ -17,7 +17,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from moe_jax import backends
 from moe_jax.config import Config
-from moe_jax.model import lora, weight_gather
+from moe_jax.model import convert, lora, weight_gather
 from moe_jax.model.buckets import swiglu_filled
 from moe_jax.model.glu import SWIGLU, Activation, glu
 from moe_jax.model.grouped import grouped_buffers
@@ -90,7 +90,16 @@ class Experts(nnx.Module):
 
 def swiglu_rows(x_CD, w: dict, dtype, act: Activation = SWIGLU) -> jax.Array:
     """SwiGLU of rows [..., C, D] with weights [..., D, F] (a leading expert axis on both, or
-    none), without the down-projection bias (added after any tensor-parallel sum)."""
+    none), without the down-projection bias (added after any tensor-parallel sum). 16-bit
+    expert stacks for a wider `dtype` (bf16 weights on CPU) run a group of experts at a time,
+    so that only that group's weights are ever converted (`convert.by_expert_groups`)."""
+    if x_CD.ndim == 3:
+        one = lambda x_ECD, w_E: _swiglu_rows(x_ECD, w_E, dtype, act)
+        return convert.by_expert_groups(one, x_CD, w, dtype)
+    return _swiglu_rows(x_CD, w, dtype, act)
+
+
+def _swiglu_rows(x_CD, w: dict, dtype, act: Activation) -> jax.Array:
     bias = lambda n: jnp.expand_dims(w[n].astype(dtype), -2) if n in w else 0
     gate_CF = jnp.matmul(x_CD, w["w_gate"].astype(dtype)) + bias("gate_bias")
     up_CF = jnp.matmul(x_CD, w["w_up"].astype(dtype)) + bias("up_bias")

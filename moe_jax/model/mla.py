@@ -46,7 +46,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from moe_jax import backends
 from moe_jax.config import Config
-from moe_jax.model import attention_kernels, lora, weight_gather
+from moe_jax.model import attention_kernels, convert, lora, weight_gather
 from moe_jax.model.attention import (
     ATTENTION_OUT,
     attend,
@@ -103,10 +103,10 @@ class MLAttention(nnx.Module):
         self.wo = param(rngs, init, (H, V, D), ("heads", "head_dim", "embed"))
         lora.attach(self, cfg, "attention", rngs)  # wk_b / wv_b (also absorbed) get none
 
-    def _w(self, v: nnx.Param) -> jax.Array:
-        """A weight without a model dim (nothing for `weight_gather.einsum` to gather), as
-        computed."""
-        return v[...].astype(self.dtype)
+    def _w(self, v: nnx.Param, x: jax.Array) -> jax.Array:
+        """A weight without a model dim (nothing for `weight_gather.einsum` to gather), as computed
+        on `x` (a 16-bit weight converted once x exists: `convert.dense`)."""
+        return convert.dense(v[...], self.dtype, x)
 
     def _query(self, x_BTD: jax.Array) -> jax.Array:
         if hasattr(self, "wq"):
@@ -114,7 +114,7 @@ class MLAttention(nnx.Module):
             return q_BTHQ + lora.delta(self, "wq", x_BTD, "btd,dhq->bthq", self.dtype)
         q_BTr = weight_gather.einsum("btd,dr->btr", x_BTD, self.wq_a, self.dtype)
         q_BTr = self.q_a_norm(q_BTr + lora.delta(self, "wq_a", x_BTD, "btd,dr->btr", self.dtype))
-        q_BTHQ = jnp.einsum("btr,rhq->bthq", q_BTr, self._w(self.wq_b))
+        q_BTHQ = jnp.einsum("btr,rhq->bthq", q_BTr, self._w(self.wq_b, q_BTr))
         return q_BTHQ + lora.delta(self, "wq_b", q_BTr, "btr,rhq->bthq", self.dtype)
 
     def _latent(self, x_BTD: jax.Array) -> jax.Array:
@@ -156,8 +156,8 @@ class MLAttention(nnx.Module):
     def _expanded(self, q_nope_BTHN, q_pe_BTHP, c_BTR, k_pe_BT1P, positions_BT, segments_BT):
         """Self-attention over the call's tokens with every head's keys and values expanded."""
         B, T, H, P = q_pe_BTHP.shape
-        k_nope_BTHN = jnp.einsum("btr,rhn->bthn", c_BTR, self._w(self.wk_b))
-        v_BTHV = jnp.einsum("btr,rhv->bthv", c_BTR, self._w(self.wv_b))
+        k_nope_BTHN = jnp.einsum("btr,rhn->bthn", c_BTR, self._w(self.wk_b, c_BTR))
+        v_BTHV = jnp.einsum("btr,rhv->bthv", c_BTR, self._w(self.wv_b, c_BTR))
         k_pe_BTHP = jnp.broadcast_to(k_pe_BT1P, (B, T, H, P))
         q_BTHQ = jnp.concatenate([q_nope_BTHN, q_pe_BTHP], axis=-1)
         k_BTHQ = jnp.concatenate([k_nope_BTHN, k_pe_BTHP], axis=-1)
@@ -192,7 +192,7 @@ class MLAttention(nnx.Module):
         whole cache in the absorbed form (the module doc), `PREFILL_BLOCK` queries at a time.
         Causal by position: slots not yet written sit at positions after every query."""
         R = self.kv_lora_rank
-        q_lat_BTHR = jnp.einsum("bthn,rhn->bthr", q_nope_BTHN, self._w(self.wk_b))
+        q_lat_BTHR = jnp.einsum("bthn,rhn->bthr", q_nope_BTHN, self._w(self.wk_b, q_nope_BTHN))
         q_BTHL = jnp.concatenate([q_lat_BTHR, q_pe_BTHP], axis=-1)
         new_BT1L = jnp.concatenate([c_BTR[:, :, None], k_pe_BT1P], axis=-1)
         if is_paged(cache):  # the engine's pages (`paged_kv`), read through the page table
@@ -208,5 +208,5 @@ class MLAttention(nnx.Module):
             q, kv_BS1L, kv_BS1L, attention_mask(pos, k_pos_BS), self.scale
         )
         out_BTHL = in_prefill_blocks(attend_block, q_BTHL, positions_BT)
-        out_BTHV = jnp.einsum("bthr,rhv->bthv", out_BTHL[..., :R], self._w(self.wv_b))
+        out_BTHV = jnp.einsum("bthr,rhv->bthv", out_BTHL[..., :R], self._w(self.wv_b, out_BTHL))
         return out_BTHV, cache

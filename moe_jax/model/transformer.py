@@ -59,9 +59,9 @@ from jax.ad_checkpoint import checkpoint_name
 
 from moe_jax import backends
 from moe_jax.config import Config
-from moe_jax.model import lora, weight_gather
+from moe_jax.model import convert, lora, weight_gather
 from moe_jax.model.attention import Attention
-from moe_jax.model.int8 import after
+from moe_jax.model.int8 import QuantizedParam, after
 from moe_jax.model.kv_cache import KVCache
 from moe_jax.model.mla import MLAttention, latent_cache
 from moe_jax.model.moe import MoE, SwiGLU
@@ -290,18 +290,29 @@ class Transformer(nnx.Module):
 
     def logits(self, x_BTD: jax.Array, head_DV: jax.Array | None = None) -> jax.Array:
         """Final norm and head: the last layer's output [B, T, D] -> float32 logits [B, T, V].
-        `head_DV`: the head weight as `head_weight` gave it (read once for many calls)."""
+        `head_DV`: the head weight as `head_weight` gave it (read once for many calls).
+        A 16-bit head for a wider compute dtype (bf16 weights on CPU) is converted a chunk
+        of the vocabulary at a time (`convert.vocab_logits`)."""
         x_BTD = self.final_norm(x_BTD)
         if head_DV is None:
-            head_DV = self.head_weight(x_BTD)
+            if self.cfg.model.tie_embeddings:
+                return convert.vocab_logits(x_BTD, self.embed.embedding[...], 0, self.dtype)
+            head = after(x_BTD, self.head)
+            if not isinstance(head, QuantizedParam):
+                return convert.vocab_logits(x_BTD, head[...], 1, self.dtype)
+            head_DV = head[...].astype(self.dtype)
         return (x_BTD @ head_DV).astype(jnp.float32)
 
     def head_weight(self, x=None) -> jax.Array:
-        """The output head [D, V] in the compute dtype (`x`: int8 weights wait for it)."""
+        """The output head [D, V] in the compute dtype (`x`: int8 weights wait for it, and
+        16-bit ones are converted once it exists)."""
         if self.cfg.model.tie_embeddings:
-            return self.embed.embedding[...].T.astype(self.dtype)
+            table = self.embed.embedding[...].T
+            return table.astype(self.dtype) if x is None else convert.dense(table, self.dtype, x)
         head = self.head if x is None else after(x, self.head)
-        return head[...].astype(self.dtype)
+        if x is None or isinstance(head, QuantizedParam):
+            return head[...].astype(self.dtype)
+        return convert.dense(head[...], self.dtype, x)
 
     def _insert_images(self, x_BTD, images_BND, mask_BT) -> jax.Array:
         """The projected image embeddings in place of the token embeddings the mask marks."""

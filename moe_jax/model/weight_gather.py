@@ -37,6 +37,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
+from moe_jax.model import convert
 from moe_jax.sharding import logical_to_spec, n_batch_shards, split_batch_axes
 
 # (gather by steps, the largest group one collective spans: 0 = whole axes)
@@ -131,8 +132,9 @@ def einsum(subscripts: str, x_B, v: nnx.Variable, dtype) -> jax.Array:
     letter) and a weight w (v's value, in `dtype`) whose model dim ("embed") is split over
     the batch axes. By steps: each device's rows, w's model dim gathered, its other dims as
     split (x's dims that w splits too split alike), the partial sums of contracted split dims
-    added over their axes."""
-    w = v[...].astype(dtype)
+    added over their axes. A 16-bit w for a wider `dtype` is converted once x_B exists
+    (`convert.dense`)."""
+    w = convert.dense(v[...], dtype, x_B)
     lhs, rest = subscripts.split(",")
     rhs, out = rest.split("->")
     mesh, names = _steps_mesh(x_B), v.get_metadata().get("out_sharding")
