@@ -82,7 +82,8 @@ def lower_train(cfg, mesh):
     from moe_jax.sharding import batch_sharding
     from moe_jax.train_step import init_state, make_optimizer, make_train_step
 
-    tx = make_optimizer(cfg.train, backends.compute_dtype(cfg.model.dtype))  # dpo's reference
+    # dpo and grpo: their reference; grpo: its updates a step
+    tx = make_optimizer(cfg.train, backends.compute_dtype(cfg.model.dtype), cfg.rl)
     graphdef, state = init_state(cfg, tx, abstract=True, mesh=mesh)
     step = make_train_step(cfg, graphdef, tx, jax.tree.map(lambda a: a.sharding, state))
     tokens = jax.ShapeDtypeStruct(
