@@ -145,6 +145,19 @@ def test_bad_prompts_are_refused_by_line(tmp_path, line, message, error):
         load_prompts(grpo_config(str(path)))
 
 
+def test_max_prompt_len_fixes_the_rows_width_and_refuses_longer_prompts(tmp_path):
+    """rl.max_prompt_len: rows are its sampler bucket + max_new_tokens wide whatever the
+    prompts (what aot compiles); a longer prompt is refused by line."""
+    from moe_jax.data.prompts import load_prompts
+
+    path = write_jsonl(tmp_path / "p.jsonl", sums(4))  # 4-character prompts
+    assert load_prompts(grpo_config(path)).bucket == 16  # the data's: the smallest bucket
+    assert load_prompts(grpo_config(path, "rl.max_prompt_len=20")).bucket == 32
+    path = write_jsonl(tmp_path / "q.jsonl", [*sums(2), {"prompt": "1+" * 12 + "1="}])
+    with pytest.raises(DataError, match="line 3: its prompt is 26 tokens; .* rl.max_prompt_len"):
+        load_prompts(grpo_config(path, "rl.max_prompt_len=20"))
+
+
 def test_a_reward_that_does_not_import_or_miscounts_is_named(tmp_path):
     from moe_jax.data.prompts import load_prompts, load_rewards
     from moe_jax.rl.collect import RewardError, score

@@ -19,6 +19,10 @@ class RLConfig:
     reward_weights: tuple[float, ...] = ()  # one per reward; empty: all 1
     group_size: int = 4  # G completions sampled per prompt (train.batch_size prompts a step)
     max_new_tokens: int = 64  # a completion's most tokens (it ends earlier at EOS)
+    # A prompt's most tokens (longer ones are refused by line), which fixes the rollouts'
+    # width at its sampler bucket + max_new_tokens (what `moe_jax.aot` compiles for GRPO);
+    # 0: the longest prompt's (the data's).
+    max_prompt_len: int = 0
     temperature: float = 1.0  # the sampler's; the trainer's log-probs are of logits / it
     # The clipped ratio's range [1 - clip_eps, 1 + clip_eps_high] (clip_eps_high 0: clip_eps)
     clip_eps: float = 0.2
@@ -47,7 +51,7 @@ class RLConfig:
             self, "rl",
             ["group_size", "max_new_tokens", "temperature", "clip_eps", "epochs", "minibatches"],
         )  # fmt: skip
-        non_negative(self, "rl", ["clip_eps_high", "kl_beta"])
+        non_negative(self, "rl", ["clip_eps_high", "kl_beta", "max_prompt_len"])
         one_of(self.level, RL_LEVELS, "rl.level")
         bad = [r for r in self.rewards if r.count(":") != 1 or not all(r.split(":"))]
         require(
