@@ -1,8 +1,10 @@
 """GRPO (moe_jax/rl/): advantages and the clipped objective against hand-written numpy
 (token level, GRPO; sequence level, GSPO; the k3 KL), the rollout rows the trainer gets from
-the sampler, config and data refused in one line, and a GRPO run stopped and resumed equal
-to an uninterrupted one (rollouts drawn from the state's params, with routing replay).
-Budget: ~30 s on 2 CPU cores.
+the sampler, config and data refused in one line (rl.max_prompt_len's bound too), and a
+GRPO run stopped and resumed equal to an uninterrupted one (rollouts drawn from the state's
+params, with routing replay; a full fine-tune's KL reference and 2 x 2 passes a step, the
+stop asked for mid-batch). The train step on fixed batches: tests/test_grpo_updates.py.
+Budget: ~45 s of CPU on 2 cores (the resume test's three train() calls most of it).
 """
 
 from __future__ import annotations
