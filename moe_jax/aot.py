@@ -82,7 +82,8 @@ def lower_train(cfg, mesh):
     from moe_jax.sharding import batch_sharding
     from moe_jax.train_step import init_state, make_optimizer, make_train_step
 
-    tx = make_optimizer(cfg.train, backends.compute_dtype(cfg.model.dtype))  # dpo's reference
+    # dpo and grpo: their reference; grpo: its updates a step
+    tx = make_optimizer(cfg.train, backends.compute_dtype(cfg.model.dtype), cfg.rl)
     graphdef, state = init_state(cfg, tx, abstract=True, mesh=mesh)
     step = make_train_step(cfg, graphdef, tx, jax.tree.map(lambda a: a.sharding, state))
     tokens = jax.ShapeDtypeStruct(
@@ -155,39 +156,88 @@ def _step_mesh(cfg, topo, step: str):
     return mesh
 
 
-def compile_step(cfg, topo, step: str, verbose: bool = False, hlo_path: str | None = None):
-    """Compile `step` ("train" | "decode") of `cfg` for `topo`. -> report dict.
-    Raises DoesNotFit, or ConfigError / SamplingError for a config the step cannot take."""
-    from moe_jax import backends, hlo
-    from moe_jax.model import exchange_rounds
-    from moe_jax.summary import decode_flops, train_flops_per_token
+def compiled_program(lower, topo, verbose: bool = False):
+    """-> (`lower()` compiled for `topo`'s devices, seconds). Traced for the target's kernels
+    (moe_jax/backends.py), not the CPU's. Raises DoesNotFit where the compiler says so."""
+    from moe_jax import backends
 
-    mesh = _step_mesh(cfg, topo, step)
-    kind = topo.devices[0].device_kind
     what = "chip" if topo.platform == "tpu" else "GPU"
     t0 = time.perf_counter()
-    # Traced for the target's kernels (moe_jax/backends.py), not the CPU's.
     with quiet(verbose), backends.targeting(topo.platform):
         try:
-            lowered = lower_train(cfg, mesh) if step == "train" else lower_decode(cfg, mesh)
-            compiled = lowered.compile()
+            compiled = lower().compile()
         except Exception as e:
             text = str(e)
             if "RESOURCE_EXHAUSTED" in text or "Ran out of memory" in text:
-                raise DoesNotFit(_oom_bytes(text), topo.hbm_bytes, kind, what) from None
+                raise DoesNotFit(_oom_bytes(text), topo.hbm_bytes, topo.devices[0].device_kind,
+                                 what) from None  # fmt: skip
             raise
-    compile_s = time.perf_counter() - t0
+    return compiled, time.perf_counter() - t0
+
+
+def program_figures(compiled, cfg, hlo_path: str | None = None, new_tokens=None) -> dict:
+    """A compiled program's per-device bytes, matmul FLOPs and collectives (module doc); a
+    loop of unknown trip count (the decode loop's) counted at `new_tokens` (default
+    sample.max_new_tokens) - 1 iterations."""
+    from moe_jax import hlo
+    from moe_jax.model import exchange_rounds
+
     mem = compiled.memory_analysis()
     text = compiled.as_text()
     if hlo_path:
         with open(hlo_path, "w") as f:
             f.write(text)
-    s = cfg.sample
     analysis = hlo.analyze(
         text,
-        unknown_trips=max(s.max_new_tokens - 1, 1),
+        unknown_trips=max((new_tokens or cfg.sample.max_new_tokens) - 1, 1),
         scoped_trips={exchange_rounds.ROUND_LOOP_SCOPE: exchange_rounds.ROUND_LOOP_TRIPS},
     )
+    return {
+        "bytes": {
+            "arguments": mem.argument_size_in_bytes,
+            "outputs": mem.output_size_in_bytes,
+            "aliased": mem.alias_size_in_bytes,
+            "temps": mem.temp_size_in_bytes,
+            "host_temps": mem.host_temp_size_in_bytes,
+            "peak": mem.peak_memory_in_bytes,
+        },
+        "flops_per_device": analysis.flops,
+        "collectives": hlo.collectives_json(analysis.collectives),
+        "conditionals": analysis.count("conditional"),
+        # kernels whose FLOPs flops_per_device leaves out (no cost estimate: splash attention)
+        "uncosted_kernels": analysis.count(hlo.UNCOSTED),
+        "loops_of_unknown_trip_count": analysis.unknown_trip_loops,
+        "exchange_round_loops": analysis.scoped_loops,  # counted at one round
+    }
+
+
+def compile_step(cfg, topo, step: str, verbose: bool = False, hlo_path: str | None = None):
+    """Compile `step` ("train" | "decode") of `cfg` for `topo`. -> report dict; a GRPO
+    train step (train.objective=grpo) is its sampler's program and its update's
+    (`rl.aot.compile_grpo`). Raises DoesNotFit, or ConfigError / SamplingError for a config
+    the step cannot take."""
+    from moe_jax import backends
+    from moe_jax.summary import decode_flops, train_flops_per_token
+
+    mesh = _step_mesh(cfg, topo, step)
+    if step == "train" and cfg.train.objective == "grpo":
+        from moe_jax.rl.aot import compile_grpo
+
+        def compile_one(lower, new_tokens):
+            compiled, seconds = compiled_program(lower, topo, verbose)
+            return program_figures(compiled, cfg, new_tokens=new_tokens), seconds
+
+        report = compile_grpo(cfg, topo, mesh, compile_one)
+        if not report["fits"]:
+            what = "chip" if topo.platform == "tpu" else "GPU"
+            raise DoesNotFit(report["peak"], topo.hbm_bytes, report["device_kind"], what)
+        return report
+    kind = topo.devices[0].device_kind
+    what = "chip" if topo.platform == "tpu" else "GPU"
+    lower = (lambda: lower_train(cfg, mesh)) if step == "train" else lambda: lower_decode(cfg, mesh)
+    compiled, compile_s = compiled_program(lower, topo, verbose)
+    figures = program_figures(compiled, cfg, hlo_path)
+    s = cfg.sample
     if step == "train":
         tokens = cfg.train.batch_size * cfg.train.seq_len
         model_flops = train_flops_per_token(cfg, causal=False) * tokens
@@ -195,7 +245,7 @@ def compile_step(cfg, topo, step: str, verbose: bool = False, hlo_path: str | No
     else:
         model_flops = decode_flops(cfg, s.batch_size, s.prompt_len, s.max_new_tokens)
         rows = s.batch_size
-    peak = mem.peak_memory_in_bytes
+    peak = figures["bytes"]["peak"]
     report = {
         "topology": topo.name,
         "step": step,
@@ -208,22 +258,8 @@ def compile_step(cfg, topo, step: str, verbose: bool = False, hlo_path: str | No
         "seq_len": cfg.train.seq_len if step == "train" else s.prompt_len + s.max_new_tokens,
         "hbm_bytes_per_device": topo.hbm_bytes,
         "fits": peak <= topo.hbm_bytes,
-        "bytes": {
-            "arguments": mem.argument_size_in_bytes,
-            "outputs": mem.output_size_in_bytes,
-            "aliased": mem.alias_size_in_bytes,
-            "temps": mem.temp_size_in_bytes,
-            "host_temps": mem.host_temp_size_in_bytes,
-            "peak": peak,
-        },
-        "flops_per_device": analysis.flops,
+        **figures,
         "model_flops_per_device": model_flops / topo.n_devices,
-        "collectives": hlo.collectives_json(analysis.collectives),
-        "conditionals": analysis.count("conditional"),
-        # kernels whose FLOPs flops_per_device leaves out (no cost estimate: splash attention)
-        "uncosted_kernels": analysis.count(hlo.UNCOSTED),
-        "loops_of_unknown_trip_count": analysis.unknown_trip_loops,
-        "exchange_round_loops": analysis.scoped_loops,  # counted at one round
         "compile_s": round(compile_s, 1),
     }
     if step == "train":  # the weights' share of the collectives, as the sharding implies it
@@ -245,6 +281,10 @@ def _gib(n: float) -> str:
 
 
 def format_report(r: dict, config_name: str) -> str:
+    if r["step"] == "grpo":  # two programs (moe_jax/rl/aot.py)
+        from moe_jax.rl.aot import format_grpo
+
+        return format_grpo(r, config_name)
     b = r["bytes"]
     mesh = " x ".join(f"{k} {v}" for k, v in r["mesh"].items())
     lines = [
@@ -435,6 +475,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         with quiet(args.verbose):
             topo = get_topology(args.topology, cfg.mesh.slices)
+        if args.max_batch and cfg.train.objective == "grpo":
+            raise ConfigError(
+                "aot --max-batch searches token batches; for train.objective=grpo set "
+                "train.batch_size (prompts) and rl.group_size and compile that"
+            )
         if args.max_batch:
             report, refusal = max_batch(cfg, topo, args.step, args.verbose, log, args.max_rows)
             if report is None:

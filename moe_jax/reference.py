@@ -1,7 +1,7 @@
-"""The frozen reference model of a full fine-tune (DPO without LoRA): a copy of the params the
-run starts from, held in the optimizer state and never updated.
+"""The frozen reference model of a full fine-tune (DPO, and GRPO's KL, without LoRA): a copy of
+the params the run starts from, held in the optimizer state and never updated.
 
-    tx = with_reference(tx, dtype)           # make_optimizer, for train.objective=dpo
+    tx = with_reference(tx, dtype)           # make_optimizer: dpo, or grpo with rl.kl_beta > 0
     ref = reference_params(state["opt_state"])  # the copy; None with LoRA adapters
 
 With LoRA the reference is the base with the adapters off (`model.lora.off`) and no copy

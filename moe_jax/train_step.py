@@ -45,6 +45,7 @@ global-norm clipping, with linear warmup to `train.lr` then cosine decay to
 
 from __future__ import annotations
 
+import contextlib
 from functools import partial
 
 import jax
@@ -94,16 +95,17 @@ def lr_schedule(t: TrainConfig) -> optax.Schedule:
     return optax.join_schedules([warmup, main], [W])
 
 
-def decay_mask(params, decay_embeddings: bool):
-    """True for the params weight decay applies to: matmul weights (and the embedding if asked).
+def decay_mask(params, decay_embeddings: bool, mtp: bool = True):
+    """True for the params weight decay applies to: matmul weights (and the embedding if asked;
+    the MTP layers' unless `mtp` is False).
 
     Relies on the model's naming contract: norm weights are named `scale`, biases end in
-    `bias`, the token embedding is `embed.embedding`.
+    `bias`, the token embedding is `embed.embedding`, the MTP layers are under `mtp`.
     """
 
     def decays(path, _) -> bool:
         names = [str(k.key) for k in path if isinstance(k, jax.tree_util.DictKey)]
-        if names[-1] == "scale" or names[-1].endswith("bias"):
+        if names[-1] == "scale" or names[-1].endswith("bias") or (not mtp and names[0] == "mtp"):
             return False
         return decay_embeddings or names[-2:] != ["embed", "embedding"]
 
@@ -144,24 +146,30 @@ def stored_in(tx: optax.GradientTransformation, dtype) -> optax.GradientTransfor
 
 
 def make_optimizer(
-    t: TrainConfig, reference_dtype: str = "float32"
+    t: TrainConfig, reference_dtype: str = "float32", rl=None
 ) -> optax.GradientTransformation:
     """AdamW as the module doc says, for the adapters alone where the params hold LoRA
-    adapters. With train.objective=dpo its state also holds the frozen reference of a full
-    fine-tune (`moe_jax.reference`), its matmul weights in `reference_dtype`: pass the
-    compute dtype, `backends.compute_dtype(cfg.model.dtype)`, as train.py does."""
+    adapters. With train.objective=dpo, or grpo with rl.kl_beta > 0, its state also holds
+    the frozen reference of a full fine-tune (`moe_jax.reference`), its matmul weights in
+    `reference_dtype`: pass the compute dtype, `backends.compute_dtype(cfg.model.dtype)`,
+    and for grpo the rl section (`rl`), as train.py does. GRPO's step makes rl.updates
+    updates (`rl.passes`), the LR advancing once a step; the MTP layers, whose loss GRPO
+    leaves out, get no weight decay either, so they stay as they were."""
+    grpo = t.objective == "grpo" and rl is not None
+    schedule, decays = lr_schedule(t), partial(decay_mask, decay_embeddings=t.decay_embeddings)
+    if grpo:
+        per_step, every = schedule, rl.updates
+        schedule = lambda count: per_step(count // every)
+        decays = partial(decay_mask, decay_embeddings=t.decay_embeddings, mtp=False)
     adamw = optax.adamw(
-        lr_schedule(t),
-        b1=t.b1,
-        b2=t.b2,
-        eps=t.eps,
-        weight_decay=t.weight_decay,
-        mask=partial(decay_mask, decay_embeddings=t.decay_embeddings),
+        schedule, b1=t.b1, b2=t.b2, eps=t.eps, weight_decay=t.weight_decay, mask=decays
     )
     if t.moments_dtype != "float32":
         adamw = stored_in(adamw, jnp.dtype(t.moments_dtype))
     # with LoRA adapters in the params, state for them alone (moe_jax/lora/params.py)
     tx = lora_params.adapters_only(optax.chain(clip_by_global_norm(t.clip_norm), adamw))
+    if grpo and rl.kl_beta > 0:
+        return with_reference(tx, reference_dtype)
     return with_reference(tx, reference_dtype) if t.objective == "dpo" else tx
 
 
@@ -339,6 +347,20 @@ def compute_grads(params, graphdef: nnx.GraphDef, batch: Batch, t: TrainConfig):
     return grads, metrics
 
 
+@contextlib.contextmanager
+def _tracing(cfg: Config, key: jax.Array):
+    """What a step's forward and backward are traced under: the weight gathers' strategy and
+    LoRA dropout's masks (from `key`)."""
+    m = cfg.mesh
+    with (
+        weight_gather.gathering(
+            backends.weight_gather(m.weight_gather), backends.gather_group(m.gather_group)
+        ),
+        lora.dropping(key, cfg.lora.dropout),
+    ):
+        yield
+
+
 def make_train_step(
     cfg: Config, graphdef: nnx.GraphDef, tx: optax.GradientTransformation, state_sharding=None
 ):
@@ -347,37 +369,41 @@ def make_train_step(
     a dict of arrays, see the module doc) keeps the sharding it comes with."""
     schedule = lr_schedule(cfg.train)
 
-    def train_step(state, batch):
-        params = state["params"]
-        m = cfg.mesh
-        # lora.dropout's masks: new every step, the same again when a resumed run redoes it
-        key = jax.random.fold_in(jax.random.key(cfg.seed), state["step"])
-        with (
-            weight_gather.gathering(
-                backends.weight_gather(m.weight_gather), backends.gather_group(m.gather_group)
-            ),
-            lora.dropping(key, cfg.lora.dropout),
-        ):
-            if cfg.train.objective == "dpo":  # preference pairs (moe_jax/dpo.py)
-                from moe_jax import dpo
-
-                reference = reference_params(state["opt_state"])  # None: LoRA's base
-                grads, metrics = dpo.compute_grads(params, graphdef, batch, cfg, reference)
-            elif cfg.train.objective == "grpo":  # rollouts (moe_jax/rl/grpo.py)
-                from moe_jax.rl import grpo
-
-                grads, metrics = grpo.compute_grads(params, graphdef, batch, cfg)
-            else:
-                grads, metrics = compute_grads(params, graphdef, batch, cfg.train)
+    def update(params, opt_state, grads, metrics: dict, step):
+        """One optimizer update of `params` by `grads` (of their trained part) at `step`."""
         with jax.named_scope(OPTIMIZER):
             metrics["grad_norm"] = optax.tree.norm(grads)  # before clipping (adapters' alone)
-            metrics["lr"] = schedule(state["step"])
-            updates, opt_state = tx.update(grads, state["opt_state"], params)
+            metrics["lr"] = schedule(step)
+            updates, opt_state = tx.update(grads, opt_state, params)
             trained, frozen = lora_params.split(params)
             new_params = lora_params.join(optax.apply_updates(trained, updates), frozen)
             # outside the gradient: aux-loss-free balancing's bias (model/balancing.py)
             new_params = update_correction_bias(new_params, metrics, cfg)
-        new_state = {"step": state["step"] + 1, "params": new_params, "opt_state": opt_state}
+        return new_params, opt_state, metrics
+
+    def train_step(state, batch):
+        # lora.dropout's masks: new every step, the same again when a resumed run redoes it
+        key = jax.random.fold_in(jax.random.key(cfg.seed), state["step"])
+        if cfg.train.objective == "grpo":  # passes over rollouts (moe_jax/rl/passes.py)
+            from moe_jax.rl.passes import update_passes
+
+            tracing = partial(_tracing, cfg)
+            params, opt_state, metrics = update_passes(state, batch, cfg, graphdef, tracing,
+                                                       update, key)  # fmt: skip
+        else:
+            params = state["params"]
+            with _tracing(cfg, key):
+                if cfg.train.objective == "dpo":  # preference pairs (moe_jax/dpo.py)
+                    from moe_jax import dpo
+
+                    reference = reference_params(state["opt_state"])  # None: LoRA's base
+                    grads, metrics = dpo.compute_grads(params, graphdef, batch, cfg, reference)
+                else:
+                    grads, metrics = compute_grads(params, graphdef, batch, cfg.train)
+            params, opt_state, metrics = update(
+                params, state["opt_state"], grads, metrics, state["step"]
+            )
+        new_state = {"step": state["step"] + 1, "params": params, "opt_state": opt_state}
         return new_state, metrics
 
     if state_sharding is None:

@@ -182,7 +182,8 @@ def train(cfg: Config, *, stop_at: int | None = None) -> TrainResult:
         log(f"mesh: 1 of {jax.device_count()} devices (set mesh.data=-1 to use all)")
     else:
         log(f"mesh: {dict(mesh.shape)} over {mesh.size} devices, {jax.process_count()} process(es)")
-    tx = make_optimizer(cfg.train, backends.compute_dtype(cfg.model.dtype))  # dpo's reference
+    # dpo and grpo: their reference; grpo: its updates a step
+    tx = make_optimizer(cfg.train, backends.compute_dtype(cfg.model.dtype), cfg.rl)
     graphdef, abstract_state = init_state(cfg, tx, abstract=True, mesh=mesh)
     try:  # before anything is allocated: a model too big fails here, in one line
         check_train_fits(abstract_state)

@@ -13,3 +13,19 @@ def digits(prompts, completions, **_):
 
 def too_few(prompts, completions, **_):
     return [0.0]
+
+
+calls = 0  # exact_or_stop's calls since the test reset it
+
+
+def exact_or_stop(prompts, completions, answer, **_):
+    """`exact`; and SIGTERM to this process on the call numbered $GRPO_SIGTERM_AT_CALL (a
+    stop asked for while a step's rollouts are scored, before its updates run)."""
+    import os
+    import signal
+
+    global calls
+    calls += 1
+    if str(calls) == os.environ.get("GRPO_SIGTERM_AT_CALL"):
+        os.kill(os.getpid(), signal.SIGTERM)
+    return exact(prompts, completions, answer)

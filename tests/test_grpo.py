@@ -1,8 +1,10 @@
 """GRPO (moe_jax/rl/): advantages and the clipped objective against hand-written numpy
 (token level, GRPO; sequence level, GSPO; the k3 KL), the rollout rows the trainer gets from
-the sampler, config and data refused in one line, and a GRPO run stopped and resumed equal
-to an uninterrupted one (rollouts drawn from the state's params, with routing replay).
-Budget: ~30 s on 2 CPU cores.
+the sampler, config and data refused in one line (rl.max_prompt_len's bound too), and a
+GRPO run stopped and resumed equal to an uninterrupted one (rollouts drawn from the state's
+params, with routing replay; a full fine-tune's KL reference and 2 x 2 passes a step, the
+stop asked for mid-batch). The train step on fixed batches: tests/test_grpo_updates.py.
+Budget: ~45 s of CPU on 2 cores (the resume test's three train() calls most of it).
 """
 
 from __future__ import annotations
@@ -113,7 +115,8 @@ def test_clipped_objective_equals_a_hand_written_reference(level, eps_high, kl):
         (["rl.rewards=[]", "rl.reward_weights=[]"], "needs rl.rewards"),
         (["rl.rewards=[tests.grpo_rewards]"], "as pkg.module:function"),
         (["rl.reward_weights=[1.0]"], "1 weights for 2 rl.rewards"),
-        (["rl.kl_beta=0.1"], "set lora.rank"),
+        (["rl.minibatches=3"], "does not divide a batch's 8 rollouts"),
+        (["rl.epochs=0"], "rl.epochs must be positive"),
         (["rl.group_size=1"], "sample at least 2"),
         (["rl.level=word"], "rl.level"),
         (["train.grad_accum=2"], "train.grad_accum=1"),
@@ -144,6 +147,19 @@ def test_bad_prompts_are_refused_by_line(tmp_path, line, message, error):
         load_prompts(grpo_config(str(path)))
 
 
+def test_max_prompt_len_fixes_the_rows_width_and_refuses_longer_prompts(tmp_path):
+    """rl.max_prompt_len: rows are its sampler bucket + max_new_tokens wide whatever the
+    prompts (what aot compiles); a longer prompt is refused by line."""
+    from moe_jax.data.prompts import load_prompts
+
+    path = write_jsonl(tmp_path / "p.jsonl", sums(4))  # 4-character prompts
+    assert load_prompts(grpo_config(path)).bucket == 16  # the data's: the smallest bucket
+    assert load_prompts(grpo_config(path, "rl.max_prompt_len=20")).bucket == 32
+    path = write_jsonl(tmp_path / "q.jsonl", [*sums(2), {"prompt": "1+" * 12 + "1="}])
+    with pytest.raises(DataError, match="line 3: its prompt is 26 tokens; .* rl.max_prompt_len"):
+        load_prompts(grpo_config(path, "rl.max_prompt_len=20"))
+
+
 def test_a_reward_that_does_not_import_or_miscounts_is_named(tmp_path):
     from moe_jax.data.prompts import load_prompts, load_rewards
     from moe_jax.rl.collect import RewardError, score
@@ -163,31 +179,46 @@ def test_a_reward_that_does_not_import_or_miscounts_is_named(tmp_path):
     np.testing.assert_allclose(total, [1.0 + 0.5, 0.5 * 0.5])
 
 
-def test_a_grpo_run_stopped_and_resumed_equals_an_uninterrupted_one(tmp_path):
-    """train.py with train.objective=grpo on a data x expert x tensor mesh: resumed from
-    step 2's checkpoint (train.resume_step: the prompt position, the params the rollouts are
-    drawn from, the optimizer state), steps 3 and 4 end bit for bit where the straight run's
-    did (each step's draw seeded by its step); the GRPO metrics reach metrics.jsonl, the
-    sampler's and the trainer's log-probs agree (one update per rollout batch, replayed
-    routing through the expert exchange)."""
+def test_a_grpo_run_stopped_and_resumed_equals_an_uninterrupted_one(tmp_path, monkeypatch):
+    """train.py with train.objective=grpo on a data x expert x tensor mesh, a full fine-tune
+    with its KL to a frozen reference (in the optimizer state) and 2 epochs x 2 minibatches
+    of updates a step: 4 straight steps; then back to step 2's checkpoint (train.resume_step:
+    the prompt position, the params the rollouts are drawn from, the optimizer state and the
+    reference) with SIGTERM sent while step 3's rollouts are scored, which stops the run at
+    the batch boundary after step 3's four updates (its checkpoint); resumed from it, step 4
+    ends bit for bit where the straight run's did (each draw seeded by its step). The GRPO
+    metrics reach metrics.jsonl; the sampler's and the trainer's log-probs agree on the first
+    update (routing replayed through the expert exchange)."""
+    import signal
+
     from flax import nnx
 
     from moe_jax.load import load_run
     from moe_jax.trainer import train
+    from tests import grpo_rewards
 
     path = write_jsonl(tmp_path / "p.jsonl", sums(12))
     cfg = lambda run, *more: grpo_config(
         path, f"run_dir={run}", "train.steps=4", "train.log_every=1", "train.eval_every=100",
         "train.eval_batches=1", "checkpoint.every=2", "train.trackers=[]",
         "train.peak_flops=1e11", "train.lr=1e-2", "train.batch_size=4", "mesh.data=2",
-        "mesh.expert=2", "mesh.tensor=2", *more,
+        "mesh.expert=2", "mesh.tensor=2", "rl.kl_beta=0.05", "rl.epochs=2",
+        "rl.minibatches=2",
+        "rl.rewards=[tests.grpo_rewards:exact_or_stop,tests.grpo_rewards:digits]", *more,
     )  # fmt: skip
     params = lambda: dict(nnx.to_flat_state(nnx.state(load_run(run, 4)[1], nnx.Param)))
     run = tmp_path / "run"
     train(cfg(run))  # 4 straight steps, saving at 2 and 4
     straight = params()
-    # back to step 2's checkpoint (its data position, optimizer state, params) and on to 4
-    train(cfg(run, "train.resume_step=2"))
+    monkeypatch.setattr(grpo_rewards, "calls", 0)
+    monkeypatch.setenv("GRPO_SIGTERM_AT_CALL", "1")  # the first step this call runs: 3
+    stopped = train(cfg(run, "train.resume_step=2"))
+    assert (stopped.step, stopped.stopped_by) == (3, signal.SIGTERM)
+    assert sorted(int(p.name) for p in (run / "checkpoints").iterdir() if p.name.isdigit()) == [
+        2, 3,
+    ]  # fmt: skip
+    monkeypatch.delenv("GRPO_SIGTERM_AT_CALL")
+    assert train(cfg(run)).step == 4  # resumed from 3
     resumed = params()
     for p, v in straight.items():
         np.testing.assert_array_equal(resumed[p][...], v[...], err_msg=str(p))
@@ -197,3 +228,5 @@ def test_a_grpo_run_stopped_and_resumed_equals_an_uninterrupted_one(tmp_path):
     for r in trains:
         assert r["expert_agreement"] == 1.0 and r["logp_diff_max"] < 1e-4
         assert r["completion_len"] > 0
+    assert trains[-1]["kl"] > 1e-4  # the policy leaves its reference
+    assert max(r["clip_frac"] for r in trains) > 0  # later updates' ratios leave the range

@@ -226,15 +226,18 @@ def _check_grpo(cfg: Config) -> None:
     )
     if grpo:
         require(rl.rewards, "train.objective=grpo needs rl.rewards=[pkg.module:function, ...]")
+        # model.mtp_depth > 0 is taken: the MTP loss is off and the MTP layers stay frozen
+        # (MiMo's RL; the sampler never runs them, so there are no experts of theirs to replay)
         require(
-            rl.kl_beta == 0 or cfg.lora.rank > 0,
-            "rl.kl_beta > 0 takes the reference from the base with the LoRA adapters off; set "
-            "lora.rank (e.g. lora.rank=16), or rl.kl_beta=0",
+            cfg.train.grad_accum == 1,
+            "train.objective=grpo splits a batch of rollouts with rl.minibatches, not "
+            "train.grad_accum: set train.grad_accum=1",
         )
+        rows = cfg.train.batch_size * rl.group_size
         require(
-            cfg.train.grad_accum == 1 and cfg.model.mtp_depth == 0,
-            "train.objective=grpo runs whole batches of rollouts without the MTP loss: set "
-            "train.grad_accum=1 and model.mtp_depth=0",
+            rows % rl.minibatches == 0,
+            f"rl.minibatches={rl.minibatches} does not divide a batch's {rows} rollouts "
+            f"(train.batch_size x rl.group_size); pick a divisor of {rows}",
         )
 
 

@@ -19,6 +19,10 @@ class RLConfig:
     reward_weights: tuple[float, ...] = ()  # one per reward; empty: all 1
     group_size: int = 4  # G completions sampled per prompt (train.batch_size prompts a step)
     max_new_tokens: int = 64  # a completion's most tokens (it ends earlier at EOS)
+    # A prompt's most tokens (longer ones are refused by line), which fixes the rollouts'
+    # width at its sampler bucket + max_new_tokens (what `moe_jax.aot` compiles for GRPO);
+    # 0: the longest prompt's (the data's).
+    max_prompt_len: int = 0
     temperature: float = 1.0  # the sampler's; the trainer's log-probs are of logits / it
     # The clipped ratio's range [1 - clip_eps, 1 + clip_eps_high] (clip_eps_high 0: clip_eps)
     clip_eps: float = 0.2
@@ -27,15 +31,27 @@ class RLConfig:
     # Advantages (r - group mean) / (group std + 1e-4) (TRL's); false: r - group mean only
     scale_rewards: bool = True
     # KL to the reference (k3: exp(ref - logp) - (ref - logp) - 1 per token), the reference
-    # being the base with the LoRA adapters off (as DPO's); 0: none, no reference forward.
+    # being, as DPO's, the base with the LoRA adapters off or, in a full fine-tune, a frozen
+    # copy of the starting params (moe_jax/reference.py, in the optimizer state); both run
+    # the rollout's experts (routing_replay). 0: none, no reference forward and no copy.
     kl_beta: float = 0.0
+    # PPO-style passes over each batch of rollouts: `epochs` passes, each over `minibatches`
+    # splits of the batch (rows m, m + minibatches, ...), one optimizer update a split, all
+    # inside one train step (moe_jax/rl/passes.py). train.steps counts rollout batches, and
+    # the LR schedule advances once a batch. 1 and 1: one update a batch (the ratio is 1 but
+    # for the sampler / trainer mismatch).
+    epochs: int = 1
+    minibatches: int = 1
     # Rollout routing replay: the training forward reuses the experts every token took in the
     # sampler (moe_jax/model/routing.py `route`); the router's weights at them still learn.
     routing_replay: bool = True
 
     def check(self) -> None:
-        positive(self, "rl", ["group_size", "max_new_tokens", "temperature", "clip_eps"])
-        non_negative(self, "rl", ["clip_eps_high", "kl_beta"])
+        positive(
+            self, "rl",
+            ["group_size", "max_new_tokens", "temperature", "clip_eps", "epochs", "minibatches"],
+        )  # fmt: skip
+        non_negative(self, "rl", ["clip_eps_high", "kl_beta", "max_prompt_len"])
         one_of(self.level, RL_LEVELS, "rl.level")
         bad = [r for r in self.rewards if r.count(":") != 1 or not all(r.split(":"))]
         require(
@@ -52,3 +68,8 @@ class RLConfig:
             f"rl.group_size={self.group_size} leaves no other completion of a prompt to compare "
             "with (every advantage 0); sample at least 2 per prompt",
         )
+
+    @property
+    def updates(self) -> int:
+        """Optimizer updates per batch of rollouts (one train step)."""
+        return self.epochs * self.minibatches

@@ -152,19 +152,25 @@ def load_prompts(cfg: Config, tokenizer: Tokenizer | None = None) -> PromptData:
             "has no chat template to render them; use a tokenizer with one or text prompts"
         )
     ids, limit = [], cfg.model.max_seq_len - N
+    longest = min(cfg.rl.max_prompt_len or limit, limit)
     for r in records:
         encoded = np.asarray(
             tokenizer.encode(prompt_text(r.value, tokenizer), add_special_tokens=True), np.int32
         )
-        if not 0 < len(encoded) <= limit:
+        if not 0 < len(encoded) <= longest:
+            bound = (
+                f"rl.max_prompt_len = {longest}"
+                if longest < limit
+                else (f"model.max_seq_len - {N} = {limit} with rl.max_new_tokens={N}")
+            )
             raise DataError(
-                f"{r.where}: its prompt is {len(encoded)} tokens; with rl.max_new_tokens={N} "
-                f"a prompt takes 1 to model.max_seq_len - {N} = {limit}: shorten it"
+                f"{r.where}: its prompt is {len(encoded)} tokens; a prompt takes 1 to {bound}: "
+                "shorten it"
             )
         ids.append(encoded)
     n_val = min(max(math.ceil(len(records) * d.val_fraction), 1), len(records) - 1)
     cut = len(records) - n_val
-    bucket = prompt_bucket(max(map(len, ids)), limit)
+    bucket = prompt_bucket(cfg.rl.max_prompt_len or max(map(len, ids)), limit)
     description = f"GRPO prompts {d.path}: {cut:,} train / {n_val:,} val prompts"
     return PromptData(
         tokenizer, records, ids, cut, cfg.train.seq_len + 1, bucket, rewards, description,

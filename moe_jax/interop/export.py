@@ -10,10 +10,16 @@ a parameter whose rule merges axes), whatever the model's size.
 
 A LoRA run (lora.rank > 0) is written merged: each adapted weight W + (alpha / r) A B, in
 float32 before the cast to `dtype` (`lora.peft.merged_reader`); its adapters alone go out
-in PEFT's format with `lora.peft.export_adapter`.
+in PEFT's format with `lora.peft.export_adapter`. On a quantised base (lora.base_dtype int8
+or mxfp4) each quantised weight is dequantised as it is read, region by region (int8: its
+values and the scales of their channels; MXFP4: the 32-row blocks that cover the rows
+asked for), by the model's own dequantisation (`QuantizedParam.dequantize`), so W is the
+float32 weight the run trained against; the merge follows as for any LoRA run.
 
 dtype: the parameters' own (the dtype holding most of their bytes: float32 for a trained
-run, bf16 for a bf16 import) unless asked for, written as config.json's `torch_dtype`.
+run, bf16 for a bf16 import) unless asked for, written as config.json's `torch_dtype`; on
+a quantised base the run's compute dtype (model.dtype; auto: bfloat16, the accelerators'),
+as no float dtype holds its weights.
 """
 
 from __future__ import annotations
@@ -30,7 +36,9 @@ from moe_jax.config import Config
 from moe_jax.interop.convert import pick_family, write_hf
 from moe_jax.interop.lazy import Deferred
 from moe_jax.interop.safetensors_io import InteropError
-from moe_jax.model import Transformer
+from moe_jax.lora.params import quantized_base
+from moe_jax.model import Transformer, fp4
+from moe_jax.model.int8 import QUANTIZATIONS, QuantizedParam
 from moe_jax.run.layout import CHECKPOINT_DIR
 from moe_jax.run.store import open_checkpoints, read_meta
 from moe_jax.run.stream_save import CheckpointArrays
@@ -61,27 +69,36 @@ def export_run(
             f"it came from ({meta.get('source')})"
         )
     cfg, tokenizer = meta["config"], meta["tokenizer"]
-    if cfg.lora.rank and cfg.lora.base_dtype in ("int8", "mxfp4"):
-        raise InteropError(
-            f"'{run_dir}' trained LoRA adapters on an {cfg.lora.base_dtype} base; export the "
-            "adapters (python -m moe_jax.interop export-adapter) and merge them into the float "
-            "base the run started from"
-        )
     family, hf_config = pick_family(cfg, architecture)
     if tokenizer.files:
         hf_config |= {"bos_token_id": tokenizer.bos_id, "eos_token_id": tokenizer.eos_id}
-    abstract = nnx.state(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0))), nnx.Param)
+    quantised_base = cfg.lora.rank > 0 and cfg.lora.base_dtype in QUANTIZATIONS
+    build = lambda: Transformer(cfg, rngs=nnx.Rngs(0))
+    if quantised_base:  # the stored tree: the run's quantised base (`lora.params`)
+        build = lambda: quantized_base(Transformer(cfg, rngs=nnx.Rngs(0)), cfg.lora.base_dtype)
+    abstract = nnx.state(nnx.eval_shape(build), nnx.Param)
     arrays = CheckpointArrays(run_dir / CHECKPOINT_DIR / str(step), abstract)
-    for path, shape in arrays.shapes.items():
+    quantised = {p: v for p, v in nnx.to_flat_state(abstract) if isinstance(v, QuantizedParam)}
+    for path, shape in _stored_shapes(arrays, quantised).items():
         if tuple(arrays.array(path).shape) != shape:
             where = ".".join(map(str, path))
             raise InteropError(
                 f"checkpoint {step} in '{run_dir}' does not match its config at {where}"
             )
-    out_dtype = DTYPES[dtype] if dtype else _params_dtype(arrays)
+    if dtype:
+        out_dtype = DTYPES[dtype]
+    elif quantised_base:
+        out_dtype = DTYPES["float32" if cfg.model.dtype == "float32" else "bfloat16"]
+    else:
+        out_dtype = _params_dtype(arrays)
     total = sum(math.prod(s) for s in arrays.shapes.values()) * out_dtype.itemsize
     tracker = progress(total) if progress is not None else None
-    read = lambda path, block: _deferred(arrays, path, block)
+
+    def read(path, block):
+        if path in quantised:
+            return _dequantised(arrays, path, block, quantised[path])
+        return _deferred(arrays, path, block)
+
     if cfg.lora.rank:  # a LoRA run: each adapted weight written merged, W + (alpha / r) A B
         from moe_jax.lora.peft import merged_reader
 
@@ -98,6 +115,50 @@ def _params_dtype(arrays: CheckpointArrays) -> np.dtype:
     for path, shape in arrays.shapes.items():
         weight[arrays.dtype(path)] += math.prod(shape)
     return weight.most_common(1)[0][0]
+
+
+def _stored_shapes(arrays: CheckpointArrays, quantised: dict) -> dict:
+    """The shape of every array the checkpoint must hold: a quantised weight's stored arrays
+    (each under the weight's name and its key, as Orbax names a dict's leaves), the rest's
+    own. Registers the stored arrays' names with `arrays`."""
+    shapes = {p: s for p, s in arrays.shapes.items() if p not in quantised}
+    for path, v in quantised.items():
+        for key, a in v.get_raw_value().items():
+            arrays.names[path + (key,)] = f"{arrays.names[path]}.{key}"
+            shapes[path + (key,)] = tuple(a.shape)
+    return shapes
+
+
+def _dequantised(arrays: CheckpointArrays, path: tuple, block, param) -> Deferred:
+    """Quantised weight `path` (layer `block` of a stacked one) as float32, each region
+    dequantised from the stored arrays that cover it (the module doc)."""
+    shape = arrays.shapes[path][0 if block is None else 1 :]
+    lead = () if block is None else (block,)
+    is_int8 = "q" in param.get_raw_value()
+    read = lambda key, index: arrays.read(path + (key,), index)
+
+    def int8(index):  # the values' region; the scales' size-1 (contracted) axes whole
+        q = read("q", lead + index)
+        scale_shape = arrays.array(path + ("scale",)).shape[len(lead) :]
+        at = tuple(i if n > 1 else slice(0, 1) for i, n in zip(index, scale_shape, strict=True))
+        return {"q": q, "scale": read("scale", lead + at)}
+
+    def mxfp4(index):  # the 32-row blocks covering rows d of [..., D, F]
+        *rest, d, f = index
+        g = slice(d.start // fp4.BLOCK, -(-d.stop // fp4.BLOCK))
+        return {"blocks": read("blocks", (*lead, *rest, g, slice(None), f)),
+                "scales": read("scales", (*lead, *rest, g, f))}  # fmt: skip
+
+    def compute(index):
+        stored = int8(index) if is_int8 else mxfp4(index)
+        w = np.asarray(param.dequantize(stored, ...), np.float32)
+        if is_int8:
+            return w
+        d = index[-2]
+        first = d.start - (d.start // fp4.BLOCK) * fp4.BLOCK
+        return w[..., first : first + d.stop - d.start, :]
+
+    return Deferred(shape, compute, np.float32)
 
 
 def _deferred(arrays: CheckpointArrays, path: tuple, block: int | None) -> Deferred:

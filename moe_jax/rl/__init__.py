@@ -6,6 +6,10 @@ replay, `train.objective=grpo` (the rl config section).
   of the sampled tokens, replaying the rollout's experts (`Transformer(routes=)`);
 - `collect.py`: each step's rollouts from the train state's params, the reward functions'
   scores and the group-relative advantages (the trainer's hook);
-- `grpo.py`: the advantages, the clipped objective and the train step's gradients.
+- `grpo.py`: the advantages, the clipped objective and an update's gradients (the KL's
+  reference: LoRA's base, or a full fine-tune's frozen copy, `moe_jax.reference`);
+- `passes.py`: the train step's rl.epochs x rl.minibatches updates on one batch of rollouts;
+- `aot.py`: a GRPO step's two programs (the recording sampler, the update) compiled ahead of
+  time by `moe_jax.aot`, and a chip's memory across them.
 The prompts and the reward functions: `moe_jax.data.prompts`.
 """

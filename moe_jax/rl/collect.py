@@ -68,6 +68,13 @@ class Rollouts:
         self.sampler.param_blocks = unstack_blocks(blocks, model.n_blocks) if blocks else []
         return self.sampler
 
+    def _release(self) -> None:
+        """Drop the sampler's weights once a draw is done: its layer blocks are copies of the
+        stacked params (`decoding.unstack_blocks`), which would otherwise stay in device
+        memory beside the train step's (`moe_jax.aot`'s GRPO figures count them while it
+        samples only)."""
+        self.sampler.params, self.sampler.param_blocks = None, []
+
     def __call__(self, state, batch: dict, step: int) -> dict:
         """A batch of prompt indices -> the rollouts' rows (`grpo`'s module doc)."""
         cfg, rl, data, tok = self.cfg, self.cfg.rl, self.data, self.data.tokenizer
@@ -80,6 +87,7 @@ class Rollouts:
             seed=(cfg.seed * 1_000_003 + step) % 2**31, stop_tokens=eos,
             vocab_size=min(tok.vocab_size, cfg.model.vocab_size), record=True,
         )  # fmt: skip
+        self._release()
         rows = rollout_rows(prompts, gen, self.width)
         texts = []
         for seq in gen.sequences():
