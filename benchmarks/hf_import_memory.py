@@ -13,6 +13,10 @@ sampling columns also as a multiple of the weights' bytes) and wall time, next t
 of reading the files once (`cat > /dev/null`). Each file is dropped from the page cache
 first (posix_fadvise), so all of them read from disk. A depth whose checkpoint, and its
 import, do not fit on the disk with 8 GB to spare is skipped, saying so.
+
+`--compiled` instead compiles the sampler of each depth on abstract bf16 weights (nothing
+written or read: seconds, any depth) and prints its program's temporaries
+(`memory_analysis()`): what generating adds to the weights.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from pathlib import Path
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # this checkout's package (--compiled, --load-only), as sample.py's
 D, H, KV, HD, E, F, V = 2048, 32, 4, 128, 128, 768, 151936
 SHARD_BYTES = 4 * 10**9
 CONFIG = {
@@ -174,7 +179,6 @@ def one(kind: str, src: Path, out: Path) -> None:
 def load_only(src: Path) -> None:
     """`--load-only`: the sampler loaded as sample.py loads it (huge pages, the same
     overrides), and nothing generated: the load's share of sampling's peak RSS."""
-    sys.path.insert(0, str(ROOT))  # this checkout's package, as sample.py imports it
     from moe_jax.process_setup import import_jax, reexec_with_hugepages
 
     reexec_with_hugepages()
@@ -182,6 +186,26 @@ def load_only(src: Path) -> None:
     from moe_jax.load import load_sampler
 
     load_sampler(str(src), SAMPLE_OVERRIDES)
+
+
+def compiled(n_layers: int) -> tuple[float, float]:
+    """(bf16 weights, temporaries) in GiB of the program `sample` runs at `n_layers`, compiled
+    for abstract weights (the HF directory's config: float32 compute, bf16 weights)."""
+    import jax
+    from flax import nnx
+
+    from moe_jax.config import load_config
+    from moe_jax.inference.sampling import Sampler
+    from moe_jax.inference.weights import abstract_model
+
+    qwen3 = ROOT / "configs" / "qwen3_30b_a3b.yaml"
+    cfg = load_config(qwen3, [f"model.n_layers={n_layers}", "model.dtype=float32"])
+    model = abstract_model(cfg, "bfloat16")
+    leaves = jax.tree.leaves(nnx.state(model, nnx.Param))
+    weights = sum(int(np.prod(a.shape)) * a.dtype.itemsize for a in leaves)
+    prompt = list(b"To be")  # as `sample` prompts: one bucket of 16, two new tokens
+    program = Sampler(model).lower([prompt], 2, temperature=0.8).compile()
+    return weights / 2**30, program.memory_analysis().temp_size_in_bytes / 2**30
 
 
 def cat_time(directory: Path) -> float:
@@ -207,6 +231,7 @@ def main(argv: list[str]) -> None:
     p.add_argument("--dir", type=Path, default=Path(tempfile.gettempdir()))
     p.add_argument("--export", action="store_true", help="also export each import")
     p.add_argument("--sample", action="store_true", help="also sample.py --run HF_DIR")
+    p.add_argument("--compiled", action="store_true", help="the sampler's temporaries only")
     p.add_argument("--one", nargs=3, help=argparse.SUPPRESS)
     p.add_argument("--load-only", type=Path, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -214,6 +239,12 @@ def main(argv: list[str]) -> None:
         return one(args.one[0], Path(args.one[1]), Path(args.one[2]))
     if args.load_only:
         return load_only(args.load_only)
+    if args.compiled:
+        print("| layers | bf16 weights | sampler's temporaries (compiled) |\n|---|---|---|")
+        for n in args.layers:
+            weights, temps = compiled(n)
+            print(f"| {n} | {weights:.2f} GiB | {temps:.3f} GiB ({temps / weights:.3f}x) |")
+        return None
     extra = [name for name, on in (("export", args.export), ("sample", args.sample)) if on]
     extra = [n for name in extra for n in (("sampler load", name) if name == "sample" else (name,))]
     print("| layers | params | safetensors | cat > /dev/null | import: peak RSS, time |"

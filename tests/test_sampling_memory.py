@@ -8,7 +8,7 @@ exactly): what the sampler computed before, every bf16 weight converted whole. T
 values are the same; only the head's matmul is cut into chunks of the vocabulary, which
 XLA:CPU sums in another order where several rows share it (log-probs 5e-7 apart at batch 4,
 equal at batch 1), so the tokens are equal and the log-probs within float32 rounding.
-Budget: ~20 s on 2 CPU cores (tiny models; seven sampler compiles).
+Budget: ~15 s on 2 CPU cores (tiny models; six sampler compiles).
 """
 
 import jax
@@ -100,17 +100,24 @@ def test_tokens_and_logprobs_are_those_of_converting_every_weight_whole(
 
 def test_taken_stacked_blocks_split_on_cpu_without_a_copy():
     """`Sampler(model, consume=True)` (as `load_sampler` builds it): each layer block's
-    weights are views of the stacked arrays' memory, so splitting holds nothing twice; the
-    tokens are those of a sampler that copied them."""
-    model = Transformer(tiny_config("model.init_std=0.05"), rngs=nnx.Rngs(0))  # 2 blocks
-    want = Sampler(model).generate(ONE, N_NEW, temperature=0).tokens
+    weights are views of the stacked arrays' memory holding block b's values, so splitting
+    holds nothing twice and the program gets the very values a copy would have. (Blocks the
+    runtime cannot take in place, smaller than its 64-byte alignment, are copied.)"""
+    model = Transformer(tiny_config("attention.nope_interval=2"), rngs=nnx.Rngs(0))
     stacked = jax.tree.leaves(nnx.state(model.blocks, nnx.Param))
     spans = [(a.unsafe_buffer_pointer(), a.nbytes) for a in stacked]
+    values = [np.asarray(a) for a in stacked]
     sampler = Sampler(model, consume=True)
+    n = len(sampler.param_blocks)
+    assert n == 2  # blocks of 2 layers: [RoPE dense, NoPE MoE]
+    views = 0
     for b, block in enumerate(sampler.param_blocks):
-        for (start, size), a in zip(spans, jax.tree.leaves(block), strict=True):
-            assert a.unsafe_buffer_pointer() == start + b * size // len(sampler.param_blocks)
-    np.testing.assert_array_equal(sampler.generate(ONE, N_NEW, temperature=0).tokens, want)
+        for (start, size), v, part in zip(spans, values, jax.tree.leaves(block), strict=True):
+            if size // n % 64 == 0:
+                assert part.unsafe_buffer_pointer() == start + b * size // n
+                views += 1
+            np.testing.assert_array_equal(np.asarray(part), v[b])
+    assert views == 2 * (len(stacked) - 4)  # all but the QK-norm scales (32 bytes a block)
 
 
 def test_dense_conversion_keeps_the_weights_gradient():
