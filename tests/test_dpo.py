@@ -290,7 +290,11 @@ def test_a_dpo_run_stopped_and_resumed_equals_an_uninterrupted_one(tmp_path, bas
     full fine-tune computing in bfloat16 (its reference a frozen copy of the initial params,
     matmul weights in bfloat16, in the optimizer state): 2 + 2 steps (the data position, the
     optimizer state, the int8 base or the reference restored) end bit for bit where 4
-    straight steps do; the DPO metrics reach metrics.jsonl, the first step's loss ln 2."""
+    straight steps do; the DPO metrics reach metrics.jsonl, the first step's loss ln 2. The
+    resumed run is a copy of the straight one resumed at its step-2 checkpoint (the one a run
+    stopped at 2 saves: checkpoint.every=2), one training run fewer."""
+    import shutil
+
     from flax import nnx
 
     from moe_jax.load import load_run
@@ -299,14 +303,15 @@ def test_a_dpo_run_stopped_and_resumed_equals_an_uninterrupted_one(tmp_path, bas
     path = write_jsonl(tmp_path / "p.jsonl", by_case(24))
     which = {"lora_int8": ["lora.base_dtype=int8", "lora.dropout=0.1"],
              "full_bf16": ["lora.rank=0", "model.dtype=bfloat16"]}[base]  # fmt: skip
-    cfg = lambda run: pairs_config(
+    cfg = lambda run, *more: pairs_config(
         path, f"run_dir={run}", "train.steps=4", "train.log_every=1", "train.eval_every=100",
         "train.eval_batches=1", "checkpoint.every=2", "train.trackers=[]",
-        "train.peak_flops=1e11", *which,
+        "train.peak_flops=1e11", *which, *more,
     )  # fmt: skip
     train(cfg(tmp_path / "straight"))
-    train(cfg(tmp_path / "resumed"), stop_at=2)
-    train(cfg(tmp_path / "resumed"))
+    shutil.copytree(tmp_path / "straight", tmp_path / "resumed")
+    train(cfg(tmp_path / "resumed", "train.resume_step=2"))
+    assert [p.name for p in (tmp_path / "resumed/superseded").iterdir()] == ["4"]  # retrained
     params = lambda run: dict(nnx.to_flat_state(nnx.state(load_run(run)[1], nnx.Param)))
     straight, resumed = params(tmp_path / "straight"), params(tmp_path / "resumed")
     for p, v in straight.items():

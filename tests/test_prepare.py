@@ -7,6 +7,7 @@ Packing and mixing themselves are tested in test_data.py. Budget: ~25 s (three t
 from __future__ import annotations
 
 import json
+import shutil
 import sysconfig
 from pathlib import Path
 
@@ -222,13 +223,15 @@ def test_bad_mixture_and_packing_settings(overrides, match):
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, stores):
-    """A mixture run straight to 4 steps, and the same run stopped at 2 and resumed."""
+    """A mixture run straight to 4 steps, and a copy of it resumed at its step-2 checkpoint
+    (the one a run stopped at 2 saves: checkpoint.every=2; one training run fewer)."""
     root = tmp_path_factory.mktemp("prepared_runs")
     mixture = f"data.mixture='{stores['code']}:3,{stores['more']}:1'"
-    cfg = lambda d: tiny_config(*TINY, f"run_dir={d}", mixture, "checkpoint.every=2")
+    cfg = lambda d, *more: tiny_config(*TINY, f"run_dir={d}", mixture, "checkpoint.every=2", *more)
     train(cfg(root / "straight"), stop_at=4)
-    train(cfg(root / "resumed"), stop_at=2)
-    train(cfg(root / "resumed"), stop_at=4)
+    shutil.copytree(root / "straight", root / "resumed")
+    train(cfg(root / "resumed", "train.resume_step=2"), stop_at=4)
+    assert [p.name for p in (root / "resumed/superseded").iterdir()] == ["4"]  # retrained
     return root
 
 
