@@ -34,7 +34,7 @@ from moe_jax.inference.speculative import SpeculativeSampler
 from moe_jax.model import Transformer
 from moe_jax.sharding import make_mesh, state_shardings
 from tests.helpers import forward, tiny_config
-from tests.test_speculative import bernstein, counts_from_tokens, rule_probs
+from tests.test_speculative import VARIANTS, bernstein, counts_from_tokens, rule_probs
 
 K = 2  # the model's MTP depths, all drafting
 N_NEW = 10
@@ -45,19 +45,7 @@ DEEPSEEK = [
     f"model.mtp_depth={K}",
     "model.max_seq_len=64",
     "train.seq_len=64",
-    "attention.kind=mla",
-    "attention.q_lora_rank=16",
-    "attention.kv_lora_rank=16",
-    "attention.qk_nope_head_dim=8",
-    "attention.qk_rope_head_dim=4",
-    "attention.v_head_dim=8",
-    "attention.qk_norm=none",
-    "attention.nope_interval=0",
-    "attention.temperature_tuning=false",
-    "moe.first_dense_layers=1",
-    "moe.interleave_step=1",
-    "moe.score=sigmoid",
-    "moe.correction_bias=true",
+    *VARIANTS["deepseek_mla"],  # MLA, a dense first layer, sigmoid routing, correction bias
 ]
 # 17: two prefill chunks, the first ending K positions early (at 15, not 16, so that the
 # MTP layers over it see prompt tokens only); 1: the last chunk is the prompt's only token.
