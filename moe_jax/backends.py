@@ -8,6 +8,7 @@ defers to the table below for the backend the program is compiled for:
 
     attention.impl  blocked | cudnn | splash
     moe.impl        buckets | batched | ragged | megablox | mosaic
+    moe.decode_impl gather | triton   (decoding's picked experts)
     moe.exchange    buffers | ragged   (how expert-parallel ragged layers move tokens)
     mesh.weight_gather  partitioner | steps  (how training gathers attention and head weights)
     mesh.gather_group   0 | N  (steps: the most devices one of their collectives spans)
@@ -30,7 +31,7 @@ from moe_jax.errors import MoeJaxError
 
 # backend -> kernel -> the implementation `auto` picks there
 AUTO = {
-    "cpu": {"attention": "blocked", "moe": "buckets"},
+    "cpu": {"attention": "blocked", "moe": "buckets", "decode": "gather"},
     # GPU, measured on an H200 (jax 0.11.2, CUDA 13, cuDNN 9.19; benchmarks/gpu/, 2026-11-26).
     # Attention, causal bf16 fwd+bwd at B 2 x T 4096, 32 q / 4 kv heads of 128: cuDNN 2.45 ms
     # (392 TFLOP/s), tokamax's Mosaic GPU kernel 2.90, tokamax Triton 4.02, jax's Pallas Triton
@@ -42,7 +43,10 @@ AUTO = {
     # Pallas Mosaic ragged_dot has no VJP (fwd 1.70 ms), its Triton lowering is missing from
     # jax 0.11.2. So batched stays until a grouped kernel is both fast and exact here.
     # The ~1B-active train step with these, 8 x 4096: 42.2% MFU (remat dots).
-    "gpu": {"attention": "cudnn", "moe": "batched"},
+    # Decoding's picked experts: XLA's gather + two-row GEMM, 19.8-21.6 us for one token's
+    # 8 rows of a [32, 2048, 768] stack on the H200, where the Triton kernel that reads them
+    # in place (`moe.decode_impl=triton`) took 23.4 at its best blocks (2026-11-28).
+    "gpu": {"attention": "cudnn", "moe": "batched", "decode": "gather"},
     # Dropless (moe.capacity_factor <= 0) on GPU: the grouped rows through jax's Mosaic GPU
     # kernels with our VJP (`model/mosaic.py`), where every expert is on the device
     # (ep 1: the ragged exchange has not run on several GPUs yet), in 16 bits, at dims
@@ -53,7 +57,7 @@ AUTO = {
     # TPU MoE: XLA lowers ragged_dot on TPU to its own Mosaic grouped-matmul kernel. megablox
     # (the Pallas kernel shipped in jax) runs without a mesh only: its pallas_call declares
     # no varying mesh axes, which the expert shard_map requires.
-    "tpu": {"attention": "splash", "moe": "ragged"},
+    "tpu": {"attention": "splash", "moe": "ragged", "decode": "gather"},
 }
 AUTO_DROPLESS = {"gpu": {"moe": "mosaic"}}
 # model.dtype=auto: the compute dtype each backend runs (parameters stay float32). XLA:CPU has
@@ -72,15 +76,17 @@ LOOP_COMPILER_OPTIONS = {"xla_disable_hlo_passes": "while-loop-invariant-code-mo
 # Where each kernel lives (moe_jax/model/): attention `blocked` attention.py, `cudnn` and
 # `splash` attention_kernels.py (cuDNN's training form: cudnn_attention.py); moe `buckets`
 # buckets.py, `batched` experts.py (`expert_swiglu`'s batched matmul), `ragged` and
-# `megablox` grouped.py (XLA's ragged_dot, the Pallas TPU grouped matmul), `mosaic` mosaic.py.
+# `megablox` grouped.py (XLA's ragged_dot, the Pallas TPU grouped matmul), `mosaic` mosaic.py;
+# decode `gather` experts.py (`rows_matmul`), `triton` picked.py.
 IMPLS = {
     "attention": ("auto", "blocked", "cudnn", "splash"),
     "moe": ("auto", "buckets", "batched", "ragged", "megablox", "mosaic"),
+    "decode": ("auto", "gather", "triton"),
 }
 # Kernels for one backend only (the others run everywhere). The Pallas TPU kernels also run
 # on CPU, in interpret mode (slow: for tests of their numerics).
-ONLY_ON = {"cudnn": "gpu", "splash": "tpu", "megablox": "tpu", "mosaic": "gpu"}
-INTERPRETED_ON_CPU = ("splash", "megablox")
+ONLY_ON = {"cudnn": "gpu", "splash": "tpu", "megablox": "tpu", "mosaic": "gpu", "triton": "gpu"}
+INTERPRETED_ON_CPU = ("splash", "megablox", "triton")
 # How the expert-parallel MoE layer moves tokens to the experts' shards and back, for the
 # grouped impl (moe.impl=ragged) by backend: "ragged" sends only the routed rows with
 # `ragged_all_to_all`; "buffers" sends the fixed [E, C] capacity buffers with `all_to_all`,
@@ -168,6 +174,11 @@ def takes(
         fits = dims is not None and mosaic.dims_fit(*dims)
         return sixteen and fits and ep == 1 and mosaic.available()
 
+    if impl == "triton":
+        from moe_jax.model import picked
+
+        dims = (shape or {}).get("dims")
+        return dims is not None and picked.fits(*dims) and picked.available()
     if impl == "cudnn":
         return (dtype is None or jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16)) and (
             cudnn_installed() and not sinks
@@ -198,7 +209,7 @@ def choose(
         first = AUTO_DROPLESS.get(backend, {}).get(kernel) if dropless else None
         if first and takes(first, dtype, length, sinks, shape):
             return first
-        return pick if takes(pick, dtype, length, sinks) else AUTO["cpu"][kernel]
+        return pick if takes(pick, dtype, length, sinks, shape) else AUTO["cpu"][kernel]
     if impl == "cudnn" and sinks:
         raise KernelError(
             "attention.impl=cudnn takes no attention sinks (JAX's cuDNN attention has no sink "

@@ -14,7 +14,8 @@ on the same GPU:
   attention, position by position, and the cuDNN calls in a compiled layer's gradient;
 - a train step with the backend's own kernels (bf16, cuDNN, grouped or batched MoE) against
   the reference kernels in float32 (last: the slowest to compile);
-- greedy decoding with the KV cache against repeated full forwards.
+- greedy decoding with the KV cache against repeated full forwards; decoding's picked-experts
+  kernel (Triton) against float64.
 
 Tolerances: bf16 operands carry 8 bits of mantissa, so a relative error of a few 1e-3 per
 element and ~4e-3 in norm is expected for one attention layer (softmax in float32 inside
@@ -78,6 +79,22 @@ def test_mosaic_grouped_matmul_equals_float32_values_and_gradients():
     assert not np.any(np.asarray(got[2800:], np.float32)), "rows past the groups"
     assert not np.any(np.asarray(dx[2800:], np.float32)), "their gradient"
     assert not np.any(np.asarray(dw[1], np.float32)), "the empty group's weight gradient"
+
+
+def test_picked_experts_kernel_equals_float64():
+    """Decoding's picked-experts kernel (`model/picked.py`, Triton) at the kit model's expert
+    shape, bf16 operands, one token's 8 rows (two share an expert) against float64: bf16
+    output rounding (~4e-3 in norm), a wrong expert or column band O(1)."""
+    from moe_jax.model import picked
+
+    ks = jax.random.split(jax.random.key(11), 2)
+    x = jax.random.normal(ks[0], (8, 2048), jnp.bfloat16)
+    w = jax.random.normal(ks[1], (32, 2048, 768), jnp.bfloat16)
+    e = jnp.array([3, 17, 0, 31, 3, 8, 22, 5])
+    got = jax.jit(picked.picked_matmul)(x, w, e)
+    want = np.einsum("jk,jkn->jn", np.asarray(x, np.float64), np.asarray(w, np.float64)[e])
+    assert np.all(np.isfinite(np.asarray(got, np.float32)))
+    assert rel_err(got, want) < BF16_NORM_TOL
 
 
 @pytest.mark.parametrize(

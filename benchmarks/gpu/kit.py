@@ -58,7 +58,8 @@ STAGES = {
     # four variants, each in its own process (~40 s each on the H200)
     "train": (["benchmarks/gpu/stages.py", "train"], 220),
     "moe_kernels": (["benchmarks/gpu/stages.py", "kernels", "--only", "moe"], 100),
-    "decode": (["benchmarks/gpu/stages.py", "decode"], 100),
+    # four cases (two models of bf16 and one int8 built and compiled) and the picked kernel
+    "decode": (["benchmarks/gpu/stages.py", "decode"], 150),
     "decode_graphs": (["benchmarks/gpu/stages.py", "decode", "--variant", "graphs"], 50,
                       {"XLA_FLAGS": GRAPHS}),
     "decode_peer": (["benchmarks/gpu/hf_peer.py", "decode"], 80),
@@ -80,6 +81,7 @@ def run_stage(name: str, out: Path, dry: bool, limit: float, log) -> dict:
     for key, value in (extra[0] if extra else {}).items():
         env[key] = f"{env[key]} {value}" if env.get(key) else value
     env["JAX_PLATFORMS"] = "cpu" if dry else "cuda"
+    env["MOE_JAX_STAGE_LIMIT"] = f"{limit:.0f}"  # stages.py dumps its stacks just before it
     if not dry:  # the train step wants most of the card; the peers run after ours exits
         env.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.92")
     pp = env.get("PYTHONPATH")
@@ -195,6 +197,12 @@ def summary(records: list[dict]) -> str:
         lines.append(f"tests: {r.get('summary')}")
         for test, outcome in (r.get("outcomes") or {}).items():
             lines.append(f"  {outcome:10s} {test}")
+    for r in by("picked"):
+        lines.append(
+            f"picked experts {r.get('impl', ''):28s} {r.get('J')} rows: {_f(r.get('us'), 1)} us "
+            f"({_f(r.get('gbs'), 0)} GB/s of picked weights), err {_f(r.get('err'), 4)} "
+            f"{r.get('error', '')}"
+        )
     for r in by("tile"):
         lines.append(
             f"tile {r.get('which', ''):5s} {r.get('tile')}: {_f(r.get('ms'), 3)} ms "

@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import faulthandler
 import gc
 import importlib.metadata
 import json
 import math
+import os
 import statistics
 import subprocess
 import sys
@@ -51,14 +53,39 @@ SIZES = {
         # (issue 54) remat dots was the fastest with the capacity buffers (49,866 tok/s, 42.2%
         # by the all-keys count): the baseline; then the grouped kernels of `mosaic`
         # dropless, profiled, and at the same capacity; then dropless with full remat
+        # (2026-11-28) dropless first, profiled; then at batch 12 (B 8 peaked at 74 of the
+        # H200's 139 GiB: the fixed per-step costs, AdamW's ~75 GB of traffic among them,
+        # spread over 1.5x the tokens); then the capacity buffers' baseline
         train_variants=[
-            ["model.remat=dots"],
             ["model.remat=dots", "moe.impl=mosaic", "moe.capacity_factor=0", "+profile"],
-            ["model.remat=dots", "moe.impl=mosaic"],
+            ["model.remat=dots", "moe.impl=mosaic", "moe.capacity_factor=0", "train.batch_size=12"],
+            ["model.remat=dots"],
         ],
         train_steps=6,
+        # (batch, weights, overrides; "+one_row": weight_gather.TWO_ROWS_ON_GPU off): the
+        # first profiled; the second the step before the two-row projections, the last with
+        # the picked-experts kernel (issue 55), in the same process. On 2026-11-28 this stage
+        # printed nothing past the kernel timings within 150 s, twice (the cause unknown:
+        # the progress lines and the stack dump at the limit say where, next time)
         decode=dict(
-            cases=[(1, "bfloat16"), (1, "int8"), (8, "bfloat16")], prompt=128, new=256, repeats=3
+            cases=[
+                (1, "bfloat16", ()),
+                (1, "bfloat16", ("+one_row",)),
+                (8, "bfloat16", ()),
+                (1, "int8", ()),
+                (1, "bfloat16", ("moe.decode_impl=triton",)),
+            ],
+            prompt=128,
+            new=256,
+            repeats=3,
+        ),
+        # decoding's expert product alone: one token's top-8 rows, a gate-shaped stack
+        picked=dict(
+            J=8,
+            E=32,
+            K=2048,
+            N=768,
+            blocks=[(64, 32, 4, 4), (64, 64, 4, 4), (128, 32, 4, 3), (32, 64, 4, 4)],
         ),
     ),
     "dry": dict(
@@ -83,8 +110,18 @@ SIZES = {
         train_variants=[["+profile"], ["moe.impl=ragged", "moe.capacity_factor=0"]],
         train_steps=2,
         decode=dict(
-            cases=[(1, "bfloat16"), (1, "int8"), (2, "bfloat16")], prompt=8, new=8, repeats=1
+            cases=[
+                (1, "bfloat16", ()),
+                (1, "bfloat16", ("+one_row",)),
+                (2, "bfloat16", ()),
+                (1, "int8", ()),
+                (1, "bfloat16", ("moe.decode_impl=triton",)),
+            ],
+            prompt=8,
+            new=8,
+            repeats=1,
         ),
+        picked=dict(J=4, E=8, K=128, N=64, blocks=[(64, 32, 4, 4)], rounds=1),
     ),
 }
 TRITON_FLAG = "jax_ragged_dot_use_gpu_pallas_triton_lowering"
@@ -105,6 +142,11 @@ PACKAGES = (
     "transformers",
     "nvidia-cudnn-cu13",
 )
+
+
+def progress(what: str) -> None:
+    """A stage's progress on stderr (the kit's log): where a stage killed at its limit was."""
+    print(f"[{time.strftime('%H:%M:%S')}] {what}", file=sys.stderr, flush=True)
 
 
 def record(**fields) -> None:
@@ -676,29 +718,39 @@ def decode(S: dict, dry: bool, variant: str = "") -> None:
     from moe_jax.config import load_config
     from moe_jax.inference.sampling import Sampler
     from moe_jax.inference.weights import to_kind
-    from moe_jax.model import Transformer
+    from moe_jax.model import Transformer, weight_gather
 
     D_ = S["decode"]
     P, N = D_["prompt"], D_["new"]
     length = [f"model.max_seq_len={P + N}", f"train.seq_len={P + N}"]
-    cfg = load_config(GPU_CONFIG, [*S["train_overrides"], *length])
     cases = D_["cases"][:1] if variant else D_["cases"]
+    if not variant:
+        picked_kernel(S, dry)
     samplers = {}
-    for B, kind in cases:
-        rec = dict(kind="decode", batch=B, prompt=P, new=N, weights=kind, variant=variant)
+    for B, kind, extra in cases:
+        rec = dict(kind="decode", batch=B, prompt=P, new=N, weights=kind,
+                   variant=" ".join([variant, *extra]).strip())  # fmt: skip
+        weight_gather.TWO_ROWS_ON_GPU = "+one_row" not in extra  # read when first traced
         try:
-            if kind not in samplers:
+            progress(f"decode case B {B} {kind} {' '.join(extra)}")
+            if (kind, extra) not in samplers:
                 samplers.clear()  # one model on the device at a time
                 gc.collect()
-                model = to_kind(Transformer(cfg, rngs=nnx.Rngs(0)), kind)
-                samplers[kind] = Sampler(model, consume=True)
+                overrides = [o for o in extra if not o.startswith("+")]
+                cfg = load_config(GPU_CONFIG, [*S["train_overrides"], *length, *overrides])
+                model = Transformer(cfg, rngs=nnx.Rngs(0))
+                progress("model initialised")
+                model = to_kind(model, kind)
+                samplers[(kind, extra)] = Sampler(model, consume=True)
                 del model
-            sampler = samplers[kind]
+                progress("sampler built")
+            sampler = samplers[(kind, extra)]
             prompts = np.random.default_rng(B).integers(0, 256, (B, P)).tolist()
             run = partial(_generate_tokens, sampler, prompts)
             t0 = time.perf_counter()
             run(N)
             first = time.perf_counter() - t0
+            progress(f"first generate (compiles) {first:.1f} s")
             run(1)
             whole = statistics.median([_wall(run, N) for _ in range(D_["repeats"])])
             prefill = statistics.median([_wall(run, 1) for _ in range(D_["repeats"])])
@@ -710,7 +762,7 @@ def decode(S: dict, dry: bool, variant: str = "") -> None:
                 tokens_per_s=B * N / whole,
                 bytes_per_step=decode_bytes_per_step(cfg, B, P + N / 2, kind),
             )
-            if (B, kind) == cases[0]:
+            if (B, kind, extra) == cases[0]:
                 with tempfile.TemporaryDirectory() as trace_dir:
                     prof = profile(partial(run, N), 1, trace_dir)
                 record(
@@ -722,6 +774,51 @@ def decode(S: dict, dry: bool, variant: str = "") -> None:
         except Exception as e:
             rec["error"] = error_text(e)
             traceback.print_exc()
+        record(**rec)
+
+
+def picked_kernel(S: dict, dry: bool) -> None:
+    """Decoding's expert product alone, one token's top-k rows against a gate-shaped stack:
+    the Triton kernel reading the picked weights in place (at each block shape) against
+    XLA's gather and two-row GEMM; GB/s of the picked weights' bytes, error against float64."""
+    from moe_jax.model import experts, picked
+
+    M = S["picked"]
+    J, E, K, N = M["J"], M["E"], M["K"], M["N"]
+    ks = jax.random.split(jax.random.key(5), 2)
+    x = jax.random.normal(ks[0], (J, K), jnp.bfloat16)
+    # several stacks in turn: one would sit in the L2 cache between calls (METHOD.md)
+    ws = [jax.random.normal(jax.random.fold_in(ks[1], i), (E, K, N), jnp.bfloat16)
+          for i in range(4)]  # fmt: skip
+    e = jnp.asarray(np.random.default_rng(0).permutation(E)[:J], jnp.int32)
+    want = np.einsum("jk,jkn->jn", np.asarray(x, np.float64), np.asarray(ws[0], np.float64)[e])
+    gather = jax.jit(lambda x, w, e: experts.rows_matmul(x, w[e]))
+    impls = {"gather + GEMM (XLA)": gather}
+    for blocks in M["blocks"]:
+        fn = partial(picked.picked_matmul, blocks=tuple(blocks), interpret=dry)
+        impls[f"triton {tuple(blocks)}"] = jax.jit(fn)
+    nbytes, R = J * K * N * 2, M.get("rounds", 10)
+
+    def chain(fn):  # R rounds over the stacks in one program (a call is ~20 us: dispatch
+        # would dominate); each call's input depends on the last output, so none is elided
+        def run(x, ws, e):
+            acc = jnp.zeros((J, N), jnp.float32)
+            for _ in range(R):
+                for w in ws:
+                    x = (x.astype(jnp.float32) + 0.0 * acc[:, :1]).astype(x.dtype)
+                    acc = acc + fn(x, w, e).astype(jnp.float32)
+            return acc
+
+        return jax.jit(run)
+
+    for name, fn in impls.items():
+        rec = dict(kind="picked", impl=name, J=J, E=E, K=K, N=N)
+        try:
+            rec["err"] = rel_err(fn(x, ws[0], e), want)
+            rec["us"] = 1e6 * timed(chain(fn), x, ws, e, repeats=5) / (R * len(ws))
+            rec["gbs"] = nbytes / rec["us"] / 1e3
+        except Exception as err:
+            rec["error"] = error_text(err)
         record(**rec)
 
 
@@ -746,6 +843,9 @@ def main(argv: list[str]) -> int:
     p.add_argument("--variant-index", type=int, help="train: this variant only, in this process")
     p.add_argument("--only", choices=("moe", "attention"), help="kernels: these only")
     args = p.parse_args(argv)
+    if limit := float(os.environ.get("MOE_JAX_STAGE_LIMIT", 0)):
+        # every thread's Python stack in the log shortly before the kit kills the stage
+        faulthandler.dump_traceback_later(max(limit - 3, 1), exit=False)
     S = SIZES["dry" if args.dry_run else "gpu"]
     fn = STAGES[args.stage]
     if args.stage == "ceilings":

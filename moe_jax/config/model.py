@@ -326,6 +326,11 @@ class MoEConfig:
     # grouped matmul) | mosaic (rows sorted by expert, jax's Pallas Mosaic GPU grouped
     # matmuls, Hopper). Every one computes the same routing and drops.
     impl: str = "auto"
+    # Decoding's picked experts (few tokens in flight: batch x top_k < n_experts): auto (the
+    # backend's own: gather everywhere for now) | gather (XLA gathers the picked weights,
+    # then multiplies) | triton (NVIDIA GPUs: a Pallas Triton kernel reads each picked weight
+    # where it lies; moe_jax/model/picked.py). Both compute the same products.
+    decode_impl: str = "auto"
     # How expert-parallel layers with moe.impl=ragged or mosaic move tokens (backends.py):
     # auto (ragged on GPU/TPU, buffers on CPU) | ragged (only the routed rows, by
     # jax.lax.ragged_all_to_all) | buffers (the fixed [E, C] capacity buffers by all_to_all).
@@ -348,6 +353,7 @@ class MoEConfig:
         one_of(self.score, SCORES, "moe.score")
         one_of(self.route_scale, ROUTE_SCALES, "moe.route_scale")
         one_of(self.impl, IMPLS["moe"], "moe.impl")
+        one_of(self.decode_impl, IMPLS["decode"], "moe.decode_impl")
         one_of(self.exchange, EXCHANGES, "moe.exchange")
         require(self.row_chunks >= 1, f"moe.row_chunks must be >= 1, got {self.row_chunks}")
         require(

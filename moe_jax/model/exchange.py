@@ -353,6 +353,7 @@ def own_experts(x_bTD, w, r: Routing, *, cfg: MoEConfig, dtype, impl, ep, tp) ->
         y_bTD = picked_swiglu(
             x_bTD, local, r.weights, r.keep & mine, w, dtype,
             route_scale=cfg.route_scale, reduce_axis=tp, act=Activation.from_config(cfg),
+            impl=cfg.decode_impl,
         )  # fmt: skip
     else:
         buf = to_buffers(x_bTD, r, E, cfg.route_scale).reshape(E, r.cap, D)

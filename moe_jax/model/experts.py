@@ -17,10 +17,11 @@ from jax.ad_checkpoint import checkpoint_name
 
 from moe_jax import backends
 from moe_jax.config import Config
-from moe_jax.model import convert, lora, weight_gather
+from moe_jax.model import convert, lora, picked, weight_gather
 from moe_jax.model.buckets import swiglu_filled
 from moe_jax.model.glu import SWIGLU, Activation, glu
 from moe_jax.model.grouped import grouped_buffers
+from moe_jax.model.int8 import QuantizedParam
 from moe_jax.model.routing import scale_inputs, sum_choices
 from moe_jax.scopes import EXPERTS, scoped
 from moe_jax.sharding import param
@@ -211,23 +212,42 @@ def picked_swiglu(
     route_scale: str,
     reduce_axis=None,
     act: Activation = SWIGLU,
+    impl: str = "auto",
 ) -> jax.Array:
-    """Few tokens (decoding): every assignment through its own expert's gathered weights,
-    reading only the picked experts. `weights`: the `Experts` module (whose int8 weights
-    gather and dequantize only the picked rows) or a dict of expert weight arrays;
-    `reduce_axis`: they hold a shard of the hidden dim (tensor parallelism), and the partial
-    down projections are summed over it. -> y_BTD, summed over the choices."""
+    """Few tokens (decoding): every assignment through its own expert's weights, reading only
+    the picked experts. `weights`: the `Experts` module (whose int8 weights gather and
+    dequantize only the picked rows) or a dict of expert weight arrays; `reduce_axis`: they
+    hold a shard of the hidden dim (tensor parallelism), and the partial down projections
+    are summed over it; `impl` (moe.decode_impl): `gather` copies the picked weights out and
+    multiplies (`rows_matmul`), `triton` reads them in place (`picked.picked_matmul`; 16-bit
+    or float weights at dims its blocks divide, else the gather).
+    -> y_BTD, summed over the choices."""
     source = weights.get if isinstance(weights, dict) else lambda n: getattr(weights, n, None)
+    D, F = x_BTD.shape[-1], source("w_gate").shape[-1]
+    in_place = not any(isinstance(source(n), QuantizedParam) for n in EXPERT_PARAMS)
+    in_place &= backends.choose("decode", impl, shape={"dims": (D, F)}) == "triton"
+    in_place &= picked.fits(D, F)  # else the gather, whatever was named
 
     def pick(n):  # [B, T, K, ...] of each assignment's expert, or 0 without that weight
         a = source(n)
         return 0 if a is None else a[experts_BTK].astype(dtype)
 
-    x_BTKD = jnp.broadcast_to(x_BTD[:, :, None, :], (*experts_BTK.shape, x_BTD.shape[-1]))
+    def product(x_BTKD, n):  # each assignment's row times its expert's weight n
+        if not in_place:
+            return rows_matmul(x_BTKD, pick(n))
+        w_EKN = source(n)
+        w_EKN = w_EKN if isinstance(w_EKN, jax.Array) else w_EKN[...]
+        y_JN = picked.picked_matmul(
+            x_BTKD.reshape(-1, x_BTKD.shape[-1]).astype(dtype), w_EKN,
+            experts_BTK.reshape(-1), interpret=backends.interpret(),
+        )  # fmt: skip
+        return y_JN.reshape(*experts_BTK.shape, w_EKN.shape[-1])
+
+    x_BTKD = jnp.broadcast_to(x_BTD[:, :, None, :], (*experts_BTK.shape, D))
     x_BTKD = scale_inputs(x_BTKD, w_BTK, route_scale)
-    gate = rows_matmul(x_BTKD, pick("w_gate")) + pick("gate_bias")
-    up = rows_matmul(x_BTKD, pick("w_up")) + pick("up_bias")
-    y_BTKD = rows_matmul(glu(gate, up, act), pick("w_down"))
+    gate = product(x_BTKD, "w_gate") + pick("gate_bias")
+    up = product(x_BTKD, "w_up") + pick("up_bias")
+    y_BTKD = product(glu(gate, up, act), "w_down")
     if reduce_axis is not None:
         y_BTKD = jax.lax.psum(y_BTKD, reduce_axis)
     if source("down_bias") is not None:

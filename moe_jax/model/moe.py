@@ -155,6 +155,7 @@ class MoE(nnx.Module):
             y_BTD = picked_swiglu(
                 x_BTD, merge(r_G.experts), merge(r_G.weights), merge(r_G.keep), ex,
                 self.dtype, route_scale=self.cfg.route_scale, act=Activation.from_config(self.cfg),
+                impl=self.cfg.decode_impl,
             )  # fmt: skip
         elif self._impl() in GROUPED_IMPLS:
             # With a capacity no expert takes more than the groups' slots: the weight gradient

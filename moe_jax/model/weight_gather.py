@@ -37,6 +37,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
+from moe_jax import backends
 from moe_jax.model import convert
 from moe_jax.sharding import logical_to_spec, n_batch_shards, split_batch_axes
 
@@ -139,7 +140,7 @@ def einsum(subscripts: str, x_B, v: nnx.Variable, dtype) -> jax.Array:
     rhs, out = rest.split("->")
     mesh, names = _steps_mesh(x_B), v.get_metadata().get("out_sharding")
     if mesh is None or not names:
-        return jnp.einsum(subscripts, x_B, w)
+        return _one_device(subscripts, x_B, w)
     # a scanned layer's weight is one slice of its stack, whose names lead with "layers"
     names = tuple(names)[len(names) - w.ndim :]
     spec = logical_to_spec(names)
@@ -164,6 +165,24 @@ def einsum(subscripts: str, x_B, v: nnx.Variable, dtype) -> jax.Array:
         return jax.lax.psum(y, summed) if summed else y
 
     return jax.shard_map(local, mesh=mesh, in_specs=(x_spec, w_spec), out_specs=y_spec)(x_B, w)
+
+
+# XLA:GPU makes a one-row product (decoding at batch 1) a multiply and a reduction, not a GEMM:
+# the out-projection's [H, K, D] products were written whole and then summed (~10 us of a
+# layer's ~170 on an H200), the q projection a reduction at ~1 TB/s (2026-11-26 profile). Two
+# rows, the second zero, make it a GEMM (`experts.rows_matmul` found the same). The GPU kit
+# turns this off to time the difference.
+TWO_ROWS_ON_GPU = True
+
+
+def _one_device(subscripts: str, x_B, w) -> jax.Array:
+    """`jnp.einsum(subscripts, x_B, w)`, a single row on a GPU with a zero row beside it."""
+    lhs, rest = subscripts.split(",")
+    rhs, out = rest.split("->")
+    rows = math.prod(n for c, n in zip(lhs, x_B.shape, strict=True) if c not in rhs)
+    if rows != 1 or out[0] != lhs[0] or not TWO_ROWS_ON_GPU or backends.target() != "gpu":
+        return jnp.einsum(subscripts, x_B, w)
+    return jnp.einsum(subscripts, jnp.concatenate([x_B, jnp.zeros_like(x_B)]), w)[:1]
 
 
 # The most bytes of the embedding or the head one gather makes whole: libtpu (0.0.42) turned
