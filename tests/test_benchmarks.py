@@ -295,10 +295,15 @@ def test_gpu_kit_summary_derives_mfu_and_the_decode_bound():
         {"stage": "train", "kind": "stage", "rc": -9, "timed_out": True, "wall_s": 120.0},
         {"kind": "profile", "variant": "auto", "wall_ms": 357.0, "busy_ms": 340.0,
          "kernels_per_step": 900, "kinds_ms": {"matmul": 250.0, "other": 90.0},
+         "parts_ms": {"experts": {"fwd": 60.0, "bwd": 120.5}},
          "top": [["sm90_xmma_gemm_bf16", 40.0, 24]]},
+        {"kind": "picked", "impl": "triton (128, 32, 4, 3)", "J": 8, "us": 23.4, "gbs": 1077.0,
+         "err": 0.0017},
     ]  # fmt: skip
     text = kit.summary(records)
     assert "device busy 340.0 ms, 900 kernels; ms by kind: matmul 250.0, other 90.0" in text
+    assert "ms by part (forward+backward): experts 60.0+120.5" in text
+    assert "8 rows: 23.4 us (1077 GB/s of picked weights), err 0.0017" in text
     assert text.count("MFU 10.0% (causal; all keys 12.0%)") == 2 and "peak mem 2.0 GiB" in text
     assert "bound 1.000 ms (2.00x)" in text  # 2 GB at 2000 GB/s; 2 ms measured
     assert "RuntimeError: no" in text and "TIMED OUT" in text

@@ -228,6 +228,10 @@ def summary(records: list[dict]) -> str:
             f"profile {r.get('variant')}: step{per} {_f(r.get('wall_ms'))} ms, device busy "
             f"{_f(r.get('busy_ms'))} ms, {r.get('kernels_per_step')} kernels; ms by kind: {kinds}"
         )
+        parts = ", ".join(
+            f"{p} {v['fwd']:.1f}+{v['bwd']:.1f}" for p, v in (r.get("parts_ms") or {}).items()
+        )
+        lines.append(f"    ms by part (forward+backward): {parts}")
         for name, ms, n in r.get("top", [])[:8]:
             lines.append(f"    {ms:9.3f} ms  x{n:<4d} {name[:90]}")
     for r in by("decode"):

@@ -678,15 +678,20 @@ def train_variant(S: dict, variant: list[str]) -> None:
 
 
 def _profiled(step, state, batch):
-    """Two more train steps under the profiler -> (the state after them, `profile`'s dict)."""
+    """Two more train steps under the profiler -> (the state after them, `profile`'s dict).
+    The compiled step's HLO charges each kernel to its named part (attention, router,
+    experts, ...): a GPU trace's kernel events name their fusion, not its op_name; without
+    it every kernel was "other" (2026-11-28)."""
     box = {"state": state}
 
     def one_step():
         box["state"], metrics = step(box["state"], batch)
         jax.block_until_ready(metrics)
 
+    with jax.set_mesh(step.mesh):  # the executable the calls run: compiled once already
+        hlo_text = step.jitted.lower(state, batch).compile().as_text()
     with tempfile.TemporaryDirectory() as trace_dir:
-        prof = profile(one_step, 2, trace_dir)
+        prof = profile(one_step, 2, trace_dir, hlo_text)
     return box["state"], prof
 
 
