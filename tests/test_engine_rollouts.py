@@ -1,0 +1,69 @@
+"""GRPO's rollouts on the generation engine (issue 53): the engine's record (each position's
+experts, each sampled token's log-prob) against `Sampler.generate(record=True)`, through a
+preemption; the training forward replaying the engine's rows gives its log-probs; G samples
+of one prompt submitted together prefill it once and share its pages; a GRPO run drawing
+through the engine (rl.rollout_engine=true).
+
+Routes compare exactly and log-probs within 1e-5: the engine's chunked prefill and paged
+attention sum in another order than the sampler's (~1e-6 apart), and the model's init_std 0.05
+spreads the router's logits far beyond that (as tests/test_engine.py's tokens).
+Budget: ~30 s on 2 CPU cores.
+"""
+
+import numpy as np
+import pytest
+
+from moe_jax.inference.engine import Engine, EngineError, SamplingParams
+from moe_jax.rl.rollouts import rollout_rows, token_logps
+from tests.test_engine import N_NEW, SIZES, prompts_of, sampler_of
+
+LENGTHS = (5, 11, 30, 19, 3, 40)  # 40: three prefill chunks of 16; SIZES' pool preempts
+
+
+@pytest.fixture(scope="module")
+def sampler():
+    return sampler_of("moe.top_k=2")
+
+
+def test_recorded_routes_and_logprobs_equal_the_samplers_through_a_preemption(sampler):
+    prompts = prompts_of(LENGTHS)
+    want = sampler.generate(prompts, N_NEW, temperature=0, record=True)
+    engine = Engine(sampler, record=True, **SIZES)
+    got = engine.generate_recorded(prompts, [SamplingParams(max_tokens=N_NEW)] * len(prompts))
+    assert engine.preempted > 0 and engine.pool.in_use() == 0 and not engine.records
+    assert got.sequences() == want.sequences()
+    width = want.routes.shape[2]
+    ours, theirs = rollout_rows(prompts, got, width), rollout_rows(prompts, want, width)
+    np.testing.assert_array_equal(ours["tokens"], theirs["tokens"])
+    np.testing.assert_array_equal(ours["mask"], theirs["mask"])
+    np.testing.assert_array_equal(ours["routes"], theirs["routes"])
+    np.testing.assert_allclose(ours["old_logp"], theirs["old_logp"], atol=1e-5, rtol=0)
+    # Every fed position recorded, nothing beyond: the row's last token is fed by no step.
+    n_fed_B = np.array(list(map(len, prompts))) + got.lengths - 1
+    fed_BS = np.arange(width)[None, :] < n_fed_B[:, None]
+    recorded_LBS = ours["routes"][..., 0] >= 0
+    np.testing.assert_array_equal(recorded_LBS, np.broadcast_to(fed_BS, recorded_LBS.shape))
+
+
+def test_replaying_the_engines_rows_gives_its_logprobs(sampler):
+    """Sampled at temperature 0.7 (each row's seed): the trainer's log-probs of the sampled
+    tokens, replaying the engine's experts, equal the engine's within 1e-5."""
+    prompts = prompts_of(LENGTHS[:4], seed=1)
+    params = [SamplingParams(max_tokens=N_NEW, temperature=0.7, seed=9, row=r) for r in range(4)]
+    engine = Engine(sampler, record=True, **SIZES)
+    gen = engine.generate_recorded(prompts, params)
+    rows = rollout_rows(prompts, gen)
+    logp_BT, _ = token_logps(
+        sampler.inference_model(), rows["tokens"], routes=rows["routes"], temperature=0.7
+    )
+    mask = rows["mask"][:, 1:]
+    assert mask.sum() == sum(gen.lengths)
+    got = np.where(mask > 0, np.asarray(logp_BT), 0.0)
+    np.testing.assert_allclose(got, rows["old_logp"][:, 1:], atol=1e-5, rtol=0)
+
+
+def test_a_speculative_engine_and_a_plain_one_refuse_to_record(sampler):
+    with pytest.raises(EngineError, match="speculative engine does not record"):
+        Engine(sampler_of(), speculative=True, record=True)
+    with pytest.raises(EngineError, match="record=True"):
+        Engine(sampler, **SIZES).generate_recorded([[1, 2]], [SamplingParams()])
