@@ -67,3 +67,38 @@ def test_a_speculative_engine_and_a_plain_one_refuse_to_record(sampler):
         Engine(sampler_of(), speculative=True, record=True)
     with pytest.raises(EngineError, match="record=True"):
         Engine(sampler, **SIZES).generate_recorded([[1, 2]], [SamplingParams()])
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.9])
+def test_g_samples_of_one_prompt_submitted_together_prefill_it_once(sampler, temperature):
+    """4 copies of a 19-token prompt (pages of 8: 2 full pages before its last token): the
+    first prefills all 19 positions, the others wait for its pages and prefill their last 3;
+    the 2 pages are held by all 4. Each copy draws as row r of the Sampler's batch (seed,
+    row r): greedy, 4 equal completions; sampled, 4 different ones. Their records equal the
+    Sampler's, the shared pages' experts included."""
+    G, prompt = 4, prompts_of([19], seed=3)[0]
+    want = sampler.generate([prompt] * G, N_NEW, temperature=temperature, seed=7, record=True)
+    engine = Engine(sampler, record=True, **SIZES)
+    params = [
+        SamplingParams(max_tokens=N_NEW, temperature=temperature, seed=7, row=r) for r in range(G)
+    ]
+    rids = [engine.submit(prompt, q) for q in params]
+    out = {r: [] for r in rids}
+    held = []  # each step: the pages in use, and the most holders of one page
+    while engine.has_work():
+        for e in engine.step():
+            out[e.rid].append(e.token)
+        held.append((engine.pool.in_use(), int(engine.pool.refs.max())))
+    assert engine.prefilled == 19 + (G - 1) * 3 and engine.preempted == 0
+    # All 4 admitted: 2 shared pages + 4 of their own; at most 10 once decoding (29 positions)
+    assert (6, G) in held and max(n for n, _ in held) == 2 + G * 2
+    completions = [out[r] for r in rids]
+    assert completions == want.sequences()
+    assert len({tuple(c) for c in completions}) == (1 if temperature == 0 else G)
+    records = [engine.records.pop(r) for r in rids]
+    width = len(prompt) + N_NEW
+    np.testing.assert_array_equal(
+        np.stack([r.routes_LSK for r in records], 1), want.routes[:, :, :width]
+    )
+    for record, logp in zip(records, want.logprobs, strict=True):
+        np.testing.assert_allclose(record.logprobs, logp[: len(record.logprobs)], atol=1e-5)

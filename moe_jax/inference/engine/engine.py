@@ -10,6 +10,8 @@ A fixed number of decode slots; a request takes a free slot when it is admitted 
 when it finishes, between steps. One `step()`:
  1. admits queued requests (first come, first served) while a slot and the pages for their
     prompt are free, sharing the pages of a prompt prefix seen before (`pages.PagePool`);
+    a request whose next page of prefix another is prefilling waits for it, the requests
+    behind passing it (G samples of one prompt submitted together prefill it once);
  2. runs one prefill chunk of `chunk` tokens for each of the `prefill_rows` oldest slots
     still prefilling, one row each (a long prompt takes several steps; the others keep
     decoding meanwhile), which on a prompt's last chunk picks the request's first token.
@@ -183,6 +185,7 @@ class Engine:
         self._admitted = itertools.count()
         self._order: dict[int, int] = {}  # rid -> admission number (preemption picks the last)
         self.preempted = 0  # requests preempted so far
+        self.prefilled = 0  # positions computed by prefill chunks so far (shared ones are not)
         self.recorder = Recorder(cfg, page_size) if record else None
         self.records = self.recorder.finished if record else {}  # rid -> a finished Record
 
@@ -271,24 +274,40 @@ class Engine:
         return events
 
     def _admit(self) -> None:
+        twins = []  # waiting for a request in prefill to make their prefix's pages findable
         while self.queue and None in self.slots:
-            seq = self.queue[0]
+            seq = self.queue.popleft()
             tokens = seq.tokens
             # Ring layers' pages of a prefix are gone once behind its window: no sharing.
             shared = [] if self.window else self.pool.match_prefix(tokens)
+            if self._twin_in_prefill(tokens, len(shared)):
+                self.pool.release(shared)
+                twins.append(seq)
+                continue
             if self.speculation is not None:
                 shared = self.speculation.shared_prefix(shared)
             own = self.pool.allocate(self._pages_for(len(tokens)) - len(shared))
             if own is None:  # wait for pages: first come, first served
                 self.pool.release(shared)
-                return
-            self.queue.popleft()
+                self.queue.appendleft(seq)
+                break
             seq.pages, seq.done = shared + own, len(shared) * self.page_size
             if self.recorder is not None:
                 self.recorder.admitted(seq, len(shared))
             seq.slot = self.slots.index(None)
             self.slots[seq.slot] = seq
             self._order[seq.rid] = next(self._admitted)
+        self.queue.extendleft(reversed(twins))
+
+    def _twin_in_prefill(self, tokens: list[int], n_found: int) -> bool:
+        """Whether a request in prefill will make the full page after `tokens`' `n_found`
+        findable ones findable: then `tokens` waits for it rather than compute it again (G
+        samples of one prompt submitted together prefill it once), letting others pass."""
+        end = (n_found + 1) * self.page_size
+        if self.window or end > len(tokens) - 1:  # (match_prefix leaves the last token)
+            return False
+        slots = [s for s in self.slots if s is not None and s.prefilling]
+        return any(s.prompt[:end] == tokens[:end] for s in slots)
 
     def _pages_for(self, n_positions: int) -> int:
         return -(-n_positions // self.page_size)
@@ -311,6 +330,7 @@ class Engine:
             tokens_RC[i, :n] = tokens[seq.done : end]
             positions_RC[i, :n] = np.arange(seq.done, end)
             last_R[i] = n - 1
+            self.prefilled += n
             self._window_pages(seq, end)
             ends.append(end)
         rows = seqs + [None] * (R - len(seqs))
