@@ -102,3 +102,32 @@ def test_g_samples_of_one_prompt_submitted_together_prefill_it_once(sampler, tem
     )
     for record, logp in zip(records, want.logprobs, strict=True):
         np.testing.assert_allclose(record.logprobs, logp[: len(record.logprobs)], atol=1e-5)
+
+
+def test_rollouts_through_the_engine_equal_the_samplers_rows(tmp_path):
+    """Rollouts with rl.rollout_engine=true against the sampler's, from the same params at
+    the same step: the same draws (row r keyed by (seed, step, r)), so the same rows, keys,
+    shapes and dtypes (routes exactly, old_logp within 1e-5), rewards and advantages."""
+    from flax import nnx
+
+    from moe_jax.data.prompts import load_prompts
+    from moe_jax.model import Transformer
+    from moe_jax.rl.collect import Rollouts
+    from tests.test_grpo import grpo_config, sums, write_jsonl
+
+    path = write_jsonl(tmp_path / "p.jsonl", sums(8))
+    rows = {}
+    for engine in (False, True):
+        cfg = grpo_config(path, "model.init_std=0.05", f"rl.rollout_engine={str(engine).lower()}")
+        graphdef, params = nnx.split(Transformer(cfg, rngs=nnx.Rngs(0)), nnx.Param)
+        rollouts = Rollouts(cfg, graphdef, load_prompts(cfg))
+        rows[engine] = rollouts({"params": params}, {"index": np.array([0, 3])}, step=5)
+    sampler, engine = rows[False], rows[True]
+    assert sampler.keys() == engine.keys()
+    for k, v in sampler.items():
+        assert (engine[k].shape, engine[k].dtype) == (v.shape, v.dtype), k
+        if k == "old_logp":
+            np.testing.assert_allclose(engine[k], v, atol=1e-5, rtol=0)
+        else:
+            np.testing.assert_array_equal(engine[k], v, err_msg=k)
+    assert engine["mask"].sum() > 8  # completions of more than one token
