@@ -15,6 +15,7 @@ import pytest
 
 from moe_jax.inference.engine import Engine, EngineError, SamplingParams
 from moe_jax.rl.rollouts import rollout_rows, token_logps
+from tests.helpers import tiny_config
 from tests.test_engine import N_NEW, SIZES, prompts_of, sampler_of
 
 LENGTHS = (5, 11, 30, 19, 3, 40)  # 40: three prefill chunks of 16; SIZES' pool preempts
@@ -131,3 +132,33 @@ def test_rollouts_through_the_engine_equal_the_samplers_rows(tmp_path):
         else:
             np.testing.assert_array_equal(engine[k], v, err_msg=k)
     assert engine["mask"].sum() > 8  # completions of more than one token
+
+
+def test_a_grpo_run_draws_through_the_engine_and_refuses_what_it_cannot(tmp_path):
+    """train.py's GRPO with rl.rollout_engine=true: 2 steps whose trainer replays the
+    engine's experts (agreement 1, log-probs within 1e-5 of the engine's); the key without
+    GRPO, and aot's figures (it compiles the sampler's program), refused in one line."""
+    import json
+
+    from moe_jax.config import ConfigError
+    from moe_jax.rl.aot import rollout_shape
+    from moe_jax.trainer import train
+    from tests.test_grpo import grpo_config, sums, write_jsonl
+
+    path = write_jsonl(tmp_path / "p.jsonl", sums(12))
+    run = tmp_path / "run"
+    cfg = grpo_config(
+        path, f"run_dir={run}", "train.steps=2", "train.log_every=1", "train.eval_every=100",
+        "checkpoint.every=100", "train.trackers=[]", "rl.rollout_engine=true",
+    )  # fmt: skip
+    assert train(cfg).step == 2
+    records = map(json.loads, (run / "metrics.jsonl").read_text().splitlines())
+    trains = [r for r in records if r["kind"] == "train"]
+    assert len(trains) == 2
+    for r in trains:
+        assert r["expert_agreement"] == 1.0 and r["logp_diff_max"] < 1e-5
+        assert r["completion_len"] > 0
+    with pytest.raises(ConfigError, match="train.objective=lm draws none"):
+        tiny_config("rl.rollout_engine=true")
+    with pytest.raises(ConfigError, match="set rl.rollout_engine=false"):
+        rollout_shape(grpo_config(path, "rl.rollout_engine=true", "rl.max_prompt_len=8"))
