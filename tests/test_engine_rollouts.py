@@ -7,11 +7,12 @@ through the engine (rl.rollout_engine=true).
 Routes compare exactly and log-probs within 1e-5: the engine's chunked prefill and paged
 attention sum in another order than the sampler's (~1e-6 apart), and the model's init_std 0.05
 spreads the router's logits far beyond that (as tests/test_engine.py's tokens).
-Budget: ~30 s on 2 CPU cores.
+Budget: ~40 s on 2 loaded CPU cores (the GRPO run, its train step compiled, ~16 s of it).
 """
 
 import numpy as np
 import pytest
+from flax import nnx
 
 from moe_jax.inference.engine import Engine, EngineError, SamplingParams
 from moe_jax.rl.rollouts import rollout_rows, token_logps
@@ -54,7 +55,8 @@ def test_replaying_the_engines_rows_gives_its_logprobs(sampler):
     engine = Engine(sampler, record=True, **SIZES)
     gen = engine.generate_recorded(prompts, params)
     rows = rollout_rows(prompts, gen)
-    logp_BT, _ = token_logps(
+    replayed = nnx.jit(token_logps, static_argnames="temperature")
+    logp_BT, _ = replayed(
         sampler.inference_model(), rows["tokens"], routes=rows["routes"], temperature=0.7
     )
     mask = rows["mask"][:, 1:]
