@@ -224,6 +224,11 @@ def _check_grpo(cfg: Config) -> None:
         "train.objective=grpo samples from prompts (data.sft=prompts) and those prompts "
         "train nothing else; set both or neither",
     )
+    require(
+        grpo or not rl.rollout_engine,
+        "rl.rollout_engine=true draws GRPO's rollouts, and train.objective="
+        f"{cfg.train.objective} draws none; set train.objective=grpo or drop it",
+    )
     if grpo:
         require(rl.rewards, "train.objective=grpo needs rl.rewards=[pkg.module:function, ...]")
         # model.mtp_depth > 0 is taken: the MTP loss is off and the MTP layers stay frozen

@@ -45,6 +45,12 @@ class RLConfig:
     # Rollout routing replay: the training forward reuses the experts every token took in the
     # sampler (moe_jax/model/routing.py `route`); the router's weights at them still learn.
     routing_replay: bool = True
+    # Draw the rollouts with the generation engine (moe_jax/inference/engine/: continuous
+    # batching, the G samples of a prompt sharing its prefill's KV pages, recording each
+    # token's experts and log-prob) instead of the jitted sampler's one batch program. The
+    # same draws (row r of step s keyed by (seed, s, r)) and the same rows; a row that ends
+    # early frees its slot instead of idling in the batch to the longest's end.
+    rollout_engine: bool = False
 
     def check(self) -> None:
         positive(

@@ -43,6 +43,11 @@ def rollout_shape(cfg) -> tuple[int, int, int]:
     from moe_jax.inference.sampling import prompt_bucket
 
     rl, m = cfg.rl, cfg.model
+    if rl.rollout_engine:
+        raise ConfigError(
+            "aot compiles the sampler's rollouts; rl.rollout_engine=true draws them with the "
+            "engine, whose programs it does not compile: set rl.rollout_engine=false"
+        )
     if not rl.max_prompt_len:
         raise ConfigError(
             "aot compiles GRPO's rollouts at a fixed width: set rl.max_prompt_len (a prompt's "

@@ -4,14 +4,15 @@ trip): the trainer hands over a batch of prompt indices and trains on what this 
     rollouts = Rollouts(cfg, graphdef, data)            # data: data.prompts.PromptData
     batch = rollouts(state, {"index": idx_B}, step)     # numpy rows for grpo.compute_grads
 
-The jitted sampler (`moe_jax.inference.sampling`, made once, its weights swapped every step) draws
-rl.group_size completions of every prompt at rl.temperature, seeded by (seed, step) so a
-resumed run draws what the uninterrupted one did, recording each token's experts and
-log-prob (`generate(record=True)`); the completions end at the tokenizer's EOS or after
-rl.max_new_tokens. The reward functions score the decoded completions (text without the
-EOS), their weighted sum is each completion's reward, and `grpo.group_advantages` compares
-it with its group's. Rows are the data's prompt bucket + max_new_tokens wide whatever the
-batch, so one train step program serves every step.
+The jitted sampler (`moe_jax.inference.sampling`, made once, its weights swapped every step)
+draws rl.group_size completions of every prompt at rl.temperature, seeded by (seed, step) so
+a resumed run draws what the uninterrupted one did, recording each token's experts and
+log-prob (`generate(record=True)`), or with rl.rollout_engine the generation engine draws
+them from the sampler's weights, keyed alike (`engine_draws`); the completions end at the
+tokenizer's EOS or after rl.max_new_tokens. The reward functions score the decoded
+completions (text without the EOS), their weighted sum is each completion's reward, and
+`grpo.group_advantages` compares it with its group's. Rows are the data's prompt bucket +
+max_new_tokens wide whatever the batch, so one train step program serves every step.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from moe_jax.data.prompts import prompt_text
 from moe_jax.errors import MoeJaxError
 from moe_jax.inference.decoding import unstack_blocks
 from moe_jax.inference.sampling import Sampler
+from moe_jax.rl.engine_draws import engine_generation
 from moe_jax.rl.grpo import group_advantages
 from moe_jax.rl.rollouts import rollout_rows
 
@@ -82,11 +84,19 @@ class Rollouts:
         index = [int(i) for i in np.asarray(batch["index"])]
         prompts = [data.ids[i] for i in index for _ in range(G)]  # row r: prompt r // G
         eos = [] if tok.eos_id is None else [tok.eos_id]
-        gen = self._sampler(state["params"]).generate(
-            prompts, rl.max_new_tokens, temperature=rl.temperature,
-            seed=(cfg.seed * 1_000_003 + step) % 2**31, stop_tokens=eos,
-            vocab_size=min(tok.vocab_size, cfg.model.vocab_size), record=True,
-        )  # fmt: skip
+        seed = (cfg.seed * 1_000_003 + step) % 2**31
+        vocab_size = min(tok.vocab_size, cfg.model.vocab_size)
+        sampler = self._sampler(state["params"])
+        if rl.rollout_engine:
+            gen = engine_generation(
+                sampler, prompts, rl, seed=seed, stop_ids=eos, vocab_size=vocab_size,
+                width=self.width,
+            )  # fmt: skip
+        else:
+            gen = sampler.generate(
+                prompts, rl.max_new_tokens, temperature=rl.temperature, seed=seed,
+                stop_tokens=eos, vocab_size=vocab_size, record=True,
+            )  # fmt: skip
         self._release()
         rows = rollout_rows(prompts, gen, self.width)
         texts = []

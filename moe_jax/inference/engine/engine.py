@@ -10,6 +10,8 @@ A fixed number of decode slots; a request takes a free slot when it is admitted 
 when it finishes, between steps. One `step()`:
  1. admits queued requests (first come, first served) while a slot and the pages for their
     prompt are free, sharing the pages of a prompt prefix seen before (`pages.PagePool`);
+    a request whose next page of prefix another is prefilling waits for it, the requests
+    behind passing it (G samples of one prompt submitted together prefill it once);
  2. runs one prefill chunk of `chunk` tokens for each of the `prefill_rows` oldest slots
     still prefilling, one row each (a long prompt takes several steps; the others keep
     decoding meanwhile), which on a prompt's last chunk picks the request's first token.
@@ -31,6 +33,10 @@ the K tokens its MTP layers drafted, and emitting 1..K+1 tokens (greedy: the sam
 prefill chunks fill the MTP layers' pages too, and a prompt's last chunk drafts
 (`speculation.py` the host side, `draft_programs.py` the programs; `self.speculation` counts
 the drafts checked and kept).
+
+Recording (`Engine(sampler, record=True)`, GRPO's rollouts): each request's experts at every
+position of its row and each sampled token's log-prob at its temperature, as
+`Sampler.generate(record=True)` gives them (`recording.py`; `generate_recorded`).
 
 Sliding-window layers keep their pages in a pool of their own, released once behind the
 window (`programs` module doc); a model with such layers shares no prefix pages (the window
@@ -57,7 +63,9 @@ from moe_jax.errors import MoeJaxError
 from moe_jax.inference.engine.draft_programs import DraftPrograms
 from moe_jax.inference.engine.pages import PagePool
 from moe_jax.inference.engine.programs import Batch, Picked, PickMode, Programs, table_width
+from moe_jax.inference.engine.recording import Recorder, generate_recorded
 from moe_jax.inference.engine.speculation import Speculation, draft_depth_of
+from moe_jax.inference.sampling import Generation
 
 
 def _bucket(n: int, lo: int, hi: int) -> int:
@@ -106,6 +114,7 @@ class _Seq:
     done: int = 0  # positions already in the cache
     drafts: list[int] = dataclasses.field(default_factory=list)  # speculation's (speculation.py)
     it: int = 0  # speculation: the step its next verify call draws at
+    record: object = None  # recording: its `recording.Record`
 
     @property
     def tokens(self) -> list[int]:
@@ -132,12 +141,16 @@ class Engine:
         prefill_rows: int = 4,
         speculative: bool = False,
         draft_depth: int | None = None,
+        record: bool = False,
     ):
         """`n_pages`: the pool (default: every slot's full context, so nothing is ever
         preempted); at least one full context. `vocab_size`: sample ids below it only.
         `speculative`: decode by speculation with the model's MTP layers (`speculation.py`),
-        `draft_depth` of them drafting (default: sample.draft_depth, else all)."""
+        `draft_depth` of them drafting (default: sample.draft_depth, else all). `record`:
+        keep each request's experts and tempered log-probs (`recording.py`)."""
         cfg = sampler.cfg
+        if record and speculative:
+            raise EngineError("the speculative engine does not record routes; drop speculative")
         K = draft_depth_of(cfg, draft_depth, EngineError) if speculative else 0
         if chunk < K:
             raise EngineError(f"chunk {chunk} is below draft_depth {K}; give at least {K}")
@@ -172,6 +185,9 @@ class Engine:
         self._admitted = itertools.count()
         self._order: dict[int, int] = {}  # rid -> admission number (preemption picks the last)
         self.preempted = 0  # requests preempted so far
+        self.prefilled = 0  # positions computed by prefill chunks so far (shared ones are not)
+        self.recorder = Recorder(cfg, page_size) if record else None
+        self.records = self.recorder.finished if record else {}  # rid -> a finished Record
 
     # ------------------------------------------------------------------ requests
 
@@ -233,6 +249,13 @@ class Engine:
                 out[e.rid].append(e.token)
         return [out[rid] for rid in rids]
 
+    def generate_recorded(self, prompts, params: list[SamplingParams]) -> Generation:
+        """Every prompt to its end -> a Generation with routes and logprobs, as
+        `Sampler.generate(record=True)` gives it (`recording.generate_recorded`)."""
+        if self.recorder is None:
+            raise EngineError("this engine does not record; make it with Engine(..., record=True)")
+        return generate_recorded(self, prompts, params)
+
     # ------------------------------------------------------------------ one step
 
     def step(self) -> list[Event]:
@@ -251,22 +274,40 @@ class Engine:
         return events
 
     def _admit(self) -> None:
+        twins = []  # waiting for a request in prefill to make their prefix's pages findable
         while self.queue and None in self.slots:
-            seq = self.queue[0]
+            seq = self.queue.popleft()
             tokens = seq.tokens
             # Ring layers' pages of a prefix are gone once behind its window: no sharing.
             shared = [] if self.window else self.pool.match_prefix(tokens)
+            if self._twin_in_prefill(tokens, len(shared)):
+                self.pool.release(shared)
+                twins.append(seq)
+                continue
             if self.speculation is not None:
                 shared = self.speculation.shared_prefix(shared)
             own = self.pool.allocate(self._pages_for(len(tokens)) - len(shared))
             if own is None:  # wait for pages: first come, first served
                 self.pool.release(shared)
-                return
-            self.queue.popleft()
+                self.queue.appendleft(seq)
+                break
             seq.pages, seq.done = shared + own, len(shared) * self.page_size
+            if self.recorder is not None:
+                self.recorder.admitted(seq, len(shared))
             seq.slot = self.slots.index(None)
             self.slots[seq.slot] = seq
             self._order[seq.rid] = next(self._admitted)
+        self.queue.extendleft(reversed(twins))
+
+    def _twin_in_prefill(self, tokens: list[int], n_found: int) -> bool:
+        """Whether a request in prefill will make the full page after `tokens`' `n_found`
+        findable ones findable: then `tokens` waits for it rather than compute it again (G
+        samples of one prompt submitted together prefill it once), letting others pass."""
+        end = (n_found + 1) * self.page_size
+        if self.window or end > len(tokens) - 1:  # (match_prefix leaves the last token)
+            return False
+        slots = [s for s in self.slots if s is not None and s.prefilling]
+        return any(s.prompt[:end] == tokens[:end] for s in slots)
 
     def _pages_for(self, n_positions: int) -> int:
         return -(-n_positions // self.page_size)
@@ -289,6 +330,7 @@ class Engine:
             tokens_RC[i, :n] = tokens[seq.done : end]
             positions_RC[i, :n] = np.arange(seq.done, end)
             last_R[i] = n - 1
+            self.prefilled += n
             self._window_pages(seq, end)
             ends.append(end)
         rows = seqs + [None] * (R - len(seqs))
@@ -298,11 +340,15 @@ class Engine:
         picked = self.programs.run(batch, self._mode(seqs))
         events = []
         for i, (seq, end) in enumerate(zip(seqs, ends, strict=True)):
+            if self.recorder is not None:
+                self.recorder.fed(seq, picked, i, seq.done, end - seq.done)
             seq.done = end
             if end < len(seq.tokens):  # a middle chunk (or a preempted one's refill): no token
                 continue
             if not self.window:
-                self.pool.register(seq.prompt, seq.pages)
+                findable = self.pool.register(seq.prompt, seq.pages)
+                if self.recorder is not None:
+                    self.recorder.registered(seq, findable)
             events += self._emit(seq, picked, i)
         return events
 
@@ -331,6 +377,8 @@ class Engine:
         picked = self.programs.run(batch, self._mode(seqs))
         events = []
         for i, seq in enumerate(seqs):
+            if self.recorder is not None:
+                self.recorder.fed(seq, picked, i, seq.done, 1)
             seq.done += 1
             events += self._emit(seq, picked, i)
         return events
@@ -390,7 +438,10 @@ class Engine:
     def _emit(self, seq: _Seq, picked: Picked, row: int) -> list[Event]:
         ids, logprobs = picked.top_ids_BK[row].tolist(), picked.top_logprobs_BK[row].tolist()
         top = tuple(zip(ids, logprobs, strict=True))
-        return [self._event(seq, int(picked.tokens_B[row]), float(picked.logprob_B[row]), top)]
+        event = self._event(seq, int(picked.tokens_B[row]), float(picked.logprob_B[row]), top)
+        if self.recorder is not None:
+            self.recorder.picked(seq, picked, row, event.finish_reason is not None)
+        return [event]
 
     def _event(self, seq: _Seq, token: int, logprob: float, top, draft: int = -1) -> Event:
         """`seq`'s next token; it leaves at a stop id or `max_tokens`."""
@@ -436,4 +487,4 @@ class Engine:
         ps = [s.params for s in seqs]
         all_greedy = all(p.temperature == 0 for p in ps)
         any_filter = any(0 < p.top_k < self.V or p.top_p < 1 for p in ps if p.temperature > 0)
-        return PickMode(all_greedy, any_filter)
+        return PickMode(all_greedy, any_filter, self.recorder is not None)

@@ -85,9 +85,13 @@ class PagePool:
             self.refs[page] += 1
         return pages
 
-    def register(self, tokens: Sequence[int], pages: Sequence[int]) -> None:
-        """Make the full pages of `tokens` (held in `pages`, in order) findable by prefix."""
+    def register(self, tokens: Sequence[int], pages: Sequence[int]) -> list[int]:
+        """Make the full pages of `tokens` (held in `pages`, in order) findable by prefix;
+        -> the indices in `pages` of those newly findable."""
         n = min(len(tokens) // self.page_size, len(pages))
-        for h, page in zip(page_hashes(tokens, self.page_size, n), pages, strict=False):
+        new, hashes = [], page_hashes(tokens, self.page_size, n)
+        for i, (h, page) in enumerate(zip(hashes, pages, strict=False)):
             if h not in self.by_hash and page not in self.hash_of:
                 self.by_hash[h], self.hash_of[page] = page, h
+                new.append(i)
+        return new

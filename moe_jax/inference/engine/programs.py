@@ -63,12 +63,16 @@ TOP_LOGPROBS = 5
 
 class Picked(NamedTuple):
     """A call's picks per row (host arrays): the token, its log-probability under the model
-    (before temperature and filters, as OpenAI and vLLM report it), the most likely tokens."""
+    (before temperature and filters, as OpenAI and vLLM report it), the most likely tokens;
+    recording (`PickMode.record`), every fed token's experts and the picked token's
+    log-probability at the row's temperature (`tempered_logprobs`)."""
 
     tokens_B: np.ndarray
     logprob_B: np.ndarray
     top_ids_BK: np.ndarray
     top_logprobs_BK: np.ndarray
+    routes_LBTK: np.ndarray | None = None  # int32 [n_moe_layers, B, T, top_k]
+    tempered_B: np.ndarray | None = None  # float32
 
 
 class PickMode(NamedTuple):
@@ -76,6 +80,7 @@ class PickMode(NamedTuple):
 
     all_greedy: bool
     any_filter: bool
+    record: bool = False  # the call returns its experts and tempered log-probs too
 
 
 def pick(logits_BV, b: Batch, mode: PickMode) -> jax.Array:
@@ -140,17 +145,18 @@ def _without_table(cache):
     return [_without_table(c) for c in cache] if isinstance(cache, list) else cache
 
 
-def forward_pages(model, n_blocks: int, pages: dict, b: Batch, **kw):
+def forward_pages(model, n_blocks: int, pages: dict, b: Batch, *, with_aux=False, **kw):
     """The model over the pages (blocks kept apart, as `decoding` keeps them) -> (its first
-    output, the updated pages); `kw`: the model's `logits_at` or `head`."""
+    output, the updated pages), and with `with_aux` the model's aux (its "routes": the
+    experts each token took); `kw`: the model's `logits_at` or `head`."""
     # The tables join each block's layers before they are stacked: the model slices every
     # leaf of the stacked blocks by block.
     paged = _with_tables(pages, model.cfg, b)
     paged["blocks"] = stack_blocks(paged["blocks"])
-    out, _, new = model(b.tokens_BT, positions=b.positions_BT, cache=paged, **kw)
+    out, aux, new = model(b.tokens_BT, positions=b.positions_BT, cache=paged, **kw)
     new = _without_table(new)
     new["blocks"] = unstack_blocks(new["blocks"], n_blocks)
-    return out, new
+    return (out, new, aux) if with_aux else (out, new)
 
 
 def token_logprobs(logits_XV, tokens_X, n_vocab):
@@ -163,14 +169,29 @@ def token_logprobs(logits_XV, tokens_X, n_vocab):
     return picked_X, top_ids_XK, top_lp_XK
 
 
+def tempered_logprobs(logits_BV, tokens_B, temperature_B):
+    """log p(token) under the logits at the row's temperature (1 for greedy rows), over the
+    whole vocabulary: `Sampler.generate(record=True)`'s log-probs, what a trainer recomputes
+    (`moe_jax.rl.rollouts.token_logps`)."""
+    t_B1 = jnp.where(temperature_B == 0, 1.0, temperature_B)[:, None]
+    logp_BV = jax.nn.log_softmax(logits_BV.astype(jnp.float32) / t_B1, axis=-1)
+    return jnp.take_along_axis(logp_BV, tokens_B[:, None], axis=-1)[:, 0]
+
+
 def _call(graphdef, weights: Weights, pages: dict, b: Batch, *, mode: PickMode):
-    """The model over the pages -> (tokens [B], their log-probabilities, the top ones; the
-    updated pages)."""
+    """The model over the pages -> (tokens [B], their log-probabilities, the top ones, and
+    recording, the routes and tempered log-probs; the updated pages)."""
     model = model_of(graphdef, weights.params, weights.blocks)
-    logits_B1V, new = forward_pages(model, len(weights.blocks), pages, b, logits_at=b.last_B)
+    n_blocks = len(weights.blocks)
+    logits_B1V, new, aux = forward_pages(
+        model, n_blocks, pages, b, with_aux=True, logits_at=b.last_B
+    )
     logits_BV = logits_B1V[:, 0]
     tokens_B = pick(logits_BV, b, mode)
-    return (tokens_B, *token_logprobs(logits_BV, tokens_B, b.n_vocab)), new
+    picked = (tokens_B, *token_logprobs(logits_BV, tokens_B, b.n_vocab))
+    if mode.record:
+        picked += (aux["routes"], tempered_logprobs(logits_BV, tokens_B, b.temperature_B))
+    return picked, new
 
 
 def init_pages(
