@@ -21,7 +21,6 @@ from moe_jax.model import convert, lora, picked, weight_gather
 from moe_jax.model.buckets import swiglu_filled
 from moe_jax.model.glu import SWIGLU, Activation, glu
 from moe_jax.model.grouped import grouped_buffers
-from moe_jax.model.int8 import QuantizedParam
 from moe_jax.model.routing import scale_inputs, sum_choices
 from moe_jax.scopes import EXPERTS, scoped
 from moe_jax.sharding import param
@@ -224,7 +223,10 @@ def picked_swiglu(
     -> y_BTD, summed over the choices."""
     source = weights.get if isinstance(weights, dict) else lambda n: getattr(weights, n, None)
     D, F = x_BTD.shape[-1], source("w_gate").shape[-1]
-    in_place = not any(isinstance(source(n), QuantizedParam) for n in EXPERT_PARAMS)
+    # int8 / MXFP4 weights are stored as dicts of arrays (`int8.QuantizedParam`, which
+    # imports this module): the gather dequantises their picked rows
+    stored = lambda v: v.get_raw_value() if isinstance(v, nnx.Variable) else v
+    in_place = not any(isinstance(stored(source(n)), dict) for n in EXPERT_PARAMS)
     in_place &= backends.choose("decode", impl, shape={"dims": (D, F)}) == "triton"
     in_place &= picked.fits(D, F)  # else the gather, whatever was named
 
