@@ -62,7 +62,7 @@ def test_dequantize_and_its_deferred_views_follow_the_definition():
     np.testing.assert_array_equal(full.astype(ml_dtypes.bfloat16).astype(np.float32), want)
     lazy = deferred(w8, s.numpy())
     np.testing.assert_array_equal(np.asarray(lazy), full)
-    # what the rules do to it: transpose, split an axis, slice, pick a row
+    # what the tensor maps do to it: transpose, split an axis, slice, pick a row
     views = [
         lambda a: a.T[5:200, 17:250],
         lambda a: a.reshape(4, 75, 260)[1:3, 10:70, 100:],

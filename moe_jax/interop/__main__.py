@@ -209,7 +209,7 @@ def main(argv: list[str]) -> int:
                 f"this run does with moe.capacity_factor=0 (it trained with "
                 f"{cfg.moe.capacity_factor})"
             )
-        if cfg.model.mtp_depth and FAMILIES[arch].mtp_rules is None:
+        if cfg.model.mtp_depth and FAMILIES[arch].mtp_maps is None:
             print(
                 "note: the multi-token prediction module (model.mtp_depth) is not written; "
                 "the exported model is the main model, which is all transformers runs"

@@ -1,6 +1,6 @@
-"""Pieces shared by the family mappings: tensor rules, HF config reading, RoPE, layer patterns.
+"""Pieces shared by the family mappings: tensor maps, HF config reading, RoPE, layer patterns.
 
-A `Rule` ties one or more of our per-layer parameters (paths inside a decoder layer such as
+A `TensorMap` ties one or more of our per-layer parameters (paths inside a decoder layer such as
 `attn.wq`, or top-level paths such as `embed.embedding`) to Hugging Face tensors, both ways:
 `load(src, *outs)` fills our arrays (preallocated views, our layout) from HF tensors read one
 at a time, `save(*arrays)` yields the HF tensors of our arrays. Layout facts used below:
@@ -66,13 +66,13 @@ class Source:
 
 
 @dataclass(frozen=True)
-class Rule:
+class TensorMap:
     ours: tuple[str, ...]
     load: Callable[..., None]  # load(src, *outs): fill our arrays in place
     save: Callable[..., HFTensors]  # save(*arrays): the HF tensors
 
 
-def linear(ours: str, hf: str, in_axes: int = 1, alt: str | None = None) -> Rule:
+def linear(ours: str, hf: str, in_axes: int = 1, alt: str | None = None) -> TensorMap:
     """nn.Linear weight [out, in] <-> ours [in..., out...]; `in_axes` leading axes are `in`.
     `alt`: another name the tensor may have on import (written under `hf`)."""
 
@@ -84,10 +84,10 @@ def linear(ours: str, hf: str, in_axes: int = 1, alt: str | None = None) -> Rule
     def save(a: np.ndarray) -> HFTensors:
         yield hf, a.reshape(math.prod(a.shape[:in_axes]), -1).T
 
-    return Rule((ours,), load, save)
+    return TensorMap((ours,), load, save)
 
 
-def same(ours: str, hf: str, flat: bool = True) -> Rule:
+def same(ours: str, hf: str, flat: bool = True) -> TensorMap:
     """Same values; HF keeps them flat (norm scales, biases) unless `flat=False` (embedding)."""
 
     def load(src: Source, out: np.ndarray) -> None:
@@ -96,10 +96,10 @@ def same(ours: str, hf: str, flat: bool = True) -> Rule:
     def save(a: np.ndarray) -> HFTensors:
         yield hf, a.reshape(-1) if flat else a
 
-    return Rule((ours,), load, save)
+    return TensorMap((ours,), load, save)
 
 
-def swiglu(ours: str, hf: str) -> list[Rule]:
+def swiglu(ours: str, hf: str) -> list[TensorMap]:
     """A SwiGLU MLP stored as three HF linears `{hf}.gate_proj/up_proj/down_proj`."""
     return [
         linear(f"{ours}.w_gate", f"{hf}.gate_proj.weight"),
@@ -108,7 +108,9 @@ def swiglu(ours: str, hf: str) -> list[Rule]:
     ]
 
 
-def per_expert_swiglu(hf_gate: str, hf_up: str, hf_down: str, fused: str, n_experts: int) -> Rule:
+def per_expert_swiglu(
+    hf_gate: str, hf_up: str, hf_down: str, fused: str, n_experts: int
+) -> TensorMap:
     """Experts as one nn.Linear per expert (`hf_*` hold `{}` for the expert index), the layout
     `save_pretrained` writes for Mixtral and Qwen3-MoE. On import the fused layout that
     transformers>=5 uses in memory (`{fused}.gate_up_proj [E, 2F, D]` gate first,
@@ -135,13 +137,13 @@ def per_expert_swiglu(hf_gate: str, hf_up: str, hf_down: str, fused: str, n_expe
             yield hf_up.format(e), up[e].T
             yield hf_down.format(e), down[e].T
 
-    return Rule(ours, load, save)
+    return TensorMap(ours, load, save)
 
 
-def attention_rules(cfg: Config) -> list[Rule]:
+def attention_maps(cfg: Config) -> list[TensorMap]:
     """Pre-norms and attention of a Llama-style layer (`self_attn.*`, `*_layernorm`)."""
     a = cfg.attention
-    rules = [
+    maps = [
         same("attn_norm.scale", "input_layernorm.weight"),
         same("ffn_norm.scale", "post_attention_layernorm.weight"),
         linear("attn.wq", "self_attn.q_proj.weight"),
@@ -150,23 +152,23 @@ def attention_rules(cfg: Config) -> list[Rule]:
         linear("attn.wo", "self_attn.o_proj.weight", in_axes=2),
     ]
     if a.qkv_bias:
-        rules += [same(f"attn.{p}_bias", f"self_attn.{p}_proj.bias") for p in "qkv"]
+        maps += [same(f"attn.{p}_bias", f"self_attn.{p}_proj.bias") for p in "qkv"]
     if a.o_bias:
-        rules.append(same("attn.o_bias", "self_attn.o_proj.bias"))
+        maps.append(same("attn.o_bias", "self_attn.o_proj.bias"))
     if a.qk_norm == "rms":
-        rules += [same(f"attn.{p}_norm.scale", f"self_attn.{p}_norm.weight") for p in "qk"]
-    return rules
+        maps += [same(f"attn.{p}_norm.scale", f"self_attn.{p}_norm.weight") for p in "qk"]
+    return maps
 
 
-def top_rules(cfg: Config) -> list[Rule]:
+def top_maps(cfg: Config) -> list[TensorMap]:
     """Embedding, final norm and (untied) output head, the same in every family."""
-    rules = [
+    maps = [
         same("embed.embedding", "model.embed_tokens.weight", flat=False),
         same("final_norm.scale", "model.norm.weight"),
     ]
     if not cfg.model.tie_embeddings:
-        rules.append(linear("head", "lm_head.weight"))
-    return rules
+        maps.append(linear("head", "lm_head.weight"))
+    return maps
 
 
 # ----------------------------------------------------------------------------- HF configs
@@ -388,19 +390,20 @@ def common_hf_config(cfg: Config, architecture: str, model_type: str) -> dict:
 
 @dataclass(frozen=True)
 class Family:
-    """One Hugging Face architecture: its config mapping both ways and its tensor rules."""
+    """One Hugging Face architecture: its config mapping both ways and its tensor maps."""
 
     architecture: str  # e.g. "MixtralForCausalLM"
     model_type: str
     defaults: dict  # the transformers config class defaults of every key read here
     to_config: Callable[[HFConfig, Config], Config]  # config.json over a base config
     from_config: Callable[[Config], dict]  # our config -> config.json, or InteropError
-    layer_rules: Callable[[Config, int], list[Rule]]
+    layer_maps: Callable[[Config, int], list[TensorMap]]
     # Multi-token prediction (model.mtp_depth, which `to_config` sets from config.json): the
-    # rules of depth k (0-based), stored as layer `model.layers.{n_layers + k}.`; their `ours`
-    # are paths from the model's root (`mtp.{k}.enorm.scale`, or `embed.embedding` / `head`
-    # for the copies of the main model's that the layer stores). None: the family has none.
-    mtp_rules: Callable[[Config, int], list[Rule]] | None = None
+    # tensor maps of depth k (0-based), stored as layer `model.layers.{n_layers + k}.`; their
+    # `ours` are paths from the model's root (`mtp.{k}.enorm.scale`, or `embed.embedding` /
+    # `head` for the copies of the main model's that the layer stores). None: the family has
+    # none.
+    mtp_maps: Callable[[Config, int], list[TensorMap]] | None = None
 
 
 def check_hf_basics(hf: HFConfig) -> None:
@@ -409,7 +412,7 @@ def check_hf_basics(hf: HFConfig) -> None:
 
 def model_from_hf(hf: HFConfig, base: Config, ffn_hidden: int, mtp_depth: int = 0) -> ModelConfig:
     """The model section; `mtp_depth`: the multi-token prediction layers config.json gives
-    (families with `Family.mtp_rules`), 0 for the others."""
+    (families with `Family.mtp_maps`), 0 for the others."""
     if base.model.vision:
         raise InteropError(
             "model.vision is set, but the imported Hugging Face text models have no image "

@@ -5,7 +5,7 @@ from the memory-mapped HF tensors in their own dtype as it is placed on its devi
 written, so the host holds about one tensor at a time. Export writes per-layer slices of
 our (possibly stacked) parameters into size-capped safetensors shards.
 
-Multi-token prediction (`model.mtp_depth`, families with `Family.mtp_rules`: DeepSeek-V3 and
+Multi-token prediction (`model.mtp_depth`, families with `Family.mtp_maps`: DeepSeek-V3 and
 GLM-4.5) travels both ways as the layers after the main ones, `model.layers.{n_layers + k}`:
 an import takes the depth config.json gives (`num_nextn_predict_layers`) where the checkpoint
 holds those layers, and 0 where it holds none of them (`save_pretrained` of transformers,
@@ -27,7 +27,7 @@ from flax import nnx
 
 from moe_jax.config import Config, ConfigError, validate
 from moe_jax.interop import deepseek, fp8, glm4_moe, gpt_oss, llama, llama4, mixtral, qwen3
-from moe_jax.interop.common import Family, HFConfig, top_rules
+from moe_jax.interop.common import Family, HFConfig, top_maps
 from moe_jax.interop.safetensors_io import INDEX_FILE, InteropError, ShardWriter, TensorReader
 from moe_jax.interop.stream import ImportPlan, Progress
 from moe_jax.model import Transformer
@@ -175,17 +175,23 @@ def _layer_path(cfg: Config, layer: int) -> tuple[tuple, int | None]:
 
 
 def _placements(cfg: Config, family: Family):
-    """(tensor name prefix, rule, our param paths, block index) for every rule of the model."""
-    for rule in top_rules(cfg):
-        yield "", rule, [tuple(n.split(".")) for n in rule.ours], None
+    """(tensor name prefix, tensor map, our param paths, block index) for every tensor map of
+    the model."""
+    for tensor_map in top_maps(cfg):
+        yield "", tensor_map, [tuple(n.split(".")) for n in tensor_map.ours], None
     for i in range(cfg.model.n_layers):
         base, b = _layer_path(cfg, i)
-        for rule in family.layer_rules(cfg, i):
-            yield f"model.layers.{i}.", rule, [base + tuple(n.split(".")) for n in rule.ours], b
+        for tensor_map in family.layer_maps(cfg, i):
+            yield (
+                f"model.layers.{i}.",
+                tensor_map,
+                [base + tuple(n.split(".")) for n in tensor_map.ours],
+                b,
+            )
     # The MTP layers last: their copies of the embedding and head read the main model's.
-    for k, layer in enumerate(_mtp_layers(cfg) if family.mtp_rules else ()):
-        for rule in family.mtp_rules(cfg, k):
-            yield layer, rule, [_path(n) for n in rule.ours], None
+    for k, layer in enumerate(_mtp_layers(cfg) if family.mtp_maps else ()):
+        for tensor_map in family.mtp_maps(cfg, k):
+            yield layer, tensor_map, [_path(n) for n in tensor_map.ours], None
 
 
 def _abstract_params(cfg: Config):
@@ -293,7 +299,7 @@ def save_hf(
     weights in `save_pretrained`'s layout and file names; with a `tokenizer` that has files
     (Hugging Face, SentencePiece), those files beside them and its BOS / EOS ids in
     config.json (where generation stops). The multi-token prediction module (model.mtp_depth)
-    is written by the families that have it (DeepSeek-V3, GLM-4.5: `Family.mtp_rules`), as
+    is written by the families that have it (DeepSeek-V3, GLM-4.5: `Family.mtp_maps`), as
     the layers after the main ones; the others leave it out. `directory` must not exist or be
     empty; it is written through a temporary sibling and renamed at the end, so a failure
     leaves nothing behind. Returns the architecture written.
@@ -342,8 +348,8 @@ def write_hf(
     hf_config = hf_config | {"dtype": name, "torch_dtype": name}
     with new_output(out, f"'{out}'") as tmp:
         writer = ShardWriter(tmp, max_shard_bytes, dtype)
-        for name_prefix, rule, paths, block in _placements(cfg, family):
-            for tensor_name, tensor in rule.save(*[read(p, block) for p in paths]):
+        for name_prefix, tensor_map, paths, block in _placements(cfg, family):
+            for tensor_name, tensor in tensor_map.save(*[read(p, block) for p in paths]):
                 writer.add(name_prefix + tensor_name, tensor)
                 if progress is not None:
                     progress.add(math.prod(tensor.shape) * np.dtype(dtype).itemsize)

@@ -49,8 +49,8 @@ from moe_jax.interop.common import (
     Family,
     HFConfig,
     HFTensors,
-    Rule,
     Source,
+    TensorMap,
     check_hf_basics,
     common_hf_config,
     linear,
@@ -168,11 +168,11 @@ def deepseek_moe_to_hf(cfg: Config) -> dict:
         "n_group": e.n_group,
         "topk_group": e.topk_group,
         "first_k_dense_replace": e.first_dense_layers,
-        "num_nextn_predict_layers": cfg.model.mtp_depth,  # the MTP layers (`mtp_rules`)
+        "num_nextn_predict_layers": cfg.model.mtp_depth,  # the MTP layers (`mtp_maps`)
     }
 
 
-def _zero_correction_bias(n_experts: int) -> Rule:
+def _zero_correction_bias(n_experts: int) -> TensorMap:
     """Export of a router without a correction bias: transformers always has the buffer, and
     a zero bias chooses exactly as none does. (An import always takes the bias.)"""
 
@@ -182,10 +182,10 @@ def _zero_correction_bias(n_experts: int) -> Rule:
     def save() -> HFTensors:
         yield "mlp.gate.e_score_correction_bias", np.zeros(n_experts, np.float32)
 
-    return Rule((), load, save)
+    return TensorMap((), load, save)
 
 
-def deepseek_ffn_rules(cfg: Config, layer: int) -> list[Rule]:
+def deepseek_ffn_maps(cfg: Config, layer: int) -> list[TensorMap]:
     """The FFN of layer `layer`: dense SwiGLU (`mlp.*`) or the routed and shared experts."""
     if not cfg.is_moe(layer):
         return swiglu("ffn", "mlp")
@@ -214,7 +214,7 @@ def mtp_depth_from_hf(hf: HFConfig) -> int:
     return hf.get("num_nextn_predict_layers", "num_mtp_layers") or 0
 
 
-def _main_copy(ours: str, hf: str, what: str, transposed: bool) -> Rule:
+def _main_copy(ours: str, hf: str, what: str, transposed: bool) -> TensorMap:
     """The MTP layer's copy `hf` of the main model's `ours` (the embedding, or the head: [V, D]
     as `lm_head.weight`, `transposed` from ours), which the placements load before it: written
     on export; on import checked to be exact where present, its values used no further."""
@@ -236,19 +236,19 @@ def _main_copy(ours: str, hf: str, what: str, transposed: bool) -> Rule:
     def save(main: np.ndarray) -> HFTensors:
         yield hf, main.T if transposed else main
 
-    return Rule((ours,), load, save)
+    return TensorMap((ours,), load, save)
 
 
-def mtp_rules(layer_rules: Callable[[Config, int], list[Rule]]):
-    """`Family.mtp_rules` of a family whose decoder layers `layer_rules` maps (the module doc):
+def mtp_maps(layer_maps: Callable[[Config, int], list[TensorMap]]):
+    """`Family.mtp_maps` of a family whose decoder layers `layer_maps` maps (the module doc):
     depth k's (0-based) parameters `mtp.{k}.*` and the embedding / head copies."""
 
-    def rules(cfg: Config, k: int) -> list[Rule]:
+    def maps(cfg: Config, k: int) -> list[TensorMap]:
         own = f"mtp.{k}."
         # the decoder layer, of the last main layer's kind, as that layer maps
         layer = [
-            dataclasses.replace(r, ours=tuple(f"{own}layer.{n}" for n in r.ours))
-            for r in layer_rules(cfg, cfg.model.n_layers - 1)
+            dataclasses.replace(m, ours=tuple(f"{own}layer.{n}" for n in m.ours))
+            for m in layer_maps(cfg, cfg.model.n_layers - 1)
         ]
         tied = cfg.model.tie_embeddings
         return [
@@ -266,7 +266,7 @@ def mtp_rules(layer_rules: Callable[[Config, int], list[Rule]]):
             ),
         ]
 
-    return rules
+    return maps
 
 
 # ----------------------------------------------------------------------------- DeepSeek-V3
@@ -336,7 +336,7 @@ def from_config(cfg: Config) -> dict:
     )
 
 
-def _kv_b() -> Rule:
+def _kv_b() -> TensorMap:
     """Our wk_b [R, H, dn] and wv_b [R, H, dv] <-> kv_b_proj.weight [H (dn + dv), R], each
     head's key rows then its value rows."""
     name = "self_attn.kv_b_proj.weight"
@@ -352,24 +352,24 @@ def _kv_b() -> Rule:
         w = np.concatenate([wk.transpose(1, 2, 0), wv.transpose(1, 2, 0)], axis=1)
         yield name, w.reshape(-1, wk.shape[0])
 
-    return Rule(("attn.wk_b", "attn.wv_b"), load, save)
+    return TensorMap(("attn.wk_b", "attn.wv_b"), load, save)
 
 
-def mla_rules(cfg: Config) -> list[Rule]:
+def mla_maps(cfg: Config) -> list[TensorMap]:
     """Pre-norms and the latent attention (`self_attn.*`) of a layer."""
-    rules = [
+    maps = [
         same("attn_norm.scale", "input_layernorm.weight"),
         same("ffn_norm.scale", "post_attention_layernorm.weight"),
     ]
     if cfg.attention.q_lora_rank > 0:
-        rules += [
+        maps += [
             linear("attn.wq_a", "self_attn.q_a_proj.weight"),
             same("attn.q_a_norm.scale", "self_attn.q_a_layernorm.weight"),
             linear("attn.wq_b", "self_attn.q_b_proj.weight"),
         ]
     else:
-        rules.append(linear("attn.wq", "self_attn.q_proj.weight"))
-    return rules + [
+        maps.append(linear("attn.wq", "self_attn.q_proj.weight"))
+    return maps + [
         linear("attn.wkv_a", "self_attn.kv_a_proj_with_mqa.weight"),
         same("attn.kv_a_norm.scale", "self_attn.kv_a_layernorm.weight"),
         _kv_b(),
@@ -377,10 +377,10 @@ def mla_rules(cfg: Config) -> list[Rule]:
     ]
 
 
-def layer_rules(cfg: Config, layer: int) -> list[Rule]:
-    return mla_rules(cfg) + deepseek_ffn_rules(cfg, layer)
+def layer_maps(cfg: Config, layer: int) -> list[TensorMap]:
+    return mla_maps(cfg) + deepseek_ffn_maps(cfg, layer)
 
 
 FAMILY = Family(
-    ARCH, "deepseek_v3", DEFAULTS, to_config, from_config, layer_rules, mtp_rules(layer_rules)
+    ARCH, "deepseek_v3", DEFAULTS, to_config, from_config, layer_maps, mtp_maps(layer_maps)
 )

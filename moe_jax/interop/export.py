@@ -3,10 +3,10 @@
     arch, cfg = export_run(run_dir, out, step=None, architecture=None, dtype=None)
 
 Nothing is restored whole: each parameter is a `lazy.Deferred` over the checkpoint's files
-(`run.stream_save.CheckpointArrays`, one layer of a stacked parameter), the family rules
+(`run.stream_save.CheckpointArrays`, one layer of a stacked parameter), the family tensor maps
 slice and transpose it into the HF tensors, and `ShardWriter` reads each tensor's region,
 writes it to its shard and drops it. Host memory: about the largest tensor (or one layer of
-a parameter whose rule merges axes), whatever the model's size.
+a parameter whose tensor map merges axes), whatever the model's size.
 
 A LoRA run (lora.rank > 0) is written merged: each adapted weight W + (alpha / r) A B, in
 float32 before the cast to `dtype` (`lora.peft.merged_reader`); its adapters alone go out

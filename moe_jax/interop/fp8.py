@@ -11,7 +11,7 @@ a float32 product (DeepSeek's `weight_dequant` and transformers' fp8 dequantisat
 it so), then rounded to the model's dtype (bf16 for the releases). The embedding, the output
 head, the norms and the router stay bf16 / f32 in those checkpoints.
 
-`deferred` gives the dequantised weight before it is computed (`lazy.Deferred`): the rules
+`deferred` gives the dequantised weight before it is computed (`lazy.Deferred`): the tensor maps
 slice, transpose and reshape it like an array, and only the window a converter keeps is
 dequantised (a chunk of experts, a device's shard), block rows and columns it touches only.
 """

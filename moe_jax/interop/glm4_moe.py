@@ -23,20 +23,20 @@ from moe_jax.interop.checks import Unsupported, has_nope_layers
 from moe_jax.interop.common import (
     Family,
     HFConfig,
-    Rule,
+    TensorMap,
     attention_from_hf,
-    attention_rules,
+    attention_maps,
     check_hf_basics,
     common_hf_config,
     model_from_hf,
 )
 from moe_jax.interop.deepseek import (
     check_deepseek_moe,
-    deepseek_ffn_rules,
+    deepseek_ffn_maps,
     deepseek_moe_to_hf,
     moe_from_deepseek,
     mtp_depth_from_hf,
-    mtp_rules,
+    mtp_maps,
 )
 
 ARCH = "Glm4MoeForCausalLM"
@@ -107,10 +107,10 @@ def from_config(cfg: Config) -> dict:
     return hf | {"attention_bias": a.qkv_bias, "use_qk_norm": a.qk_norm == "rms"}
 
 
-def layer_rules(cfg: Config, layer: int) -> list[Rule]:
-    return attention_rules(cfg) + deepseek_ffn_rules(cfg, layer)
+def layer_maps(cfg: Config, layer: int) -> list[TensorMap]:
+    return attention_maps(cfg) + deepseek_ffn_maps(cfg, layer)
 
 
 FAMILY = Family(
-    ARCH, "glm4_moe", DEFAULTS, to_config, from_config, layer_rules, mtp_rules(layer_rules)
+    ARCH, "glm4_moe", DEFAULTS, to_config, from_config, layer_maps, mtp_maps(layer_maps)
 )

@@ -27,10 +27,10 @@ from moe_jax.interop.common import (
     Family,
     HFConfig,
     HFTensors,
-    Rule,
     Source,
+    TensorMap,
     attention_from_hf,
-    attention_rules,
+    attention_maps,
     aux_coef,
     check_hf_basics,
     common_hf_config,
@@ -148,7 +148,7 @@ def from_config(cfg: Config) -> dict:
     }
 
 
-def _experts(hf: str = "mlp.experts") -> Rule:
+def _experts(hf: str = "mlp.experts") -> TensorMap:
     """Our six expert tensors <-> gate_up_proj [E, D, 2F] (gate/up interleaved) with its bias
     [E, 2F], down_proj [E, F, D] and its bias [E, D]; on import the MXFP4 form too."""
     names = ("w_gate", "w_up", "w_down", "gate_bias", "up_bias", "down_bias")
@@ -173,7 +173,7 @@ def _experts(hf: str = "mlp.experts") -> Rule:
         yield f"{hf}.down_proj", down
         yield f"{hf}.down_proj_bias", down_bias
 
-    return Rule(ours, load, save)
+    return TensorMap(ours, load, save)
 
 
 def _dequantized(src: Source, name: str, scales_shape: tuple[int, ...]) -> Deferred:
@@ -195,8 +195,8 @@ def _interleave(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
     return np.stack([gate, up], axis=-1).reshape(*gate.shape[:-1], -1)
 
 
-def layer_rules(cfg: Config, layer: int) -> list[Rule]:
-    return attention_rules(cfg) + [
+def layer_maps(cfg: Config, layer: int) -> list[TensorMap]:
+    return attention_maps(cfg) + [
         same("attn.sinks", "self_attn.sinks"),
         linear("ffn.router", "mlp.router.weight"),
         same("ffn.router_bias", "mlp.router.bias"),
@@ -204,4 +204,4 @@ def layer_rules(cfg: Config, layer: int) -> list[Rule]:
     ]
 
 
-FAMILY = Family(ARCH, "gpt_oss", DEFAULTS, to_config, from_config, layer_rules)
+FAMILY = Family(ARCH, "gpt_oss", DEFAULTS, to_config, from_config, layer_maps)

@@ -1,6 +1,6 @@
 """`Deferred`: an array that is computed only where it is used.
 
-The converters hand the family rules arrays that they slice, transpose and reshape before
+The converters hand the family tensor maps arrays that they slice, transpose and reshape before
 anything keeps a window of them (`stream.Window`) or writes them (`ShardWriter`): an FP8
 weight not yet dequantised (`fp8.py`), a run's parameter not yet read from its checkpoint
 (`export.py`). Only the region finally asked for is computed.

@@ -9,9 +9,9 @@ from moe_jax.interop.checks import Unsupported, check_llama_style
 from moe_jax.interop.common import (
     Family,
     HFConfig,
-    Rule,
+    TensorMap,
     attention_from_hf,
-    attention_rules,
+    attention_maps,
     check_hf_basics,
     common_hf_config,
     dense_moe,
@@ -67,8 +67,8 @@ def from_config(cfg: Config) -> dict:
     }
 
 
-def layer_rules(cfg: Config, layer: int) -> list[Rule]:
-    return attention_rules(cfg) + swiglu("ffn", "mlp")
+def layer_maps(cfg: Config, layer: int) -> list[TensorMap]:
+    return attention_maps(cfg) + swiglu("ffn", "mlp")
 
 
-FAMILY = Family(ARCH, "llama", DEFAULTS, to_config, from_config, layer_rules)
+FAMILY = Family(ARCH, "llama", DEFAULTS, to_config, from_config, layer_maps)

@@ -33,10 +33,10 @@ from moe_jax.interop.common import (
     Family,
     HFConfig,
     HFTensors,
-    Rule,
     Source,
+    TensorMap,
     attention_from_hf,
-    attention_rules,
+    attention_maps,
     aux_coef,
     check_hf_basics,
     common_hf_config,
@@ -184,7 +184,7 @@ def from_config(cfg: Config) -> dict:
     }
 
 
-def experts_rule() -> Rule:
+def experts_map() -> TensorMap:
     """Fused, input-by-output experts: gate_up [E, D, 2F] (gate first), down [E, F, D]."""
     ours = ("ffn.experts.w_gate", "ffn.experts.w_up", "ffn.experts.w_down")
 
@@ -198,17 +198,17 @@ def experts_rule() -> Rule:
         yield "feed_forward.experts.gate_up_proj", np.concatenate([gate, up], axis=-1)
         yield "feed_forward.experts.down_proj", down
 
-    return Rule(ours, load, save)
+    return TensorMap(ours, load, save)
 
 
-def layer_rules(cfg: Config, layer: int) -> list[Rule]:
+def layer_maps(cfg: Config, layer: int) -> list[TensorMap]:
     if not cfg.is_moe(layer):
-        return attention_rules(cfg) + swiglu("ffn", "feed_forward")
-    return attention_rules(cfg) + [
+        return attention_maps(cfg) + swiglu("ffn", "feed_forward")
+    return attention_maps(cfg) + [
         linear("ffn.router", "feed_forward.router.weight"),
-        experts_rule(),
+        experts_map(),
         *swiglu("ffn.shared", "feed_forward.shared_expert"),
     ]
 
 
-FAMILY = Family(ARCH, "llama4_text", DEFAULTS, to_config, from_config, layer_rules)
+FAMILY = Family(ARCH, "llama4_text", DEFAULTS, to_config, from_config, layer_maps)

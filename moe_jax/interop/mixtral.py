@@ -14,9 +14,9 @@ from moe_jax.interop.checks import Unsupported, check_llama_style, check_moe_sof
 from moe_jax.interop.common import (
     Family,
     HFConfig,
-    Rule,
+    TensorMap,
     attention_from_hf,
-    attention_rules,
+    attention_maps,
     aux_coef,
     check_hf_basics,
     common_hf_config,
@@ -91,7 +91,7 @@ def from_config(cfg: Config) -> dict:
     }
 
 
-def layer_rules(cfg: Config, layer: int) -> list[Rule]:
+def layer_maps(cfg: Config, layer: int) -> list[TensorMap]:
     experts = per_expert_swiglu(
         "block_sparse_moe.experts.{}.w1.weight",
         "block_sparse_moe.experts.{}.w3.weight",
@@ -100,7 +100,7 @@ def layer_rules(cfg: Config, layer: int) -> list[Rule]:
         n_experts=cfg.moe.n_experts,
     )
     router = linear("ffn.router", "block_sparse_moe.gate.weight", alt="mlp.gate.weight")
-    return attention_rules(cfg) + [router, experts]
+    return attention_maps(cfg) + [router, experts]
 
 
-FAMILY = Family(ARCH, "mixtral", DEFAULTS, to_config, from_config, layer_rules)
+FAMILY = Family(ARCH, "mixtral", DEFAULTS, to_config, from_config, layer_maps)

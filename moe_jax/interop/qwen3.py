@@ -15,9 +15,9 @@ from moe_jax.interop.checks import Unsupported, check_llama_style, check_moe_sof
 from moe_jax.interop.common import (
     Family,
     HFConfig,
-    Rule,
+    TensorMap,
     attention_from_hf,
-    attention_rules,
+    attention_maps,
     aux_coef,
     check_hf_basics,
     common_hf_config,
@@ -135,8 +135,8 @@ def dense_from_config(cfg: Config) -> dict:
     )
 
 
-def dense_layer_rules(cfg: Config, layer: int) -> list[Rule]:
-    return attention_rules(cfg) + swiglu("ffn", "mlp")
+def dense_layer_maps(cfg: Config, layer: int) -> list[TensorMap]:
+    return attention_maps(cfg) + swiglu("ffn", "mlp")
 
 
 # ----------------------------------------------------------------------------- Qwen3-MoE
@@ -195,9 +195,9 @@ def moe_from_config(cfg: Config) -> dict:
     )
 
 
-def moe_layer_rules(cfg: Config, layer: int) -> list[Rule]:
+def moe_layer_maps(cfg: Config, layer: int) -> list[TensorMap]:
     if not cfg.is_moe(layer):
-        return attention_rules(cfg) + swiglu("ffn", "mlp")
+        return attention_maps(cfg) + swiglu("ffn", "mlp")
     experts = per_expert_swiglu(
         "mlp.experts.{}.gate_proj.weight",
         "mlp.experts.{}.up_proj.weight",
@@ -205,10 +205,10 @@ def moe_layer_rules(cfg: Config, layer: int) -> list[Rule]:
         fused="mlp.experts",
         n_experts=cfg.moe.n_experts,
     )
-    return attention_rules(cfg) + [linear("ffn.router", "mlp.gate.weight"), experts]
+    return attention_maps(cfg) + [linear("ffn.router", "mlp.gate.weight"), experts]
 
 
 DENSE = Family(
-    DENSE_ARCH, "qwen3", DENSE_DEFAULTS, dense_to_config, dense_from_config, dense_layer_rules
+    DENSE_ARCH, "qwen3", DENSE_DEFAULTS, dense_to_config, dense_from_config, dense_layer_maps
 )
-MOE = Family(MOE_ARCH, "qwen3_moe", MOE_DEFAULTS, moe_to_config, moe_from_config, moe_layer_rules)
+MOE = Family(MOE_ARCH, "qwen3_moe", MOE_DEFAULTS, moe_to_config, moe_from_config, moe_layer_maps)

@@ -108,8 +108,8 @@ class TensorReader:
         return self.raw(name)
 
     def lazy(self, name: str) -> Deferred:
-        """A float tensor not yet mapped: only the regions used are (a rule that walks every
-        expert of a layer while a converter keeps a few maps those few)."""
+        """A float tensor not yet memory-mapped: only the regions used are (a tensor map that
+        walks every expert of a layer while a converter keeps a few memory-maps those few)."""
         self._check_float(name)
         return Deferred(self.shape(name), lambda index: self.raw(name)[index], self.raw_dtype(name))
 

@@ -1,18 +1,18 @@
 """Streaming import: Hugging Face tensors -> our parameters, one slice at a time.
 
-The family rules (`common.Rule.load(src, *outs)`) say how HF tensors become our arrays. Here
-their outputs are never whole-model buffers: each `out` a rule writes is a `Window`, which
-keeps only the slice of that array being built (one device's shard, one layer of a stacked
-parameter, one chunk of a checkpoint write) and ignores the rest. The tensors arrive as
-memory maps in their own dtype (`TensorReader`), so assigning `tensor.T[window]` reads just
-the bytes of that window from disk; the host holds about one slice plus a fixed cost,
-whatever the model's size.
+The family tensor maps (`common.TensorMap.load(src, *outs)`) say how HF tensors become our
+arrays. Here their outputs are never whole-model buffers: each `out` a tensor map writes is a
+`Window`, which keeps only the slice of that array being built (one device's shard, one layer
+of a stacked parameter, one chunk of a checkpoint write) and ignores the rest. The tensors
+arrive as memory maps in their own dtype (`TensorReader`), so assigning `tensor.T[window]`
+reads just the bytes of that window from disk; the host holds about one slice plus a fixed
+cost, whatever the model's size.
 
     plan = ImportPlan(reader, cfg, family, prefix, dtype="source")   # checks every tensor
     plan.fill(path, index) -> np.ndarray          # any slice of one of our parameters
     arrays = plan.to_devices(shardings)           # jax.Arrays, each process its own shards
 
-`ImportPlan` runs every rule once with empty windows before anything is read in bulk: that
+`ImportPlan` runs every tensor map once with empty windows before anything is read in bulk: that
 finds a missing tensor, a wrong shape or dtype, and each parameter's dtype (the source's:
 bf16 stays bf16), so an error surfaces before any output exists.
 """
@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
-from moe_jax.interop.common import Rule, Source
+from moe_jax.interop.common import Source, TensorMap
 from moe_jax.interop.safetensors_io import InteropError, TensorReader
 
 # A stacked parameter whose shard is larger than this is placed one layer at a time (into a
@@ -51,7 +51,7 @@ def _extent(index: tuple[slice, ...]) -> tuple[int, ...]:
 
 
 class Window:
-    """One output of a rule: an array of `shape` of which only `index` is kept, in `buf`
+    """One output of a tensor map: an array of `shape` of which only `index` is kept, in `buf`
     (None: nothing kept, only the dtypes of the values recorded)."""
 
     def __init__(self, shape: tuple, index: tuple[slice, ...], buf: np.ndarray | None):
@@ -71,15 +71,17 @@ class Window:
             if rows.start <= key < rows.stop:
                 self.buf[key - rows.start] = np.asarray(value[self.index[1:]])
         else:
-            raise TypeError(f"a rule wrote out[{key!r}]; rules write out[...] or out[i]")
+            raise TypeError(
+                f"a tensor map wrote out[{key!r}]; tensor maps write out[...] or out[i]"
+            )
 
 
 @dataclass(frozen=True)
 class Piece:
-    """One rule applied at one place: HF names under `prefix`, outputs `paths` (ours)."""
+    """One tensor map applied at one place: HF names under `prefix`, outputs `paths` (ours)."""
 
     prefix: str
-    rule: Rule
+    tensor_map: TensorMap
     paths: tuple[tuple, ...]
     block: int | None  # the index into the stacked block axis, or None
 
@@ -87,7 +89,7 @@ class Piece:
 class ImportPlan:
     """Where every parameter of ours comes from, checked; see the module doc.
 
-    `placements`: (name prefix, rule, our param paths, block index) as `convert._placements`
+    `placements`: (name prefix, tensor map, our param paths, block index) as `convert._placements`
     yields them; `shapes`: our params' shapes; `dtype`: "source" (each parameter in the
     dtype its HF tensors have: bf16 stays bf16; decoded FP8/MXFP4 weights are bf16),
     "float32" or "bfloat16"."""
@@ -98,16 +100,17 @@ class ImportPlan:
         self.reader, self.prefix, self.shapes = reader, prefix, shapes
         self.used: set[str] = set()
         self.pieces: dict[tuple, dict[int | None, tuple[Piece, int]]] = {}
-        self.checks: list[Piece] = []  # rules that only check copies of params made elsewhere
-        for name_prefix, rule, paths, block in placements:
-            piece = Piece(name_prefix, rule, tuple(paths), block)
+        # tensor maps that only check copies of params made elsewhere
+        self.checks: list[Piece] = []
+        for name_prefix, tensor_map, paths, block in placements:
+            piece = Piece(name_prefix, tensor_map, tuple(paths), block)
             if paths and all(block in self.pieces.get(p, {}) for p in paths):
                 self.checks.append(piece)
                 continue
             for j, p in enumerate(paths):
                 self.pieces.setdefault(p, {})[block] = (piece, j)
         missing = sorted(set(shapes) - set(self.pieces))
-        assert not missing, f"no rule makes {missing}"
+        assert not missing, f"no tensor map makes {missing}"
         # Every piece once with empty windows: shapes checked, names recorded, nothing read.
         seen: dict[tuple, set] = {p: set() for p in self.pieces}
         for piece in {id(pc): pc for by in self.pieces.values() for pc, _ in by.values()}.values():
@@ -132,16 +135,16 @@ class ImportPlan:
         return Window(shape, _norm(empty if index is None else index, shape), buf)
 
     def _probe(self, piece: Piece) -> list[set]:
-        """The dtypes `piece`'s rule gives each of its outputs (read nothing)."""
+        """The dtypes `piece`'s tensor map gives each of its outputs (read nothing)."""
         outs = [self._window(p) for p in piece.paths]
         self._load(piece, outs)
         return [o.dtypes for o in outs]
 
     def _load(self, piece: Piece, outs: list) -> None:
-        piece.rule.load(Source(self.reader, self.prefix + piece.prefix, self.used), *outs)
+        piece.tensor_map.load(Source(self.reader, self.prefix + piece.prefix, self.used), *outs)
 
     def _run(self, piece: Piece, j: int, window: Window) -> None:
-        """Run `piece`'s rule keeping only output `j`, in `window`."""
+        """Run `piece`'s tensor map keeping only output `j`, in `window`."""
         outs = [self._window(p) for p in piece.paths]
         outs[j] = window
         self._load(piece, outs)
@@ -161,14 +164,15 @@ class ImportPlan:
         return out
 
     def run_checks(self) -> None:
-        """The rules that check a copy against a parameter made elsewhere (the MTP layers'
+        """The tensor maps that check a copy against a parameter made elsewhere (the MTP layers'
         embedding and head): each given that parameter whole (one tensor's worth)."""
         for piece in self.checks:
             mains = [self.fill(p, ()) for p in piece.paths]
             self._load(piece, mains)
 
     def unused(self, ignore: Callable[[str], bool]) -> list[str]:
-        """The checkpoint's tensors under our prefix that no rule read (and `ignore` passes)."""
+        """The checkpoint's tensors under our prefix that no tensor map read (and `ignore`
+        passes)."""
         names = self.reader.names()
         return [
             n for n in names if n.startswith(self.prefix) and n not in self.used and not ignore(n)
@@ -208,7 +212,7 @@ class ImportPlan:
 
 
 def _dtype_of(path: tuple, seen: set, dtype: str) -> np.dtype:
-    """A parameter's dtype: `dtype`, or for "source" the one its rule's values have."""
+    """A parameter's dtype: `dtype`, or for "source" the one its tensor map's values have."""
     if seen - _FLOATS:
         raise InteropError(f"parameter {'.'.join(map(str, path))} decodes to {seen - _FLOATS}")
     if dtype != "source":

@@ -10,18 +10,18 @@ An adapter comes onto a run or a Hugging Face directory as a new run starts from
 
 PEFT names a Linear's pair `base_model.model.<module>.lora_A.weight` [r, in] and
 `...lora_B.weight` [out, r], with update x A^T B^T (alpha / r). Our pair is A [in..., r],
-B [r, out...] for a weight [in..., out...], the Linear's transpose: the family's own rule
-for the weight (`interop.common.linear`: [in..., out...] <-> [out, in]) maps A as a
+B [r, out...] for a weight [in..., out...], the Linear's transpose: the family's own tensor
+map for the weight (`interop.common.linear`: [in..., out...] <-> [out, in]) maps A as a
 weight of `in` inputs and r outputs, and B as one of r inputs (its output dims after
 size-1 input dims), so every family that writes the weight as one Linear gets PEFT's
 names and layout from its own mapping. The routed experts' stacked pairs go out through
-the families' per-expert rule the same way, one Linear's pair per expert
+the families' per-expert tensor map the same way, one Linear's pair per expert
 (`mlp.experts.{e}.gate_proj` for Qwen-MoE, `block_sparse_moe.experts.{e}.w1` for Mixtral):
 the names vLLM reads, which PEFT folds into its adapter of transformers' fused experts.
-Each pair is checked: the rule applied to A B must give lora_B lora_A, which refuses a
+Each pair is checked: the tensor map applied to A B must give lora_B lora_A, which refuses a
 weight whose Hugging Face form is not a Linear per weight (or per expert: gpt-oss's fused,
 biased experts), to be exported merged instead (`python -m moe_jax.interop export`).
-Reading an adapter back applies the same rule to arrays of their own flat indices: where
+Reading an adapter back applies the same tensor map to arrays of their own flat indices: where
 each index lands says where each PEFT entry goes.
 """
 
@@ -77,23 +77,26 @@ def merged_reader(read, shapes: dict, scale: float):
 
 
 def _b_as_weight(b, n_in: int, lead: int):
-    """B [lead..., r, out...] as a weight of r inputs whose rule expects `n_in` input dims
+    """B [lead..., r, out...] as a weight of r inputs whose tensor map expects `n_in` input dims
     (size-1 dims after the rank)."""
     return b.reshape(b.shape[: lead + 1] + (1,) * (n_in - 1) + b.shape[lead + 1 :])
 
 
-def _pairs(rule, paths, a_list, b_list, where: str) -> list[tuple[str, np.ndarray, np.ndarray]]:
+def _pairs(
+    tensor_map, paths, a_list, b_list, where: str
+) -> list[tuple[str, np.ndarray, np.ndarray]]:
     """[(a Linear's module name, lora_A [r, in], lora_B [out, r])] of our pairs (A [lead...,
-    in..., r], B [lead..., r, out...] for each of the rule's weights) through the rule: A as
-    a weight of r outputs, B as one of r inputs, checked against the rule applied to A B
-    (which must give lora_B lora_A under the same name); InteropError where it does not."""
+    in..., r], B [lead..., r, out...] for each of the tensor map's weights) through the tensor
+    map: A as a weight of r outputs, B as one of r inputs, checked against the tensor map
+    applied to A B (which must give lora_B lora_A under the same name); InteropError where it
+    does not."""
     leads = [_n_lead(p) for p in paths]
     bs = [_b_as_weight(b, a.ndim - 1 - k, k) for a, b, k in zip(a_list, b_list, leads, strict=True)]
     try:
-        got_a = [(n, np.asarray(t)) for n, t in rule.save(*a_list)]
-        got_b = [(n, np.asarray(t)) for n, t in rule.save(*bs)]
+        got_a = [(n, np.asarray(t)) for n, t in tensor_map.save(*a_list)]
+        got_b = [(n, np.asarray(t)) for n, t in tensor_map.save(*bs)]
         abs_ = [product(a, b, k) for a, b, k in zip(a_list, b_list, leads, strict=True)]
-        got_w = [(n, np.asarray(t)) for n, t in rule.save(*abs_)]
+        got_w = [(n, np.asarray(t)) for n, t in tensor_map.save(*abs_)]
     except (ValueError, TypeError):
         got_a = got_b = got_w = []
     out = []
@@ -112,10 +115,11 @@ def _pairs(rule, paths, a_list, b_list, where: str) -> list[tuple[str, np.ndarra
     return out
 
 
-def _adapted_rules(cfg: Config, family, shapes: dict):
-    """(tensor name prefix, rule, its weights' paths, block, where) of every rule whose
-    weights have adapters; InteropError where only some of a rule's weights have them."""
-    for prefix, rule, paths, block in _placements(cfg, family):
+def _adapted_maps(cfg: Config, family, shapes: dict):
+    """(tensor name prefix, tensor map, its weights' paths, block, where) of every tensor map
+    whose weights have adapters; InteropError where only some of a tensor map's weights have
+    them."""
+    for prefix, tensor_map, paths, block in _placements(cfg, family):
         adapted = [adapter_of(p) + ("a",) in shapes for p in paths]
         if not any(adapted):
             continue
@@ -125,7 +129,7 @@ def _adapted_rules(cfg: Config, family, shapes: dict):
                 f"{where}: one Hugging Face tensor group holds weights with and without "
                 "adapters; adapt all of them (lora.targets) or export the run merged"
             )
-        yield prefix, rule, paths, block, where
+        yield prefix, tensor_map, paths, block, where
 
 
 def export_adapter(
@@ -164,10 +168,10 @@ def save_adapter(cfg: Config, params, out: str | Path, architecture: str | None 
 def _write_adapter(cfg: Config, read, shapes: dict, out, architecture) -> str:
     family, _ = pick_family(cfg, architecture)
     tensors, modules = {}, set()
-    for prefix, rule, paths, block, where in _adapted_rules(cfg, family, shapes):
+    for prefix, tensor_map, paths, block, where in _adapted_maps(cfg, family, shapes):
         a_list = [read(adapter_of(p) + ("a",), block) for p in paths]
         b_list = [read(adapter_of(p) + ("b",), block) for p in paths]
-        for name, lora_a, lora_b in _pairs(rule, paths, a_list, b_list, where):
+        for name, lora_a, lora_b in _pairs(tensor_map, paths, a_list, b_list, where):
             tensors[f"{PEFT_PREFIX}{prefix}{name}.lora_A.weight"] = lora_a
             tensors[f"{PEFT_PREFIX}{prefix}{name}.lora_B.weight"] = lora_b
             modules.add(name.rsplit(".", 1)[-1])
@@ -233,7 +237,7 @@ def read_adapter_config(adapter_dir: Path) -> dict:
 
 def adapters_from_peft(cfg: Config, adapter_dir: Path, architecture: str | None = None) -> dict:
     """{adapter leaf path (ours): array} of a PEFT adapter for the model of `cfg` (whose lora
-    section says which weights have adapters), each pair read through its weight's rule;
+    section says which weights have adapters), each pair read through its weight's tensor map;
     InteropError for a pair the model has no place for, or a place the file does not fill."""
     conf = read_adapter_config(adapter_dir)
     if (int(conf.get("r", 0)), float(conf.get("lora_alpha", 0))) != (cfg.lora.rank, cfg.lora.alpha):
@@ -246,13 +250,13 @@ def adapters_from_peft(cfg: Config, adapter_dir: Path, architecture: str | None 
     shapes = {p: tuple(v.shape) for p, v in nnx.to_flat_state(abstract)}
     reader = TensorReader(adapter_dir)
     names, used, out = set(reader.names()), set(), {}
-    for prefix, rule, paths, block, where in _adapted_rules(cfg, family, shapes):
+    for prefix, tensor_map, paths, block, where in _adapted_maps(cfg, family, shapes):
         lead = 0 if block is None else 1
         for leaf, side in (("a", "A"), ("b", "B")):
             want = [shapes[adapter_of(p) + (leaf,)][lead:] for p in paths]
             n_ins = [len(shapes[adapter_of(p) + ("a",)]) - lead - 1 - _n_lead(p) for p in paths]
-            arrays = _placed(rule, paths, want, n_ins if leaf == "b" else None, where, _peft_reader(
-                reader, f"{PEFT_PREFIX}{prefix}", side, adapter_dir, where, used))  # fmt: skip
+            read = _peft_reader(reader, f"{PEFT_PREFIX}{prefix}", side, adapter_dir, where, used)
+            arrays = _placed(tensor_map, paths, want, n_ins if leaf == "b" else None, where, read)
             for p, x in zip(paths, arrays, strict=True):
                 out.setdefault(adapter_of(p) + (leaf,), {})[block] = x
     if names - used:
@@ -286,9 +290,9 @@ def _peft_reader(reader: TensorReader, prefix: str, side: str, adapter_dir, wher
     return read
 
 
-def _placed(rule, paths, shapes: list, n_ins, where: str, read) -> list[np.ndarray]:
-    """Our A (or, with `n_ins`, its weights' input dims, B) arrays of `shapes` for the rule's
-    weights, from PEFT's tensors: the rule
+def _placed(tensor_map, paths, shapes: list, n_ins, where: str, read) -> list[np.ndarray]:
+    """Our A (or, with `n_ins`, its weights' input dims, B) arrays of `shapes` for the tensor
+    map's weights, from PEFT's tensors: the tensor map
     applied to arrays of their own flat indices says where each tensor's entries go (it only
     moves entries: transposes, reshapes, one matrix per expert)."""
     sizes = [int(np.prod(s)) for s in shapes]
@@ -300,7 +304,7 @@ def _placed(rule, paths, shapes: list, n_ins, where: str, read) -> list[np.ndarr
             _b_as_weight(x, n, _n_lead(p)) for x, n, p in zip(index, n_ins, paths, strict=True)
         ]
     flat = np.full(starts[-1], np.nan, np.float32)
-    for name, idx in rule.save(*index):
+    for name, idx in tensor_map.save(*index):
         idx = np.asarray(idx)
         flat[idx.astype(np.int64)] = read(name[: -len(".weight")], idx.shape)
     if np.isnan(flat).any():
