@@ -38,9 +38,9 @@ from moe_jax.errors import MoeJaxError
 from moe_jax.process_setup import import_jax, reexec_with_hugepages
 
 SEPARATOR = "\n" + "-" * 40 + "\n"
-# The counting flags' ranges, (argparse dest, test, rule), checked before jax is imported;
+# The counting flags' ranges, (argparse dest, test, requirement), checked before jax is imported;
 # the sampling values' (temperature, top-k, top-p, seed) are the config's SAMPLING_RANGES.
-FLAG_RULES = (
+FLAG_RANGES = (
     ("num_samples", lambda v: v >= 1, "must be >= 1"),
     ("max_new_tokens", lambda v: v >= 1, "must be >= 1"),
 )
@@ -93,10 +93,10 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
 def checked_prompt(args: argparse.Namespace) -> str | None:
     """The prompt the flags give (None: the run's sample.prompt), after checking every flag's
     value: all of it before jax is imported and the run loaded, which take seconds."""
-    for dest, ok, rule in FLAG_RULES:
+    for dest, ok, requirement in FLAG_RANGES:
         value = getattr(args, dest)
         if value is not None and not ok(value):
-            raise FlagError(f"--{dest.replace('_', '-')} {rule}, got {value}")
+            raise FlagError(f"--{dest.replace('_', '-')} {requirement}, got {value}")
     given = {n: getattr(args, n) for n, _, _ in SAMPLING_RANGES if getattr(args, n) is not None}
     if problem := sampling_problem(given, "--"):
         raise FlagError(problem)

@@ -30,7 +30,7 @@ from moe_jax.config import Config, cli_config
 USAGE = (
     "usage: python -m moe_jax.cli.shared_storage write|check|clean TOKEN [CONFIG] [key=value ...]"
 )
-RULE = (
+SHARED_STORAGE_FIX = (
     "put it on storage every host sees (NFS, Filestore, Lustre, a gcsfuse mount) at the same "
     "path, not on a host's local disk"
 )
@@ -62,11 +62,11 @@ def problems(cfg: Config, token: str) -> list[str]:
     if not mark.is_file():
         found.append(
             f"host {here} does not see {mark} that the first host wrote beside run_dir "
-            f"'{cfg.run_dir}': {RULE}"
+            f"'{cfg.run_dir}': {SHARED_STORAGE_FIX}"
         )
     for key, pattern in inputs(cfg):
         if not glob.glob(pattern):
-            found.append(f"host {here} does not see {key} '{pattern}': {RULE}")
+            found.append(f"host {here} does not see {key} '{pattern}': {SHARED_STORAGE_FIX}")
     return found
 
 
