@@ -194,6 +194,25 @@ def test_priority_is_time_major_across_rows():
     np.testing.assert_array_equal(keep[..., 0], [[True, False], [True, False]])
 
 
+@pytest.mark.parametrize("factor", [0.0, 1.25])
+def test_dropless_keep_is_the_slots_keep_without_their_sort(factor):
+    """Dropless (capacity = the group's tokens), `route_group` says every routed assignment
+    is kept without the slots' sort, so a program reading `keep` alone (decoding) has none;
+    the values are assign_slots' own, padding unrouted. With a capacity the sort stays."""
+    from moe_jax.model.routing import route_group
+
+    cfg = tiny_config(f"moe.capacity_factor={factor}", "moe.n_experts=8", "moe.top_k=2").moe
+    x = jax.random.normal(jax.random.key(0), (3, 5, 32))
+    router = jax.random.normal(jax.random.key(1), (32, 8))
+    valid = jnp.arange(5)[None, :] < jnp.array([[5], [2], [0]])
+    routing = lambda x: route_group(x, router, jnp.zeros(8), cfg, jnp.float32, valid_bT=valid)
+    r = routing(x)
+    _, want = assign_slots(r.experts, 8, r.cap, valid)
+    np.testing.assert_array_equal(r.keep, want)
+    hlo = jax.jit(lambda x: routing(x).keep).lower(x).compile().as_text()
+    assert (" sort(" in hlo) == (factor > 0)
+
+
 def test_dropped_assignment_contributes_exactly_zero():
     cfg = tiny_config("moe.n_experts=2", "moe.top_k=1", "moe.capacity_factor=0.5")
     moe = MoE(cfg, rngs=nnx.Rngs(0))

@@ -140,6 +140,14 @@ def route_group(
     weights_bTK, experts_bTK, probs_bTE = route(logits_bTE, cfg, correction_E, replay_bTK)
     cap = capacity(b * T, cfg)
     slot_bTK, keep_bTK = assign_slots(experts_bTK, cfg.n_experts, cap, valid_bT)
+    if cap >= b * T and replay_bTK is None:
+        # No expert can take more than the group's b * T tokens (a token's top-k are
+        # distinct), so every routed assignment is kept. Said without the slots' sort and
+        # scatters, a program that reads `keep` alone (decoding's picked experts) drops them:
+        # ~4 of a decode step's ~28 kernels a layer on a GPU (benchmarks/README.md).
+        keep_bTK = jnp.ones(experts_bTK.shape, bool)
+        if valid_bT is not None:
+            keep_bTK = keep_bTK & valid_bT[..., None]
     load_bTKE = jax.nn.one_hot(experts_bTK, cfg.n_experts, dtype=jnp.float32)
     z_bT = jax.nn.logsumexp(logits_bTE, axis=-1) ** 2
     if valid_bT is not None:  # padding counts in no statistic
