@@ -140,7 +140,7 @@ def einsum(subscripts: str, x_B, v: nnx.Variable, dtype) -> jax.Array:
     rhs, out = rest.split("->")
     mesh, names = _steps_mesh(x_B), v.get_metadata().get("out_sharding")
     if mesh is None or not names:
-        return _one_device(subscripts, x_B, w)
+        return rows_einsum(subscripts, x_B, w)
     # a scanned layer's weight is one slice of its stack, whose names lead with "layers"
     names = tuple(names)[len(names) - w.ndim :]
     spec = logical_to_spec(names)
@@ -175,8 +175,9 @@ def einsum(subscripts: str, x_B, v: nnx.Variable, dtype) -> jax.Array:
 TWO_ROWS_ON_GPU = True
 
 
-def _one_device(subscripts: str, x_B, w) -> jax.Array:
-    """`jnp.einsum(subscripts, x_B, w)`, a single row on a GPU with a zero row beside it."""
+def rows_einsum(subscripts: str, x_B, w) -> jax.Array:
+    """`jnp.einsum(subscripts, x_B, w)` for rows x_B [B, ...], a single row on a GPU with a
+    zero row beside it."""
     lhs, rest = subscripts.split(",")
     rhs, out = rest.split("->")
     rows = math.prod(n for c, n in zip(lhs, x_B.shape, strict=True) if c not in rhs)
