@@ -134,7 +134,7 @@ def kv_cache_bytes(cfg, mesh, model) -> int:
 def compile_grpo(cfg, topo, mesh, compile_one) -> dict:
     """Both programs of a GRPO step compiled for `topo` on `mesh` -> the report (module doc),
     whose "fits" says whether the chip's peak across them fits. `compile_one(lower,
-    new_tokens)` -> (the program's figures, compile seconds): `moe_jax.aot`'s, passed in so
+    new_tokens, name)` -> (the program's figures, compile seconds): `moe_jax.aot`'s, passed in so
     that this module does not import the one that imports it."""
     from moe_jax import backends
     from moe_jax.train_step import init_state, make_optimizer, make_train_step
@@ -154,7 +154,7 @@ def compile_grpo(cfg, topo, mesh, compile_one) -> dict:
     programs, seconds = {}, 0.0
     for name, lower in (("sample", lambda: lower_sample(cfg, sampler)),
                         ("train", lower_train)):  # fmt: skip
-        figures, s = compile_one(lower, new_tokens=N)  # the decode loop's trips
+        figures, s = compile_one(lower, new_tokens=N, name=name)  # the decode loop's trips
         programs[name] = figures | {"compile_s": round(s, 1)}
         seconds += s
     resident = {
