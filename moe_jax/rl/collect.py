@@ -73,10 +73,12 @@ class Rollouts:
         if self.mesh is None:
             return params
         shardings = state_shardings(params, self.mesh, INFERENCE_RULES)
-        blocks = params.get("blocks")
-        out = jax.device_put(params, shardings)
+        # shallow copies to pop the blocks from, so that each array is put once
+        params, shardings = (jax.tree.map(lambda a: a, t) for t in (params, shardings))
+        blocks, block_shardings = params.pop("blocks", None), shardings.pop("blocks", None)
+        out = jax.device_put(params, shardings)  # the same arrays where nothing moves
         if blocks is not None:
-            out["blocks"] = jax.device_put(blocks, shardings["blocks"], may_alias=False)
+            out["blocks"] = jax.device_put(blocks, block_shardings, may_alias=False)
         return out
 
     def _sampler(self, params) -> Sampler:
@@ -96,10 +98,10 @@ class Rollouts:
         return self.sampler
 
     def _release(self) -> None:
-        """Drop the sampler's weights once a draw is done: its layer blocks are copies of the
-        stacked params (`decoding.unstack_blocks`), which would otherwise stay in device
-        memory beside the train step's (`moe_jax.aot`'s GRPO figures count them while it
-        samples only)."""
+        """Drop the sampler's weights once a draw is done: its copy laid out for sampling (its
+        layer blocks copies of the stacked params, `decoding.unstack_blocks`, without a
+        mesh), which would otherwise stay in device memory beside the train step's
+        (`moe_jax.aot`'s GRPO figures count it while it samples only)."""
         self.sampler.params, self.sampler.param_blocks = None, []
 
     def __call__(self, state, batch: dict, step: int) -> dict:
