@@ -223,9 +223,10 @@ def compile_step(cfg, topo, step: str, verbose: bool = False, hlo_path: str | No
     if step == "train" and cfg.train.objective == "grpo":
         from moe_jax.rl.aot import compile_grpo
 
-        def compile_one(lower, new_tokens):
+        def compile_one(lower, new_tokens, name):
             compiled, seconds = compiled_program(lower, topo, verbose)
-            return program_figures(compiled, cfg, new_tokens=new_tokens), seconds
+            path = hlo_path and f"{hlo_path}.{name}"  # --hlo FILE: FILE.sample, FILE.train
+            return program_figures(compiled, cfg, path, new_tokens), seconds
 
         report = compile_grpo(cfg, topo, mesh, compile_one)
         if not report["fits"]:
@@ -438,7 +439,11 @@ def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, str | None, lis
         default=MAX_ROWS_PER_SHARD,
         help="--max-batch tries at most this many rows per batch shard",
     )
-    p.add_argument("--hlo", metavar="FILE", help="write the optimised HLO text here")
+    p.add_argument(
+        "--hlo",
+        metavar="FILE",
+        help="write the optimised HLO text here (GRPO: FILE.sample, FILE.train)",
+    )
     p.add_argument("--verbose", action="store_true", help="pass the compilers' own logs through")
     args = p.parse_intermixed_args(argv)
     items = ([args.config] if args.config else []) + list(args.overrides)

@@ -414,3 +414,75 @@ def analyze(
 
 def collectives_json(coll: dict[str, Collective]) -> dict[str, dict[str, int]]:
     return {k: {"count": v.count, "bytes": v.bytes} for k, v in sorted(coll.items())}
+
+
+def weight_gathers(text: str, n_weights: int) -> list[Instruction]:
+    """The all-gathers of a program that gather its weights: computed from its first
+    `n_weights` parameters (the weights, where jit takes them first) and constants alone,
+    whether before a loop (XLA:CPU hoists loop-invariant gathers there) or inside one, where
+    they gather the same bytes at every trip. A loop body's tuple element counts as a weight
+    where the loop starts it as one and the body passes it on unchanged; a called
+    computation's parameter where the call's operand is one. A gather of activations (rows
+    looked up in a weight, tokens routed by one) depends on other values too: not counted."""
+    comps, entry, _ = parse(text)
+    found: list[Instruction] = []
+
+    def visit(name: str, is_weight) -> None:
+        """`is_weight(inst)`: whether the parameter, or the parameter's tuple element, that
+        `inst` reads is computed from the weights alone."""
+        body, pure = comps.get(name, []), set()
+        producers = {i.name: i for i in body}
+        for inst in body:
+            reads_param = inst.opcode == "parameter" or (
+                inst.opcode == "get-tuple-element"
+                and getattr(producers.get(inst.operands[0]), "opcode", "") == "parameter"
+            )
+            ok = is_weight(inst) if reads_param else all(o in pure for o in inst.operands)
+            if ok and inst.opcode not in ("rng", "rng-bit-generator"):
+                pure.add(inst.name)
+                if inst.opcode.removesuffix("-start") == "all-gather":
+                    found.append(inst)
+            if inst.opcode == "while":
+                loop_body = re.search(r"\bbody=%?([\w.\-]+)", inst.attrs)
+                init = producers.get(inst.operands[0])
+                if loop_body and init is not None and init.opcode == "tuple":
+                    kept = _passed_on(comps.get(loop_body.group(1), []))
+                    flags = [o in pure and i in kept for i, o in enumerate(init.operands)]
+                    visit(loop_body.group(1), lambda g, f=flags: _flag(g, f, "index"))
+            elif inst.opcode == "call" and inst.called:
+                flags = [o in pure for o in inst.operands]
+                visit(inst.called[0], lambda p, f=flags: _flag(p, f, None))
+
+    visit(entry, lambda p: p.opcode == "parameter" and int(p.operands[0]) < n_weights)
+    return found
+
+
+def _passed_on(body: list[Instruction]) -> set[int]:
+    """The tuple elements a while body returns as it got them (its root: tuple(..., gte(param,
+    index=i) at i, ...))."""
+    if not body or body[-1].opcode != "tuple":
+        return set()
+    producers = {i.name: i for i in body}
+    params = {i.name for i in body if i.opcode == "parameter"}
+    kept = set()
+    for i, name in enumerate(body[-1].operands):
+        g = producers.get(name)
+        if g is None or g.opcode != "get-tuple-element" or g.operands[0] not in params:
+            continue
+        if re.search(rf"\bindex={i}\b", g.attrs):
+            kept.add(i)
+    return kept
+
+
+def _flag(inst: Instruction, flags: list[bool], key: str | None) -> bool:
+    """flags[i] for a parameter(i) (`key` None) or a get-tuple-element index=i (`key` "index")."""
+    if key is None:
+        if inst.opcode != "parameter":
+            return False
+        i = int(inst.operands[0])
+    else:
+        m = re.search(r"\bindex=(\d+)", inst.attrs)
+        if inst.opcode != "get-tuple-element" or m is None:
+            return False
+        i = int(m.group(1))
+    return i < len(flags) and flags[i]

@@ -56,6 +56,22 @@ MLA_RANKS = ("q_lora_rank", "kv_lora_rank")
 INFERENCE_RULES = tuple((k, "fsdp" if k == "embed" else v) for k, v in LOGICAL_RULES)
 
 
+def rollout_mesh(mesh: Mesh) -> Mesh:
+    """`mesh`'s devices with its fsdp axis folded into `data` (fsdp 1), on which GRPO's sampler
+    lays the train state's weights out by INFERENCE_RULES once a step (`rl.collect`): no weight
+    split over fsdp (nor `expert`), the experts over `expert` (and `tensor`) only, so the
+    decode loop gathers no weight, where the training layout all-gathered every fsdp-split
+    weight at every decode step (Qwen3-30B-A3B at fsdp 4 x expert 8: ~9 GiB a chip a step).
+    The batch axes split the rows device for device as on `mesh` (row block d F E + f E + e
+    either way), so each fsdp group samples its own rows. A mesh rather than a rules table:
+    the expert-parallel layer reads whether its weights are split over fsdp from the mesh
+    (`exchange.mesh_axes`)."""
+    assert tuple(mesh.axis_names) == MESH_AXES, mesh.axis_names
+    s = mesh.shape
+    devices = mesh.devices.reshape(s["data"] * s["fsdp"], 1, s["expert"], s["tensor"])
+    return Mesh(devices, MESH_AXES, axis_types=mesh.axis_types)
+
+
 def param(
     rngs: nnx.Rngs,
     init: Callable,

@@ -379,7 +379,7 @@ class Training:
         if cfg.train.objective == "grpo":  # the sampler and the rewards (moe_jax/rl/)
             from moe_jax.rl.collect import Rollouts
 
-            self.rollouts = Rollouts(cfg, self.graphdef, self.data)
+            self.rollouts = Rollouts(cfg, self.graphdef, self.data, self.mesh)
         self.meta = {
             "config": cfg,
             "tokenizer": self.data.tokenizer,

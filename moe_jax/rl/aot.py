@@ -6,19 +6,20 @@ across them.
 
 - "sample": the sampler's recording generate that `rl.collect` runs each step
   (`Sampler.generate(record=True)`): train.batch_size x rl.group_size rows of a prompt bucket
-  (`prompt_bucket(rl.max_prompt_len)`) + rl.max_new_tokens, its weights the train state's
-  params as training lays them out (the sampler is built from them in memory), traced under
-  the mesh as the trainer's loop does;
+  (`prompt_bucket(rl.max_prompt_len)`) + rl.max_new_tokens, its weights the copy of the
+  train state's params that `rl.collect` lays out for sampling each step (INFERENCE_RULES on
+  `sharding.rollout_mesh`: nothing split over fsdp, so the decode loop gathers no weight),
+  traced on that mesh as the trainer's loop does;
 - "train": the train step on those rollouts (tokens, mask and log-probs [R, S], advantages,
   the recorded experts [R, n_moe_layers, S, K]), its rl.epochs x rl.minibatches updates.
 
 A chip holds the train state throughout: weights and optimizer state (with the KL's frozen
-reference where there is one). While sampling it also holds the sampler's copies of the
-stacked layer blocks (`decoding.unstack_blocks`; `rl.collect` drops them before the update)
-and the sampler program's temporaries (the KV cache among them; its size is reported
-apart); while training, the train program (its arguments are the state and the rollouts).
-So peak = max(sampler peak + the state it does not take as arguments (the optimizer
-state and the stacked blocks), train peak); each of those parts is in the report.
+reference where there is one). While sampling it also holds the sampler's copy of the
+weights, laid out for sampling (`rl.collect` drops it before the update), and the sampler
+program's temporaries (the KV cache among them; its size is reported apart); while
+training, the train program (its arguments are the state and the rollouts). So peak =
+max(sampler peak (its arguments are the copy) + the train state (weights and optimizer
+state), train peak); each of those parts is in the report.
 
 One host's view: the sampler's prompts are one replicated batch, as `aot --step decode`
 compiles them; the trainer on several hosts is not there yet (rl.collect's note).
@@ -70,16 +71,22 @@ def device_bytes(tree) -> int:
     return total
 
 
-def _sampler(cfg, graphdef, params):
-    """The sampler `rl.collect` builds from the train state's params (abstract here)."""
+def _sampler(cfg, graphdef, params, mesh):
+    """The sampler `rl.collect` builds on the trainer's `mesh` from its copy of the train
+    state's params laid out for sampling (abstract here)."""
     from moe_jax.inference.sampling import Sampler
+    from moe_jax.sharding import INFERENCE_RULES, rollout_mesh, state_shardings, with_shardings
 
-    return Sampler(nnx.merge(graphdef, params))
+    sampling = rollout_mesh(mesh)
+    laid = with_shardings(params, state_shardings(params, sampling, INFERENCE_RULES))
+    return Sampler(nnx.merge(graphdef, laid), mesh=sampling)
 
 
-def lower_sample(cfg, mesh, sampler):
-    """The recording generate of a step's rollouts, lowered. `Sampler.lower` takes no
-    `record`, so its call is spelled out: the same inputs and program generate() makes."""
+def lower_sample(cfg, sampler, mesh=None):
+    """The recording generate of a step's rollouts on `mesh` (default the sampler's), lowered.
+    `Sampler.lower` takes no `record`, so its call is spelled out: the same inputs and
+    program generate() makes."""
+    mesh = mesh or sampler.mesh
     R, P_, N = rollout_shape(cfg)
     V = cfg.model.vocab_size
     request, program = sampler._inputs(
@@ -127,7 +134,7 @@ def kv_cache_bytes(cfg, mesh, model) -> int:
 def compile_grpo(cfg, topo, mesh, compile_one) -> dict:
     """Both programs of a GRPO step compiled for `topo` on `mesh` -> the report (module doc),
     whose "fits" says whether the chip's peak across them fits. `compile_one(lower,
-    new_tokens)` -> (the program's figures, compile seconds): `moe_jax.aot`'s, passed in so
+    new_tokens, name)` -> (the program's figures, compile seconds): `moe_jax.aot`'s, passed in so
     that this module does not import the one that imports it."""
     from moe_jax import backends
     from moe_jax.train_step import init_state, make_optimizer, make_train_step
@@ -136,8 +143,8 @@ def compile_grpo(cfg, topo, mesh, compile_one) -> dict:
     with backends.targeting(topo.platform):
         tx = make_optimizer(cfg.train, backends.compute_dtype(cfg.model.dtype), cfg.rl)
         graphdef, state = init_state(cfg, tx, abstract=True, mesh=mesh)
-        sampler = _sampler(cfg, graphdef, state["params"])
-        kv = kv_cache_bytes(cfg, mesh, nnx.merge(graphdef, state["params"]))
+        sampler = _sampler(cfg, graphdef, state["params"], mesh)
+        kv = kv_cache_bytes(cfg, sampler.mesh, nnx.merge(graphdef, state["params"]))
     step = make_train_step(cfg, graphdef, tx, jax.tree.map(lambda a: a.sharding, state))
 
     def lower_train():
@@ -145,21 +152,19 @@ def compile_grpo(cfg, topo, mesh, compile_one) -> dict:
             return step.lower(state, rollouts_abstract(cfg, mesh))
 
     programs, seconds = {}, 0.0
-    for name, lower in (("sample", lambda: lower_sample(cfg, mesh, sampler)),
+    for name, lower in (("sample", lambda: lower_sample(cfg, sampler)),
                         ("train", lower_train)):  # fmt: skip
-        figures, s = compile_one(lower, new_tokens=N)  # the decode loop's trips
+        figures, s = compile_one(lower, new_tokens=N, name=name)  # the decode loop's trips
         programs[name] = figures | {"compile_s": round(s, 1)}
         seconds += s
-    params = state["params"]
-    blocks = params.get("blocks", {})
     resident = {
-        "weights": device_bytes(params),
+        "weights": device_bytes(state["params"]),
         "optimizer_state": device_bytes(state["opt_state"]),
-        "sampler_block_copies": device_bytes(blocks),
+        "sampler_copy": device_bytes(sampler._weights()),
         "kv_cache": kv,
     }
     sampling = (
-        programs["sample"]["bytes"]["peak"] + resident["optimizer_state"] + device_bytes(blocks)
+        programs["sample"]["bytes"]["peak"] + resident["weights"] + resident["optimizer_state"]
     )
     training = programs["train"]["bytes"]["peak"]
     peak = max(sampling, training)
@@ -196,8 +201,8 @@ def format_grpo(r: dict, config_name: str) -> str:
     lines += [
         "",
         f"  weights {g(res['weights'])}, optimizer state {g(res['optimizer_state'])}, sampler's "
-        f"block copies {g(res['sampler_block_copies'])}, KV cache {g(res['kv_cache'])} "
-        "(in the sampler's temps)",
+        f"copy {g(res['sampler_copy'])} (in its arguments), KV cache {g(res['kv_cache'])} "
+        "(in its temps)",
         f"  peak while sampling {g(r['peak_sampling'])}, while training {g(r['peak_training'])}: "
         f"{g(r['peak'])} of {r['hbm_bytes_per_device'] / GIB:.2f} HBM: "
         + ("fits" if r["fits"] else "does not fit"),

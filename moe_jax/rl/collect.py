@@ -1,7 +1,7 @@
 """Each GRPO step's rollouts, from the train state's params in memory (no checkpoint round
 trip): the trainer hands over a batch of prompt indices and trains on what this returns.
 
-    rollouts = Rollouts(cfg, graphdef, data)            # data: data.prompts.PromptData
+    rollouts = Rollouts(cfg, graphdef, data, mesh)      # data: data.prompts.PromptData
     batch = rollouts(state, {"index": idx_B}, step)     # numpy rows for grpo.compute_grads
 
 The jitted sampler (`moe_jax.inference.sampling`, made once, its weights swapped every step)
@@ -9,7 +9,10 @@ draws rl.group_size completions of every prompt at rl.temperature, seeded by (se
 a resumed run draws what the uninterrupted one did, recording each token's experts and
 log-prob (`generate(record=True)`), or with rl.rollout_engine the generation engine draws
 them from the sampler's weights, keyed alike (`engine_draws`); the completions end at the
-tokenizer's EOS or after rl.max_new_tokens. The reward functions score the decoded
+tokenizer's EOS or after rl.max_new_tokens. On the trainer's mesh the sampler decodes from a
+copy of the params laid out for sampling (`sharding.rollout_mesh`: no weight split over fsdp),
+made once a step (one all-gather of the weights, where the training layout gathered them at
+every decode step) and dropped after the draw. The reward functions score the decoded
 completions (text without the EOS), their weighted sum is each completion's reward, and
 `grpo.group_advantages` compares it with its group's. Rows are the data's prompt bucket +
 max_new_tokens wide whatever the batch, so one train step program serves every step.
@@ -17,6 +20,7 @@ max_new_tokens wide whatever the batch, so one train step program serves every s
 
 from __future__ import annotations
 
+import jax
 import numpy as np
 from flax import nnx
 
@@ -27,6 +31,7 @@ from moe_jax.inference.sampling import Sampler
 from moe_jax.rl.engine_draws import engine_generation
 from moe_jax.rl.grpo import group_advantages
 from moe_jax.rl.rollouts import rollout_rows
+from moe_jax.sharding import INFERENCE_RULES, rollout_mesh, state_shardings
 
 
 class RewardError(MoeJaxError, ValueError):
@@ -53,28 +58,50 @@ def score(rewards: list, prompts: list[str], completions: list[str], columns: di
 
 
 class Rollouts:
-    def __init__(self, cfg, graphdef, data):
+    def __init__(self, cfg, graphdef, data, mesh=None):
+        """`mesh`: the trainer's; the sampler draws on its devices from a copy of the params
+        laid out for sampling (module doc). None: from the params as they are."""
         self.cfg, self.graphdef, self.data = cfg, graphdef, data
         self.width = data.bucket + cfg.rl.max_new_tokens
+        self.mesh = rollout_mesh(mesh) if mesh is not None else None
         self.sampler = None
+
+    def _laid_out(self, params):
+        """`params` as the sampler takes them: on the mesh, a copy in the sampling layout whose
+        stacked blocks are fresh arrays (never the train state's), which the sampler consumes
+        as it splits them (`decoding.unstack_blocks`), so one weight at a time is held twice."""
+        if self.mesh is None:
+            return params
+        shardings = state_shardings(params, self.mesh, INFERENCE_RULES)
+        # shallow copies to pop the blocks from, so that each array is put once
+        params, shardings = (jax.tree.map(lambda a: a, t) for t in (params, shardings))
+        blocks, block_shardings = params.pop("blocks", None), shardings.pop("blocks", None)
+        out = jax.device_put(params, shardings)  # the same arrays where nothing moves
+        if blocks is not None:
+            out["blocks"] = jax.device_put(blocks, block_shardings, may_alias=False)
+        return out
 
     def _sampler(self, params) -> Sampler:
         """The sampler, its weights `params` (built once: its programs stay compiled)."""
+        params = self._laid_out(params)
         model = nnx.merge(self.graphdef, params)
+        consume = self.mesh is not None  # its blocks are ours to take (`_laid_out`)
         if self.sampler is None:
-            self.sampler = Sampler(model)
+            self.sampler = Sampler(model, mesh=self.mesh, consume=consume)
             return self.sampler
         state = nnx.state(model, nnx.Param)
         blocks = state.pop("blocks") if model.n_blocks else None
         self.sampler.params = state
-        self.sampler.param_blocks = unstack_blocks(blocks, model.n_blocks) if blocks else []
+        self.sampler.param_blocks = (
+            unstack_blocks(blocks, model.n_blocks, consume) if blocks else []
+        )
         return self.sampler
 
     def _release(self) -> None:
-        """Drop the sampler's weights once a draw is done: its layer blocks are copies of the
-        stacked params (`decoding.unstack_blocks`), which would otherwise stay in device
-        memory beside the train step's (`moe_jax.aot`'s GRPO figures count them while it
-        samples only)."""
+        """Drop the sampler's weights once a draw is done: its copy laid out for sampling (its
+        layer blocks copies of the stacked params, `decoding.unstack_blocks`, without a
+        mesh), which would otherwise stay in device memory beside the train step's
+        (`moe_jax.aot`'s GRPO figures count it while it samples only)."""
         self.sampler.params, self.sampler.param_blocks = None, []
 
     def __call__(self, state, batch: dict, step: int) -> dict:
