@@ -5,6 +5,7 @@ from __future__ import annotations
 import zlib
 
 import jax
+import numpy as np
 from flax import nnx
 
 from moe_jax.config import Config, load_config
@@ -71,3 +72,17 @@ def dequantised_copy(model: nnx.Module, qmodel: nnx.Module) -> nnx.Module:
             target = target[name] if isinstance(name, int) else getattr(target, name)
         getattr(target, path[-1])[...] = v[...]
     return dequantised
+
+
+def assert_same_rollout_rows(got: dict, want: dict) -> None:
+    """Two draws' GRPO rows alike: the same keys, shapes and dtypes; tokens, mask, routes,
+    rewards and advantages equal, the sampled tokens' log-probs within 1e-5 (another program
+    sums the same float32 logits in another order); completions of more than one token."""
+    assert got.keys() == want.keys()
+    for k, v in want.items():
+        assert (got[k].shape, got[k].dtype) == (v.shape, v.dtype), k
+        if k == "old_logp":
+            np.testing.assert_allclose(got[k], v, atol=1e-5, rtol=0)
+        else:
+            np.testing.assert_array_equal(got[k], v, err_msg=k)
+    assert got["mask"].sum() > 8

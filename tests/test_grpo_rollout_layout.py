@@ -19,6 +19,7 @@ from moe_jax.model import Transformer
 from moe_jax.rl.aot import lower_sample
 from moe_jax.rl.collect import Rollouts
 from moe_jax.sharding import create_sharded, make_mesh
+from tests.helpers import assert_same_rollout_rows
 from tests.test_grpo import grpo_config, sums, write_jsonl
 
 MESHES = {  # 8 simulated devices; batch 8 divides the batch axes
@@ -54,15 +55,7 @@ def test_rollouts_in_the_sampling_layout_equal_the_training_layouts(tmp_path, me
             text = lower_sample(cfg, sampler, sampler.mesh or mesh).compile().as_text()
             n_weights = len(jax.tree.leaves(sampler._weights()))
             gathers[laid_out] = hlo.weight_gathers(text, n_weights)
-    old, new = rows[False], rows[True]
-    assert old.keys() == new.keys()
-    for k, v in old.items():
-        assert (new[k].shape, new[k].dtype) == (v.shape, v.dtype), k
-        if k == "old_logp":
-            np.testing.assert_allclose(new[k], v, atol=1e-5, rtol=0)
-        else:
-            np.testing.assert_array_equal(new[k], v, err_msg=k)
-    assert new["mask"].sum() > 8  # completions of more than one token
+    assert_same_rollout_rows(rows[True], rows[False])
     assert len(gathers[False]) >= 8, "the training layout's weights are gathered"
     assert gathers[True] == [], [g.type for g in gathers[True]]
 
