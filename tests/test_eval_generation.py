@@ -11,6 +11,7 @@ from flax import nnx
 
 from moe_jax.eval import EvalError
 from moe_jax.eval.generation import Generator, GenOptions, cut_at_stops
+from moe_jax.inference.engine.programs import PickMode
 from moe_jax.inference.sampling import Sampler
 from moe_jax.model import Transformer
 from moe_jax.tokenizer.simple import CharTokenizer
@@ -50,7 +51,8 @@ def test_greedy_texts_equal_the_samplers_cut_at_stop_strings_and_batched(setup):
     assert texts == [cut_at_stops(t, u) for t, u in zip(free, until, strict=True)]
     assert any(len(t) >= 5 for t in free[::2])  # some stop strings were met ...
     assert gen.tokens < sum(min(len(t) + 1, N) for t in free)  # ... and cut generation short
-    assert ((4, 1), (4, 1), (True, False)) in gen.programs  # 4 requests decoded in one step
+    greedy = PickMode(all_greedy=True, any_filter=False)
+    assert ((4, 1), (4, 1), greedy) in gen.programs  # 4 requests decoded in one step
     assert gen.engine.pool.in_use() == 0 and not gen.engine.has_work()
     # Again, on the same engine: the same texts (nothing carried over but cached prefixes).
     assert gen.generate(requests, progress=False) == texts
