@@ -193,6 +193,9 @@ class ImportPlan:
                 arrays[path] = jax.make_array_from_callback(
                     shape, sharding, lambda idx, p=path: self.fill(p, idx)
                 )
+            # A host buffer lives until its copy to the device has run, and dispatch does not
+            # wait for that: unwaited, a loaded host holds as many tensors as are in flight.
+            arrays[path].block_until_ready()
             if progress is not None:
                 progress.add(self.nbytes(path))
         return arrays
@@ -207,7 +210,7 @@ class ImportPlan:
                 layer_sharding,
                 lambda idx, b=b: self.fill(path, (slice(b, b + 1), *idx))[0],
             )
-            stack = _put_layer(stack, layer, b)
+            stack = _put_layer(stack, layer, b).block_until_ready()  # one layer in flight
         return stack
 
 
