@@ -190,12 +190,11 @@ class ImportPlan:
             if self.stacked(path) and shape[0] > 1 and per_shard > STACK_PIECE_BYTES:
                 arrays[path] = self._by_layer(path, sharding)
             else:
+                # A host buffer lives until its copy to the device has run, and dispatch does
+                # not wait for that: unwaited, a loaded host holds every tensor in flight.
                 arrays[path] = jax.make_array_from_callback(
                     shape, sharding, lambda idx, p=path: self.fill(p, idx)
-                )
-            # A host buffer lives until its copy to the device has run, and dispatch does not
-            # wait for that: unwaited, a loaded host holds as many tensors as are in flight.
-            arrays[path].block_until_ready()
+                ).block_until_ready()
             if progress is not None:
                 progress.add(self.nbytes(path))
         return arrays
