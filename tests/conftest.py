@@ -7,6 +7,7 @@ is new for every run, so nothing compiled by an older checkout can be picked up.
 xdist, a module whose tests share a module-scoped fixture runs on one worker (see below)."""
 
 import functools
+import json
 import os
 import shutil
 import tempfile
@@ -20,13 +21,17 @@ import pytest
 # 17 s) and, where XLA still has them (jaxlib < 0.11, the oldest leg), the classic elemental
 # fusion emitters instead of the MLIR ones (tests/test_moe.py 33 -> 20 s, the oldest leg's suite
 # 12:55 -> 9:29 on 2 cores, 2026-11-27; jaxlib 0.11 removed the flag, and an unknown XLA flag
-# aborts). Neither turns on fast-math; the suite passes with and without them.
+# aborts). One LLVM module a program rather than split for parallel codegen (the workers
+# already fill both cores), and no XNNPACK graph fusion pass: on a tiny train step's four
+# compiles, 2.85-3.95 -> 1.76-2.22 s at jaxlib 0.10.2, 7.0-7.8 -> 6.1-6.8 s at 0.12.
+# None turns on fast-math; the suite passes with and without them.
 # `DEFAULT_EMITTERS` is the compiler option a test that inspects XLA:CPU's default pipeline
 # compiles with.
 CLASSIC_EMITTERS = tuple(map(int, version("jaxlib").split(".")[:2])) < (0, 11)
-FAST_COMPILE = "--xla_backend_optimization_level=0" + (
-    " --xla_cpu_use_fusion_emitters=false" if CLASSIC_EMITTERS else ""
-)
+FAST_COMPILE = (
+    "--xla_backend_optimization_level=0 --xla_cpu_parallel_codegen_split_count=1"
+    " --xla_cpu_experimental_xnn_graph_fusion_mode=XNN_GRAPH_FUSION_MODE_DISABLED"
+) + (" --xla_cpu_use_fusion_emitters=false" if CLASSIC_EMITTERS else "")
 DEFAULT_EMITTERS = {"xla_cpu_use_fusion_emitters": True} if CLASSIC_EMITTERS else {}
 # The GPU kit (benchmarks/gpu/run.sh) runs the tests marked `gpu` with JAX_PLATFORMS=cuda: the
 # CPU-only flags stay off there (-O0 would apply to the GPU's generated kernels too).
@@ -50,10 +55,57 @@ import jax  # noqa: E402
 jax.config.update("jax_default_matmul_precision", "highest")
 
 
+# CI's two legs split the suite (`--leg oldest|newest`, .ci/legs.py says how and why): each runs
+# every line that the whole suite runs and its share of the other tests. A test that legs.json
+# names for one leg only is deselected in the other; one it does not name runs in both.
+LEGS = Path(__file__).with_name("legs.json")
+LEG_SKIP_REASONS_OK = ("GPU", "cuDNN")  # skipped in every leg on this machine
+leg_own: set[str] = set()  # this leg's own tests, filled at configure
+misplaced: list[str] = []
+
+
+def pytest_addoption(parser):
+    parser.addoption(
+        "--leg",
+        choices=("oldest", "newest"),
+        help="run one CI leg's share of the suite (tests/legs.json; .ci/legs.py splits it)",
+    )
+
+
+def _leg_tests(config) -> tuple[set, set]:
+    """This leg's own tests and the other leg's, as tests/legs.json names them."""
+    leg = config.getoption("leg")
+    legs = json.loads(LEGS.read_text(encoding="utf-8"))
+    other = "newest" if leg == "oldest" else "oldest"
+    return set(legs[f"{leg}_only"]), set(legs[f"{other}_only"])
+
+
+def pytest_configure(config):
+    if config.getoption("leg"):
+        leg_own.update(_leg_tests(config)[0])
+
+
+def pytest_collection_modifyitems(config, items):
+    if not config.getoption("leg"):
+        return
+    others = _leg_tests(config)[1]
+    dropped = [item for item in items if item.nodeid in others]
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+        items[:] = [item for item in items if item.nodeid not in others]
+
+
 def pytest_sessionfinish(session):
-    """The controller (not an xdist worker) removes the cache this run made."""
+    """The controller (not an xdist worker) removes the cache this run made, and fails a leg
+    in which a test that runs in this leg only was skipped (a missing extra): it would run in
+    neither, so the split (.ci/legs.py) must place it in the other leg."""
     if not hasattr(session.config, "workerinput"):
         shutil.rmtree(OWN_CACHE, ignore_errors=True)
+        if misplaced:
+            print(f"\n{len(misplaced)} test(s) of this leg alone were skipped, so run nowhere:")
+            print("\n".join(misplaced))
+            print("place them in the other leg: rerun .ci/legs.py (its docstring says how)")
+            session.exitstatus = 1
 
 
 @functools.cache
@@ -82,7 +134,12 @@ def pytest_xdist_make_scheduler(config, log):
 
 def pytest_runtest_logreport(report):
     """MOE_JAX_INSTAFAIL=1 (the GPU kit): print a failure's report as it happens, so a run
-    killed at its time limit still shows why the tests before it failed."""
+    killed at its time limit still shows why the tests before it failed. Under `--leg`, note
+    a skip of a test that runs in this leg alone."""
+    if report.skipped and report.nodeid in leg_own:
+        reason = str(report.longrepr[-1] if isinstance(report.longrepr, tuple) else "")
+        if not any(ok in reason for ok in LEG_SKIP_REASONS_OK):
+            misplaced.append(f"  {report.nodeid}: {reason}")
     if report.failed and os.environ.get("MOE_JAX_INSTAFAIL") == "1":
         print(f"\nFAILED {report.nodeid} ({report.when})\n{report.longreprtext}", flush=True)
 
