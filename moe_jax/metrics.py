@@ -18,9 +18,11 @@ The job's peak is that times `compute_units()`: accelerators, or hosts on CPU.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import socket
+import sys
 import time
 import zlib
 from pathlib import Path
@@ -83,6 +85,7 @@ def measure_peak_flops(n: int = 2048, repeats: int = 5) -> float:
     return _matmul_flops(n, repeats)
 
 
+@functools.cache  # a process that trains again (a test, a sweep) times the same cores again
 def _matmul_flops(n: int, repeats: int) -> float:
     a = jnp.ones((n, n), jnp.float32)
     matmul = jax.jit(jnp.dot)
@@ -143,13 +146,27 @@ def scalars(record: dict) -> dict[str, float]:
     return out
 
 
+def summary_writer() -> type:
+    """tensorboardX's SummaryWriter, imported without torch where torch is not yet imported:
+    tensorboardX imports it when it is installed (4 s at a run's start, measured) only to
+    accept torch tensors, and a run writes floats."""
+    if "torch" in sys.modules or "tensorboardX" in sys.modules:
+        from tensorboardX import SummaryWriter
+
+        return SummaryWriter
+    sys.modules["torch"] = None  # `import torch` raises ImportError, which tensorboardX expects
+    try:
+        from tensorboardX import SummaryWriter
+    finally:
+        del sys.modules["torch"]
+    return SummaryWriter
+
+
 class TensorBoardTracker:
     """Scalars to TensorBoard event files in RUN_DIR/tb."""
 
     def __init__(self, run_dir: str | Path):
-        from tensorboardX import SummaryWriter
-
-        self._tb = SummaryWriter(str(Path(run_dir) / "tb"), flush_secs=30)
+        self._tb = summary_writer()(str(Path(run_dir) / "tb"), flush_secs=30)
 
     def write(self, record: dict) -> None:
         for name, value in scalars(record).items():

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import subprocess
 import sys
 from pathlib import Path
 
@@ -203,3 +204,28 @@ def test_trackers_take_bare_names_and_old_run_configs_still_load():
         "  trackers:\n  - wandb\n  - mlflow\n", "  tensorboard: false\n"
     )
     assert "tensorboard: false" in old and config_from_yaml(old).train.trackers == ()
+
+
+def test_tensorboard_writes_without_importing_torch(tmp_path):
+    """tensorboardX imports torch where it is installed (4 s at every run's start); the run's
+    writer leaves it out, and the event file still holds the scalar."""
+    code = (
+        "import sys; from moe_jax.metrics import TensorBoardTracker\n"
+        f"t = TensorBoardTracker({str(tmp_path)!r})\n"
+        "t.write({'kind': 'train', 'step': 3, 'loss': 1.5}); t.close()\n"
+        "assert 'torch' not in sys.modules, 'torch was imported'\n"
+        "print('ok')"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+    assert out.returncode == 0 and out.stdout.startswith("ok"), out.stderr[-2000:]
+    (events,) = (tmp_path / "tb").iterdir()
+    assert b"loss" in events.read_bytes()
+
+
+def test_the_cpu_peak_is_measured_once_a_process():
+    from moe_jax import metrics
+
+    first = metrics.measure_peak_flops(n=256, repeats=1)
+    hits = metrics._matmul_flops.cache_info().hits
+    assert metrics.measure_peak_flops(n=256, repeats=1) == first
+    assert metrics._matmul_flops.cache_info().hits == hits + 1
