@@ -313,8 +313,23 @@ def test_the_command_finishes_its_requests_on_sigterm_and_exits_0(server):
 def test_the_command_refuses_a_missing_run_in_one_line(capsys):
     from moe_jax.serve.__main__ import main
 
-    assert main(["/nonexistent/run"]) == 2
+    assert main(["/nonexistent/run", "--port", "0"]) == 2
     assert capsys.readouterr().err.startswith("error: run directory '/nonexistent/run'")
+
+
+def test_the_command_refuses_a_port_in_use_before_it_loads_in_one_line(capsys):
+    """The port is bound before the model loads: one taken fails at once, ahead of the
+    missing run (uvicorn bound it, after the load)."""
+    from moe_jax.serve.__main__ import main
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert main(["/nonexistent/run", "--port", str(port)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: cannot listen on 127.0.0.1:{port}: Address already in use")
+    assert err.count("\n") == 1, err
 
 
 def test_speculation_through_the_server_gives_the_same_text_and_counts_its_drafts(
