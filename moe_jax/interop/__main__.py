@@ -26,7 +26,9 @@ export: writes the run's latest (or --step) checkpoint as safetensors + config.j
 first HF architecture that represents its config exactly (or --arch), and the run's
 tokenizer files, if it has any (a byte or char tokenizer has none). The tensors are in the
 params' own dtype (float32 for a trained run, bf16 for a bf16 import; --dtype to choose),
-config.json's torch_dtype says which; streamed: one tensor read from the checkpoint and
+config.json's torch_dtype says which (a tensor the import kept in another dtype keeps it, and
+the router's correction bias stays float32 under --dtype bfloat16, as the releases keep it:
+`interop.export`); streamed: one tensor read from the checkpoint and
 written at a time, in shards of at most 2 GB. The multi-token
 prediction layers (model.mtp_depth) are written as DeepSeek-V3 / GLM-4.5 checkpoints hold
 them; the other architectures have none.

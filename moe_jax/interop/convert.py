@@ -339,20 +339,24 @@ def write_hf(
     tokenizer: Tokenizer | None = None,
     dtype=np.float32,
     progress: Progress | None = None,
+    tensor_dtype=None,
 ) -> None:
     """The HF directory `out` (through a temporary sibling: whole or absent) of the params
     that `read(path, block)` gives one at a time (a param, or one layer of a stacked one;
-    arrays or `lazy.Deferred`s), every tensor written in `dtype` as soon as it is made, with
-    config.json (`torch_dtype` set to `dtype`) and the tokenizer's files."""
+    arrays or `lazy.Deferred`s), every tensor written as soon as it is made, in `dtype` or
+    in `tensor_dtype(paths)` (the dtype of a tensor made of params `paths`) where given,
+    with config.json (`torch_dtype` set to `dtype`) and the tokenizer's files."""
     name = "bfloat16" if np.dtype(dtype) == np.dtype(ml_dtypes.bfloat16) else np.dtype(dtype).name
     hf_config = hf_config | {"dtype": name, "torch_dtype": name}
+    tensor_dtype = tensor_dtype or (lambda paths: np.dtype(dtype))
     with new_output(out, f"'{out}'") as tmp:
         writer = ShardWriter(tmp, max_shard_bytes, dtype)
         for name_prefix, tensor_map, paths, block in _placements(cfg, family):
+            out_dtype = tensor_dtype(tuple(paths))
             for tensor_name, tensor in tensor_map.save(*[read(p, block) for p in paths]):
-                writer.add(name_prefix + tensor_name, tensor)
+                writer.add(name_prefix + tensor_name, tensor, out_dtype)
                 if progress is not None:
-                    progress.add(math.prod(tensor.shape) * np.dtype(dtype).itemsize)
+                    progress.add(math.prod(tensor.shape) * out_dtype.itemsize)
         writer.close()
         (tmp / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
         for fname, data in (tokenizer.files if tokenizer is not None else {}).items():
