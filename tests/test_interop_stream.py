@@ -446,3 +446,32 @@ def test_export_hf_in_bf16_keeps_the_float32_params(mixed, tmp_path):
     cfg = tiny_config(f"run_dir={run}", "model.dtype=bfloat16")
     out = hf_exports.export(cfg, step=0)
     _assert_written_as(out, hf_dir)
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf])
+def test_a_non_finite_weight_is_refused_by_name_unless_allowed(mixed, tmp_path, capsys, bad):
+    """One NaN / inf in one tensor (the fixture's checkpoint rewritten): the import names the
+    tensor in one line and writes nothing (it once imported it silently); with
+    --allow-nonfinite it is imported as it is."""
+    from moe_jax.interop.safetensors_io import ShardWriter
+
+    hf_dir, _ = mixed
+    source, poisoned, name = TensorReader(hf_dir), tmp_path / "hf", None
+    poisoned.mkdir()
+    writer = ShardWriter(poisoned, 1 << 40, ml_dtypes.bfloat16)
+    for n in source.names():
+        tensor = np.array(source.get(n))
+        if n.endswith("layers.1.mlp.shared_experts.up_proj.weight"):
+            tensor[2, 3], name = bad, n
+        writer.add(n, tensor, tensor.dtype)
+    writer.close()
+    (poisoned / "config.json").write_bytes((hf_dir / "config.json").read_bytes())
+    assert name is not None
+    capsys.readouterr()
+    assert interop(["import", str(poisoned), "--out", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: tensor '{name}' in '{poisoned}") and "NaN or inf" in err, err
+    assert "--allow-nonfinite" in err and err.count("\n") == 1, err
+    assert not (tmp_path / "run").exists()
+    run = tmp_path / "allowed"
+    assert interop(["import", str(poisoned), "--out", str(run), "--allow-nonfinite"]) == 0
