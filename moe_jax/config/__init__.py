@@ -437,6 +437,31 @@ def _renamed_keys(saved):
     return saved
 
 
+def given_keys(path: str | Path | None, overrides: Sequence[str] = ()) -> frozenset[str]:
+    """The dotted keys that the YAML file at `path` (None: no file) and the `key=value`
+    overrides set: what the user chose, as against what the schema's defaults left (a Hugging
+    Face checkpoint's family then sets those: `interop.as_run.with_run_keys`)."""
+    keys = {item.partition("=")[0] for item in overrides}
+    if path is not None:
+        keys |= _dotted(OmegaConf.to_container(OmegaConf.load(path)))
+    return frozenset(keys)
+
+
+def _dotted(tree, prefix: str = "") -> set[str]:
+    """The dotted paths of the leaves of a nested dict."""
+    if not isinstance(tree, dict):
+        return {prefix[:-1]}
+    return set().union(*(_dotted(v, f"{prefix}{k}.") for k, v in tree.items()))
+
+
+def cli_given_keys(argv: Sequence[str]) -> frozenset[str]:
+    """The keys a CLI's `[CONFIG.yaml] [key=value ...]` sets: the named file's and the
+    overrides' (a default config the user did not name sets none)."""
+    args = list(argv)
+    path = args.pop(0) if args and "=" not in args[0] else None
+    return given_keys(path, args)
+
+
 def cli_config(argv: Sequence[str], default_path: str | Path | None) -> Config:
     """For the CLIs: `[CONFIG.yaml] [key=value ...]`; a bad config prints one line and exits 2."""
     args = list(argv)

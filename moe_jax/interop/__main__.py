@@ -57,9 +57,16 @@ from flax import nnx
 from omegaconf import OmegaConf
 
 from moe_jax.cli.entry import command, writes
-from moe_jax.config import Config, ConfigError, config_from_yaml, config_to_yaml, load_config
+from moe_jax.config import (
+    Config,
+    ConfigError,
+    config_from_yaml,
+    config_to_yaml,
+    given_keys,
+    load_config,
+)
 from moe_jax.data import load_run_data
-from moe_jax.interop.as_run import hf_tokenizer
+from moe_jax.interop.as_run import hf_tokenizer, with_run_keys
 from moe_jax.interop.convert import FAMILIES, open_hf
 from moe_jax.interop.export import export_run as stream_export
 from moe_jax.interop.safetensors_io import InteropError
@@ -96,15 +103,13 @@ def _import_config(
             raise ConfigError(f"'{key}' is set by {hf_dir}/config.json and cannot be overridden")
     base = load_config(config, overrides)
     cfg, plan = open_hf(hf_dir, base, mtp=mtp, dtype=dtype, allow_nonfinite=allow_nonfinite)
-    # The run-time model keys the HF config sets (max_seq_len, capacity_factor) yield to the
-    # ones CONFIG.yaml or the overrides give explicitly.
-    merged = OmegaConf.create(config_to_yaml(cfg))
-    file_cfg = OmegaConf.load(config) if config is not None else OmegaConf.create({})
-    for key in sorted(RESUMABLE_CHANGES):
-        value = OmegaConf.select(file_cfg, key, default=None)
-        if value is not None:
-            OmegaConf.update(merged, key, value)
-    merged = OmegaConf.merge(merged, OmegaConf.from_dotlist(overrides))
+    # The run-time model keys the HF config sets (max_seq_len, capacity_factor, balancing)
+    # yield to the ones CONFIG.yaml or the overrides give explicitly, as `init_from=HF_DIR`'s.
+    cfg = with_run_keys(cfg, base, given_keys(config, overrides))
+    # the overrides again over what config.json caps (train.seq_len at its context)
+    merged = OmegaConf.merge(
+        OmegaConf.create(config_to_yaml(cfg)), OmegaConf.from_dotlist(overrides)
+    )
     return config_from_yaml(OmegaConf.to_yaml(merged)), plan
 
 
