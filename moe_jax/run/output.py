@@ -293,10 +293,37 @@ def disk_problem(e: BaseException) -> str | None:
     return None
 
 
+def stop_in(e: BaseException) -> BaseException | None:
+    """The stop (KeyboardInterrupt, `Interrupted`) that `e` is or that its chain of causes
+    and contexts holds, else None. A library that catches every exception wraps a stop that
+    lands inside it in a plain one: Orbax's array read turns it into
+    `Exception("Encountered error while reading array index ...") from` the stop, which must
+    still end the command as a stop, never as a damaged checkpoint."""
+    seen, todo = set(), [e]
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
+        if isinstance(e, (KeyboardInterrupt, Interrupted)):
+            return e
+        seen.add(id(e))
+        todo += [e.__context__, e.__cause__]  # the cause looked at first
+    return None
+
+
+def raise_stop_in(e: BaseException) -> None:
+    """Raise the stop `e` holds (`stop_in`), if it holds one: before `e` is told as a
+    failure."""
+    if (stop := stop_in(e)) is not None:
+        raise stop from None
+
+
 def one_line(e: BaseException, out: str | Path | None = None) -> tuple[str, int] | None:
-    """A command's ending for a stopping signal or a disk it cannot write: (the line to
-    print, the exit status), or None for any other exception (the CLI's own handling)."""
+    """A command's ending for a stopping signal (also one wrapped in another exception:
+    `stop_in`) or a disk it cannot write: (the line to print, the exit status), or None for
+    any other exception (the CLI's own handling)."""
     kept = f"; nothing was written to '{out}'" if out is not None else ""
+    e = stop_in(e) or e
     if isinstance(e, Interrupted):
         return f"stopped by {signal.Signals(e.signum).name}{kept}", 128 + e.signum
     if isinstance(e, KeyboardInterrupt):
