@@ -100,7 +100,9 @@ def _noted_stop(unraisable) -> bool:
     return False
 
 
-def _stop(signum: int) -> BaseException:
+def stop_exception(signum: int) -> BaseException:
+    """The exception that stops a command on signal `signum`: KeyboardInterrupt for SIGINT,
+    else `Interrupted` (the door ends either as `error: stopped by SIGNAL`, 128 + signum)."""
     e = KeyboardInterrupt() if signum == signal.SIGINT else Interrupted(signum)
     e.noted_by_stop_on_signals = True
     return e
@@ -110,7 +112,7 @@ def _on_signal(signum, frame) -> None:
     _STOPPING.noted.append(signum)
     if not _STOPPING.unwinding:
         _STOPPING.unwinding = True
-        raise _stop(signum)
+        raise stop_exception(signum)
     # A second signal while the first one's stop unwinds: the cleanup (a writer's threads
     # joined, a temporary sibling removed) runs to its end; kill -9 still ends it at once.
 
@@ -132,7 +134,7 @@ def stop_on_signals() -> Iterator[Callable[[], None]]:
     def check() -> None:
         if _STOPPING.noted:
             _STOPPING.unwinding = True
-            raise _stop(_STOPPING.noted[0])
+            raise stop_exception(_STOPPING.noted[0])
 
     quiet_unraisable(_noted_stop)
     _STOPPING.depth += 1

@@ -1,7 +1,8 @@
 """`python -m moe_jax.serve RUN_DIR ...`: load a run (or a Hugging Face directory) as
 sample.py does, build the engine, serve it with uvicorn until SIGINT / SIGTERM (uvicorn's
 graceful shutdown: no new connections, requests in flight finish within
---shutdown-timeout seconds). `--speculative` (or the override sample.speculative=true, as
+--shutdown-timeout seconds), then stop as every command does: `error: stopped by SIGTERM`,
+exit 143 (130 for SIGINT). `--speculative` (or the override sample.speculative=true, as
 sample.py takes it) decodes by speculation with the model's MTP layers (`--draft-depth` or
 sample.draft_depth of them drafting)."""
 
@@ -14,6 +15,7 @@ import sys
 from pathlib import Path
 
 from moe_jax.cli.entry import command, say
+from moe_jax.run.output import stop_exception
 
 # Engine keyword -> its flag, for the engine's own size checks (`size_problem`).
 SIZE_FLAGS = {"max_slots": "--max-slots", "page_size": "--page-size", "n_pages": "--pages",
@@ -128,15 +130,16 @@ def serve(args, sock: socket.socket, uvicorn, create_app) -> int:
         timeout_graceful_shutdown=args.shutdown_timeout,
     )
     # uvicorn shuts down gracefully on SIGINT / SIGTERM, then raises the signal again for the
-    # handler it found installed: this one notes it, so a stop by signal exits 0.
+    # handler it found installed: this one notes it, for the stop to end the command after
+    # the drain as every command's stop does (README: one line, 128 + the signal's number).
     stopped_by = []
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda signum, frame: stopped_by.append(signum))
     port = sock.getsockname()[1]  # --port 0: the free one the system gave
     print(f"serving '{name}' on http://{args.host}:{port}/v1", flush=True)
     uvicorn.Server(config).run(sockets=[sock])
-    if stopped_by:
-        print(f"stopped by {signal.Signals(stopped_by[0]).name}", flush=True)
+    if stopped_by:  # the requests in flight have finished: now the door's stop line
+        raise stop_exception(stopped_by[0])
     return 0
 
 
