@@ -266,6 +266,7 @@ def test_init_from_trains_with_the_family_s_defaults_as_the_import_does(case):
     from moe_jax.config import cli_given_keys
     from moe_jax.interop.__main__ import _import_config
     from moe_jax.run.init_from import with_source_architecture
+    from moe_jax.train_log import moe_line
 
     directory = case[1]
     for overrides, capacity in (([], 0.0), (["moe.capacity_factor=1.5"], 1.5)):
@@ -278,6 +279,11 @@ def test_init_from_trains_with_the_family_s_defaults_as_the_import_does(case):
             assert (moe.capacity_factor, moe.lb_loss_weight) == (capacity, 0.0)
             assert moe.correction_bias and moe.bias_update_rate > 0
         assert trains.moe == imported.moe
+    # what the run's first lines say of it (trainer.train logs this line)
+    assert moe_line(trains) == (
+        "moe: capacity_factor 1.5 (tokens over it dropped); balancing: Switch loss 0, z-loss "
+        "0.001, correction bias at rate 0.001"
+    )
 
 
 def test_fused_experts_import_identically(tmp_path):
