@@ -36,6 +36,26 @@ from moe_jax.metrics import METRICS_FILE, read_metrics  # noqa: E402
 from moe_jax.run.layout import RunError  # noqa: E402
 from moe_jax.run.output import check_place, new_file  # noqa: E402
 
+# The fields the figures read from every record of a kind (a record without one, written by
+# hand or by another tool, is refused by name instead of ending in a KeyError); a train
+# record's "mtp_ce" is drawn for all once the first has it, its "exchange_rounds" with its
+# "overflow_frac".
+DRAWN = {"train": ("step", "loss", "ce", "expert_load", "dropped_frac"), "eval": ("val_loss",),
+         "info": ("val_unigram_entropy", "moe_layers")}  # fmt: skip
+
+
+def missing_field(records: list[dict]) -> tuple[dict, str] | None:
+    """The first (record, field) that a figure draws and the record lacks; None if none."""
+    train = [r for r in records if r["kind"] == "train"]
+    for r in records:
+        need = list(DRAWN.get(r["kind"], ()))
+        if r["kind"] == "train":
+            need += ["mtp_ce"] if "mtp_ce" in train[0] else []
+            need += ["exchange_rounds"] if np.size(r.get("overflow_frac", [])) else []
+        if field := next((f for f in need if f not in r), None):
+            return r, field
+    return None
+
 
 def _moe_layer_names(records: list[dict], n_layers: int) -> list[str]:
     """'layer N' (1-based, as in the docs) of each logged MoE layer."""
@@ -195,6 +215,12 @@ def main(argv: list[str] | None = None) -> int:
         raise RunError(
             f"'{run_dir}/{METRICS_FILE}' has no training records yet; train longer than "
             "train.log_every steps"
+        )
+    if found := missing_field(records):
+        record, field = found
+        raise RunError(
+            f"'{run_dir / METRICS_FILE}': the {record['kind']} record of step {record['step']} "
+            f"has no '{field}', which the plots draw; delete its line or add the field"
         )
     out = Path(args.out) if args.out else run_dir
     check_place(out, "--out")  # made when the first figure is drawn: a stop leaves nothing

@@ -33,6 +33,7 @@ from pathlib import Path
 import jax
 
 from moe_jax.cli.entry import command, say
+from moe_jax.errors import MoeJaxError
 from moe_jax.scopes import PARTS
 
 PROFILE_DIR = "profile"  # RUN_DIR/profile
@@ -76,12 +77,30 @@ def _op_name(names: dict[str, str], op: str) -> str:
 # ----------------------------------------------------------------------------- the trace
 
 
+class TraceError(MoeJaxError, ValueError):
+    """A trace (or a file beside it) that cannot be read; the message names it."""
+
+
 def read_events(path: str | Path) -> list[dict]:
-    """The events of a Chrome / Perfetto JSON trace (gzipped or not)."""
+    """The events of a Chrome / Perfetto JSON trace (gzipped or not); TraceError if the
+    file cannot be read as one (cut off, not gzip, not JSON, not readable)."""
     opener = gzip.open if str(path).endswith(".gz") else open
-    with opener(path, "rt") as f:
-        data = json.load(f)
-    return data["traceEvents"] if isinstance(data, dict) else data
+    try:
+        with opener(path, "rt") as f:
+            data = json.load(f)
+    except (OSError, EOFError, ValueError) as e:  # gzip.BadGzipFile is an OSError
+        raise _unreadable(path, e) from None
+    events = data.get("traceEvents") if isinstance(data, dict) else data
+    if not isinstance(events, list) or not all(isinstance(e, dict) for e in events):
+        raise _unreadable(path, "not a list of events (traceEvents)")
+    return events
+
+
+def _unreadable(path, why) -> TraceError:
+    return TraceError(
+        f"cannot read the trace file '{path}': {why}; trace the steps again "
+        "(train.profile_steps=N) or pass another trace"
+    )
 
 
 def device_ops(events: list[dict]) -> list[dict]:
@@ -259,12 +278,28 @@ def newest_trace(path: Path) -> Path | None:
     return traces[-1] if traces else None
 
 
+def _beside(trace: Path) -> tuple[dict, str]:
+    """The steps.json (first_step, last_step, wall_ms; {} if absent) and the HLO text ("" if
+    absent) beside `trace`; TraceError if one is there and cannot be read."""
+    steps_file, hlo_file = trace.parent / STEPS_FILE, trace.parent / HLO_FILE
+    try:
+        info = json.loads(steps_file.read_text()) if steps_file.is_file() else {}
+        keys = ("first_step", "last_step", "wall_ms")
+        if info and not (
+            isinstance(info, dict) and all(isinstance(info.get(k), int | float) for k in keys)
+        ):
+            raise ValueError(f"not an object of {', '.join(keys)}")
+    except (OSError, ValueError) as e:
+        raise _unreadable(steps_file, e) from None
+    try:
+        return info, hlo_file.read_text() if hlo_file.is_file() else ""
+    except (OSError, ValueError) as e:
+        raise _unreadable(hlo_file, e) from None
+
+
 def format_summary(trace: Path, top: int = 10) -> str:
-    session = trace.parent
-    steps_file, hlo_file = session / STEPS_FILE, session / HLO_FILE
-    info = json.loads(steps_file.read_text()) if steps_file.is_file() else {}
-    steps = info.get("last_step", 0) - info.get("first_step", 0) + 1 if info else 1
-    hlo = hlo_file.read_text() if hlo_file.is_file() else ""
+    info, hlo = _beside(trace)
+    steps = info["last_step"] - info["first_step"] + 1 if info else 1
     s = summarise(read_events(trace), steps, hlo)
     head = f"trace {trace}"
     if info:

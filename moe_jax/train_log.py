@@ -43,6 +43,25 @@ def logger():
     return log
 
 
+def moe_line(cfg: Config) -> str | None:
+    """The balancing and capacity the run trains with, in one line (None without experts):
+    an `init_from=HF_DIR` takes its family's unless the config sets them, so say which."""
+    e = cfg.moe
+    if e.n_experts == 0:
+        return None
+    capacity = (
+        "dropless (capacity_factor 0)"
+        if e.capacity_factor <= 0
+        else f"capacity_factor {e.capacity_factor:g} (tokens over it dropped)"
+    )
+    balancing = [f"Switch loss {e.lb_loss_weight:g}", f"z-loss {e.z_loss_weight:g}"]
+    if e.seq_aux_loss_weight > 0:
+        balancing.append(f"sequence-wise loss {e.seq_aux_loss_weight:g}")
+    if e.correction_bias:
+        balancing.append(f"correction bias at rate {e.bias_update_rate:g}")
+    return f"moe: {capacity}; balancing: {', '.join(balancing)}"
+
+
 def log_data(cfg: Config, data, resume, log) -> None:
     """The data's lines, and warnings for a resume that changes the data order or a routing
     that cannot learn."""

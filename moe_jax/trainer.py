@@ -19,6 +19,7 @@ import math
 import signal
 import threading
 import time
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from functools import partial
 
@@ -53,6 +54,7 @@ from moe_jax.train_log import (
     is_out_of_memory,
     log_data,
     logger,
+    moe_line,
     out_of_memory_line,
 )
 from moe_jax.train_state import make_state
@@ -155,16 +157,21 @@ def _summarise(window: list[tuple[int, dict]]) -> dict:
     return {k: np.mean([h[k] for h in host], axis=0) for k in host[0]}
 
 
-def train(cfg: Config, *, stop_at: int | None = None) -> TrainResult:
+def train(
+    cfg: Config, *, stop_at: int | None = None, given: Collection[str] | None = None
+) -> TrainResult:
     """Train `cfg` in `cfg.run_dir` to step `cfg.train.steps` (resuming from its latest
     checkpoint, or `train.resume_step`), or stop with a checkpoint after step `stop_at` (to
-    split a run into jobs).
+    split a run into jobs). `given`: the keys the user set (`config.cli_given_keys`); an
+    `init_from=HF_DIR` takes its family's run-time keys (capacity, balancing) for the others
+    (None: cfg's own stand).
 
     Raises DataError / RunError (bad input or a run dir in use, nothing written),
     TrainingError (divergence) or SaveError (a checkpoint could not be written).
     """
     log = logger()
-    cfg = with_source_architecture(cfg)  # init_from=HF_DIR: its architecture and tokenizer
+    # init_from=HF_DIR: its architecture, tokenizer and family's run-time keys
+    cfg = with_source_architecture(cfg, given)
     cfg.moe.check_training()  # before anything is read or written
     hf_exports.check(cfg)  # checkpoint.export_hf: the model has a Hugging Face form
     resume = inspect_run(cfg)  # read-only; refuses an incompatible run dir
@@ -172,6 +179,8 @@ def train(cfg: Config, *, stop_at: int | None = None) -> TrainResult:
     source = init_source(cfg, resume.step if resume else None, log)
     data = load_run_data(cfg, resume.tokenizer if resume else source.tokenizer if source else None)
     log_data(cfg, data, resume, log)
+    if (line := moe_line(cfg)) is not None:
+        log(line)
     tasks = TaskEval.start(cfg, data.tokenizer)  # eval.tasks checked before anything is written
     check_trackers(cfg)  # a tracker's missing package too
     log(platform_line())

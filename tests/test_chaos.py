@@ -208,6 +208,15 @@ def _assert_clean(world: World, code: int, err: str, before: dict, out: Path | N
 # ----------------------------------------------------------------------------- bad inputs
 
 
+SERVE_FLAGS = [  # (flag, value, what the line says)
+    ("--page-size", "0", "--page-size must be >= 1"), ("--chunk", "0", "--chunk must be >= 1"),
+    ("--max-queue", "-1", "--max-queue must be >= 1"), ("--max-slots", "0", "--max-slots"),
+    ("--pages", "0", "--pages must be >= 1"), ("--port", "99999", "--port must be in 0..65535"),
+    ("--shutdown-timeout", "-1", "--shutdown-timeout must be >= 0"),
+    ("--host", "192.0.2.1", "cannot listen on 192.0.2.1:8000"),  # an address not this machine's
+]  # fmt: skip
+
+
 def _bad_inputs() -> list[tuple[str, str, list[str], str]]:
     """(id, command, argv with {run} {file} {out} {tasks} {done} {missing}, what the line
     says): generated from the bad things each kind of argument can be."""
@@ -219,7 +228,7 @@ def _bad_inputs() -> list[tuple[str, str, list[str], str]]:
         "interop": lambda r: ["export", r, "--out", "{out}"],
         "plot": lambda r: [r, "--out", "{out}"],
         "eval": lambda r: [r, "--tasks", "toy_mc", "--include-path", "{tasks}"],
-        "serve": lambda r: [r],
+        "serve": lambda r: [r, "--port", "0"],  # any free port: 8000 may be taken here
     }
     for (command, argv), (bad, run) in itertools.product(run_takers.items(), bad_runs.items()):
         cases.append((f"{command}-run-{bad}", command, argv(run), ""))
@@ -236,7 +245,7 @@ def _bad_inputs() -> list[tuple[str, str, list[str], str]]:
     sampling_commands = {
         "sample": lambda o: ["--run", "{run}", "--max-new-tokens", "2", o],
         "eval": lambda o: ["{run}", "--tasks", "toy_mc", "--include-path", "{tasks}", o],
-        "serve": lambda o: ["{run}", o],
+        "serve": lambda o: ["{run}", o, "--port", "0"],
     }
     for (command, argv), (bad, (item, says)) in itertools.product(
         sampling_commands.items(), overrides.items()
@@ -289,6 +298,10 @@ def _bad_inputs() -> list[tuple[str, str, list[str], str]]:
         ("shared_storage-unseen", "shared_storage", ["check", "tok", "tiny", "run_dir={out}"],
          "does not see"),
     ]  # fmt: skip
+    # serve: flag values no server can run with (a page size of 0 once ended in a traceback
+    # after the load, a chunk of 0 served and never answered), refused before the load
+    for flag, value, says in SERVE_FLAGS:
+        cases.append((f"serve{flag}={value}", "serve", ["{run}", flag, value], says))
     return cases
 
 
@@ -300,7 +313,9 @@ BEFORE_WEIGHTS = {
     for command in ("sample", "eval", "serve")
     for bad in ("unknown_key", "bad_value", "fixed_key", "mxfp4_dims", "speculative",
                 "draft_depth")
-} | {"quantize-mxfp4-dims", "eval-place-a-file"}  # fmt: skip
+} | {"quantize-mxfp4-dims", "eval-place-a-file"} | {
+    f"serve{flag}={value}" for flag, value, _ in SERVE_FLAGS
+}  # fmt: skip
 
 
 def _no_weights(*a, **k):
@@ -382,7 +397,7 @@ MOMENTS = [
      "moe_jax.interop.safetensors_io:ShardWriter.add", True),
     ("sample-restoring", "sample", ["--run", "{run}", "--max-new-tokens", "2"],
      "moe_jax.load:load_model", True),
-    ("serve-loading", "serve", ["{run}"], "moe_jax.load:load_sampler", False),
+    ("serve-loading", "serve", ["{run}", "--port", "0"], "moe_jax.load:load_sampler", False),
     ("eval-loading", "eval", ["{run}", "--tasks", "toy_mc", "--include-path", "{tasks}"],
      "moe_jax.eval.tasks:load_suite", False),
     ("eval-scoring", "eval", ["{run}", "--tasks", "toy_mc", "--include-path", "{tasks}"],

@@ -179,6 +179,53 @@ def test_cli_damaged_checkpoint_prints_only_its_one_line(tmp_path):
     assert proc.stderr.startswith("error: checkpoint 5 in")
 
 
+def _stopped_read(stop: BaseException):
+    """A CheckpointManager.restore that a stop lands in, wrapped as Orbax's array read wraps
+    whatever it catches (orbax/checkpoint/_src/serialization/serialization.py: `except
+    BaseException as e: raise Exception(...) from e`)."""
+
+    def restore(*args, **kwargs):
+        try:
+            raise stop
+        except BaseException as e:
+            raise Exception(
+                "Encountered error while reading array index: (slice(0, 8, None),). See full "
+                "TensorStore details: {'driver': 'zarr'}."
+            ) from e
+
+    return restore
+
+
+def test_a_stop_during_a_checkpoint_read_is_a_stop_not_damage(tmp_path, capsys, monkeypatch):
+    """SIGINT / SIGTERM landing in Orbax's read reaches us wrapped in a plain Exception: the
+    command ends as stopped (130 / 143), no damage told, no `--step` / `resume_step` advice
+    (which on a resume would move good checkpoints to superseded/), nothing touched."""
+    import orbax.checkpoint as ocp
+
+    from moe_jax.run.output import Interrupted
+
+    run = tmp_path / "run"
+    _write_checkpoints(_cfg(run), steps=(2, 5))
+    before = _snapshot(run)
+    sample = runpy.run_path(str(ROOT / "sample.py"))["main"]
+    commands = [
+        (KeyboardInterrupt(), lambda: sample(["--run", str(run), "--max-new-tokens", "2"]), 130),
+        (
+            Interrupted(15),  # SIGTERM, as the door raises it, in a resume's read
+            lambda: TRAIN_MAIN(["configs/tiny.yaml", *TINY_BASE, *TINY, f"run_dir={run}"]),
+            143,
+        ),
+    ]
+    for stop, command, code in commands:
+        monkeypatch.setattr(ocp.CheckpointManager, "restore", _stopped_read(stop))
+        capsys.readouterr()
+        assert command() == code
+        err = capsys.readouterr().err
+        assert err.startswith("error: stopped by SIG") and err.count("\n") == 1, err
+        assert "damaged" not in err and "resume_step" not in err
+        assert _snapshot(run) == before and not (run / "superseded").exists()
+
+
 def test_resuming_with_another_process_count_is_refused_by_name(tmp_path, capsys):
     """Each process saves its own data position (process_P-of-N.json)."""
     run = tmp_path / "run"

@@ -476,3 +476,31 @@ def test_cli_invalid_yaml_exits_2_with_one_line(tmp_path):
     lines = proc.stderr.splitlines()
     assert len(lines) == 1, lines
     assert re.match(rf"error: config file '{re.escape(str(path))}' is not valid YAML", lines[0])
+
+
+@pytest.mark.parametrize(
+    "target, model, have",
+    [("shared", [], "attention, mlp, experts"),  # tiny: no shared expert
+     ("mlp", ["moe.interleave_step=1"], "attention, shared, experts"),  # every layer MoE
+     ("experts", ["moe.n_experts=0"], "attention, mlp")],
+)  # fmt: skip
+def test_lora_targets_without_weights_in_the_model_are_refused_by_name(target, model, have):
+    """A lora.targets group the model has no weight of once trained nothing, silently."""
+    shared = [] if target == "shared" else ["moe.shared_expert_hidden=16"]
+    lora = ["lora.rank=4", f"lora.targets=[attention,{target}]", *shared, *model]
+    msg = load_error(lora)
+    assert f"lora.targets has '{target}'" in msg and f"(its targets: {have})" in msg, msg
+    load_config(TINY, ["lora.rank=4", "lora.targets=[attention,mlp,shared,experts]",
+                       "moe.shared_expert_hidden=16"])  # fmt: skip
+
+
+def test_lora_targets_of_an_architecture_from_elsewhere_are_refused_at_the_build():
+    """init_from=HF_DIR brings its architecture after the config check: the model's build
+    refuses the target (before any weight is made)."""
+    from flax import nnx
+
+    from moe_jax.model import Transformer
+
+    cfg = load_config(TINY, ["lora.rank=4", "lora.targets=[shared]", "init_from=/an/hf/dir"])
+    with pytest.raises(ConfigError, match="lora.targets has 'shared'"):
+        Transformer(cfg, rngs=nnx.Rngs(0))

@@ -90,7 +90,29 @@ def test_a_short_pool_preempts_and_still_gives_the_same_tokens(base):
     assert engine.preempted > 0 and engine.pool.in_use() == 0
 
 
+def _kv_of(engine, pages: list[int]) -> list[np.ndarray]:
+    """Every layer's K and V of `pages` (the page axis: -4 of [..., N, PS, K, hd]), copied."""
+    leaves = jax.tree.leaves(engine.programs.pages)
+    assert all(leaf.shape[-4] == engine.pool.n_pages for leaf in leaves)  # no ring layers
+    return [np.take(np.asarray(leaf), pages, axis=-4) for leaf in leaves]
+
+
+def _assert_tables_meet_in_hashed_pages(engine) -> None:
+    """Running requests' page tables share only hashed pages (a prefix's, never written
+    again), each counted once per holder at least."""
+    held = [s.pages for s in engine.slots if s is not None]
+    for i, a in enumerate(held):
+        for b in held[i + 1 :]:
+            both = set(a) & set(b)
+            assert all(p in engine.pool.hash_of for p in both), both
+    holders = np.bincount(np.concatenate([[-1], *held]) + 1, minlength=engine.pool.n_pages + 1)
+    assert np.all(engine.pool.refs >= holders[1:])
+
+
 def test_prefix_pages_are_shared_by_hash_and_counted(base):
+    """A prompt prefix's full pages are found by hash and shared, counted per holder; their
+    K/V are byte for byte the same after the sharers ran (no request writes a page it
+    shares), and the running requests' tables meet only in those hashed pages."""
     sampler, _, _ = base
     common = prompts_of([24], seed=5)[0]
     prompts = [common + tail for tail in prompts_of([3, 9, 1], seed=6)]
@@ -105,9 +127,14 @@ def test_prefix_pages_are_shared_by_hash_and_counted(base):
         out[e.rid].append(e.token)
     shared = [engine.pool.by_hash[h] for h in list(engine.pool.by_hash)[:3]]
     assert all(engine.pool.refs[p] == 2 for p in shared)
+    kv = _kv_of(engine, shared)
+    _assert_tables_meet_in_hashed_pages(engine)
     while engine.has_work():
         for e in engine.step():
             out[e.rid].append(e.token)
+        _assert_tables_meet_in_hashed_pages(engine)
+    for before, after in zip(kv, _kv_of(engine, shared), strict=True):
+        assert before.tobytes() == after.tobytes(), "a shared page was written"
     assert [out[r] for r in rids] == greedy[1:]
     assert all(engine.pool.refs[p] == 0 for p in shared) and engine.pool.in_use() == 0
 

@@ -256,6 +256,36 @@ def test_multi_token_prediction_layers_are_taken_whole_or_skipped(case, tmp_path
                     load_hf(d, mtp=mtp)
 
 
+def test_init_from_trains_with_the_family_s_defaults_as_the_import_does(case):
+    """`train.py init_from=HF_DIR` with the default config (tiny's Switch loss 0.01, capacity
+    1.25) resolves the family's training keys as the import of the directory does: no Switch
+    loss (the correction bias balances), dropless; a key the user sets stands in both. The
+    config resolution only: nothing trains."""
+    from moe_jax.cli.configs import config_path
+    from moe_jax.cli.train import config_argv
+    from moe_jax.config import cli_given_keys
+    from moe_jax.interop.__main__ import _import_config
+    from moe_jax.run.init_from import with_source_architecture
+    from moe_jax.train_log import moe_line
+
+    directory = case[1]
+    for overrides, capacity in (([], 0.0), (["moe.capacity_factor=1.5"], 1.5)):
+        args = config_argv([f"init_from={directory}", *overrides])  # as train.py reads them
+        trains = with_source_architecture(
+            load_config(config_path("tiny"), args), cli_given_keys(args)
+        )
+        imported = _import_config(directory, None, overrides)[0]
+        for moe in (trains.moe, imported.moe):
+            assert (moe.capacity_factor, moe.lb_loss_weight) == (capacity, 0.0)
+            assert moe.correction_bias and moe.bias_update_rate > 0
+        assert trains.moe == imported.moe
+    # what the run's first lines say of it (trainer.train logs this line)
+    assert moe_line(trains) == (
+        "moe: capacity_factor 1.5 (tokens over it dropped); balancing: Switch loss 0, z-loss "
+        "0.001, correction bias at rate 0.001"
+    )
+
+
 def test_fused_experts_import_identically(tmp_path):
     """transformers>=5's in-memory layout (fused gate_up_proj [E, 2F, D])."""
     model = hf_model("glm4_moe", seed=1)

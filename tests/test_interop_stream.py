@@ -383,3 +383,95 @@ def test_mxfp4_experts_are_taken_packed_from_a_gpt_oss_directory(tmp_path):
     w_down = got[("blocks", "layers", 0, "ffn", "experts", "w_down")].get_raw_value()["blocks"]
     stored = tensors["model.layers.0.mlp.experts.down_proj_blocks"]  # [E, D, F / 32, 16]
     np.testing.assert_array_equal(np.asarray(w_down)[0], stored.transpose(0, 2, 3, 1))
+
+
+# ----------------------------------------------------------------------------- mixed dtypes
+
+
+@pytest.fixture(scope="module")
+def mixed(tmp_path_factory):
+    """(HF directory, its import) of a tiny GLM-4.5-shaped checkpoint released as GLM-4.5,
+    DeepSeek-V3 and Kimi K2 are: bf16, but the routers' e_score_correction_bias float32."""
+    from moe_jax.interop import save_hf
+    from moe_jax.interop.safetensors_io import ShardWriter
+    from tests.helpers import tiny_config
+    from tests.test_interop import random_model
+
+    root = tmp_path_factory.mktemp("mixed")
+    cfg = tiny_config(
+        "model.n_layers=2", "attention.nope_interval=0", "attention.temperature_tuning=false",
+        "attention.partial_rotary_factor=0.5", "moe.score=sigmoid", "moe.correction_bias=true",
+        "moe.shared_expert_hidden=40", "moe.interleave_step=1", "moe.first_dense_layers=1",
+    )  # fmt: skip
+    save_hf(cfg, random_model(cfg, seed=3), root / "f32")
+    f32, hf = TensorReader(root / "f32"), root / "hf"
+    hf.mkdir()
+    writer = ShardWriter(hf, 1 << 40, ml_dtypes.bfloat16)
+    for name in f32.names():
+        writer.add(name, f32.get(name), np.float32 if name.endswith("correction_bias") else None)
+    writer.close()
+    (hf / "config.json").write_bytes((root / "f32" / "config.json").read_bytes())
+    assert interop(["import", str(hf), "--out", str(root / "run")]) == 0
+    return hf, root / "run"
+
+
+def _assert_written_as(out: Path, source: Path) -> None:
+    """`out`'s tensors bit for bit `source`'s: the correction biases float32, the rest bf16."""
+    back, source = TensorReader(out), TensorReader(source)
+    assert back.names() == source.names()
+    biases = [n for n in source.names() if n.endswith("e_score_correction_bias")]
+    assert biases
+    for name in source.names():
+        want = "F32" if name in biases else "BF16"
+        assert (back.dtype(name), source.dtype(name)) == (want, want), name
+        np.testing.assert_array_equal(back.get(name), source.get(name), name)
+
+
+def test_export_writes_each_tensor_in_its_own_dtype(mixed, tmp_path):
+    """A bf16 import keeps the float32 correction biases; the export writes them float32 as
+    the source has them (it once wrote every tensor in the params' majority dtype, bf16)."""
+    hf_dir, run = mixed
+    assert interop(["export", str(run), "--out", str(tmp_path / "hf")]) == 0
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["torch_dtype"] == "bfloat16"
+    _assert_written_as(tmp_path / "hf", hf_dir)
+
+
+def test_export_hf_in_bf16_keeps_the_float32_params(mixed, tmp_path):
+    """checkpoint.export_hf of a bf16 run (`hf_exports.export`, asking for bfloat16): every
+    tensor bf16 but the params the model keeps float32 (`moe.FLOAT32_PARAMS`)."""
+    from moe_jax.run import hf_exports
+    from tests.helpers import tiny_config
+
+    hf_dir, run = mixed
+    cfg = tiny_config(f"run_dir={run}", "model.dtype=bfloat16")
+    out = hf_exports.export(cfg, step=0)
+    _assert_written_as(out, hf_dir)
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf])
+def test_a_non_finite_weight_is_refused_by_name_unless_allowed(mixed, tmp_path, capsys, bad):
+    """One NaN / inf in one tensor (the fixture's checkpoint rewritten): the import names the
+    tensor in one line and writes nothing (it once imported it silently); with
+    --allow-nonfinite it is imported as it is."""
+    from moe_jax.interop.safetensors_io import ShardWriter
+
+    hf_dir, _ = mixed
+    source, poisoned, name = TensorReader(hf_dir), tmp_path / "hf", None
+    poisoned.mkdir()
+    writer = ShardWriter(poisoned, 1 << 40, ml_dtypes.bfloat16)
+    for n in source.names():
+        tensor = np.array(source.get(n))
+        if n.endswith("layers.1.mlp.shared_experts.up_proj.weight"):
+            tensor[2, 3], name = bad, n
+        writer.add(n, tensor, tensor.dtype)
+    writer.close()
+    (poisoned / "config.json").write_bytes((hf_dir / "config.json").read_bytes())
+    assert name is not None
+    capsys.readouterr()
+    assert interop(["import", str(poisoned), "--out", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: tensor '{name}' in '{poisoned}") and "NaN or inf" in err, err
+    assert "--allow-nonfinite" in err and err.count("\n") == 1, err
+    assert not (tmp_path / "run").exists()
+    run = tmp_path / "allowed"
+    assert interop(["import", str(poisoned), "--out", str(run), "--allow-nonfinite"]) == 0

@@ -257,3 +257,40 @@ def test_both_packings_refuse_non_finite_weights(bad):
         fp4.quantize(jnp.asarray(w))
     shapes = jax.eval_shape(fp4.quantize, jax.ShapeDtypeStruct(w.shape, jnp.float32))  # traced
     assert shapes["blocks"].shape == (2, 2, 16, 4)
+
+
+def test_model_decode_of_every_scale_byte_equals_the_checkpoints_bit_for_bit():
+    """`model.fp4.dequantize` and `interop.mxfp4.dequantize` (transformers') on every scale byte
+    0..255 and every code: the same float32 bits, the subnormals of bytes 0..2 and byte 255
+    (2**128, as transformers reads it: +-inf, 2**127 for code 0.5, +-0 for a zero code)
+    included. The model's once built 2**(s-127) with exp2: 4e-6 off, bytes 0/1 flushed to 0,
+    255 inf (so NaN for a zero code)."""
+    import jax.numpy as jnp
+
+    from moe_jax.model import fp4
+
+    scales = np.arange(256, dtype=np.uint8)[None, :]  # [E=1, F=256]: one block per byte
+    codes = np.arange(32, dtype=np.uint8) % 16  # every code, twice, in both nibbles
+    blocks = np.broadcast_to((codes[0::2] | (codes[1::2] << 4))[None, :, None], (1, 16, 256))
+    ours = {"blocks": jnp.asarray(blocks)[:, None], "scales": jnp.asarray(scales)[:, None]}
+    got = np.asarray(fp4.dequantize(ours))  # [1, 32, 256]
+    want = dequantize(_ours_to_hf(blocks[:, None]), _ours_to_hf(scales[:, None]), np.float32)
+    np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
+    assert np.isinf(got[0, :, 255]).sum() == 24 and not np.isnan(got).any()
+
+
+def test_model_packing_of_ties_at_every_scale_equals_the_checkpoints():
+    """The ties (and 6, the block's largest) at every scale 2**-124..2**125 (the normal floats; a
+    subnormal weight is flushed to 0 by XLA's CPU before it is packed): the model
+    packs them as `interop.mxfp4` does; it once divided by exp2(s), off by up to 4e-6 on XLA's
+    CPU, enough to move a tie to the other code."""
+    import jax.numpy as jnp
+
+    from moe_jax.model import fp4
+
+    ties = np.array([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0] * 4, np.float32)
+    w = np.ldexp(ties[None, :, None], np.arange(-124, 126)[None, None, :]).astype(np.float32)
+    ours = fp4.quantize(jnp.asarray(w))
+    blocks, scales = quantize(w)
+    np.testing.assert_array_equal(_ours_to_hf(np.asarray(ours["scales"])), scales)
+    np.testing.assert_array_equal(_ours_to_hf(np.asarray(ours["blocks"])), blocks)

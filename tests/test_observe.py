@@ -8,6 +8,7 @@ Budget: the tiny runs of test_train.py (the same compiled step), a few steps eac
 
 from __future__ import annotations
 
+import gzip
 import importlib.util
 import json
 import subprocess
@@ -58,6 +59,31 @@ def test_a_profiled_run_leaves_a_trace_whose_ops_carry_the_parts(tmp_path, capsy
     assert "steps 2-3: wall" in out and "kernel kind" in out
     assert all(p in out for p in ("attention", "experts", "optimizer"))
     assert profile.main([str(tmp_path / "nothing")]) == 2
+
+
+@pytest.mark.parametrize(
+    "name, content",
+    [("perfetto_trace.json.gz", b"not gzip"), ("perfetto_trace.json.gz", b"cut"),
+     ("perfetto_trace.json.gz", b"{no json"), ("perfetto_trace.json.gz", b'{"a": 1}'),
+     ("steps.json", b'{"first_step": 2}')],
+    ids=["not-gzip", "cut-off", "not-json", "no-events", "bad-steps"],
+)  # fmt: skip
+def test_an_unreadable_trace_is_one_line(tmp_path, capsys, name, content):
+    """A trace (or its steps.json) that cannot be read: `error: ...` naming the file, exit 2
+    (a traceback of gzip's or json's once)."""
+    session = tmp_path / "profile" / "plugins" / "profile" / "2026_01_01"
+    session.mkdir(parents=True)
+    trace = session / "perfetto_trace.json.gz"
+    trace.write_bytes(gzip.compress(b'{"traceEvents": []}'))
+    if content == b"cut":  # a gzip stream cut off
+        content = gzip.compress(b'{"traceEvents": []}')[:-12]
+    elif name == trace.name and content != b"not gzip":
+        content = gzip.compress(content)
+    (session / name).write_bytes(content)
+    assert profile.main([str(tmp_path / "profile")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: cannot read the trace file '{session / name}'"), err
+    assert err.count("\n") == 1, err
 
 
 def test_ops_are_charged_to_their_innermost_part_by_hand():

@@ -76,3 +76,26 @@ def test_the_cli_writes_one_png_per_figure(tmp_path, capsys, moe):
     assert sorted(p.name for p in out.iterdir()) == sorted(names)
     for name in names:
         assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize(
+    "kind, field", [("train", "ce"), ("train", "expert_load"), ("eval", "val_loss"),
+                    ("info", "val_unigram_entropy"), ("train", "mtp_ce")],
+)  # fmt: skip
+def test_a_record_without_a_field_it_draws_is_one_line(tmp_path, capsys, kind, field):
+    """A record lacking a field a figure reads (it once ended in a KeyError's traceback):
+    refused by name, before any file is written."""
+    rs = records()
+    if field == "mtp_ce":  # drawn for all train records once the first has it
+        rs[1]["mtp_ce"] = 4.1
+    else:
+        del next(r for r in rs if r["kind"] == kind and field in r)[field]
+    with MetricsWriter(tmp_path, tensorboard=False) as writer:
+        for r in rs:
+            writer.write(r)
+    out = tmp_path / "plots"
+    assert main([str(tmp_path), "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1, err
+    assert "record of step" in err and f"has no '{field}'" in err, err
+    assert not out.exists()

@@ -275,9 +275,75 @@ def test_a_client_that_disconnects_frees_its_slot_and_pages(server):
     assert np.all(engine.pool.refs >= 0)
 
 
-def test_the_command_finishes_its_requests_on_sigterm_and_exits_0(server):
+@contextlib.contextmanager
+def slow_steps(engine, seconds: float):
+    """Each engine step `seconds` longer, its lock held meanwhile (a long step, a compile)."""
+    step = engine.step
+
+    def slow():
+        time.sleep(seconds)
+        return step()
+
+    engine.step = slow
+    try:
+        yield
+    finally:
+        del engine.step  # the class's own again
+
+
+@contextlib.contextmanager
+def server_errors():
+    """The ERROR records uvicorn logs meanwhile (a handler's exception: "Exception in ASGI
+    application" and its traceback)."""
+    import logging
+
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler(logging.ERROR)
+    handler.emit = records.append
+    logger = logging.getLogger("uvicorn.error")
+    logger.addHandler(handler)
+    try:
+        yield records
+    finally:
+        logger.removeHandler(handler)
+
+
+def test_a_client_leaving_a_whole_request_frees_it_and_logs_nothing(server):
+    """A non-streamed request's client that goes (its timeout) cancels the request, with no
+    `aclose(): asynchronous generator is already running` in the server's log."""
+    base, engine = server[0], server[1]
+    body = {"model": "tiny", "prompt": "the", "max_tokens": 40, "temperature": 0,
+            "ignore_eos": True}  # fmt: skip
+    with server_errors() as errors, slow_steps(engine, 0.05):
+        with pytest.raises(httpx.TimeoutException):
+            httpx.post(base + "/v1/completions", json=body, timeout=0.6)
+        deadline = time.time() + 20
+        while engine.running() or engine.pool.in_use():
+            assert time.time() < deadline, "the request kept its slot after the client left"
+            time.sleep(0.05)
+        time.sleep(0.3)  # the handler's end, after it freed the slot
+    assert not errors, "\n".join(r.getMessage() + str(r.exc_info) for r in errors)
+
+
+def test_metrics_answer_while_a_step_holds_the_engine(server):
+    """/metrics reads the gauges of the last step without the engine's lock: a long step
+    (here 2 s) held the lock, and with it the event loop, until it ended."""
+    base, engine = server[0], server[1]
+    body = {"model": "tiny", "prompt": "the", "max_tokens": 1, "temperature": 0}
+    with slow_steps(engine, 2.0), ThreadPoolExecutor(1) as pool:
+        reply = pool.submit(httpx.post, base + "/v1/completions", json=body, timeout=60)
+        time.sleep(0.3)  # the request submitted, its first step under way
+        start = time.perf_counter()
+        metrics = httpx.get(base + "/metrics", timeout=10)
+        assert time.perf_counter() - start < 1.0 and metrics.status_code == 200
+        assert "moe_jax_queue_length" in metrics.text
+        assert reply.result().status_code == 200
+
+
+def test_the_command_finishes_its_requests_on_sigterm_then_stops_with_143(server):
     """`python -m moe_jax.serve RUN`: serves; SIGTERM during a streamed request lets it end
-    (uvicorn's graceful shutdown), then the process exits 0."""
+    (uvicorn's graceful shutdown), then the process stops as every command does (README):
+    `error: stopped by SIGTERM`, exit 143."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -303,7 +369,9 @@ def test_the_command_finishes_its_requests_on_sigterm_and_exits_0(server):
             proc.send_signal(signal.SIGTERM)
             rest = [line for line in lines if line]
         assert first.startswith("data: {") and rest[-1] == "data: [DONE]"
-        assert proc.wait(60) == 0
+        assert proc.wait(60) == 143
+        out = proc.stdout.read().decode()
+        assert out.endswith("error: stopped by SIGTERM\n") and "Traceback" not in out, out
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -313,8 +381,23 @@ def test_the_command_finishes_its_requests_on_sigterm_and_exits_0(server):
 def test_the_command_refuses_a_missing_run_in_one_line(capsys):
     from moe_jax.serve.__main__ import main
 
-    assert main(["/nonexistent/run"]) == 2
+    assert main(["/nonexistent/run", "--port", "0"]) == 2
     assert capsys.readouterr().err.startswith("error: run directory '/nonexistent/run'")
+
+
+def test_the_command_refuses_a_port_in_use_before_it_loads_in_one_line(capsys):
+    """The port is bound before the model loads: one taken fails at once, ahead of the
+    missing run (uvicorn bound it, after the load)."""
+    from moe_jax.serve.__main__ import main
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert main(["/nonexistent/run", "--port", str(port)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: cannot listen on 127.0.0.1:{port}: Address already in use")
+    assert err.count("\n") == 1, err
 
 
 def test_speculation_through_the_server_gives_the_same_text_and_counts_its_drafts(

@@ -26,7 +26,7 @@ from collections.abc import Sequence
 
 from moe_jax.cli.configs import config_path
 from moe_jax.cli.entry import command
-from moe_jax.config import ConfigError, cli_config
+from moe_jax.config import ConfigError, cli_config, cli_given_keys
 from moe_jax.process_setup import import_jax, reexec_with_hugepages
 
 USAGE = "usage: moe-jax-train [CONFIG] [section.key=value ...]   (or: python train.py ...)"
@@ -50,14 +50,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     if argv and argv[0] in ("-h", "--help"):
         print(__doc__.strip() + "\n\n" + USAGE)
         return 0
-    cfg = cli_config(config_argv(argv), default_path=config_path("tiny"))
+    args = config_argv(argv)
+    cfg = cli_config(args, default_path=config_path("tiny"))
     # Only now jax and what imports it (seconds): a bad config has failed before that.
     import_jax()
     from moe_jax.sharding import init_distributed
     from moe_jax.trainer import train
 
     init_distributed(cfg)
-    result = train(cfg)
+    # init_from=HF_DIR: the family's capacity and balancing where the user set none
+    result = train(cfg, given=cli_given_keys(args))
     if result.stopped_by is not None:
         return 128 + result.stopped_by  # the shell convention for "terminated by a signal"
     return 0

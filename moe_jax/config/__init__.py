@@ -53,6 +53,8 @@ from moe_jax.config.run import (
 )
 
 __all__ = [
+    "check_lora_targets",
+    "lora_groups",
     "DEFAULT_WARMUP_STEPS",
     "DTYPES",
     "MAX_TEMPERATURE",
@@ -196,6 +198,38 @@ def _check_across_sections(cfg: Config) -> None:
         "init_from is empty; name the run directory to start from, or set it to null",
     )
     _check_objective(cfg)
+    _check_lora_targets(cfg)
+
+
+def lora_groups(cfg: Config) -> tuple[str, ...]:
+    """The lora.targets groups this model has weights of (model/lora.py's GROUP_WEIGHTS):
+    attention in every layer, mlp in the dense layers, experts in the MoE layers, shared in
+    those with a shared expert. (The MTP layers are of the last layer's kind.)"""
+    moe = [cfg.is_moe(i) for i in range(cfg.model.n_layers)]
+    has = {"attention": bool(moe), "mlp": not all(moe), "experts": any(moe),
+           "shared": any(moe) and cfg.moe.shared_expert_hidden > 0}  # fmt: skip
+    return tuple(g for g in LORA_TARGETS if has[g])
+
+
+def _check_lora_targets(cfg: Config) -> None:
+    """Where the config holds the model's architecture, `check_lora_targets` (an init_from
+    Hugging Face directory brings its own, checked when the model is built)."""
+    if cfg.init_from is None:
+        check_lora_targets(cfg)
+
+
+def check_lora_targets(cfg: Config) -> None:
+    """A target this model has no weight of would train nothing: refused by name (the config
+    check, and `Transformer` for a config whose architecture came from elsewhere)."""
+    if cfg.lora.rank == 0:
+        return
+    have = lora_groups(cfg)
+    for target in cfg.lora.targets:
+        require(
+            target in have,
+            f"lora.targets has '{target}', which matches no weight of this model (its "
+            f"targets: {', '.join(have)}); drop '{target}' from lora.targets",
+        )
 
 
 def _check_objective(cfg: Config) -> None:
@@ -401,6 +435,31 @@ def _renamed_keys(saved):
         if "trackers" not in train:
             train.trackers = ["tensorboard"] if tensorboard else []
     return saved
+
+
+def given_keys(path: str | Path | None, overrides: Sequence[str] = ()) -> frozenset[str]:
+    """The dotted keys that the YAML file at `path` (None: no file) and the `key=value`
+    overrides set: what the user chose, as against what the schema's defaults left (a Hugging
+    Face checkpoint's family then sets those: `interop.as_run.with_run_keys`)."""
+    keys = {item.partition("=")[0] for item in overrides}
+    if path is not None:
+        keys |= _dotted(OmegaConf.to_container(OmegaConf.load(path)))
+    return frozenset(keys)
+
+
+def _dotted(tree, prefix: str = "") -> set[str]:
+    """The dotted paths of the leaves of a nested dict."""
+    if not isinstance(tree, dict):
+        return {prefix[:-1]}
+    return set().union(*(_dotted(v, f"{prefix}{k}.") for k, v in tree.items()))
+
+
+def cli_given_keys(argv: Sequence[str]) -> frozenset[str]:
+    """The keys a CLI's `[CONFIG.yaml] [key=value ...]` sets: the named file's and the
+    overrides' (a default config the user did not name sets none)."""
+    args = list(argv)
+    path = args.pop(0) if args and "=" not in args[0] else None
+    return given_keys(path, args)
 
 
 def cli_config(argv: Sequence[str], default_path: str | Path | None) -> Config:

@@ -1,6 +1,7 @@
 """Convert between Hugging Face checkpoints and moe_jax run directories.
 
-    python -m moe_jax.interop import HF_DIR --out RUN_DIR [--dtype D] [CONFIG.yaml] [key=value ...]
+    python -m moe_jax.interop import HF_DIR --out RUN_DIR [--dtype D] [--allow-nonfinite]
+                                    [CONFIG.yaml] [key=value ...]
     python -m moe_jax.interop export RUN_DIR --out HF_DIR [--step N] [--arch A] [--dtype D]
     python -m moe_jax.interop export-adapter RUN_DIR --out ADAPTER_DIR [--step N] [--arch A]
 
@@ -10,7 +11,9 @@ model keys (model.dtype, model.scan_layers, model.max_seq_len, moe.capacity_fact
 weights). RUN_DIR gets a step-0 checkpoint of the params only, in the checkpoint's own dtype
 (bf16 stays bf16; --dtype float32 or bfloat16 to choose), streamed: each tensor is read
 through a memory map and written a slice at a time, so host memory stays about one tensor
-whatever the model's size (a progress line on stderr gives bytes, rate and ETA). Fine-tune
+whatever the model's size (a progress line on stderr gives bytes, rate and ETA). A tensor
+holding NaN or inf is refused by name as it is read (an MXFP4 weight as it is decoded: its
+scale 255 gives inf); --allow-nonfinite imports it as it is. Fine-tune
 it with `python train.py RUN_DIR/config.yaml [overrides]` (float32 master weights and a new
 optimizer state made on the devices, data from the start) or sample from it. The HF
 directory's tokenizer (tokenizer.json or tokenizer.model, with
@@ -26,7 +29,9 @@ export: writes the run's latest (or --step) checkpoint as safetensors + config.j
 first HF architecture that represents its config exactly (or --arch), and the run's
 tokenizer files, if it has any (a byte or char tokenizer has none). The tensors are in the
 params' own dtype (float32 for a trained run, bf16 for a bf16 import; --dtype to choose),
-config.json's torch_dtype says which; streamed: one tensor read from the checkpoint and
+config.json's torch_dtype says which (a tensor the import kept in another dtype keeps it, and
+the router's correction bias stays float32 under --dtype bfloat16, as the releases keep it:
+`interop.export`); streamed: one tensor read from the checkpoint and
 written at a time, in shards of at most 2 GB. The multi-token
 prediction layers (model.mtp_depth) are written as DeepSeek-V3 / GLM-4.5 checkpoints hold
 them; the other architectures have none.
@@ -52,9 +57,16 @@ from flax import nnx
 from omegaconf import OmegaConf
 
 from moe_jax.cli.entry import command, writes
-from moe_jax.config import Config, ConfigError, config_from_yaml, config_to_yaml, load_config
+from moe_jax.config import (
+    Config,
+    ConfigError,
+    config_from_yaml,
+    config_to_yaml,
+    given_keys,
+    load_config,
+)
 from moe_jax.data import load_run_data
-from moe_jax.interop.as_run import hf_tokenizer
+from moe_jax.interop.as_run import hf_tokenizer, with_run_keys
 from moe_jax.interop.convert import FAMILIES, open_hf
 from moe_jax.interop.export import export_run as stream_export
 from moe_jax.interop.safetensors_io import InteropError
@@ -72,7 +84,11 @@ def _require_empty(out: Path) -> None:
 
 
 def _import_config(
-    hf_dir: Path, config: str | None, overrides: list[str], dtype: str = "source"
+    hf_dir: Path,
+    config: str | None,
+    overrides: list[str],
+    dtype: str = "source",
+    allow_nonfinite: bool = False,
 ) -> tuple[Config, ImportPlan]:
     """The HF architecture over CONFIG.yaml + overrides, and the plan that streams its
     weights; overriding an architecture key that the HF config fixes is refused rather than
@@ -86,16 +102,14 @@ def _import_config(
         elif key.split(".")[0] in ("model", "attention", "moe") and key not in RESUMABLE_CHANGES:
             raise ConfigError(f"'{key}' is set by {hf_dir}/config.json and cannot be overridden")
     base = load_config(config, overrides)
-    cfg, plan = open_hf(hf_dir, base, mtp=mtp, dtype=dtype)
-    # The run-time model keys the HF config sets (max_seq_len, capacity_factor) yield to the
-    # ones CONFIG.yaml or the overrides give explicitly.
-    merged = OmegaConf.create(config_to_yaml(cfg))
-    file_cfg = OmegaConf.load(config) if config is not None else OmegaConf.create({})
-    for key in sorted(RESUMABLE_CHANGES):
-        value = OmegaConf.select(file_cfg, key, default=None)
-        if value is not None:
-            OmegaConf.update(merged, key, value)
-    merged = OmegaConf.merge(merged, OmegaConf.from_dotlist(overrides))
+    cfg, plan = open_hf(hf_dir, base, mtp=mtp, dtype=dtype, allow_nonfinite=allow_nonfinite)
+    # The run-time model keys the HF config sets (max_seq_len, capacity_factor, balancing)
+    # yield to the ones CONFIG.yaml or the overrides give explicitly, as `init_from=HF_DIR`'s.
+    cfg = with_run_keys(cfg, base, given_keys(config, overrides))
+    # the overrides again over what config.json caps (train.seq_len at its context)
+    merged = OmegaConf.merge(
+        OmegaConf.create(config_to_yaml(cfg)), OmegaConf.from_dotlist(overrides)
+    )
     return config_from_yaml(OmegaConf.to_yaml(merged)), plan
 
 
@@ -108,13 +122,19 @@ def _hf_tokenizer(hf_dir: Path, cfg: Config, overrides: list[str]) -> Tokenizer 
 
 
 def import_run(
-    hf_dir: Path, out: Path, config: str | None, overrides: list[str], dtype: str = "source"
+    hf_dir: Path,
+    out: Path,
+    config: str | None,
+    overrides: list[str],
+    dtype: str = "source",
+    allow_nonfinite: bool = False,
 ) -> Config:
     """Import HF_DIR into a new run directory `out` holding a params-only step-0 checkpoint
     in `dtype` ("source": the checkpoint's own), written slice by slice, and the HF
-    tokenizer's files (see the module doc)."""
+    tokenizer's files (see the module doc); a tensor holding NaN or inf is refused unless
+    `allow_nonfinite`."""
     _require_empty(out)
-    cfg, plan = _import_config(hf_dir, config, overrides, dtype)
+    cfg, plan = _import_config(hf_dir, config, overrides, dtype, allow_nonfinite)
     tokenizer = _hf_tokenizer(hf_dir, cfg, overrides)
     if tokenizer is not None:  # the run's own copy, written with its checkpoint
         cfg = dataclasses.replace(
@@ -159,7 +179,8 @@ def main(argv: list[str]) -> int:
     imp = sub.add_parser(
         "import",
         help="HF checkpoint directory -> moe_jax run directory",
-        usage="%(prog)s HF_DIR --out RUN_DIR [--dtype D] [CONFIG.yaml] [section.key=value ...]",
+        usage="%(prog)s HF_DIR --out RUN_DIR [--dtype D] [--allow-nonfinite] [CONFIG.yaml] "
+        "[section.key=value ...]",
     )
     imp.add_argument("hf_dir", type=Path)
     imp.add_argument("--out", type=Path, required=True, help="new run directory")
@@ -168,6 +189,11 @@ def main(argv: list[str]) -> int:
         choices=["source", "float32", "bfloat16"],
         default="source",
         help="the params' dtype in the run (default: the checkpoint's own, bf16 stays bf16)",
+    )
+    imp.add_argument(
+        "--allow-nonfinite",
+        action="store_true",
+        help="import tensors holding NaN or inf as they are (refused by default)",
     )
     exp = sub.add_parser("export", help="moe_jax run directory -> HF checkpoint directory")
     exp.add_argument("run_dir", type=Path)
@@ -192,7 +218,7 @@ def main(argv: list[str]) -> int:
     writes(args.out)
     if args.command == "import":
         config = rest.pop(0) if rest and "=" not in rest[0] else None
-        cfg = import_run(args.hf_dir, args.out, config, rest, args.dtype)
+        cfg = import_run(args.hf_dir, args.out, config, rest, args.dtype, args.allow_nonfinite)
         print(f"imported {args.hf_dir} into {cfg.run_dir} (step 0)")
     elif args.command == "export-adapter":
         from moe_jax.lora.peft import export_adapter

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Collection
 from pathlib import Path
 
 import jax
@@ -59,27 +60,40 @@ def hf_tokenizer(hf_dir: Path, cfg: Config) -> Tokenizer | None:
     return tokenizer
 
 
-def with_hf_architecture(hf_dir: str | Path, cfg: Config, mtp: bool = True) -> Config:
-    """`cfg` with the architecture (model, attention, moe) of the checkpoint in `hf_dir`, but
-    the run-time keys (max_seq_len, dtype, capacity factor...: `run.policy.RESUMABLE_CHANGES`)
-    kept from `cfg`, and `data.tokenizer` the directory where it holds tokenizer files."""
-    from moe_jax.run.policy import RESUMABLE_CHANGES
-
+def with_hf_architecture(
+    hf_dir: str | Path, cfg: Config, mtp: bool = True, given: Collection[str] | None = None
+) -> Config:
+    """`cfg` with the architecture (model, attention, moe) of the checkpoint in `hf_dir`, its
+    run-time keys (`with_run_keys`) the family's but those the user gave (`given`; None: all
+    of cfg's), and `data.tokenizer` the directory where it holds tokenizer files."""
     try:
         hf = config_from_hf(hf_dir, cfg, mtp=mtp)
     except InteropError as e:
         raise RunError(str(e)) from None
-    sections = {}
-    for section in ("model", "attention", "moe"):
-        keep = {k.split(".")[1] for k in RESUMABLE_CHANGES if k.startswith(section + ".")}
-        own = getattr(cfg, section)
-        sections[section] = dataclasses.replace(
-            getattr(hf, section), **{k: getattr(own, k) for k in keep}
-        )
-    hf = dataclasses.replace(hf, **sections)
+    hf = with_run_keys(hf, cfg, given)
     if hf_tokenizer(Path(hf_dir), hf) is not None:
         hf = dataclasses.replace(hf, data=dataclasses.replace(hf.data, tokenizer=str(hf_dir)))
     return hf
+
+
+def with_run_keys(hf: Config, cfg: Config, given: Collection[str] | None) -> Config:
+    """`hf`, a checkpoint's config over `cfg`, with the run-time keys
+    (`run.policy.RESUMABLE_CHANGES`: capacity factor, balancing weights, context, dtype...)
+    that the user gave (`given`, dotted; None: all) taken from `cfg`. The others stay what the
+    family sets wherever its checkpoint is read (an import, `init_from=HF_DIR`): no token
+    dropped (capacity factor 0), its balancing (DeepSeek / Kimi / GLM: the correction bias,
+    no Switch loss), config.json's context."""
+    from moe_jax.run.policy import RESUMABLE_CHANGES
+
+    keys = RESUMABLE_CHANGES if given is None else RESUMABLE_CHANGES & set(given)
+    sections = {}
+    for section in ("model", "attention", "moe"):
+        own = getattr(cfg, section)
+        keep = {k.split(".")[1] for k in keys if k.startswith(section + ".")}
+        sections[section] = dataclasses.replace(
+            getattr(hf, section), **{k: getattr(own, k) for k in keep}
+        )
+    return dataclasses.replace(hf, **sections)
 
 
 def hf_meta(hf_dir: str | Path) -> dict:

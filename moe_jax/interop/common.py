@@ -26,10 +26,11 @@ HFTensors = Iterator[tuple[str, np.ndarray]]
 
 
 class Source:
-    """HF tensors under a name prefix (e.g. `model.layers.3.`), recording which were read."""
+    """HF tensors under a name prefix (e.g. `model.layers.3.`), recording which were read;
+    with `finite`, each region read is checked for NaN and inf (`checked_finite`)."""
 
-    def __init__(self, reader: TensorReader, prefix: str, used: set[str]):
-        self.reader, self.prefix, self.used = reader, prefix, used
+    def __init__(self, reader: TensorReader, prefix: str, used: set[str], finite: bool = True):
+        self.reader, self.prefix, self.used, self.finite = reader, prefix, used, finite
 
     def has(self, name: str) -> bool:
         return self.reader.has(self.prefix + name)
@@ -40,12 +41,14 @@ class Source:
         full = self._used(name, shape)
         scale = full + fp8.SCALE_SUFFIX
         if self.reader.dtype(full) != "F8_E4M3" or not self.reader.has(scale):
-            return self.reader.lazy(full)
-        s_shape = self.reader.shape(scale)
-        if why := fp8.check_scales(full, shape, s_shape):
-            raise InteropError(f"{why} (in '{self.reader.file_of(scale)}')")
-        self.used.add(scale)
-        return fp8.deferred(self.reader.raw(full), self.reader.raw(scale))
+            tensor = self.reader.lazy(full)
+        else:
+            s_shape = self.reader.shape(scale)
+            if why := fp8.check_scales(full, shape, s_shape):
+                raise InteropError(f"{why} (in '{self.reader.file_of(scale)}')")
+            self.used.add(scale)
+            tensor = fp8.deferred(self.reader.raw(full), self.reader.raw(scale))
+        return checked_finite(tensor, full, self.reader) if self.finite else tensor
 
     def packed(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
         """A uint8 tensor (MXFP4 blocks or scales) of `shape`, as stored."""
@@ -63,6 +66,26 @@ class Source:
             )
         self.used.add(full)
         return full
+
+
+def nonfinite_error(name: str, reader: TensorReader) -> InteropError:
+    return InteropError(
+        f"tensor '{name}' in '{reader.file_of(name)}' holds NaN or inf; a model with it "
+        "computes NaN: use an intact checkpoint, or import it as it is with --allow-nonfinite"
+    )
+
+
+def checked_finite(tensor: Deferred, name: str, reader: TensorReader) -> Deferred:
+    """`tensor` (HF tensor `name`) with each region checked as it is read: one pass over
+    values already in memory, so a NaN or inf weight stops the import by name."""
+
+    def compute(index):
+        values = tensor.compute(index)
+        if not np.isfinite(values).all():
+            raise nonfinite_error(name, reader)
+        return values
+
+    return Deferred(tensor.shape, compute, tensor.dtype)
 
 
 @dataclass(frozen=True)

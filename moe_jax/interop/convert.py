@@ -201,19 +201,25 @@ def _abstract_params(cfg: Config):
 
 
 def open_hf(
-    directory: str | Path, base: Config | None = None, *, mtp: bool = True, dtype="float32"
+    directory: str | Path,
+    base: Config | None = None,
+    *,
+    mtp: bool = True,
+    dtype="float32",
+    allow_nonfinite: bool = False,
 ) -> tuple[Config, ImportPlan]:
     """Our config for a HF checkpoint directory and the `ImportPlan` that makes any slice of
     any of its parameters (`stream.py`), every tensor checked (names, shapes, dtypes, the MTP
-    layers' copies) before anything is read in bulk. `dtype`: "float32", "bfloat16" or
-    "source" (each parameter in its tensors' dtype). Raises `InteropError` as `load_hf`."""
+    layers' copies) before anything is read in bulk, and for NaN / inf as it is read unless
+    `allow_nonfinite`. `dtype`: "float32", "bfloat16" or "source" (each parameter in its
+    tensors' dtype). Raises `InteropError` as `load_hf`."""
     family, hf, prefix = read_hf_config(directory)
     cfg = _our_config(family, hf, directory, base)
     reader = TensorReader(directory)
     cfg, dropped = _imported_mtp(cfg, reader.names(), prefix, mtp)
     _, variables = _abstract_params(cfg)
     shapes = {p: tuple(v.shape) for p, v in variables.items()}
-    plan = ImportPlan(reader, prefix, _placements(cfg, family), shapes, dtype)
+    plan = ImportPlan(reader, prefix, _placements(cfg, family), shapes, dtype, not allow_nonfinite)
     plan.run_checks()
     ignored = {prefix + "lm_head.weight"} if cfg.model.tie_embeddings else set()
     unused = plan.unused(
@@ -236,6 +242,7 @@ def load_hf(
     dtype: str = "float32",
     shardings: dict | None = None,
     progress: Progress | None = None,
+    allow_nonfinite: bool = False,
 ) -> tuple[Config, Transformer]:
     """Import a HF checkpoint directory (config.json + safetensors, single file or sharded).
 
@@ -248,9 +255,9 @@ def load_hf(
     a missing, truncated or unreadable tensor or file, a tensor of the wrong shape, or a
     tensor the mapping does not use (a setting we would otherwise ignore). `mtp=False`:
     without the multi-token prediction layers (`model.mtp_depth` 0), their tensors skipped
-    unread.
+    unread. A tensor holding NaN or inf is refused by name unless `allow_nonfinite`.
     """
-    cfg, plan = open_hf(directory, base, mtp=mtp, dtype=dtype)
+    cfg, plan = open_hf(directory, base, mtp=mtp, dtype=dtype, allow_nonfinite=allow_nonfinite)
     graphdef, variables = _abstract_params(cfg)
     if shardings is None:
         one = jax.sharding.SingleDeviceSharding(device or jax.devices()[0])
@@ -339,20 +346,24 @@ def write_hf(
     tokenizer: Tokenizer | None = None,
     dtype=np.float32,
     progress: Progress | None = None,
+    tensor_dtype=None,
 ) -> None:
     """The HF directory `out` (through a temporary sibling: whole or absent) of the params
     that `read(path, block)` gives one at a time (a param, or one layer of a stacked one;
-    arrays or `lazy.Deferred`s), every tensor written in `dtype` as soon as it is made, with
-    config.json (`torch_dtype` set to `dtype`) and the tokenizer's files."""
+    arrays or `lazy.Deferred`s), every tensor written as soon as it is made, in `dtype` or
+    in `tensor_dtype(paths)` (the dtype of a tensor made of params `paths`) where given,
+    with config.json (`torch_dtype` set to `dtype`) and the tokenizer's files."""
     name = "bfloat16" if np.dtype(dtype) == np.dtype(ml_dtypes.bfloat16) else np.dtype(dtype).name
     hf_config = hf_config | {"dtype": name, "torch_dtype": name}
+    tensor_dtype = tensor_dtype or (lambda paths: np.dtype(dtype))
     with new_output(out, f"'{out}'") as tmp:
         writer = ShardWriter(tmp, max_shard_bytes, dtype)
         for name_prefix, tensor_map, paths, block in _placements(cfg, family):
+            out_dtype = tensor_dtype(tuple(paths))
             for tensor_name, tensor in tensor_map.save(*[read(p, block) for p in paths]):
-                writer.add(name_prefix + tensor_name, tensor)
+                writer.add(name_prefix + tensor_name, tensor, out_dtype)
                 if progress is not None:
-                    progress.add(math.prod(tensor.shape) * np.dtype(dtype).itemsize)
+                    progress.add(math.prod(tensor.shape) * out_dtype.itemsize)
         writer.close()
         (tmp / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
         for fname, data in (tokenizer.files if tokenizer is not None else {}).items():

@@ -19,7 +19,12 @@ float32 weight the run trained against; the merge follows as for any LoRA run.
 dtype: the parameters' own (the dtype holding most of their bytes: float32 for a trained
 run, bf16 for a bf16 import) unless asked for, written as config.json's `torch_dtype`; on
 a quantised base the run's compute dtype (model.dtype; auto: bfloat16, the accelerators'),
-as no float dtype holds its weights.
+as no float dtype holds its weights. Each tensor is written in its params' stored dtype where
+that is known to be its own: unasked, outside a LoRA run (whose adapters and quantised base
+store dtypes of their own), every tensor in its stored dtype (a bf16 import keeps the float32
+tensors of its source, as DeepSeek-V3's e_score_correction_bias); asked for, or in a LoRA
+run, every tensor in `dtype` but the params the model keeps float32 (`moe.FLOAT32_PARAMS`),
+never narrowed below their stored dtype.
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ from moe_jax.interop.safetensors_io import InteropError
 from moe_jax.lora.params import quantized_base
 from moe_jax.model import Transformer, fp4
 from moe_jax.model.int8 import QUANTIZATIONS, QuantizedParam
+from moe_jax.model.moe import FLOAT32_PARAMS
 from moe_jax.run.layout import CHECKPOINT_DIR
 from moe_jax.run.store import open_checkpoints, read_meta
 from moe_jax.run.stream_save import CheckpointArrays
@@ -91,7 +97,8 @@ def export_run(
         out_dtype = DTYPES["float32" if cfg.model.dtype == "float32" else "bfloat16"]
     else:
         out_dtype = _params_dtype(arrays)
-    total = sum(math.prod(s) for s in arrays.shapes.values()) * out_dtype.itemsize
+    tensor_dtype = _tensor_dtypes(arrays, out_dtype, own=not dtype and not cfg.lora.rank)
+    total = sum(math.prod(s) * tensor_dtype((p,)).itemsize for p, s in arrays.shapes.items())
     tracker = progress(total) if progress is not None else None
 
     def read(path, block):
@@ -103,10 +110,23 @@ def export_run(
         from moe_jax.lora.peft import merged_reader
 
         read = merged_reader(read, arrays.shapes, cfg.lora.alpha / cfg.lora.rank)
-    write_hf(
-        cfg, family, hf_config, read, out, tokenizer=tokenizer, dtype=out_dtype, progress=tracker
-    )
+    write_hf(cfg, family, hf_config, read, out, tokenizer=tokenizer, dtype=out_dtype,
+             progress=tracker, tensor_dtype=tensor_dtype)  # fmt: skip
     return family.architecture, cfg
+
+
+def _tensor_dtypes(arrays: CheckpointArrays, dtype: np.dtype, own: bool):
+    """-> the dtype of a tensor made of params `paths` (the module doc): with `own`, the
+    widest they are stored in; else `dtype`, or the widest stored dtype of those the model
+    keeps float32 where that is wider."""
+
+    def of(paths: tuple) -> np.dtype:
+        if own and paths:
+            return max((arrays.dtype(p) for p in paths), key=lambda d: d.itemsize)
+        kept = [arrays.dtype(p) for p in paths if p[-1] in FLOAT32_PARAMS]
+        return max([dtype, *kept], key=lambda d: d.itemsize)
+
+    return of
 
 
 def _params_dtype(arrays: CheckpointArrays) -> np.dtype:

@@ -33,6 +33,7 @@ from moe_jax.interop.common import (
     attention_maps,
     aux_coef,
     check_hf_basics,
+    checked_finite,
     common_hf_config,
     every_nth,
     linear,
@@ -178,7 +179,9 @@ def _experts(hf: str = "mlp.experts") -> TensorMap:
 
 def _dequantized(src: Source, name: str, scales_shape: tuple[int, ...]) -> Deferred:
     """The HF parameter `[E, G*32, R]` of MXFP4 `name`, decoded (in bf16, as transformers
-    does) only where it is used: the experts and rows a converter's window holds."""
+    does) only where it is used: the experts and rows a converter's window holds; checked
+    finite as it is decoded (`src.finite`: scale 255, or one that overflows bf16, gives inf),
+    its scales named."""
     blocks = src.packed(f"{name}_blocks", (*scales_shape, mxfp4.BLOCK // 2))
     scales = src.packed(f"{name}_scales", scales_shape)
     E, R, G = scales_shape
@@ -187,7 +190,10 @@ def _dequantized(src: Source, name: str, scales_shape: tuple[int, ...]) -> Defer
         experts, k, rows = index
         return mxfp4.dequantize(blocks[experts, rows], scales[experts, rows])[:, k]
 
-    return Deferred((E, G * mxfp4.BLOCK, R), compute, ml_dtypes.bfloat16)
+    decoded = Deferred((E, G * mxfp4.BLOCK, R), compute, ml_dtypes.bfloat16)
+    if not src.finite:
+        return decoded
+    return checked_finite(decoded, src.prefix + f"{name}_scales", src.reader)
 
 
 def _interleave(gate: np.ndarray, up: np.ndarray) -> np.ndarray:

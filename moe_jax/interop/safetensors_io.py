@@ -205,7 +205,8 @@ class ShardWriter:
 
     Each tensor goes to disk as it is added (its bytes appended to the shard's data file;
     the shard gets its header when it is full), so the writer holds one tensor at a time.
-    `dtype`: the dtype every tensor is written in (default float32). A tensor larger than
+    `dtype`: the dtype a tensor is written in unless `add` names its own (default float32).
+    A tensor larger than
     the limit gets a shard of its own. `close()` names the files like `save_pretrained`: one
     `model.safetensors`, or `model-0000i-of-0000n.safetensors` and
     `model.safetensors.index.json`.
@@ -215,34 +216,36 @@ class ShardWriter:
         self.directory = Path(directory)
         self.max_shard_bytes = max_shard_bytes
         self.dtype = np.dtype(dtype)
-        self._code = next(k for k, v in DTYPES.items() if v == self.dtype)
         self._entries: dict[str, dict] = {}  # the shard being written: name -> header entry
         self._data = None  # its data file, open
         self._shards: list[tuple[Path, list[str]]] = []
         self._names: set[str] = set()
         self.total_bytes = 0
 
-    def add(self, name: str, array) -> None:
-        """Write tensor `name`: an array, or a `lazy.Deferred` (computed and written a block
-        of rows at a time, so a large one is never whole in memory)."""
+    def add(self, name: str, array, dtype=None) -> None:
+        """Write tensor `name` in `dtype` (default: the writer's): an array, or a
+        `lazy.Deferred` (computed and written a block of rows at a time, so a large one is
+        never whole in memory)."""
         if name in self._names:
             raise ValueError(f"tensor '{name}' written twice")
         if not isinstance(array, Deferred):
             array = np.asarray(array)
-        shape, nbytes = tuple(array.shape), math.prod(array.shape) * self.dtype.itemsize
+        dtype = self.dtype if dtype is None else np.dtype(dtype)
+        shape, nbytes = tuple(array.shape), math.prod(array.shape) * dtype.itemsize
         size = sum(e["data_offsets"][1] - e["data_offsets"][0] for e in self._entries.values())
         if self._entries and size + nbytes > self.max_shard_bytes:
             self._flush()
         if self._data is None:
             self._data = open(self._path(len(self._shards), ".data"), "wb")  # noqa: SIM115
             size = 0
-        entry = {"dtype": self._code, "shape": list(shape), "data_offsets": [size, size + nbytes]}
+        code = next(k for k, v in DTYPES.items() if v == dtype)
+        entry = {"dtype": code, "shape": list(shape), "data_offsets": [size, size + nbytes]}
         self._entries[name] = entry
-        row_bytes = math.prod(shape[1:]) * self.dtype.itemsize if shape else nbytes
+        row_bytes = math.prod(shape[1:]) * dtype.itemsize if shape else nbytes
         step = max(1, WRITE_BYTES // max(row_bytes, 1))
         for start in range(0, shape[0], step) if shape else [None]:
             part = array if start is None else array[start : start + step]
-            part = np.ascontiguousarray(np.asarray(part), dtype=self.dtype)
+            part = np.ascontiguousarray(np.asarray(part), dtype=dtype)
             self._data.write(part.reshape(-1).view(np.uint8).data)
         self._names.add(name)
         self.total_bytes += nbytes

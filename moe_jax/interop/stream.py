@@ -92,12 +92,16 @@ class ImportPlan:
     `placements`: (name prefix, tensor map, our param paths, block index) as `convert._placements`
     yields them; `shapes`: our params' shapes; `dtype`: "source" (each parameter in the
     dtype its HF tensors have: bf16 stays bf16; decoded FP8/MXFP4 weights are bf16),
-    "float32" or "bfloat16"."""
+    "float32" or "bfloat16". `finite`: every tensor checked for NaN and inf as it is read
+    (`common.checked_finite`; an MXFP4 weight as it is decoded)."""
 
-    def __init__(self, reader: TensorReader, prefix: str, placements, shapes: dict, dtype: str):
+    def __init__(
+        self, reader: TensorReader, prefix: str, placements, shapes: dict, dtype: str,
+        finite: bool = True,
+    ):  # fmt: skip
         if dtype != "source" and dtype not in DTYPES:
             raise InteropError(f"dtype '{dtype}': choose source, float32 or bfloat16")
-        self.reader, self.prefix, self.shapes = reader, prefix, shapes
+        self.reader, self.prefix, self.shapes, self.finite = reader, prefix, shapes, finite
         self.used: set[str] = set()
         self.pieces: dict[tuple, dict[int | None, tuple[Piece, int]]] = {}
         # tensor maps that only check copies of params made elsewhere
@@ -141,7 +145,8 @@ class ImportPlan:
         return [o.dtypes for o in outs]
 
     def _load(self, piece: Piece, outs: list) -> None:
-        piece.tensor_map.load(Source(self.reader, self.prefix + piece.prefix, self.used), *outs)
+        src = Source(self.reader, self.prefix + piece.prefix, self.used, self.finite)
+        piece.tensor_map.load(src, *outs)
 
     def _run(self, piece: Piece, j: int, window: Window) -> None:
         """Run `piece`'s tensor map keeping only output `j`, in `window`."""

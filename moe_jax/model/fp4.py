@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 BLOCK = 32  # values per scale
 SCALE_BIAS = 127
@@ -51,18 +52,40 @@ def e2m1_codes(x, xp=jnp):
     return code | (xp.signbit(x).astype(xp.uint8) << 3)
 
 
+def _scaled_table() -> np.ndarray:
+    """float32 [256 * 16]: code c at scale byte b (index 16 b + c) -> E2M1[c] * 2**(b - 127),
+    exact in float64 and rounded once to float32, as `interop.mxfp4` (transformers) decodes:
+    subnormal for bytes 0..2, and byte 255 (the OCP spec's NaN) read as 2**128 like
+    transformers does: +-inf, 2**127 for code +-0.5, +-0 for a zero code. `quantize` never
+    writes 255 (its largest scale is 253)."""
+    exact = np.ldexp(np.array(E2M1)[None, :], np.arange(256)[:, None] - SCALE_BIAS)
+    with np.errstate(over="ignore"):
+        return exact.astype(np.float32).reshape(-1)
+
+
+_SCALED = _scaled_table()
+
+
+def _pow2(e: jax.Array) -> jax.Array:
+    """2.0**e in float32, e int in [-126, 127], built from its exponent bits (exp2 is off by
+    up to 4e-6 on XLA's CPU)."""
+    bits = (e.astype(jnp.int32) + 127).astype(jnp.uint32) << 23
+    return jax.lax.bitcast_convert_type(bits, jnp.float32)
+
+
 def dequantize(raw: dict, index=...) -> jax.Array:
     """{"blocks" [..., G, 16, F], "scales" [..., G, F]} -> float32 [..., G * 32, F]; `index`
     picks along the leading axes first (a gather reads only the picked packed rows)."""
     blocks, scales = raw["blocks"], raw["scales"]
     if index is not ...:
         blocks, scales = blocks[index], scales[index]
-    table = jnp.asarray(E2M1, jnp.float32)
-    pairs = jnp.stack([table[blocks & 0xF], table[blocks >> 4]], axis=-2)  # [..., G, 16, 2, F]
-    *lead, G, half, _, F = pairs.shape
-    values = pairs.reshape(*lead, G, 2 * half, F)
-    factor = jnp.exp2(scales.astype(jnp.float32) - SCALE_BIAS)[..., None, :]
-    return (values * factor).reshape(*lead, G * 2 * half, F)
+    # One lookup of (scale, code) -> its value, no multiply: a product with a subnormal result
+    # (scale bytes 0..2) is flushed to 0 by XLA's CPU, and 2**(s - 127) alone is inf at 255.
+    table = jnp.asarray(_SCALED)
+    row = (scales.astype(jnp.int32) << 4)[..., None, :]  # [..., G, 1, F]
+    pairs = jnp.stack([table[row | (blocks & 0xF)], table[row | (blocks >> 4)]], axis=-2)
+    *lead, G, half, _, F = pairs.shape  # [..., G, 16, 2, F]
+    return pairs.reshape(*lead, G * 2 * half, F)
 
 
 def quantize(w: jax.Array) -> dict:
@@ -83,6 +106,6 @@ def _quantize(w: jax.Array) -> dict:
     *lead, D, F = w.shape
     x = w.astype(jnp.float32).reshape(*lead, D // BLOCK, BLOCK, F)
     s = scale_exponents(jnp.max(jnp.abs(x), axis=-2))  # [..., G, F]
-    code = e2m1_codes(x * jnp.exp2(-s.astype(jnp.float32))[..., None, :])  # [..., G, 32, F]
+    code = e2m1_codes(x * _pow2(-s)[..., None, :])  # [..., G, 32, F]
     blocks = code[..., 0::2, :] | (code[..., 1::2, :] << 4)
     return {"blocks": blocks, "scales": (s + SCALE_BIAS).astype(jnp.uint8)}

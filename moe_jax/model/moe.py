@@ -70,7 +70,12 @@ from moe_jax.model.routing import (
 from moe_jax.scopes import COMBINE, DISPATCH, SHARED_EXPERT
 from moe_jax.sharding import n_batch_shards, param
 
-__all__ = ["MoE", "SwiGLU"]
+__all__ = ["FLOAT32_PARAMS", "MoE", "SwiGLU"]
+
+# Params kept float32 whatever the checkpoint's dtype, as the releases keep them (DeepSeek-V3,
+# Kimi K2, GLM-4.5: e_score_correction_bias): the bias moves by steps of bias_update_rate
+# (1e-3), which bf16 rounds away beside a bias of order 1. An export never narrows them.
+FLOAT32_PARAMS = frozenset({"correction_bias"})
 
 
 class MoE(nnx.Module):

@@ -58,7 +58,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from moe_jax import backends
-from moe_jax.config import Config
+from moe_jax.config import Config, check_lora_targets
 from moe_jax.model import convert, lora, weight_gather
 from moe_jax.model.attention import Attention
 from moe_jax.model.int8 import QuantizedParam, after
@@ -163,6 +163,7 @@ class Block(nnx.Module):
 
 class Transformer(nnx.Module):
     def __init__(self, cfg: Config, *, rngs: nnx.Rngs):
+        check_lora_targets(cfg)  # an init_from HF architecture's first check
         m = cfg.model
         self.cfg = cfg
         self.dtype = jnp.dtype(backends.compute_dtype(m.dtype))

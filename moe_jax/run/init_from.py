@@ -12,7 +12,9 @@ and its tokenizer becomes the new run's. A run directory that has checkpoints of
 resumes them and ignores init_from, so rerunning the command after a stop goes on.
 
 init_from may name a Hugging Face model directory instead (`train.py init_from=HF_DIR`):
-its architecture and tokenizer become the run's (`with_source_architecture`), and its
+its architecture and tokenizer become the run's (`with_source_architecture`), its run-time
+keys (capacity factor, balancing weights, context) what an import of it sets (the family's)
+unless the config file or overrides set them, and its
 weights stream from the safetensors files onto the mesh, cast to float32 there
 (`interop.as_run.hf_params`); no converted copy is written.
 """
@@ -20,7 +22,7 @@ weights stream from the safetensors files onto the mesh, cast to float32 there
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -47,14 +49,15 @@ class InitSource:
     pinned: bool = False  # init_step named the step: no other will do
 
 
-def with_source_architecture(cfg: Config) -> Config:
+def with_source_architecture(cfg: Config, given: Collection[str] | None = None) -> Config:
     """`cfg` as a run from `init_from` trains it: where that names a Hugging Face directory,
-    with that checkpoint's architecture (config.json's, with this config's run-time keys:
-    max_seq_len, dtype, capacity factor, ...) and its tokenizer files as `data.tokenizer`
-    where it has them; else `cfg` itself."""
+    with that checkpoint's architecture (config.json's) and its tokenizer files as
+    `data.tokenizer` where it has them, its run-time keys (capacity factor, balancing,
+    context...) what an import of it gives: the family's, but those the user set (`given`,
+    dotted keys: `config.cli_given_keys`; None: all of cfg's); else `cfg` itself."""
     if cfg.init_from is None or not is_hf_dir(cfg.init_from):
         return cfg
-    return with_hf_architecture(cfg.init_from, cfg, mtp=cfg.model.mtp_depth > 0)
+    return with_hf_architecture(cfg.init_from, cfg, mtp=cfg.model.mtp_depth > 0, given=given)
 
 
 def _same_tokenizer(spec: str, tokenizer: Tokenizer) -> bool:

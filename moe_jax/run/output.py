@@ -100,7 +100,9 @@ def _noted_stop(unraisable) -> bool:
     return False
 
 
-def _stop(signum: int) -> BaseException:
+def stop_exception(signum: int) -> BaseException:
+    """The exception that stops a command on signal `signum`: KeyboardInterrupt for SIGINT,
+    else `Interrupted` (the door ends either as `error: stopped by SIGNAL`, 128 + signum)."""
     e = KeyboardInterrupt() if signum == signal.SIGINT else Interrupted(signum)
     e.noted_by_stop_on_signals = True
     return e
@@ -110,7 +112,7 @@ def _on_signal(signum, frame) -> None:
     _STOPPING.noted.append(signum)
     if not _STOPPING.unwinding:
         _STOPPING.unwinding = True
-        raise _stop(signum)
+        raise stop_exception(signum)
     # A second signal while the first one's stop unwinds: the cleanup (a writer's threads
     # joined, a temporary sibling removed) runs to its end; kill -9 still ends it at once.
 
@@ -132,7 +134,7 @@ def stop_on_signals() -> Iterator[Callable[[], None]]:
     def check() -> None:
         if _STOPPING.noted:
             _STOPPING.unwinding = True
-            raise _stop(_STOPPING.noted[0])
+            raise stop_exception(_STOPPING.noted[0])
 
     quiet_unraisable(_noted_stop)
     _STOPPING.depth += 1
@@ -293,10 +295,37 @@ def disk_problem(e: BaseException) -> str | None:
     return None
 
 
+def stop_in(e: BaseException) -> BaseException | None:
+    """The stop (KeyboardInterrupt, `Interrupted`) that `e` is or that its chain of causes
+    and contexts holds, else None. A library that catches every exception wraps a stop that
+    lands inside it in a plain one: Orbax's array read turns it into
+    `Exception("Encountered error while reading array index ...") from` the stop, which must
+    still end the command as a stop, never as a damaged checkpoint."""
+    seen, todo = set(), [e]
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
+        if isinstance(e, (KeyboardInterrupt, Interrupted)):
+            return e
+        seen.add(id(e))
+        todo += [e.__context__, e.__cause__]  # the cause looked at first
+    return None
+
+
+def raise_stop_in(e: BaseException) -> None:
+    """Raise the stop `e` holds (`stop_in`), if it holds one: before `e` is told as a
+    failure."""
+    if (stop := stop_in(e)) is not None:
+        raise stop from None
+
+
 def one_line(e: BaseException, out: str | Path | None = None) -> tuple[str, int] | None:
-    """A command's ending for a stopping signal or a disk it cannot write: (the line to
-    print, the exit status), or None for any other exception (the CLI's own handling)."""
+    """A command's ending for a stopping signal (also one wrapped in another exception:
+    `stop_in`) or a disk it cannot write: (the line to print, the exit status), or None for
+    any other exception (the CLI's own handling)."""
     kept = f"; nothing was written to '{out}'" if out is not None else ""
+    e = stop_in(e) or e
     if isinstance(e, Interrupted):
         return f"stopped by {signal.Signals(e.signum).name}{kept}", 128 + e.signum
     if isinstance(e, KeyboardInterrupt):

@@ -48,6 +48,7 @@ from moe_jax.run.output import (
     new_output,
     no_space,
     quiet_unraisable,
+    raise_stop_in,
     signals_deferred,
     write_text,
 )
@@ -119,13 +120,16 @@ def restore(manager: ocp.CheckpointManager, step: int, run_dir: Path, **items):
     """`manager.restore` of `items`, one item at a time (Orbax's composite handler reads them
     one after another too), so that a damaged checkpoint (missing or truncated files, bad
     JSON) becomes a RunError naming what cannot be read instead of Orbax's many-line
-    traceback."""
+    traceback. A stop (SIGINT, SIGTERM) landing in the read, which Orbax wraps in a plain
+    Exception, is raised as the stop: the checkpoint is whole, and its advice to read an
+    earlier one would, on a resume, move the good ones to superseded/."""
     restored = {}
     for name, args in items.items():
         try:
             restored[name] = manager.restore(step, args=ocp.args.Composite(**{name: args}))[name]
         except Exception as e:
             _quiet_orphaned_tasks()
+            raise_stop_in(e)  # a stop during the read (Orbax wraps it) is no damage
             if _being_removed(run_dir, step):
                 raise CheckpointRemoved(
                     f"checkpoint {step} in '{run_dir}' was removed while reading it (a run "
@@ -414,6 +418,7 @@ class Checkpointer:
         except RunError:
             raise
         except Exception as e:
+            raise_stop_in(e)  # a stop is no failed save
             raise self.save_error(e) from None
 
     def restore(self, step: int, params_target, opt_target, data_iterator):
@@ -447,6 +452,7 @@ class Checkpointer:
         try:
             self.manager.wait_until_finished()
         except Exception as e:  # Orbax raises a failure once, so close() after it succeeds
+            raise_stop_in(e)  # a stop is no failed save
             raise self.save_error(e) from None
         self._saving = None
 

@@ -1,7 +1,8 @@
 """`python -m moe_jax.serve RUN_DIR ...`: load a run (or a Hugging Face directory) as
 sample.py does, build the engine, serve it with uvicorn until SIGINT / SIGTERM (uvicorn's
 graceful shutdown: no new connections, requests in flight finish within
---shutdown-timeout seconds). `--speculative` (or the override sample.speculative=true, as
+--shutdown-timeout seconds), then stop as every command does: `error: stopped by SIGTERM`,
+exit 143 (130 for SIGINT). `--speculative` (or the override sample.speculative=true, as
 sample.py takes it) decodes by speculation with the model's MTP layers (`--draft-depth` or
 sample.draft_depth of them drafting)."""
 
@@ -9,10 +10,16 @@ from __future__ import annotations
 
 import argparse
 import signal
+import socket
 import sys
 from pathlib import Path
 
 from moe_jax.cli.entry import command, say
+from moe_jax.run.output import stop_exception
+
+# Engine keyword -> its flag, for the engine's own size checks (`size_problem`).
+SIZE_FLAGS = {"max_slots": "--max-slots", "page_size": "--page-size", "n_pages": "--pages",
+              "chunk": "--chunk", "max_queue": "--max-queue"}  # fmt: skip
 
 
 def parse_args(argv):
@@ -34,6 +41,41 @@ def parse_args(argv):
     p.add_argument("--model-name", default=None, help="the model's id (default: the dir name)")
     p.add_argument("--shutdown-timeout", type=float, default=30.0)
     return p.parse_args(argv)
+
+
+def check_flags(args) -> str | None:
+    """The first flag no server can run with, as a message (before the model loads: a page
+    size of 0 once failed after the load, a chunk of 0 served and never answered)."""
+    from moe_jax.inference.engine.engine import size_problem
+
+    sizes = {name: getattr(args, flag[2:].replace("-", "_")) for name, flag in SIZE_FLAGS.items()}
+    if problem := size_problem(sizes, SIZE_FLAGS.get):
+        return problem
+    if not 0 <= args.port <= 65535:
+        return f"--port must be in 0..65535 (0: any free port), got {args.port}"
+    if args.shutdown_timeout < 0:
+        return f"--shutdown-timeout must be >= 0, got {args.shutdown_timeout}"
+    return None
+
+
+def listen(host: str, port: int) -> socket.socket | str:
+    """A socket bound to (host, port), for uvicorn to serve on, or why none can be: bound
+    before the model loads, so a port in use or a host not here fails in a second."""
+    where = f"{host}:{port}"
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(
+            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )[0]
+        sock = socket.socket(family, kind, proto)
+    except OSError as e:  # socket.gaierror: a host that does not resolve
+        return f"cannot listen on {where}: {e.strerror or e}; give another --host"
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+        sock.bind(address)
+    except OSError as e:
+        sock.close()
+        return f"cannot listen on {where}: {e.strerror or e}; give another --host or --port"
+    return sock
 
 
 def engine_for(args, cfg, sampler, tokenizer):
@@ -62,6 +104,17 @@ def main(argv=None) -> int:
         from moe_jax.serve.app import create_app
     except ImportError as e:
         return say(f"the server needs the serve extra (pip install 'moe_jax[serve]'): {e}")
+    if problem := check_flags(args):
+        return say(problem)
+    sock = listen(args.host, args.port)
+    if isinstance(sock, str):
+        return say(sock)
+    with sock:
+        return serve(args, sock, uvicorn, create_app)
+
+
+def serve(args, sock: socket.socket, uvicorn, create_app) -> int:
+    """Load the run and serve it on `sock` until a signal stops uvicorn."""
     from moe_jax.load import load_sampler
 
     # Until uvicorn serves, a signal stops the command as any other (moe_jax.cli.entry).
@@ -77,14 +130,16 @@ def main(argv=None) -> int:
         timeout_graceful_shutdown=args.shutdown_timeout,
     )
     # uvicorn shuts down gracefully on SIGINT / SIGTERM, then raises the signal again for the
-    # handler it found installed: this one notes it, so a stop by signal exits 0.
+    # handler it found installed: this one notes it, for the stop to end the command after
+    # the drain as every command's stop does (README: one line, 128 + the signal's number).
     stopped_by = []
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda signum, frame: stopped_by.append(signum))
-    print(f"serving '{name}' on http://{args.host}:{args.port}/v1", flush=True)
-    uvicorn.Server(config).run()
-    if stopped_by:
-        print(f"stopped by {signal.Signals(stopped_by[0]).name}", flush=True)
+    port = sock.getsockname()[1]  # --port 0: the free one the system gave
+    print(f"serving '{name}' on http://{args.host}:{port}/v1", flush=True)
+    uvicorn.Server(config).run(sockets=[sock])
+    if stopped_by:  # the requests in flight have finished: now the door's stop line
+        raise stop_exception(stopped_by[0])
     return 0
 
 

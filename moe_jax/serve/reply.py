@@ -129,6 +129,9 @@ class Reply:
                 pending = asyncio.ensure_future(anext(choices, None))
         finally:
             pending.cancel()
+            # A cancelled task ends at its next turn: until then its anext still runs the
+            # generator, and aclose() would raise "asynchronous generator is already running".
+            await asyncio.wait({pending})
             for rid in rids:
                 worker.cancel(rid)
             await choices.aclose()

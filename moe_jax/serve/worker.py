@@ -2,8 +2,10 @@
 tokens to the asyncio side (the HTTP handlers) through a queue per request.
 
 The engine is not thread-safe: submit, cancel and step all run under one lock, so a request
-joins or leaves between two steps. A step that raises fails the requests in flight (each gets
-the error) rather than the server, which goes on with the next requests.
+joins or leaves between two steps. Its gauges (/metrics) are copied under that lock after
+each of them and read from the copy: a long step (a compile) never holds up /metrics. A
+step that raises fails the requests in flight (each gets the error) rather than the server,
+which goes on with the next requests.
 """
 
 from __future__ import annotations
@@ -64,6 +66,7 @@ class Worker:
         self._started: set[int] = set()  # rids that got their first token
         self._stop = False
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
+        self._gauges = self._read_gauges()  # replaced whole, under the lock: read without it
 
     def start(self) -> None:
         self._thread.start()
@@ -82,6 +85,7 @@ class Worker:
             self._listeners[rid] = (asyncio.get_running_loop(), queue)
             self._last[rid] = time.perf_counter()
             self.stats.prompt_tokens += len(prompt)
+            self._gauges = self._read_gauges()
         self.wake.set()
         return rid, queue
 
@@ -92,21 +96,27 @@ class Worker:
             self._listeners.pop(rid, None)
             self._last.pop(rid, None)
             self._started.discard(rid)
+            self._gauges = self._read_gauges()
 
     def snapshot(self) -> dict:
-        with self.lock:
-            e = self.engine
-            spec = e.speculation
-            return {
-                "queue": len(e.queue),
-                "running": e.running(),
-                "pages_in_use": e.pool.in_use(),
-                "pages": e.pool.n_pages,
-                "preempted": e.preempted,
-                # speculation's drafts checked and kept per depth (none without it)
-                "drafted": [] if spec is None else spec.drafted.tolist(),
-                "accepted": [] if spec is None else spec.accepted.tolist(),
-            }
+        """The engine's gauges as of its last step, submit or cancel: taken without the
+        lock, which a step holds as long as it runs (and the event loop would wait)."""
+        return self._gauges
+
+    def _read_gauges(self) -> dict:
+        """The engine's gauges now (the lock held, or the worker not started)."""
+        e = self.engine
+        spec = e.speculation
+        return {
+            "queue": len(e.queue),
+            "running": e.running(),
+            "pages_in_use": e.pool.in_use(),
+            "pages": e.pool.n_pages,
+            "preempted": e.preempted,
+            # speculation's drafts checked and kept per depth (none without it)
+            "drafted": [] if spec is None else spec.drafted.tolist(),
+            "accepted": [] if spec is None else spec.accepted.tolist(),
+        }
 
     def _run(self) -> None:
         while not self._stop:
@@ -114,6 +124,7 @@ class Worker:
                 busy = self.engine.has_work()
                 if busy:
                     events = self._step()
+                    self._gauges = self._read_gauges()
             if not busy:
                 self.wake.wait(0.05)
                 self.wake.clear()

@@ -77,6 +77,20 @@ class EngineError(MoeJaxError, ValueError):
     """A request the engine cannot take; the message names the problem and the fix."""
 
 
+# The least value of each size an engine runs with (its keyword): a page size of 0 divides
+# by zero, a chunk of 0 never prefills a token, a queue of 0 refuses every request.
+SIZE_LEAST = {"max_slots": 1, "page_size": 1, "n_pages": 1, "chunk": 1, "max_queue": 1}
+
+
+def size_problem(sizes: dict, spell=lambda name: name) -> str | None:
+    """The first of `sizes` (an Engine keyword -> its value, None: the default) below its
+    least, as a message naming it as `spell(keyword)` does; None if all can run."""
+    for name, value in sizes.items():
+        if value is not None and value < SIZE_LEAST[name]:
+            return f"{spell(name)} must be >= {SIZE_LEAST[name]}, got {value}"
+    return None
+
+
 class QueueFull(EngineError):
     """The queue holds `max_queue` requests already."""
 
@@ -149,6 +163,10 @@ class Engine:
         `draft_depth` of them drafting (default: sample.draft_depth, else all). `record`:
         keep each request's experts and tempered log-probs (`recording.py`)."""
         cfg = sampler.cfg
+        sizes = dict(max_slots=max_slots, page_size=page_size, n_pages=n_pages, chunk=chunk,
+                     max_queue=max_queue)  # fmt: skip
+        if problem := size_problem(sizes):
+            raise EngineError(problem)
         if record and speculative:
             raise EngineError("the speculative engine does not record routes; drop speculative")
         K = draft_depth_of(cfg, draft_depth, EngineError) if speculative else 0
