@@ -11,7 +11,7 @@ So a version-dependent line is exercised on both ends, and a test that adds no l
 (another data point of a path both legs run) runs once. A test that tests/legs.json does not
 name (a new one) runs in both legs until the next split.
 
-Inputs, from one run of the whole oldest leg:
+Inputs, from one run of the whole oldest leg (with `pip install pytest-cov`):
     pytest -n 2 --cov=moe_jax --cov-context=test --durations=0 -q | tee durations.log
     python .ci/legs.py .coverage durations.log
 (`--cov-context=test` records which test ran each line; `--durations=0`, each test's time.)
@@ -25,8 +25,6 @@ import json
 import re
 import sys
 from pathlib import Path
-
-import coverage
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "tests" / "legs.json"
@@ -43,6 +41,8 @@ DURATION = re.compile(r"^([0-9.]+)s (call|setup|teardown)\s+(\S+)$", re.M)
 
 def read_lines(coverage_file: str) -> tuple[dict[str, set], set]:
     """The lines each test ran (its setup, call and teardown), and the lines run at import."""
+    import coverage  # pytest-cov's, installed to make a split: the suite imports this module
+
     data = coverage.CoverageData(coverage_file)
     data.read()
     by_test: dict[str, set] = collections.defaultdict(set)
