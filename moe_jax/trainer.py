@@ -157,6 +157,19 @@ def _summarise(window: list[tuple[int, dict]]) -> dict:
     return {k: np.mean([h[k] for h in host], axis=0) for k in host[0]}
 
 
+def _checked_mesh(cfg: Config, log) -> jax.sharding.Mesh:
+    """The run's mesh, its batch split and kernels checked (the step traces after the run
+    dir is made), and its line logged."""
+    mesh = make_mesh(cfg)
+    check_batch_split(mesh, cfg.train.batch_size)
+    check_kernels(cfg, dict(mesh.shape))
+    if mesh.size < jax.device_count():
+        log(f"mesh: 1 of {jax.device_count()} devices (set mesh.data=-1 to use all)")
+    else:
+        log(f"mesh: {dict(mesh.shape)} over {mesh.size} devices, {jax.process_count()} process(es)")
+    return mesh
+
+
 def train(
     cfg: Config, *, stop_at: int | None = None, given: Collection[str] | None = None
 ) -> TrainResult:
@@ -184,13 +197,7 @@ def train(
     tasks = TaskEval.start(cfg, data.tokenizer)  # eval.tasks checked before anything is written
     check_trackers(cfg)  # a tracker's missing package too
     log(platform_line())
-    mesh = make_mesh(cfg)
-    check_batch_split(mesh, cfg.train.batch_size)
-    check_kernels(cfg, dict(mesh.shape))  # the step traces after the run dir is made
-    if mesh.size < jax.device_count():
-        log(f"mesh: 1 of {jax.device_count()} devices (set mesh.data=-1 to use all)")
-    else:
-        log(f"mesh: {dict(mesh.shape)} over {mesh.size} devices, {jax.process_count()} process(es)")
+    mesh = _checked_mesh(cfg, log)
     # dpo and grpo: their reference; grpo: its updates a step
     tx = make_optimizer(cfg.train, backends.compute_dtype(cfg.model.dtype), cfg.rl)
     graphdef, abstract_state = init_state(cfg, tx, abstract=True, mesh=mesh)

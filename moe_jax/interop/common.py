@@ -19,6 +19,7 @@ import numpy as np
 
 from moe_jax.config import AttentionConfig, Config, ModelConfig, MoEConfig, RopeScalingConfig
 from moe_jax.interop import fp8
+from moe_jax.interop.finite import checked_finite
 from moe_jax.interop.lazy import Deferred
 from moe_jax.interop.safetensors_io import InteropError, TensorReader
 
@@ -66,26 +67,6 @@ class Source:
             )
         self.used.add(full)
         return full
-
-
-def nonfinite_error(name: str, reader: TensorReader) -> InteropError:
-    return InteropError(
-        f"tensor '{name}' in '{reader.file_of(name)}' holds NaN or inf; a model with it "
-        "computes NaN: use an intact checkpoint, or import it as it is with --allow-nonfinite"
-    )
-
-
-def checked_finite(tensor: Deferred, name: str, reader: TensorReader) -> Deferred:
-    """`tensor` (HF tensor `name`) with each region checked as it is read: one pass over
-    values already in memory, so a NaN or inf weight stops the import by name."""
-
-    def compute(index):
-        values = tensor.compute(index)
-        if not np.isfinite(values).all():
-            raise nonfinite_error(name, reader)
-        return values
-
-    return Deferred(tensor.shape, compute, tensor.dtype)
 
 
 @dataclass(frozen=True)

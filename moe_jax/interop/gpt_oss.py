@@ -33,7 +33,6 @@ from moe_jax.interop.common import (
     attention_maps,
     aux_coef,
     check_hf_basics,
-    checked_finite,
     common_hf_config,
     every_nth,
     linear,
@@ -41,6 +40,7 @@ from moe_jax.interop.common import (
     moe_from_hf,
     same,
 )
+from moe_jax.interop.finite import checked_finite
 from moe_jax.interop.lazy import Deferred
 
 ARCH = "GptOssForCausalLM"

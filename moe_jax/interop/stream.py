@@ -93,7 +93,7 @@ class ImportPlan:
     yields them; `shapes`: our params' shapes; `dtype`: "source" (each parameter in the
     dtype its HF tensors have: bf16 stays bf16; decoded FP8/MXFP4 weights are bf16),
     "float32" or "bfloat16". `finite`: every tensor checked for NaN and inf as it is read
-    (`common.checked_finite`; an MXFP4 weight as it is decoded)."""
+    (`finite.checked_finite`; an MXFP4 weight as it is decoded)."""
 
     def __init__(
         self, reader: TensorReader, prefix: str, placements, shapes: dict, dtype: str,

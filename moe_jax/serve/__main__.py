@@ -46,7 +46,7 @@ def parse_args(argv):
 def check_flags(args) -> str | None:
     """The first flag no server can run with, as a message (before the model loads: a page
     size of 0 once failed after the load, a chunk of 0 served and never answered)."""
-    from moe_jax.inference.engine.engine import size_problem
+    from moe_jax.inference.engine.sizes import size_problem
 
     sizes = {name: getattr(args, flag[2:].replace("-", "_")) for name, flag in SIZE_FLAGS.items()}
     if problem := size_problem(sizes, SIZE_FLAGS.get):

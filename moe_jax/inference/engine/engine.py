@@ -64,6 +64,7 @@ from moe_jax.inference.engine.draft_programs import DraftPrograms
 from moe_jax.inference.engine.pages import PagePool
 from moe_jax.inference.engine.programs import Batch, Picked, PickMode, Programs, table_width
 from moe_jax.inference.engine.recording import Recorder, generate_recorded
+from moe_jax.inference.engine.sizes import size_problem
 from moe_jax.inference.engine.speculation import Speculation, draft_depth_of
 from moe_jax.inference.sampling import Generation
 
@@ -75,20 +76,6 @@ def _bucket(n: int, lo: int, hi: int) -> int:
 
 class EngineError(MoeJaxError, ValueError):
     """A request the engine cannot take; the message names the problem and the fix."""
-
-
-# The least value of each size an engine runs with (its keyword): a page size of 0 divides
-# by zero, a chunk of 0 never prefills a token, a queue of 0 refuses every request.
-SIZE_LEAST = {"max_slots": 1, "page_size": 1, "n_pages": 1, "chunk": 1, "max_queue": 1}
-
-
-def size_problem(sizes: dict, spell=lambda name: name) -> str | None:
-    """The first of `sizes` (an Engine keyword -> its value, None: the default) below its
-    least, as a message naming it as `spell(keyword)` does; None if all can run."""
-    for name, value in sizes.items():
-        if value is not None and value < SIZE_LEAST[name]:
-            return f"{spell(name)} must be >= {SIZE_LEAST[name]}, got {value}"
-    return None
 
 
 class QueueFull(EngineError):

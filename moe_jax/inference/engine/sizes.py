@@ -1,0 +1,15 @@
+"""The sizes an engine runs with, checked before anything is built: the engine's own
+constructor and the server's flags (before the model loads) ask the same `size_problem`."""
+
+# The least value of each size an engine runs with (its keyword): a page size of 0 divides
+# by zero, a chunk of 0 never prefills a token, a queue of 0 refuses every request.
+SIZE_LEAST = {"max_slots": 1, "page_size": 1, "n_pages": 1, "chunk": 1, "max_queue": 1}
+
+
+def size_problem(sizes: dict, spell=lambda name: name) -> str | None:
+    """The first of `sizes` (an Engine keyword -> its value, None: the default) below its
+    least, as a message naming it as `spell(keyword)` does; None if all can run."""
+    for name, value in sizes.items():
+        if value is not None and value < SIZE_LEAST[name]:
+            return f"{spell(name)} must be >= {SIZE_LEAST[name]}, got {value}"
+    return None
