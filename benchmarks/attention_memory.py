@@ -1,5 +1,5 @@
 """Activation memory of one attention layer's forward + backward, by kernel, compiled on this
-CPU for accelerators (no accelerator needed; `moe_jax.topology`).
+CPU for accelerators (no accelerator needed; `moe_jax.aot.topology`).
 
     python benchmarks/attention_memory.py                  # Mixtral's layer at 8k and 32k
     python benchmarks/attention_memory.py --packed         # with packed documents (segments)
@@ -35,11 +35,11 @@ from jax.sharding import Mesh, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 from moe_jax import backends  # noqa: E402
-from moe_jax.aot import _oom_bytes  # noqa: E402
+from moe_jax.aot.command import _oom_bytes  # noqa: E402
+from moe_jax.aot.topology import get_topology  # noqa: E402
 from moe_jax.config import load_config  # noqa: E402
 from moe_jax.model.attention import Attention  # noqa: E402
 from moe_jax.sharding import MESH_AXES  # noqa: E402
-from moe_jax.topology import get_topology  # noqa: E402
 
 GIB = 1 << 30
 LENGTHS = (8192, 32768)

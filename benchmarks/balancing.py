@@ -27,8 +27,8 @@ from pathlib import Path
 import numpy as np
 
 from moe_jax.config import load_config
-from moe_jax.metrics import read_metrics
-from moe_jax.trainer import train
+from moe_jax.observe.writers import read_metrics
+from moe_jax.train.loop import train
 
 ROOT = Path(__file__).resolve().parents[1]
 SHAKESPEARE = ROOT.parent / "shared/data/tinyshakespeare.txt"

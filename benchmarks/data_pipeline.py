@@ -127,8 +127,8 @@ def bench_step(store: str, overrides: list[str], steps: int) -> dict:
     from moe_jax.config import load_config
     from moe_jax.data import load_data
     from moe_jax.sharding import make_mesh
-    from moe_jax.train_step import init_state, make_optimizer, make_train_step
-    from moe_jax.trainer import _on_mesh
+    from moe_jax.train.loop import _on_mesh
+    from moe_jax.train.step import init_state, make_optimizer, make_train_step
 
     root = Path(__file__).resolve().parents[1]
     cfg = load_config(root / "configs/tiny.yaml", [f"data.path={store}", *overrides])

@@ -28,8 +28,8 @@ import numpy as np
 from flax import nnx
 
 from moe_jax.config import load_config
-from moe_jax.load import load_run
-from moe_jax.trainer import train
+from moe_jax.inference.load import load_run
+from moe_jax.train.loop import train
 
 ROOT = Path(__file__).resolve().parents[1]
 SHAKESPEARE = ROOT.parent / "shared/data/tinyshakespeare.txt"

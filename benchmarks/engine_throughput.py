@@ -48,7 +48,7 @@ from flax import nnx
 from moe_jax.inference.engine import Engine, SamplingParams
 from moe_jax.inference.sampling import Sampler, prompt_bucket
 from moe_jax.model import Transformer
-from moe_jax.train_step import init_state, make_optimizer, make_train_step
+from moe_jax.train.step import init_state, make_optimizer, make_train_step
 
 SHAKESPEARE = Path(__file__).resolve().parents[1] / "../shared/data/tinyshakespeare.txt"
 

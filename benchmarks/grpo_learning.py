@@ -34,11 +34,11 @@ from pathlib import Path
 import numpy as np
 
 from moe_jax.config import load_config
+from moe_jax.inference.load import load_run
 from moe_jax.inference.sampling import Sampler
-from moe_jax.load import load_run
-from moe_jax.metrics import read_metrics
+from moe_jax.observe.writers import read_metrics
 from moe_jax.tokenizer import load_tokenizer
-from moe_jax.trainer import train
+from moe_jax.train.loop import train
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = [

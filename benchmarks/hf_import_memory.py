@@ -183,7 +183,7 @@ def load_only(src: Path) -> None:
 
     reexec_with_hugepages()
     import_jax()
-    from moe_jax.load import load_sampler
+    from moe_jax.inference.load import load_sampler
 
     load_sampler(str(src), SAMPLE_OVERRIDES)
 

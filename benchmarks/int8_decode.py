@@ -24,10 +24,10 @@ import numpy as np
 from common import STYLES, bench_config, count, counts, machine, median_time, wait_until_idle
 from flax import nnx
 
-from moe_jax.inference.quantize import param_bytes, quantize_model
 from moe_jax.inference.sampling import Sampler
 from moe_jax.model import Transformer
 from moe_jax.process_setup import reexec_with_hugepages
+from moe_jax.quantize import param_bytes, quantize_model
 
 
 def program_memory(sampler: Sampler, B: int, P: int, N: int) -> dict:

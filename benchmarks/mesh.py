@@ -36,7 +36,7 @@ import numpy as np  # noqa: E402
 from benchmarks.common import bench_config, median_time  # noqa: E402
 from moe_jax.process_setup import reexec_with_hugepages  # noqa: E402
 from moe_jax.sharding import global_batch, make_mesh  # noqa: E402
-from moe_jax.train_step import init_state, make_optimizer, make_train_step  # noqa: E402
+from moe_jax.train.step import init_state, make_optimizer, make_train_step  # noqa: E402
 
 MESHES = {
     "single": [],

@@ -5,10 +5,10 @@
     python benchmarks/profile_step.py --set model.scan_layers=true --trace-dir /tmp/trace
 
 Profiles the train step as `train.py` runs it (train_throughput.real_train_step: the
-config's mesh, one device by default, and `moe_jax.train_step.make_train_step`). Before tracing, the
+config's mesh, one device by default, and `moe_jax.train.step.make_train_step`). Before tracing, the
 model's parts are wrapped in `jax.named_scope`s (attention core, projections, RoPE, norms,
 aux statistics, loss) by patching them from outside, beside the model's own (router,
-dispatch, experts, combine, ...: moe_jax/scopes.py): the scopes only rename HLO ops, the
+dispatch, experts, combine, ...: moe_jax/named_scopes.py): the scopes only rename HLO ops, the
 computation is unchanged. Each XLA op the CPU runtime executed
 is then charged, through its `op_name` metadata, to a part and to forward or backward
 (`transpose(...)` in the name), and the optimizer update is what lies outside the gradient.
@@ -21,7 +21,7 @@ as it includes time spent queued behind other ops (the experts' weight-gradient 
 Eigen dots: ~0.1 s of events, up to ~1.8 s until done in the medium step).
 
 XLA's cost analysis (of the whole compiled step) gives the FLOPs and bytes XLA counts: it
-compares with the model FLOPs of `moe_jax.summary.train_flops_per_token` and gives the
+compares with the model FLOPs of `moe_jax.summary.counts.train_flops_per_token` and gives the
 step's arithmetic intensity. Caveat: XLA counts the body of a nested loop (the per-expert
 `lax.map` inside the layer scan) once, so with MoE layers its totals undercount; the model
 FLOPs are the reference. Prints tables and, last, one JSON line.
@@ -51,16 +51,16 @@ from train_throughput import real_train_step  # noqa: E402
 import moe_jax.model.attention as attention_mod  # noqa: E402
 import moe_jax.model.norm as norm_mod  # noqa: E402
 import moe_jax.model.transformer as transformer_mod  # noqa: E402
-import moe_jax.train_step as train_step_mod  # noqa: E402
+import moe_jax.train.step as train_step_mod  # noqa: E402
 from moe_jax.config import ConfigError  # noqa: E402
-from moe_jax.metrics import measure_peak_flops  # noqa: E402
+from moe_jax.named_scopes import PARTS  # noqa: E402
+from moe_jax.observe.writers import measure_peak_flops  # noqa: E402
 from moe_jax.process_setup import reexec_with_hugepages  # noqa: E402
-from moe_jax.scopes import PARTS  # noqa: E402
-from moe_jax.summary import train_flops_per_token  # noqa: E402
+from moe_jax.summary.counts import train_flops_per_token  # noqa: E402
 
 # Scope name -> (owner, attribute) wrapped in jax.named_scope(scope). An op is charged to the
 # innermost scope in its name (see `_part`): these, or the model's own (PACKAGE_PARTS, named
-# in moe_jax/scopes.py for every MoE path: router, dispatch, combine, ...).
+# in moe_jax/named_scopes.py for every MoE path: router, dispatch, combine, ...).
 SCOPES = {
     "attn_core": (attention_mod, "block_attention"),
     "attn_decode": (attention_mod, "attend"),

@@ -48,7 +48,7 @@ def compile_time(size: str, style: str, n_layers: int, scan: bool) -> dict:
     import jax
     import jax.numpy as jnp
 
-    from moe_jax.train_step import init_state, make_optimizer, make_train_step
+    from moe_jax.train.step import init_state, make_optimizer, make_train_step
 
     cfg = bench_config(size, style, f"model.n_layers={n_layers}", f"model.scan_layers={scan}")
     tx = make_optimizer(cfg.train)

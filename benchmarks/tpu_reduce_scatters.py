@@ -8,7 +8,7 @@ Each row compiles one `psum_scatter` of a [rows, minor x group] array along its 
 (dim 1) or its major dim (dim 0), over groups of consecutive devices of one mesh axis
 (`axis_index_groups`), and prints what the compiled step holds: a reduce-scatter (`RS`), an
 `all-reduce-scatter` fusion (an all-reduce and each device's slice, counted as a
-reduce-scatter by `moe_jax.hlo`), or a plain all-reduce (`AR`: the whole gradient summed on
+reduce-scatter by `moe_jax.aot.hlo`), or a plain all-reduce (`AR`: the whole gradient summed on
 every device, then sliced). With libtpu 0.0.42 on v5p-128 a bf16 reduce-scatter along the
 minor dim whose result is an odd multiple of 128 elements wide (128, 384, 640, ...) is the
 all-reduce; along the major dim none is. About 1 s a compile.
@@ -31,7 +31,7 @@ from jax.experimental import mesh_utils  # noqa: E402
 from jax.sharding import Mesh, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
-from moe_jax.topology import get_topology  # noqa: E402
+from moe_jax.aot.topology import get_topology  # noqa: E402
 
 ROWS = 8192
 MINOR = (80, 128, 160, 256, 384, 512, 640, 768, 896, 1024, 1152, 1280, 1536, 1920, 2560)

@@ -6,7 +6,7 @@
     python benchmarks/train_throughput.py --sizes medium --against 05676cc   # ours vs ours at REV
 
 Ours is exactly what `train.py` runs: the config's mesh (one device unless `--set mesh.*`),
-`moe_jax.train_step.init_state` + `make_train_step` on it (AdamW with clipping and weight-decay
+`moe_jax.train.step.init_state` + `make_train_step` on it (AdamW with clipping and weight-decay
 mask, aux losses, donated state), on random byte windows [B, T+1]. The peer is the
 `transformers` model of the same architecture (benchmarks/common.py builds its config from
 ours), random init, torch CPU float32 on `torch.set_num_threads(2)`,
@@ -27,9 +27,9 @@ side's turn paid 7 s instead of 4 s (CPU s and kernel `sys` s per step are in th
 its own copy of this script as the worker) in the peer's place, to measure a change in turns.
 `first_step_s` is the
 first call (trace + compile + run for ours). The matmul peak (fastest of 5 jitted 2048^3 fp32
-`jnp.dot`s, `moe_jax.metrics.measure_peak_flops`) is measured in our worker before each turn
+`jnp.dot`s, `moe_jax.observe.writers.measure_peak_flops`) is measured in our worker before each turn
 and its median is the MFU denominator; model FLOPs/token (active experts only) come from
-`moe_jax.summary.train_flops_per_token`, the same for both sides (the Llama 4 peer runs every
+`moe_jax.summary.counts.train_flops_per_token`, the same for both sides (the Llama 4 peer runs every
 expert on every token, so it does more arithmetic than this counts).
 Prints a table and, last, one JSON line with every figure.
 """
@@ -64,7 +64,7 @@ def real_train_step(cfg, n_batches: int = 4):
     import jax
 
     from moe_jax.sharding import global_batch, make_mesh
-    from moe_jax.train_step import init_state, make_optimizer, make_train_step
+    from moe_jax.train.step import init_state, make_optimizer, make_train_step
 
     tx = make_optimizer(cfg.train)
     mesh = make_mesh(cfg)
@@ -90,7 +90,7 @@ def ours(cfg):
     """-> (step() that blocks until done, a peak-FLOP/s probe) for moe_jax's real train step."""
     import jax
 
-    from moe_jax.metrics import measure_peak_flops
+    from moe_jax.observe.writers import measure_peak_flops
 
     train_step, state, batches = real_train_step(cfg)
     box = {"state": state, "i": 0}
@@ -231,7 +231,7 @@ def take_turns(workers: dict, steps: int, warmup: int, chunk: int, settle: int) 
 
 def shared_figures(cfg, timed: dict) -> dict:
     """The figures of a `take_turns` run that are the same for every worker."""
-    from moe_jax.summary import train_flops_per_token
+    from moe_jax.summary.counts import train_flops_per_token
 
     return {
         "tokens_per_step": cfg.train.batch_size * cfg.train.seq_len,
@@ -243,7 +243,7 @@ def shared_figures(cfg, timed: dict) -> dict:
 
 def figures(cfg, timed: dict, name: str, side: str) -> dict:
     """Worker `name`'s figures from `take_turns` as `side`_* columns (tok/s, MFU, RSS, ...)."""
-    from moe_jax.summary import train_flops_per_token
+    from moe_jax.summary.counts import train_flops_per_token
 
     tokens = cfg.train.batch_size * cfg.train.seq_len
     times = timed["times"][name]

@@ -167,7 +167,7 @@ def takes(
     import jax.numpy as jnp
 
     if impl == "mosaic":
-        from moe_jax.model import mosaic
+        from moe_jax.kernels import mosaic_gmm as mosaic
 
         dims, ep = (shape or {}).get("dims"), (shape or {}).get("ep", 1)
         sixteen = dtype is not None and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16)
@@ -175,7 +175,7 @@ def takes(
         return sixteen and fits and ep == 1 and mosaic.available()
 
     if impl == "triton":
-        from moe_jax.model import picked
+        from moe_jax.kernels import picked_matmul as picked
 
         dims = (shape or {}).get("dims")
         return dims is not None and picked.fits(*dims) and picked.available()

@@ -4,7 +4,7 @@ Every error that means "this input, run, config or machine cannot do what was as
 config, a damaged run, data a tokenizer cannot read, a kernel this backend lacks, a model
 that cannot be quantised, an evaluation, import or sampling that cannot run) is a
 `MoeJaxError`, whose message is one line naming the problem and the fix. The commands'
-entry wrapper (`moe_jax.cli.entry`) prints any of them as `error: ...` and exits with its
+entry wrapper (`moe_jax.run.door`) prints any of them as `error: ...` and exits with its
 `exit_code`; every other exception is a bug and stays a traceback. Most subclasses are also
 `ValueError`s, as they were before this base existed, so that callers catching those still
 work.

@@ -21,7 +21,7 @@ that parse, decode and tokenize them. At most two chunks a worker are in flight 
 are written in input order, so memory stays bounded and the store does not depend on the
 number of workers. The `char` tokenizer's alphabet is the corpus's, found in a first pass.
 
-The store's format and its reader: `moe_jax/data/store.py`.
+The store's format and its reader: `moe_jax/data/token_store.py`.
 
 Safety: the store is written into a temporary sibling directory and renamed to `--out` only
 when complete; an existing `--out` is refused. Bad input (a JSONL line that is not JSON or
@@ -48,9 +48,8 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from moe_jax.cli.entry import command, writes
 from moe_jax.data.inputs import Chunk, check_inputs, chunk_texts, read_chunks
-from moe_jax.data.store import (
+from moe_jax.data.token_store import (
     DOCUMENTS_FILE,
     FORMAT,
     META_FILE,
@@ -60,6 +59,7 @@ from moe_jax.data.store import (
     store_dtype,
     tokenizer_hash,
 )
+from moe_jax.run.door import command, writes
 from moe_jax.run.output import (
     new_output,
     pid_alive,

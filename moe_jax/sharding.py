@@ -333,7 +333,7 @@ def check_batch_split(mesh: Mesh, batch: int, process_of=None, n_processes=None)
     others, and no block may sit on two processes' devices, whose rows would disagree. On a
     TPU torus the blocks of one host are seldom adjacent rows, and need not be. `process_of`
     and `n_processes` (default: the devices' own process and the process count) are for
-    tests and for compiling for other machines (`moe_jax.aot`)."""
+    tests and for compiling for other machines (`moe_jax.aot.command`)."""
     process_of = process_of or (lambda d: d.process_index)
     P = n_processes or jax.process_count()
     if P == 1:

@@ -1,4 +1,4 @@
-"""`moe_jax.aot`: compiling the real steps for TPU slices and GPU clusters on this CPU.
+"""`moe_jax.aot.command`: compiling the real steps for TPU slices and GPU clusters on this CPU.
 
 Needs the `aot` extra (libtpu and the jax CUDA plugin, compile-only); CI installs it. The
 figures are checked against values worked out by hand on toy programs (exact: they are
@@ -20,12 +20,13 @@ import pytest
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from moe_jax import aot, hlo
+from moe_jax.aot import command as aot
+from moe_jax.aot import hlo
+from moe_jax.aot.topology import TopologyError, get_topology, torus_3d
 from moe_jax.config import ConfigError
-from moe_jax.metrics import chip_peak_flops
+from moe_jax.observe.writers import chip_peak_flops
 from moe_jax.sharding import make_mesh
-from moe_jax.summary import param_breakdown
-from moe_jax.topology import TopologyError, get_topology, torus_3d
+from moe_jax.summary.counts import param_breakdown
 from tests.helpers import tiny_config
 
 pytest.importorskip("libtpu", reason="the `aot` extra (libtpu) is not installed")
@@ -171,7 +172,7 @@ def test_attention_weights_gathered_by_steps_compile_for_tpu(monkeypatch):
     assert (("fsdp", None), ("expert", None)) in gathers
     assert r["fits"] and r["conditionals"] == 0
     assert r["collectives"]["reduce-scatter"]["count"] > 0
-    # the weights' floor (moe_jax.traffic) is reported, and every weight is gathered (at
+    # the weights' floor (moe_jax.aot.collectives) is reported, and every weight is gathered (at
     # these tiny sizes libtpu all-reduces some gradients: the full-size figures are in
     # benchmarks/README.md)
     floor = r["weight_collectives_floor"]

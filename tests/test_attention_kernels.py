@@ -156,7 +156,7 @@ def test_named_residuals_are_kept_by_remat_dots_not_recomputed():
     forward and its residual that `exp`, in a two-layer scan under remat=dots: the named
     residual is kept, so the backward scan computes no `exp`; unnamed, it recomputes it.
     The gradient is the function's own either way."""
-    from moe_jax.model.cudnn_attention import named_residuals
+    from moe_jax.kernels.cudnn_attention import named_residuals
     from moe_jax.model.remat import remat
 
     @jax.custom_vjp
@@ -191,8 +191,8 @@ def _compile_layer_grad(
     """Forward and backward of one attention (4 heads over 2 kv heads of 128, 1024 tokens,
     bf16, a sliding window, packed documents or not) compiled for `topology`'s devices, under
     the `remat` policy (moe_jax/model/remat.py); its HLO text."""
+    from moe_jax.aot.topology import get_topology
     from moe_jax.model.remat import remat as with_remat
-    from moe_jax.topology import get_topology
 
     # "local": this host's devices (the GPU kit's run of the cuDNN checks)
     if topology == "local":
@@ -269,7 +269,7 @@ def assert_cudnn_calls(topology: str) -> None:
     hlo = _compile_layer_grad(topology, "cudnn", {}, packed=False)
     assert hlo.count(fwd) == 1 and bwd in hlo
     # cuDNN's calls carry no FLOPs the HLO says: counted as uncosted, never as zero work
-    from moe_jax import hlo as hlo_analysis
+    from moe_jax.aot import hlo as hlo_analysis
 
     assert hlo_analysis.analyze(hlo).count(hlo_analysis.UNCOSTED) == 2
     # remat=dots keeps the named output and statistics: the backward scan runs no forward of

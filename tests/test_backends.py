@@ -38,7 +38,7 @@ def test_auto_falls_back_where_the_fused_kernel_does_not_take_the_operands():
 @pytest.fixture
 def gpu_host(monkeypatch):
     """As on a GPU host, where the Mosaic GPU kernels can be built (this CPU cannot)."""
-    from moe_jax.model import mosaic
+    from moe_jax.kernels import mosaic_gmm as mosaic
 
     monkeypatch.setattr(mosaic, "available", lambda: True)
 
@@ -62,7 +62,7 @@ def test_auto_picks_the_mosaic_kernels_for_a_dropless_moe_on_one_gpu_only(gpu_ho
 
 
 def test_a_cpu_host_compiling_for_gpus_keeps_the_buffers_for_a_dropless_moe():
-    with backends.targeting("gpu"):  # moe_jax.aot: the kernels cannot be built here
+    with backends.targeting("gpu"):  # moe_jax.aot.command: the kernels cannot be built here
         shape = {"dims": (2048, 768), "ep": 1}
         assert backends.choose("moe", "auto", dtype="bfloat16", dropless=True, shape=shape) == (
             "batched"

@@ -1,4 +1,4 @@
-"""Expert SwiGLU on the filled rows of its buffers only (`moe_jax.model.buckets`).
+"""Expert SwiGLU on the filled rows of its buffers only (`moe_jax.model.row_buckets`).
 
 Reference: `moe.swiglu_rows` (the plain SwiGLU) on the rows of the segment's bucket, zeros
 past them, differentiated by JAX. Same float32 matmuls on the same rows, so only the
@@ -15,9 +15,9 @@ import numpy as np
 import pytest
 
 from moe_jax.model import routing
-from moe_jax.model.buckets import bucket_index, row_buckets, swiglu_filled
 from moe_jax.model.experts import expert_swiglu, swiglu_rows
 from moe_jax.model.remat import remat
+from moe_jax.model.row_buckets import bucket_index, row_buckets, swiglu_filled
 from tests.conftest import DEFAULT_EMITTERS
 from tests.helpers import one_expert_at_a_time, tiny_config
 
@@ -103,7 +103,7 @@ def scanned_train_grad_hlo(request):
     from flax import nnx
 
     from moe_jax.model import Transformer
-    from moe_jax.train_step import loss_fn
+    from moe_jax.train.step import loss_fn
 
     unrolled = request.param
     with pytest.MonkeyPatch.context() as monkeypatch:

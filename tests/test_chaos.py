@@ -1,4 +1,4 @@
-"""Every command through one door (moe_jax/cli/entry.py, issue 56): a generated table of bad
+"""Every command through one door (moe_jax/run/door.py, issue 56): a generated table of bad
 inputs and of signal moments, each held to the clean-result rule: exit non-zero, exactly one
 `error:` line (last on stderr), no traceback, no temporary sibling, the outputs that were
 there before untouched and the one asked for not made.
@@ -29,7 +29,7 @@ from pathlib import Path
 
 import pytest
 
-from moe_jax.cli import entry
+from moe_jax.run import door as entry
 from moe_jax.run.output import Interrupted
 from moe_jax.run.output import stop_on_signals as entry_signals
 
@@ -46,11 +46,11 @@ COMMANDS = {
     "interop": "moe_jax.interop.__main__",
     "eval": "moe_jax.eval.__main__",
     "harness": "moe_jax.eval.harness",
-    "aot": "moe_jax.aot",
+    "aot": "moe_jax.aot.command",
     "prepare": "moe_jax.prepare",
-    "plot": "moe_jax.plot",
-    "profile": "moe_jax.profile",
-    "summary": "moe_jax.summary",
+    "plot": "moe_jax.observe.plot",
+    "profile": "moe_jax.observe.profile",
+    "summary": "moe_jax.summary.counts",
     "serve": "moe_jax.serve.__main__",
 }
 NEEDS = {"eval": "lm_eval", "harness": "lm_eval", "serve": "uvicorn"}  # the optional extras'
@@ -113,7 +113,7 @@ def test_kernel_choices_are_not_architecture(change):
 
 def test_the_door_turns_each_ending_into_one_line(capsys, tmp_path):
     from moe_jax.errors import MoeJaxError
-    from moe_jax.run.store import SaveError
+    from moe_jax.run.checkpoints import SaveError
 
     def ends(exc: BaseException) -> Callable[[], int]:
         def body():
@@ -159,7 +159,7 @@ class World:
 
 @pytest.fixture(scope="module")
 def world(tmp_path_factory) -> World:
-    from moe_jax.trainer import train
+    from moe_jax.train.loop import train
     from tests.test_train import _cfg
 
     root = tmp_path_factory.mktemp("chaos")
@@ -332,8 +332,8 @@ def _fill(world: World, argv: list[str], out: Path) -> list[str]:
 def test_a_bad_input_is_one_line(world, capsys, monkeypatch, case, command, argv, says):
     out = world.root / f"out_{case}"
     if case in BEFORE_WEIGHTS:
-        monkeypatch.setattr("moe_jax.load.load_model", _no_weights)
-        monkeypatch.setattr("moe_jax.inference.quantize.load_model", _no_weights)
+        monkeypatch.setattr("moe_jax.inference.load.load_model", _no_weights)
+        monkeypatch.setattr("moe_jax.quantize.load_model", _no_weights)
     place = world.run / "eval"
     if case == "eval-place-a-file":  # RUN/eval cannot be made: refused before the scoring
         place.write_text("in the way")
@@ -388,16 +388,17 @@ def _at(target: str, signum: int, *, during: float | None = None) -> Callable:
 # (id, command, argv, the moment: where the signal lands, heavy: one signal, not each)
 MOMENTS = [
     ("quantize-early", "quantize", ["{run}", "--out", "{out}"],
-     "moe_jax.inference.quantize:open_run", False),
+     "moe_jax.quantize:open_run", False),
     ("quantize-quantising", "quantize", ["{run}", "--out", "{out}"],
-     "moe_jax.inference.quantize:quantize_model", True),
+     "moe_jax.quantize:quantize_model", True),
     ("quantize-tokenizer-files", "quantize", ["{run}", "--out", "{out}"],
-     "moe_jax.run.store:keep_tokenizer_files", True),
+     "moe_jax.run.checkpoints:keep_tokenizer_files", True),
     ("export-writing", "interop", ["export", "{run}", "--out", "{out}"],
      "moe_jax.interop.safetensors_io:ShardWriter.add", True),
     ("sample-restoring", "sample", ["--run", "{run}", "--max-new-tokens", "2"],
-     "moe_jax.load:load_model", True),
-    ("serve-loading", "serve", ["{run}", "--port", "0"], "moe_jax.load:load_sampler", False),
+     "moe_jax.inference.load:load_model", True),
+    ("serve-loading", "serve", ["{run}", "--port", "0"],
+     "moe_jax.inference.load:load_sampler", False),
     ("eval-loading", "eval", ["{run}", "--tasks", "toy_mc", "--include-path", "{tasks}"],
      "moe_jax.eval.tasks:load_suite", False),
     ("eval-scoring", "eval", ["{run}", "--tasks", "toy_mc", "--include-path", "{tasks}"],
@@ -405,13 +406,14 @@ MOMENTS = [
     ("harness-starting", "harness", ["run", "--tasks", "toy_mc", "--include_path", "{tasks}"],
      "moe_jax.eval.harness:cli_evaluate", False),
     ("aot-topology", "aot", ["configs/tiny.yaml", "--topology", "v5e-1"],
-     "moe_jax.topology:get_topology", False),
+     "moe_jax.aot.topology:get_topology", False),
     ("prepare-writing", "prepare", ["{file}", "--tokenizer", "byte", "--out", "{out}"],
      "moe_jax.prepare:_write_store", False),
-    ("plot-drawing", "plot", ["{run}", "--out", "{out}"], "moe_jax.plot:loss_figure", False),
+    ("plot-drawing", "plot", ["{run}", "--out", "{out}"],
+     "moe_jax.observe.plot:loss_figure", False),
     ("train-reading-data", "train", ["tiny", "model.d_model=32", "run_dir={out}"],
-     "moe_jax.trainer:load_run_data", False),
-    ("summary-counting", "summary", ["configs/tiny.yaml"], "moe_jax.summary:format_summary",
+     "moe_jax.train.loop:load_run_data", False),
+    ("summary-counting", "summary", ["configs/tiny.yaml"], "moe_jax.summary.counts:format_summary",
      False),
     ("shared_storage-looking", "shared_storage", ["check", "tok", "tiny", "run_dir={out}"],
      "moe_jax.cli.shared_storage:problems", False),
@@ -444,7 +446,7 @@ def test_a_signal_at_any_moment_is_one_line(world, capsys, monkeypatch, case, co
 def test_training_stops_after_its_step_on_each_stopping_signal(signum):
     """train.py checkpoints and stops on SIGHUP as on SIGTERM and Ctrl-C (a SIGHUP raised
     mid-step and lost the step's checkpoint); a second signal then acts at once."""
-    from moe_jax.trainer import GracefulStop
+    from moe_jax.train.loop import GracefulStop
 
     with entry_signals(), GracefulStop() as stop:
         _send(signum)

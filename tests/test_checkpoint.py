@@ -22,15 +22,15 @@ import pytest
 from flax import nnx
 
 from moe_jax.data.corpus import train_iterator
-from moe_jax.load import load_run, on_device
-from moe_jax.metrics import read_metrics
+from moe_jax.inference.load import load_run, on_device
 from moe_jax.model import Transformer
+from moe_jax.observe.writers import read_metrics
+from moe_jax.run.checkpoints import Checkpointer, SaveError, write_inference_run
 from moe_jax.run.layout import RunError
 from moe_jax.run.policy import incompatible_keys, inspect_run
-from moe_jax.run.store import Checkpointer, SaveError, write_inference_run
 from moe_jax.tokenizer import ByteTokenizer
-from moe_jax.train_step import init_state, make_optimizer
-from moe_jax.trainer import train
+from moe_jax.train.loop import train
+from moe_jax.train.step import init_state, make_optimizer
 from tests.helpers import TINY_BASE
 from tests.test_train import TINY, _cfg, subprocess_env
 
@@ -367,7 +367,7 @@ import os, signal, sys
 sys.path.insert(0, {root!r})
 import grain._src.python.checkpoint.handler as grain_handler
 from tests.test_checkpoint import _cfg, _write_checkpoints
-from moe_jax.run.store import Checkpointer
+from moe_jax.run.checkpoints import Checkpointer
 cfg = _cfg({run!r})
 _write_checkpoints(cfg, steps=(1,))
 def die(*args, **kwargs):  # the process is killed while step 2 is being written
@@ -446,7 +446,7 @@ def test_a_full_disk_fails_the_save_in_one_error_and_keeps_the_previous_one(
 def test_a_full_disk_under_the_metrics_is_the_same_one_error(tmp_path, monkeypatch):
     """The metrics writers fill the same disk (and, after a failed save, may raise again as
     they close): their ENOSPC is the same one line."""
-    from moe_jax.metrics import MetricsWriter
+    from moe_jax.observe.writers import MetricsWriter
 
     def full_disk(self, record):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))

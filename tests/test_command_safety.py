@@ -240,7 +240,7 @@ def test_a_full_disk_at_a_runs_start_leaves_no_config(tmp_path, monkeypatch):
     """config.yaml was left at 0 bytes, and the run refused afterwards as 'a different
     architecture'. Now: one line, nothing written, and the same start works once there is
     room."""
-    from moe_jax.run.store import Checkpointer
+    from moe_jax.run.checkpoints import Checkpointer
     from tests.helpers import tiny_config
 
     cfg = tiny_config(f"run_dir={tmp_path / 'run'}")
@@ -251,20 +251,20 @@ def test_a_full_disk_at_a_runs_start_leaves_no_config(tmp_path, monkeypatch):
             tmp.write_text(text[:10])
             raise _full_disk(tmp)
 
-    monkeypatch.setattr("moe_jax.run.store.write_text", full)
+    monkeypatch.setattr("moe_jax.run.checkpoints.write_text", full)
     with pytest.raises(RunError, match=r"cannot write .*config.yaml' \(no space left"):
         Checkpointer(cfg)
     assert not (tmp_path / "run" / CONFIG_FILE).exists()
-    monkeypatch.setattr("moe_jax.run.store.write_text", real)
+    monkeypatch.setattr("moe_jax.run.checkpoints.write_text", real)
     Checkpointer(cfg).close()
     assert "n_layers" in (tmp_path / "run" / CONFIG_FILE).read_text()
 
 
 def test_export_and_quantize_on_a_full_disk_say_so_in_one_line(tmp_path, monkeypatch, capsys):
-    from moe_jax.inference import quantize
+    from moe_jax import quantize
     from moe_jax.interop import __main__ as interop
     from moe_jax.interop.safetensors_io import ShardWriter
-    from moe_jax.trainer import train
+    from moe_jax.train.loop import train
     from tests.test_train import _cfg
 
     run = tmp_path / "run"  # Qwen3-MoE-shaped, so that it exports
@@ -278,7 +278,7 @@ def test_export_and_quantize_on_a_full_disk_say_so_in_one_line(tmp_path, monkeyp
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "no space left" in err and "nothing was written" in err, err
     assert not (tmp_path / "hf").exists() and _siblings(tmp_path / "hf") == []
-    monkeypatch.setattr("moe_jax.run.store.keep_tokenizer_files", no_room)
+    monkeypatch.setattr("moe_jax.run.checkpoints.keep_tokenizer_files", no_room)
     assert quantize.main([str(run), "--out", str(tmp_path / "q")]) == 1
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "no space left" in err, err
@@ -296,7 +296,7 @@ def two_checkpoints(tmp_path):
     import orbax.checkpoint as ocp
 
     from moe_jax.run.layout import CHECKPOINT_DIR
-    from moe_jax.trainer import train
+    from moe_jax.train.loop import train
     from tests.test_train import _cfg
 
     run = tmp_path / "run"
@@ -321,7 +321,7 @@ def test_readers_take_the_newest_when_training_removes_theirs(two_checkpoints, m
     damaged ... the run's only checkpoint') when training deleted it under them."""
     import orbax.checkpoint as ocp
 
-    from moe_jax.inference.quantize import quantize_run
+    from moe_jax.quantize import quantize_run
 
     run, training_meanwhile = two_checkpoints
     monkeypatch.setattr(ocp.CheckpointManager, "restore", training_meanwhile)
@@ -331,7 +331,7 @@ def test_readers_take_the_newest_when_training_removes_theirs(two_checkpoints, m
 def test_a_step_asked_for_and_removed_is_said_so(two_checkpoints, monkeypatch):
     import orbax.checkpoint as ocp
 
-    from moe_jax.load import load_run
+    from moe_jax.inference.load import load_run
 
     run, training_meanwhile = two_checkpoints
     monkeypatch.setattr(ocp.CheckpointManager, "restore", training_meanwhile)
@@ -343,7 +343,7 @@ def test_init_from_a_training_run_takes_its_newest(two_checkpoints, monkeypatch,
                                                    capsys):  # fmt: skip
     import orbax.checkpoint as ocp
 
-    from moe_jax.trainer import train
+    from moe_jax.train.loop import train
     from tests.test_train import _cfg
 
     run, training_meanwhile = two_checkpoints
@@ -356,7 +356,7 @@ def test_readers_racing_keep_1_training_never_report_damage(tmp_path):
     """Real training (train.py, a checkpoint every third step, keep=1) under back-to-back
     reads that take about as long as a checkpoint interval: every read gets a whole
     checkpoint; none is told the run is damaged (one in three was) or has no checkpoint."""
-    from moe_jax.load import load_run, read_run_meta
+    from moe_jax.inference.load import load_run, read_run_meta
     from moe_jax.run.layout import CHECKPOINT_DIR
     from tests.helpers import TINY_BASE
     from tests.test_train import TINY, subprocess_env
@@ -391,7 +391,7 @@ def test_readers_racing_keep_1_training_never_report_damage(tmp_path):
 def test_tasks_orphaned_by_a_failed_restore_are_not_logged(caplog):
     import logging
 
-    from moe_jax.run.store import _quiet_orphaned_tasks
+    from moe_jax.run.checkpoints import _quiet_orphaned_tasks
 
     _quiet_orphaned_tasks()
     with caplog.at_level(logging.ERROR, logger="asyncio"):
@@ -407,7 +407,7 @@ def test_train_refuses_a_model_that_cannot_fit_before_allocating(tmp_path, monke
     """Mixtral-8x7B on a host that could not hold it ran 43 s and died with a 17-line
     out-of-memory error; now one line before anything is allocated or written."""
     from moe_jax.inference import weights
-    from moe_jax.trainer import train
+    from moe_jax.train.loop import train
     from tests.test_train import _cfg
 
     monkeypatch.setattr(weights, "host_memory", lambda: 1 << 10)  # a 1 KiB host
@@ -421,8 +421,9 @@ def test_prepare_and_plot_on_a_full_disk_say_so_in_one_line(tmp_path, monkeypatc
     """prepare (OSError) and plot (50 lines, a 0-byte loss.png) gave tracebacks."""
     from matplotlib.figure import Figure
 
-    from moe_jax import plot, prepare
-    from moe_jax.metrics import MetricsWriter
+    from moe_jax import prepare
+    from moe_jax.observe import plot
+    from moe_jax.observe.writers import MetricsWriter
     from tests.test_plot import records
 
     src = tmp_path / "in.txt"
@@ -472,7 +473,7 @@ def test_quantize_export_and_import_stopped_leave_nothing(tmp_path, command):
         source = tmp_path / "hf"
         hf_model("llama", seed=7, vocab_size=256).save_pretrained(source)
     else:
-        from moe_jax.trainer import train
+        from moe_jax.train.loop import train
         from tests.test_train import _cfg
 
         source = tmp_path / "run"  # Qwen3-MoE-shaped, so that it exports
@@ -481,7 +482,7 @@ def test_quantize_export_and_import_stopped_leave_nothing(tmp_path, command):
     # while its output is being written (a tiny run's is written in milliseconds): its first
     # call only (export adds the tensors one by one: slowing each made this test 24 s).
     module, owner, name, argv = {
-        "quantize": ("moe_jax.quantize", "moe_jax.run.store", "keep_tokenizer_files", []),
+        "quantize": ("moe_jax.quantize", "moe_jax.run.checkpoints", "keep_tokenizer_files", []),
         "export": ("moe_jax.interop", "moe_jax.interop.safetensors_io.ShardWriter", "add",
                    ["export"]),
         "import": ("moe_jax.interop", "moe_jax.run.stream_save", "write_params", ["import"]),

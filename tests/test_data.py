@@ -14,7 +14,7 @@ import pytest
 from moe_jax.data import load_data
 from moe_jax.data.corpus import embedded_sources, eval_batches, train_dataset, train_iterator
 from moe_jax.data.prepared import Part, PreparedData, prepared_train_dataset
-from moe_jax.data.store import TokenStore
+from moe_jax.data.token_store import TokenStore
 from moe_jax.data.windows import pack_window
 from moe_jax.tokenizer import ByteTokenizer, CharTokenizer, DataError, tokenizer_from_dict
 from tests.helpers import tiny_config

@@ -19,13 +19,13 @@ import pytest
 from flax import nnx
 
 from moe_jax.config import Config, ConfigError, load_config
+from moe_jax.inference.load import load_run
 from moe_jax.interop import deepseek, glm4_moe
 from moe_jax.interop.common import HFConfig
-from moe_jax.load import load_run
-from moe_jax.metrics import read_metrics
 from moe_jax.model import Transformer
 from moe_jax.model.routing import limit_to_groups, route, route_group
-from moe_jax.trainer import train
+from moe_jax.observe.writers import read_metrics
+from moe_jax.train.loop import train
 from tests.helpers import forward, forward_cached, tiny_config
 
 DEEPSEEK = [

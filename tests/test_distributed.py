@@ -24,11 +24,11 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from moe_jax.load import load_run
-from moe_jax.metrics import read_metrics
+from moe_jax.inference.load import load_run
+from moe_jax.observe.writers import read_metrics
 from moe_jax.sharding import global_batch, make_mesh
-from moe_jax.train_step import init_state, make_optimizer, make_train_step
-from moe_jax.trainer import train
+from moe_jax.train.loop import train
+from moe_jax.train.step import init_state, make_optimizer, make_train_step
 from tests.conftest import FAST_COMPILE
 from tests.helpers import TINY_BASE, tiny_config
 from tests.test_readme_commands import COORDINATOR_PORT, readme_commands
@@ -122,7 +122,7 @@ def test_save_on_one_mesh_resume_on_another(tmp_path, straight_run, monkeypatch)
     moved = tmp_path / "moved"
     # The MFU peak is measured on one device, outside the mesh (under it, the matmul would
     # run on all 8 devices at once and the peak come out ~8x low).
-    from moe_jax import metrics
+    from moe_jax.observe import writers as metrics
 
     meshes, real_measure = [], metrics.measure_peak_flops
     measure = lambda: meshes.append(jax.sharding.get_abstract_mesh().empty) or 1e11

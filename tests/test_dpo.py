@@ -1,4 +1,4 @@
-"""DPO (moe_jax/dpo.py, moe_jax/data/preference.py): ln 2 at the first step, the loss, its
+"""DPO (moe_jax/posttrain/dpo.py, moe_jax/data/preference.py): ln 2 at the first step, the loss, its
 gradient and its metrics equal TRL's `DPOTrainer` on the same logits, a tiny model learns
 a separable preference set, and bad pairs are refused by line.
 
@@ -22,11 +22,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from moe_jax import dpo
 from moe_jax.data.preference import load_preference, pair_rows
-from moe_jax.lora import params as lora_params
+from moe_jax.posttrain import dpo
+from moe_jax.posttrain import lora as lora_params
 from moe_jax.tokenizer import DataError
-from moe_jax.train_step import init_state, make_optimizer, make_train_step
+from moe_jax.train.step import init_state, make_optimizer, make_train_step
 from tests.helpers import tiny_config
 
 BETA = 0.1
@@ -220,13 +220,13 @@ def test_dpo_needs_preference_pairs(tmp_path):
 
 def test_a_full_fine_tunes_reference_equals_loras_base_where_they_coincide(tmp_path):
     """A full fine-tune's reference is a frozen copy of its initial params
-    (moe_jax/reference.py); LoRA's is its base with the adapters off. A LoRA policy (B
+    (posttrain/reference_policy.py); LoRA's is its base with the adapters off. A LoRA policy (B
     drawn) against its base, and a full policy holding the same weights merged against a
     copy of that base, give the same loss and metrics (float reassociation apart)."""
     from flax import nnx
 
     from moe_jax.model import Transformer
-    from moe_jax.reference import frozen_copy
+    from moe_jax.posttrain.reference_policy import frozen_copy
     from tests.test_lora import base_config, draw_b
 
     cfg = pairs_config(write_jsonl(tmp_path / "p.jsonl", by_case(16)), "data.val_fraction=0.5")
@@ -297,8 +297,8 @@ def test_a_dpo_run_stopped_and_resumed_equals_an_uninterrupted_one(tmp_path, bas
 
     from flax import nnx
 
-    from moe_jax.load import load_run
-    from moe_jax.trainer import train
+    from moe_jax.inference.load import load_run
+    from moe_jax.train.loop import train
 
     path = write_jsonl(tmp_path / "p.jsonl", by_case(24))
     which = {"lora_int8": ["lora.base_dtype=int8", "lora.dropout=0.1"],
@@ -322,7 +322,7 @@ def test_a_dpo_run_stopped_and_resumed_equals_an_uninterrupted_one(tmp_path, bas
     # step 1: the policy is its reference (the full copy holds the bf16 values it reads)
     np.testing.assert_allclose(steps[0]["dpo_loss"], math.log(2), rtol=1e-6)
     if base == "lora_int8":  # its adapters export (merged: tests/test_lora_merged_export.py)
-        from moe_jax.lora.peft import export_adapter
+        from moe_jax.interop.peft import export_adapter
 
         export_adapter(tmp_path / "resumed", tmp_path / "adapter")
         assert (tmp_path / "adapter" / "adapter_config.json").is_file()

@@ -15,7 +15,7 @@ import pytest
 from flax import nnx
 
 from moe_jax.inference.engine import Engine, EngineError, SamplingParams
-from moe_jax.rl.rollouts import rollout_rows, token_logps
+from moe_jax.posttrain.rl.rollouts import rollout_rows, token_logps
 from tests.helpers import assert_same_rollout_rows, tiny_config
 from tests.test_engine import N_NEW, SIZES, prompts_of, sampler_of
 
@@ -115,7 +115,7 @@ def test_rollouts_through_the_engine_equal_the_samplers_rows(tmp_path):
 
     from moe_jax.data.prompts import load_prompts
     from moe_jax.model import Transformer
-    from moe_jax.rl.collect import Rollouts
+    from moe_jax.posttrain.rl.collect import Rollouts
     from tests.test_grpo import grpo_config, sums, write_jsonl
 
     path = write_jsonl(tmp_path / "p.jsonl", sums(8))
@@ -134,9 +134,9 @@ def test_a_grpo_run_draws_through_the_engine_and_refuses_what_it_cannot(tmp_path
     GRPO, and aot's figures (it compiles the sampler's program), refused in one line."""
     import json
 
+    from moe_jax.aot.grpo import rollout_shape
     from moe_jax.config import ConfigError
-    from moe_jax.rl.aot import rollout_shape
-    from moe_jax.trainer import train
+    from moe_jax.train.loop import train
     from tests.test_grpo import grpo_config, sums, write_jsonl
 
     path = write_jsonl(tmp_path / "p.jsonl", sums(12))

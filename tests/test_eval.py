@@ -39,7 +39,7 @@ RUN_ARGS = [
 def setup(tmp_path_factory):
     """(task dir, a byte run trained 2 steps with the tasks evaluated at step 2, its stdout)."""
     from moe_jax.config import load_config
-    from moe_jax.trainer import train
+    from moe_jax.train.loop import train
 
     offline()
     root = tmp_path_factory.mktemp("eval")
@@ -74,7 +74,7 @@ def test_scores_equal_the_models_own_log_softmax(setup):
     """Each request's sum of log-probs and is_greedy from a plain forward of the whole
     sequence, a request longer than max_length truncated on the left as the harness does."""
     from moe_jax.eval.scoring import Scorer
-    from moe_jax.load import load_sampler
+    from moe_jax.inference.load import load_sampler
 
     _, sampler, _ = load_sampler(setup[1])
     model = sampler.inference_model()  # no capacity drops: a row's logits are its own
@@ -155,8 +155,8 @@ def test_sharded_equals_one_device(setup, suite):
 def test_training_eval_equals_the_command_at_that_step(setup, capsys):
     """The trainer's step-2 task metrics (metrics.jsonl, TensorBoard, downstream.png) equal
     `python -m moe_jax.eval` on the step-2 checkpoint."""
-    from moe_jax.metrics import read_metrics
-    from moe_jax.plot import main as plot
+    from moe_jax.observe.plot import main as plot
+    from moe_jax.observe.writers import read_metrics
 
     tasks, run = setup
     records = [r for r in read_metrics(run) if r["kind"] == "downstream"]
@@ -190,7 +190,7 @@ def test_training_eval_equals_the_command_at_that_step(setup, capsys):
 def char_run(setup, tmp_path_factory):
     """A char-tokenized run whose alphabet lacks most of the tasks' characters."""
     from moe_jax.config import load_config
-    from moe_jax.trainer import train
+    from moe_jax.train.loop import train
 
     root = tmp_path_factory.mktemp("char")
     text = root / "corpus.txt"
@@ -266,7 +266,7 @@ def test_eval_section_checks_its_fields(override, message):
 
 def test_training_refuses_an_unknown_task_before_writing(setup, tmp_path):
     from moe_jax.config import ConfigError, load_config
-    from moe_jax.trainer import train
+    from moe_jax.train.loop import train
 
     over = ["eval.tasks=toy_mcq", f"eval.include_path={setup[0]}", f"run_dir={tmp_path}/run"]
     with pytest.raises(ConfigError, match="^eval.tasks: unknown task 'toy_mcq'; did you mean"):

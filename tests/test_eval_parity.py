@@ -38,7 +38,7 @@ def checkpoints(tmp_path_factory):
     """{"imported": (our run, its HF dir), "exported": (our run, its export)} and tasks."""
     from moe_jax.config import load_config
     from moe_jax.interop.__main__ import export_run, import_run
-    from moe_jax.trainer import train
+    from moe_jax.train.loop import train
 
     offline()
     root = tmp_path_factory.mktemp("parity")

@@ -23,9 +23,9 @@ from jax.sharding import PartitionSpec as P
 
 from moe_jax.model import exchange_rounds
 from moe_jax.model.moe import MoE
-from moe_jax.plot import main as plot_main
+from moe_jax.observe.plot import main as plot_main
 from moe_jax.sharding import BATCH_AXES, create_sharded, make_mesh
-from moe_jax.trainer import train
+from moe_jax.train.loop import train
 from tests.helpers import randomize_biases, tiny_config
 from tests.test_moe import dense_reference
 
@@ -171,7 +171,7 @@ def _records(run_dir):
 
 
 def _params(run_dir):
-    from moe_jax.load import load_run
+    from moe_jax.inference.load import load_run
 
     return jax.tree.leaves(nnx.state(load_run(run_dir)[1], nnx.Param))
 

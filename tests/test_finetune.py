@@ -1,4 +1,4 @@
-"""Fine-tuning (moe_jax/run/init_from.py, moe_jax/data/sft.py): `init_from` starts a new run
+"""Fine-tuning (moe_jax/train/init_from.py, moe_jax/data/sft.py): `init_from` starts a new run
 from another run's params, and `data.sft` trains on JSONL prompt/completion pairs or chat
 conversations, the loss on the completion / assistant tokens only.
 
@@ -32,14 +32,14 @@ from flax import nnx
 from moe_jax.config import ConfigError, load_config
 from moe_jax.data import load_run_data
 from moe_jax.data.sft import Record, encode_examples, pack
-from moe_jax.inference.quantize import quantize_run
+from moe_jax.inference.load import load_run
 from moe_jax.inference.sampling import Sampler
-from moe_jax.load import load_run
-from moe_jax.run.init_from import init_source, start_state
+from moe_jax.quantize import quantize_run
 from moe_jax.sharding import make_mesh
 from moe_jax.tokenizer import DataError, HFTokenizer, load_tokenizer
-from moe_jax.train_step import init_state, make_optimizer
-from moe_jax.trainer import train
+from moe_jax.train.init_from import init_source, start_state
+from moe_jax.train.loop import train
+from moe_jax.train.step import init_state, make_optimizer
 from tests.helpers import forward
 from tests.test_interop import hf_model
 from tests.test_tokenizer import CHAT_TEMPLATE, SHAKESPEARE, write_bpe

@@ -52,7 +52,7 @@ def test_mosaic_grouped_matmul_equals_float32_values_and_gradients():
     products in float32: rows not a multiple of the tile, an empty group, and rows past the
     groups (dropped), which must read exact zeros in y and dx; the empty group's dW too.
     bf16 operands and outputs: ~4e-3 in norm; 1e-2 flags a lost tile or a wrong transpose."""
-    from moe_jax.model import mosaic
+    from moe_jax.kernels import mosaic_gmm as mosaic
 
     n, K, N = 3000, 256, 384
     sizes = jnp.array([700, 0, 1100, 31, 969], jnp.int32)  # 2800 rows in groups, 200 past
@@ -85,7 +85,7 @@ def test_picked_experts_kernel_equals_float64():
     """Decoding's picked-experts kernel (`model/picked.py`, Triton) at the kit model's expert
     shape, bf16 operands, one token's 8 rows (two share an expert) against float64: bf16
     output rounding (~4e-3 in norm), a wrong expert or column band O(1)."""
-    from moe_jax.model import picked
+    from moe_jax.kernels import picked_matmul as picked
 
     ks = jax.random.split(jax.random.key(11), 2)
     x = jax.random.normal(ks[0], (8, 2048), jnp.bfloat16)
@@ -212,7 +212,7 @@ def test_greedy_decode_with_the_cache_equals_full_forwards():
 
 
 def _losses(*overrides, steps=4):
-    from moe_jax.train_step import init_state, make_optimizer, make_train_step
+    from moe_jax.train.step import init_state, make_optimizer, make_train_step
     from tests.helpers import tiny_config
 
     cfg = tiny_config("train.batch_size=4", "train.seq_len=128", *overrides)

@@ -1,4 +1,4 @@
-"""GRPO (moe_jax/rl/): advantages and the clipped objective against hand-written numpy
+"""GRPO (moe_jax/posttrain/rl/): advantages and the clipped objective against hand-written numpy
 (token level, GRPO; sequence level, GSPO; the k3 KL), the rollout rows the trainer gets from
 the sampler, config and data refused in one line (rl.max_prompt_len's bound too), and a
 GRPO run stopped and resumed equal to an uninterrupted one (rollouts drawn from the state's
@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from moe_jax.config import ConfigError
-from moe_jax.rl.grpo import clipped_objective, group_advantages
+from moe_jax.posttrain.rl.grpo import clipped_objective, group_advantages
 from moe_jax.tokenizer import DataError
 from tests.helpers import tiny_config
 
@@ -162,7 +162,7 @@ def test_max_prompt_len_fixes_the_rows_width_and_refuses_longer_prompts(tmp_path
 
 def test_a_reward_that_does_not_import_or_miscounts_is_named(tmp_path):
     from moe_jax.data.prompts import load_prompts, load_rewards
-    from moe_jax.rl.collect import RewardError, score
+    from moe_jax.posttrain.rl.collect import RewardError, score
 
     path = write_jsonl(tmp_path / "p.jsonl", sums(4))
     with pytest.raises(ConfigError, match="cannot import tests.grpo_rewards:nothing"):
@@ -193,8 +193,8 @@ def test_a_grpo_run_stopped_and_resumed_equals_an_uninterrupted_one(tmp_path, mo
 
     from flax import nnx
 
-    from moe_jax.load import load_run
-    from moe_jax.trainer import train
+    from moe_jax.inference.load import load_run
+    from moe_jax.train.loop import train
     from tests import grpo_rewards
 
     path = write_jsonl(tmp_path / "p.jsonl", sums(12))

@@ -1,4 +1,4 @@
-"""`python -m moe_jax.aot ... train.objective=grpo` (moe_jax/rl/aot.py): a GRPO step's two
+"""`python -m moe_jax.aot ... train.objective=grpo` (moe_jax/aot/grpo.py): a GRPO step's two
 programs (the sampler's recording generate, the train step on its rollouts with its passes)
 compiled for a TPU slice on this CPU, and a chip's memory across them, checked against hand
 counts: the weights and Adam state a chip holds on a replicated mesh, the rollouts' bytes in
@@ -13,7 +13,7 @@ import json
 import pytest
 
 from moe_jax.config import ConfigError, load_config
-from moe_jax.summary import param_counts
+from moe_jax.summary.counts import param_counts
 
 pytest.importorskip("libtpu", reason="the `aot` extra (libtpu) is not installed")
 
@@ -28,7 +28,7 @@ GRPO = [
 def test_a_grpo_step_compiles_for_tpu_with_its_memory_across_both_programs(capsys):
     import jax
 
-    from moe_jax import aot
+    from moe_jax.aot import command as aot
 
     # the suite's "highest" matmul precision is refused by Mosaic's bf16 kernels (test_aot)
     with jax.default_matmul_precision("default"):
@@ -65,8 +65,8 @@ def test_a_grpo_step_compiles_for_tpu_with_its_memory_across_both_programs(capsy
 
 
 def test_grpo_aot_needs_a_fixed_prompt_width():
-    from moe_jax import aot
-    from moe_jax.topology import get_topology
+    from moe_jax.aot import command as aot
+    from moe_jax.aot.topology import get_topology
 
     cfg = load_config("configs/tiny.yaml", [*GRPO, "rl.max_prompt_len=0"])
     with pytest.raises(ConfigError, match="set rl.max_prompt_len"):

@@ -13,11 +13,11 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from moe_jax import hlo
+from moe_jax.aot import hlo
+from moe_jax.aot.grpo import lower_sample
 from moe_jax.data.prompts import load_prompts
 from moe_jax.model import Transformer
-from moe_jax.rl.aot import lower_sample
-from moe_jax.rl.collect import Rollouts
+from moe_jax.posttrain.rl.collect import Rollouts
 from moe_jax.sharding import create_sharded, make_mesh
 from tests.helpers import assert_same_rollout_rows
 from tests.test_grpo import grpo_config, sums, write_jsonl

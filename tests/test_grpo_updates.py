@@ -1,7 +1,7 @@
-"""GRPO's train step on a fixed batch of rollouts (moe_jax/rl/passes.py, grpo.py):
-- a full fine-tune's KL to its frozen reference (moe_jax/reference.py): 0 at the first step,
-  then the k3 of numpy over the two models' log-probs of the sampled tokens, both forwards
-  replaying the rollout's experts;
+"""GRPO's train step on a fixed batch of rollouts (moe_jax/posttrain/rl/passes.py, grpo.py):
+- a full fine-tune's KL to its frozen reference (posttrain/reference_policy.py): 0 at the
+  first step, then the k3 of numpy over the two models' log-probs of the sampled tokens,
+  both forwards replaying the rollout's experts;
 - rl.epochs x rl.minibatches updates in one step: each update's objective and clip fraction
   against numpy on the log-probs of the params that update starts from, those params a
   sequence of one-update steps on the splits in order (rows m, m + M, ...); the clip acts;
@@ -20,9 +20,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from moe_jax.reference import reference_params
-from moe_jax.rl.rollouts import token_logps
-from moe_jax.train_step import init_state, make_optimizer, make_train_step
+from moe_jax.posttrain.reference_policy import reference_params
+from moe_jax.posttrain.rl.rollouts import token_logps
+from moe_jax.train.step import init_state, make_optimizer, make_train_step
 from tests.test_grpo import grpo_config, reference_objective
 
 R, S = 8, 12  # rollouts (train.batch_size 2 x rl.group_size 4), positions

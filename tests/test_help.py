@@ -27,8 +27,8 @@ ROOT = Path(__file__).resolve().parents[1]
 # command -> the module whose main(argv) it runs
 ARGPARSE_COMMANDS = {
     "sample.py": "moe_jax.cli.sample",
-    "python -m moe_jax.aot": "moe_jax.aot",
-    "python -m moe_jax.plot": "moe_jax.plot",
+    "python -m moe_jax.aot": "moe_jax.aot.command",
+    "python -m moe_jax.plot": "moe_jax.observe.plot",
     "python -m moe_jax.prepare": "moe_jax.prepare",
     "python -m moe_jax.quantize": "moe_jax.quantize",
     "python -m moe_jax.eval": "moe_jax.eval.__main__",

@@ -1,4 +1,4 @@
-"""checkpoint.export_hf: Hugging Face copies of a run while it trains (moe_jax/run/hf_exports.py).
+"""checkpoint.export_hf: Hugging Face copies of a run while it trains (moe_jax/train/hf_exports.py).
 
 A tiny RoPE-everywhere run (Qwen3-MoE's form) saves every 2 steps and copies every 2nd save
 and the last: its copies are where and when the key says, and each imports to the very
@@ -12,9 +12,9 @@ import pytest
 from flax import nnx
 
 from moe_jax.config import ConfigError
+from moe_jax.inference.load import load_run
 from moe_jax.interop.convert import load_hf
-from moe_jax.load import load_run
-from moe_jax.trainer import train
+from moe_jax.train.loop import train
 from tests.test_train import _cfg
 
 EXPORTABLE = ["attention.nope_interval=0", "attention.qkv_bias=false", "moe.router_bias=false"]

@@ -527,9 +527,9 @@ def test_export_modes_follow_the_umask(mixtral_dir, tmp_path, umask, dir_mode, f
 
 def test_cli_import_finetune_export(tmp_path, capsys):
     """import -> the run dir samples like transformers and train.py continues it -> export."""
+    from moe_jax.inference.load import load_run
     from moe_jax.interop.__main__ import main
-    from moe_jax.load import load_run
-    from moe_jax.trainer import train
+    from moe_jax.train.loop import train
 
     big = hf_model("llama", seed=7, vocab_size=256)  # the byte tokenizer's ids
     hf_dir, run_dir, out_dir = tmp_path / "hf", tmp_path / "run", tmp_path / "export"
@@ -558,8 +558,8 @@ def test_cli_import_finetune_export(tmp_path, capsys):
 def test_cli_import_keeps_the_run_time_keys_of_config_yaml(tmp_path, capsys):
     """CONFIG.yaml's max_seq_len and capacity factor win over the ones the HF config implies
     (its context, no drops), as overrides do; export then says what capacity means there."""
+    from moe_jax.inference.load import load_run
     from moe_jax.interop.__main__ import main
-    from moe_jax.load import load_run
 
     hf_model("mixtral", seed=5, vocab_size=256).save_pretrained(tmp_path / "plain")
     directory = tmp_path  # the byte tokenizer's 256 ids

@@ -265,8 +265,8 @@ def test_init_from_trains_with_the_family_s_defaults_as_the_import_does(case):
     from moe_jax.cli.train import config_argv
     from moe_jax.config import cli_given_keys
     from moe_jax.interop.__main__ import _import_config
-    from moe_jax.run.init_from import with_source_architecture
-    from moe_jax.train_log import moe_line
+    from moe_jax.train.console import moe_line
+    from moe_jax.train.init_from import with_source_architecture
 
     directory = case[1]
     for overrides, capacity in (([], 0.0), (["moe.capacity_factor=1.5"], 1.5)):

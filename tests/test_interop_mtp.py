@@ -45,7 +45,7 @@ from safetensors.torch import load_file  # noqa: E402
 from moe_jax.interop import InteropError, config_from_hf, load_hf, save_hf  # noqa: E402
 from moe_jax.interop.safetensors_io import TensorReader  # noqa: E402
 from moe_jax.model.mtp import mtp_hidden  # noqa: E402
-from moe_jax.train_step import split_mtp  # noqa: E402
+from moe_jax.train.step import split_mtp  # noqa: E402
 from tests.test_interop import (  # noqa: E402
     assert_same_params,
     hf_logits,

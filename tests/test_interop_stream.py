@@ -30,13 +30,13 @@ from safetensors.torch import load_file  # noqa: E402
 from safetensors.torch import save_file as save_torch  # noqa: E402
 
 from moe_jax.config import load_config  # noqa: E402
+from moe_jax.inference.load import load_run  # noqa: E402
 from moe_jax.interop import load_hf  # noqa: E402
 from moe_jax.interop import stream as stream_mod  # noqa: E402
 from moe_jax.interop.__main__ import main as interop  # noqa: E402
 from moe_jax.interop.safetensors_io import TensorReader  # noqa: E402
-from moe_jax.load import load_run  # noqa: E402
 from moe_jax.sharding import LOGICAL_RULES, make_mesh, state_shardings  # noqa: E402
-from moe_jax.trainer import train  # noqa: E402
+from moe_jax.train.loop import train  # noqa: E402
 from tests.test_interop import gpt_oss_as_released, hf_model, params_of  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -229,7 +229,7 @@ def test_init_from_the_hf_directory_takes_the_import_s_first_step(bf16, tmp_path
 
 
 def test_quantize_from_the_hf_directory_equals_quantizing_the_import(bf16, tmp_path):
-    from moe_jax.inference.quantize import quantize_run
+    from moe_jax.quantize import quantize_run
 
     hf_dir, run = bf16
     quantize_run(hf_dir, tmp_path / "from_hf")
@@ -439,7 +439,7 @@ def test_export_writes_each_tensor_in_its_own_dtype(mixed, tmp_path):
 def test_export_hf_in_bf16_keeps_the_float32_params(mixed, tmp_path):
     """checkpoint.export_hf of a bf16 run (`hf_exports.export`, asking for bfloat16): every
     tensor bf16 but the params the model keeps float32 (`moe.FLOAT32_PARAMS`)."""
-    from moe_jax.run import hf_exports
+    from moe_jax.train import hf_exports
     from tests.helpers import tiny_config
 
     hf_dir, run = mixed

@@ -1,4 +1,4 @@
-"""LoRA (moe_jax/lora/): adapters that start at the base, the routed experts' adapters
+"""LoRA (moe_jax/posttrain/lora.py): adapters that start at the base, the routed experts' adapters
 against a dense per-expert loop (values and gradients, on every expert path), merging, and
 a train step that moves the adapters alone.
 
@@ -18,11 +18,11 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from moe_jax.lora import params as lora_params
 from moe_jax.model import Transformer
 from moe_jax.model.lora import PREFIX
 from moe_jax.model.moe import MoE
-from moe_jax.train_step import init_state, make_optimizer, make_train_step
+from moe_jax.posttrain import lora as lora_params
+from moe_jax.train.step import init_state, make_optimizer, make_train_step
 from tests.helpers import forward, one_expert_at_a_time, tiny_config
 from tests.test_moe import reference_weights
 
@@ -144,7 +144,7 @@ def test_a_train_step_moves_the_adapters_alone():
         "lora.rank=4", ALL, "moe.shared_expert_hidden=16", "train.batch_size=2", "model.n_layers=2",
         "train.seq_len=16", "lora.dropout=0", "train.lr=1e-2",
     )  # fmt: skip
-    from moe_jax.summary import param_counts
+    from moe_jax.summary.counts import param_counts
 
     total = param_counts(cfg)[0]  # the summary counts A and B (not the seeds) in their layers
     n_pairs = sum(a.size for p, a in nnx.to_flat_state(nnx.state(
@@ -230,7 +230,7 @@ def test_sharded_lora_gradients_equal_the_unsharded_ones():
     inside the expert exchange) on an fsdp x expert x tensor mesh equal them on one device,
     and so does the loss: within float reassociation (1e-5 of a tensor's largest entry)."""
     from moe_jax.sharding import batch_sharding, make_mesh
-    from moe_jax.train_step import compute_grads
+    from moe_jax.train.step import compute_grads
 
     x = tokens(8, 17, seed=5)
 

@@ -33,11 +33,11 @@ def test_a_quantised_base_lora_run_exports_merged(tmp_path, base_dtype):
     from transformers import AutoModelForCausalLM
 
     from moe_jax.config import load_config
+    from moe_jax.inference.load import load_run
     from moe_jax.interop.export import export_run
-    from moe_jax.load import load_run
     from moe_jax.model import lora
     from moe_jax.model.int8 import QuantizedParam
-    from moe_jax.trainer import train
+    from moe_jax.train.loop import train
 
     directory = tmp_path / "hf"
     hf_model("qwen3_moe", seed=2, vocab_size=256).save_pretrained(directory)

@@ -1,4 +1,4 @@
-"""LoRA against PEFT (moe_jax/lora/peft.py): our adapted logits equal PEFT's on the base
+"""LoRA against PEFT (moe_jax/interop/peft.py): our adapted logits equal PEFT's on the base
 and adapter we export, the adapter reads back to the same pairs, and a PEFT adapter's file
 names and shapes are those PEFT itself saves.
 
@@ -25,9 +25,9 @@ peft = pytest.importorskip("peft", reason="PEFT tests need peft (the `interop` e
 
 from moe_jax.config import LoRAConfig  # noqa: E402
 from moe_jax.interop import InteropError, load_hf  # noqa: E402
-from moe_jax.lora import params as lora_params  # noqa: E402
-from moe_jax.lora.peft import adapters_from_peft, save_adapter  # noqa: E402
+from moe_jax.interop.peft import adapters_from_peft, save_adapter  # noqa: E402
 from moe_jax.model import Transformer  # noqa: E402
+from moe_jax.posttrain import lora as lora_params  # noqa: E402
 from tests.test_interop import hf_logits, hf_model, our_logits, tokens  # noqa: E402
 from tests.test_lora import draw_b  # noqa: E402
 
@@ -163,10 +163,10 @@ def test_a_lora_run_from_an_hf_dir_resumes_exactly_and_exports_both_ways(tmp_pat
     from transformers import AutoModelForCausalLM
 
     from moe_jax.config import load_config
+    from moe_jax.inference.load import load_run
     from moe_jax.interop.__main__ import main as interop
     from moe_jax.interop.export import export_run
-    from moe_jax.load import load_run
-    from moe_jax.trainer import train
+    from moe_jax.train.loop import train
 
     directory = tmp_path / "hf"
     hf_model("llama", seed=2, vocab_size=256).save_pretrained(directory)
@@ -208,9 +208,9 @@ def test_a_lora_run_from_an_hf_dir_resumes_exactly_and_exports_both_ways(tmp_pat
 
     # and the adapter imported onto the HF base (lora.init_adapter): a new run starts from
     # exactly these pairs, on a mesh, with base dtype bf16 (the base cast, the pairs not)
-    from moe_jax.run.init_from import init_source, start_state, with_source_architecture
     from moe_jax.sharding import make_mesh
-    from moe_jax.train_step import init_state, make_optimizer
+    from moe_jax.train.init_from import init_source, start_state, with_source_architecture
+    from moe_jax.train.step import init_state, make_optimizer
 
     new = load_config(None, [
         f"init_from={directory}", f"run_dir={tmp_path / 'new'}", "lora.rank=4", "lora.alpha=8",

@@ -19,10 +19,10 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from moe_jax.lora import params as lora_params
 from moe_jax.model import Transformer
 from moe_jax.model.int8 import QuantizedParam
-from moe_jax.train_step import init_state, make_optimizer, make_train_step
+from moe_jax.posttrain import lora as lora_params
+from moe_jax.train.step import init_state, make_optimizer, make_train_step
 from tests.helpers import forward, tiny_config
 from tests.test_lora import draw_b, tokens
 

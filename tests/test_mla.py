@@ -27,7 +27,7 @@ from moe_jax.config import ConfigError
 from moe_jax.model import Transformer, mla
 from moe_jax.model.attention import attend, attention_mask
 from moe_jax.model.mla import MLAttention
-from moe_jax.summary import kv_cache_bytes, param_counts
+from moe_jax.summary.counts import kv_cache_bytes, param_counts
 from tests.helpers import forward, forward_cached, tiny_config
 
 TOL = dict(rtol=1e-5, atol=1e-5)
@@ -275,7 +275,7 @@ def test_gradients_equal_autodiffs_and_a_train_step_learns(monkeypatch):
     (16): the loss's gradients equal autodiff's through a plain softmax (to 1e-5 of each
     tensor's largest entry), every MLA weight gets one, and a few Adam steps on one batch
     lower the loss."""
-    from moe_jax.train_step import compute_grads, init_state, make_optimizer, make_train_step
+    from moe_jax.train.step import compute_grads, init_state, make_optimizer, make_train_step
 
     cfg = mla_config(
         "attention.q_lora_rank=12", "model.n_layers=2", "train.lr=1e-2", "train.warmup_steps=0"

@@ -481,7 +481,7 @@ def test_remat_keeps_loss_and_gradients_and_cuts_the_backwards_memory():
     slack), and less XLA temporary memory for the train gradient. Eight one-layer blocks, whose
     activations dominate the temporaries: full remat keeps one block's and the eight inputs,
     so it must cut them well below none (measured 0.26x), and dots must sit in between (0.62x)."""
-    from moe_jax.train_step import loss_fn
+    from moe_jax.train.step import loss_fn
 
     period1 = ["attention.nope_interval=0", "moe.interleave_step=1", "model.n_layers=8"]
     over = [*ALL_FLAVOURS, *period1, "model.scan_layers=true", "moe.capacity_factor=1.0"]

@@ -17,7 +17,8 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from moe_jax import aot, backends
+from moe_jax import backends
+from moe_jax.aot import command as aot
 from moe_jax.model import weight_gather
 from moe_jax.model.moe import MoE
 from moe_jax.sharding import BATCH_AXES, create_sharded, make_mesh, n_batch_shards
@@ -151,7 +152,7 @@ def test_expert_parallel_train_step_compiles_with_ragged_all_to_all(name):
     in two loops that the report counts at none."""
     pytest.importorskip("libtpu", reason="the `aot` extra (libtpu) is not installed")
     pytest.importorskip("jax_plugins.xla_cuda12", reason="the `aot` extra is not installed")
-    from moe_jax.topology import get_topology
+    from moe_jax.aot.topology import get_topology
 
     over = ["model.n_layers=1", "moe.interleave_step=1", "mesh.data=2", "mesh.expert=2"]
     cfg = tiny_config(*over, "moe.impl=ragged", "moe.capacity_factor=0")

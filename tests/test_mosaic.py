@@ -18,7 +18,7 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from moe_jax.model import mosaic
+from moe_jax.kernels import mosaic_gmm as mosaic
 
 
 def _group_of_rows(n, sizes):

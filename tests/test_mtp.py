@@ -22,7 +22,7 @@ from moe_jax import backends
 from moe_jax.config import ConfigError, load_config
 from moe_jax.model import Transformer, weight_gather
 from moe_jax.sharding import BATCH_AXES, make_mesh
-from moe_jax.summary import (
+from moe_jax.summary.counts import (
     _human,
     attention_dims,
     format_summary,
@@ -31,7 +31,7 @@ from moe_jax.summary import (
     param_counts,
     train_flops_per_token,
 )
-from moe_jax.train_step import compute_grads, init_state, loss_fn, make_optimizer
+from moe_jax.train.step import compute_grads, init_state, loss_fn, make_optimizer
 from tests.helpers import tiny_config
 
 ROOT = Path(__file__).resolve().parents[1]

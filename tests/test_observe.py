@@ -18,12 +18,14 @@ from pathlib import Path
 import jax
 import pytest
 
-from moe_jax import profile, trackers, train_log, trainer
 from moe_jax.config import ConfigError
-from moe_jax.metrics import read_metrics
+from moe_jax.named_scopes import PARTS
+from moe_jax.observe import profile, trackers
+from moe_jax.observe.writers import read_metrics
 from moe_jax.run.policy import inspect_run
-from moe_jax.scopes import PARTS
-from moe_jax.trainer import OutOfMemory, train
+from moe_jax.train import console as train_log
+from moe_jax.train import loop as trainer
+from moe_jax.train.loop import OutOfMemory, train
 from tests.helpers import TINY_BASE, tiny_config
 from tests.test_train import TINY
 
@@ -236,7 +238,7 @@ def test_tensorboard_writes_without_importing_torch(tmp_path):
     """tensorboardX imports torch where it is installed (4 s at every run's start); the run's
     writer leaves it out, and the event file still holds the scalar."""
     code = (
-        "import sys; from moe_jax.metrics import TensorBoardTracker\n"
+        "import sys; from moe_jax.observe.writers import TensorBoardTracker\n"
         f"t = TensorBoardTracker({str(tmp_path)!r})\n"
         "t.write({'kind': 'train', 'step': 3, 'loss': 1.5}); t.close()\n"
         "assert 'torch' not in sys.modules, 'torch was imported'\n"
@@ -249,7 +251,7 @@ def test_tensorboard_writes_without_importing_torch(tmp_path):
 
 
 def test_the_cpu_peak_is_measured_once_a_process():
-    from moe_jax import metrics
+    from moe_jax.observe import writers as metrics
 
     first = metrics.measure_peak_flops(n=256, repeats=1)
     hits = metrics._matmul_flops.cache_info().hits

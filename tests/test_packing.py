@@ -25,12 +25,12 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from moe_jax.loss import split_batch
 from moe_jax.model import Transformer, attention
+from moe_jax.model.loss import split_batch
 from moe_jax.model.moe import MoE
 from moe_jax.model.routing import assign_slots
 from moe_jax.sharding import BATCH_AXES, create_sharded, make_mesh
-from moe_jax.train_step import compute_grads, loss_fn, make_eval_step
+from moe_jax.train.step import compute_grads, loss_fn, make_eval_step
 from tests.helpers import forward, randomize_biases, tiny_config
 
 TOL = dict(rtol=1e-5, atol=1e-5)

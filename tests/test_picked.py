@@ -17,7 +17,8 @@ from flax import nnx
 
 from moe_jax import backends
 from moe_jax.config import ConfigError
-from moe_jax.model import Transformer, picked, weight_gather
+from moe_jax.kernels import picked_matmul as picked
+from moe_jax.model import Transformer, weight_gather
 from tests.helpers import forward, tiny_config
 
 # dims the kernel's blocks divide; 8 experts of top-2, so up to 3 tokens take the picked path

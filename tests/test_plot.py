@@ -6,8 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from moe_jax.metrics import MetricsWriter
-from moe_jax.plot import dropped_figure, expert_load_figure, loss_figure, main
+from moe_jax.observe.plot import dropped_figure, expert_load_figure, loss_figure, main
+from moe_jax.observe.writers import MetricsWriter
 
 STEPS = [10, 20, 30]
 CE = [4.0, 3.0, 2.5]

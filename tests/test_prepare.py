@@ -22,13 +22,13 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from moe_jax.config import ConfigError
 from moe_jax.data import load_data
 from moe_jax.data.prepared import PreparedData
-from moe_jax.data.store import TokenStore
-from moe_jax.load import load_run
-from moe_jax.metrics import read_metrics
+from moe_jax.data.token_store import TokenStore
+from moe_jax.inference.load import load_run
+from moe_jax.observe.writers import read_metrics
 from moe_jax.prepare import main, prepare
 from moe_jax.tokenizer import ByteTokenizer, CharTokenizer, DataError, load_tokenizer
-from moe_jax.train_step import make_eval_step
-from moe_jax.trainer import train
+from moe_jax.train.loop import train
+from moe_jax.train.step import make_eval_step
 from tests.helpers import TINY_BASE, tiny_config
 from tests.test_train import TINY, _data_position, _losses
 

@@ -21,7 +21,10 @@ from flax import nnx
 from moe_jax.config import load_config
 from moe_jax.data import load_data
 from moe_jax.data.corpus import eval_batches
-from moe_jax.inference.quantize import (
+from moe_jax.inference.load import load_run
+from moe_jax.inference.sampling import Sampler
+from moe_jax.model import Transformer
+from moe_jax.quantize import (
     Int8Param,
     QuantizeError,
     is_quantized,
@@ -29,13 +32,10 @@ from moe_jax.inference.quantize import (
     quantize_model,
     quantize_tensor,
 )
-from moe_jax.inference.quantize import main as quantize_main
-from moe_jax.inference.sampling import Sampler
-from moe_jax.load import load_run
-from moe_jax.model import Transformer
+from moe_jax.quantize import main as quantize_main
 from moe_jax.run.layout import RunError
 from moe_jax.run.policy import inspect_run
-from moe_jax.trainer import train
+from moe_jax.train.loop import train
 from tests.helpers import dequantised_copy, forward, tiny_config
 from tests.test_sampling import greedy_reference
 from tests.test_train import _cfg
@@ -283,7 +283,7 @@ def test_mxfp4_copy_restores_packed_and_samples_as_quantising_on_load(tmp_path, 
     """`--mode mxfp4`: the run directory holds the experts packed (and says so), restores
     them packed (no float copy first), and samples what `sample.weights=mxfp4` of the float
     run samples."""
-    from moe_jax.load import load_sampler
+    from moe_jax.inference.load import load_sampler
     from moe_jax.model.int8 import Mxfp4Param
 
     run, packed = tmp_path / "run", tmp_path / "run_mxfp4"

@@ -42,7 +42,7 @@ RUN_KEYS = {
 
 
 def slice_size(topology: str) -> tuple[int, int]:
-    """(devices, hosts) of a topology name, as moe_jax.topology provisions it (without
+    """(devices, hosts) of a topology name, as moe_jax.aot.topology provisions it (without
     libtpu): v4/v5p count 2 TensorCores a chip, 4 chips a host; v5e/v6e count chips, up to 4
     a host (8 on a v5e/v6e-8 VM); GPUs are HOSTSxGPUS."""
     if m := re.fullmatch(r"(h100|h200):(\d+)x(\d+)", topology):

@@ -15,7 +15,7 @@ import numpy as np
 from flax import nnx
 
 from moe_jax.model import Transformer
-from moe_jax.train_step import loss_fn
+from moe_jax.train.step import loss_fn
 from tests.helpers import tiny_config
 
 # Layer 0 dense (the prefix), layers 1-2 the one scanned block, layer 3 the tail, and an

@@ -23,7 +23,7 @@ from jax.sharding import PartitionSpec as P
 from moe_jax.inference.sampling import Sampler
 from moe_jax.model import Transformer
 from moe_jax.model.routing import route
-from moe_jax.rl.rollouts import expert_agreement, rollout_rows, token_logps
+from moe_jax.posttrain.rl.rollouts import expert_agreement, rollout_rows, token_logps
 from moe_jax.sharding import BATCH_AXES, n_batch_shards
 from tests.helpers import tiny_config
 from tests.test_sharding import MESHES, moe_pair

@@ -15,12 +15,12 @@ import sys
 
 import pytest
 
-from moe_jax import trainer
-from moe_jax.load import load_run
+from moe_jax.inference.load import load_run
+from moe_jax.run.checkpoints import Checkpointer
 from moe_jax.run.layout import LOCK_FILE, RunError
 from moe_jax.run.policy import inspect_run
-from moe_jax.run.store import Checkpointer
-from moe_jax.trainer import train
+from moe_jax.train import loop as trainer
+from moe_jax.train.loop import train
 from tests.helpers import TINY_BASE
 from tests.test_checkpoint import ROOT, TRAIN_MAIN, _snapshot, _write_checkpoints
 from tests.test_distributed import start_two_processes

@@ -19,13 +19,13 @@ import pytest
 from flax import nnx
 
 from moe_jax.data.corpus import train_iterator
-from moe_jax.inference.draws import Mode, sample_tokens
+from moe_jax.inference.next_token import Mode, sample_tokens
 from moe_jax.inference.sampling import Sampler, SamplingError, prompt_bucket
 from moe_jax.model import Transformer
-from moe_jax.run.store import Checkpointer
+from moe_jax.run.checkpoints import Checkpointer
 from moe_jax.sharding import make_mesh, state_shardings
 from moe_jax.tokenizer import CharTokenizer
-from moe_jax.train_step import init_state, make_optimizer
+from moe_jax.train.step import init_state, make_optimizer
 from tests.helpers import forward, tiny_config
 from tests.test_config import run_importing
 
@@ -364,8 +364,8 @@ def run_dir(tmp_path_factory):
 
 
 def test_loading_a_sampler_reads_the_runs_checkpoint_meta_once(run_dir, monkeypatch):
-    from moe_jax import load
-    from moe_jax.load import load_sampler
+    from moe_jax.inference import load
+    from moe_jax.inference.load import load_sampler
 
     reads = []
     real = load.read_meta

@@ -1,6 +1,6 @@
 """Sampling bf16 weights on CPU (issue 49): XLA:CPU neither multiplies nor gathers bf16, so
 each weight is converted to float32 where it is used; those copies must exist a part at a
-time, not all at once, and nothing sampled may change (`moe_jax.model.convert`).
+time, not all at once, and nothing sampled may change (`moe_jax.model.in_turn`).
 
 Memory is read from the compiled program (`memory_analysis()`: its temporaries, not a run).
 Tokens and log-probs are compared with the same weights held as float32 (the bf16 values
@@ -20,7 +20,8 @@ from flax import nnx
 from moe_jax import backends
 from moe_jax.inference.sampling import Sampler
 from moe_jax.inference.weights import to_kind
-from moe_jax.model import Transformer, convert
+from moe_jax.model import Transformer
+from moe_jax.model import in_turn as convert
 from tests.helpers import tiny_config
 
 # Four MoE layers (8 experts, top-2) whose weights together are several times the largest one

@@ -35,11 +35,11 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers  # 
 
 from moe_jax.data.corpus import train_iterator  # noqa: E402
 from moe_jax.inference.engine import Engine  # noqa: E402
-from moe_jax.load import load_sampler  # noqa: E402
-from moe_jax.run.store import Checkpointer  # noqa: E402
+from moe_jax.inference.load import load_sampler  # noqa: E402
+from moe_jax.run.checkpoints import Checkpointer  # noqa: E402
 from moe_jax.serve.app import create_app  # noqa: E402
 from moe_jax.tokenizer import load_tokenizer  # noqa: E402
-from moe_jax.train_step import init_state, make_optimizer  # noqa: E402
+from moe_jax.train.step import init_state, make_optimizer  # noqa: E402
 from tests.helpers import forward, tiny_config  # noqa: E402
 
 CORPUS = "the quick brown fox jumps over the lazy dog. " * 20

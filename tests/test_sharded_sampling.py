@@ -21,15 +21,15 @@ from jax.sharding import PartitionSpec as P
 
 from moe_jax.config import sampling_config
 from moe_jax.data.corpus import train_iterator
+from moe_jax.inference.load import load_run, load_sampler
 from moe_jax.inference.sampling import Sampler
-from moe_jax.load import load_run, load_sampler
 from moe_jax.model import Transformer
 from moe_jax.model.int8 import Int8Param
+from moe_jax.run.checkpoints import Checkpointer
 from moe_jax.run.layout import RunError
-from moe_jax.run.store import Checkpointer
 from moe_jax.sharding import make_mesh, state_shardings
 from moe_jax.tokenizer import ByteTokenizer
-from moe_jax.train_step import make_optimizer
+from moe_jax.train.step import make_optimizer
 from tests.helpers import forward, randomize_biases, tiny_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -161,7 +161,7 @@ def test_an_int8_run_restores_sharded(run, tmp_path):
     """A run written by `moe_jax.quantize` restores its int8 values and scales onto the mesh
     (split like the float weights), and samples as quantising on load does (on the mesh of
     the test above: the programs are the same, compiled once)."""
-    from moe_jax.inference.quantize import quantize_run
+    from moe_jax.quantize import quantize_run
 
     quantize_run(run, tmp_path / "int8")
     want, _ = sample(run, weights="int8")

@@ -33,15 +33,15 @@ from jax.sharding import PartitionSpec as P
 
 from moe_jax.config import ConfigError
 from moe_jax.data.corpus import train_iterator
-from moe_jax.inference.draws import Mode, filtered_logits
+from moe_jax.inference.next_token import Mode, filtered_logits
 from moe_jax.inference.sampling import Sampler, SamplingError
 from moe_jax.inference.speculative import SpeculativeSampler
 from moe_jax.model import Transformer
 from moe_jax.model.mtp import mtp_hidden
-from moe_jax.run.store import Checkpointer
+from moe_jax.run.checkpoints import Checkpointer
 from moe_jax.sharding import make_mesh, state_shardings
 from moe_jax.tokenizer import ByteTokenizer
-from moe_jax.train_step import init_state, make_optimizer, make_train_step
+from moe_jax.train.step import init_state, make_optimizer, make_train_step
 from tests.helpers import tiny_config
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -1,4 +1,4 @@
-"""Parameter and FLOP accounting (moe_jax.summary) against published sizes and hand counts.
+"""Parameter and FLOP accounting (moe_jax.summary.counts) against published sizes and hand counts.
 
 Budget: ~5 s (abstract full-size models via eval_shape; two tiny materialised models).
 """
@@ -15,7 +15,7 @@ from flax import nnx
 
 from moe_jax.config import load_config
 from moe_jax.model import Transformer
-from moe_jax.summary import (
+from moe_jax.summary.counts import (
     COMPONENTS,
     attention_flops_per_token,
     format_summary,

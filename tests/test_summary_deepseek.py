@@ -1,5 +1,5 @@
 """The full-size DeepSeek-V3, Kimi K2 and GLM-4.5-Air shape configs: their parameter counts
-(moe_jax.summary) against the published sizes, and their architecture against the published
+(moe_jax.summary.counts) against the published sizes, and their architecture against the published
 config.json read through the HF import mapping.
 
 Published sizes are given to 3 digits (671B, 106B) or fewer (1T, 37B, 32B, 12B): a count
@@ -21,7 +21,7 @@ import pytest
 
 from moe_jax.config import load_config
 from moe_jax.interop import config_from_hf
-from moe_jax.summary import param_breakdown, param_counts
+from moe_jax.summary.counts import param_breakdown, param_counts
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 

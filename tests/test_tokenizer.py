@@ -22,10 +22,10 @@ import pytest
 import sentencepiece
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
-from moe_jax.inference.quantize import quantize_run
-from moe_jax.load import read_run_meta
+from moe_jax.inference.load import read_run_meta
+from moe_jax.quantize import quantize_run
+from moe_jax.run.checkpoints import keep_tokenizer_files
 from moe_jax.run.layout import RunError
-from moe_jax.run.store import keep_tokenizer_files
 from moe_jax.tokenizer import (
     DataError,
     HFTokenizer,
@@ -34,7 +34,7 @@ from moe_jax.tokenizer import (
     tokenizer_from_dict,
 )
 from moe_jax.tokenizer.files import sha256, write_files
-from moe_jax.trainer import train
+from moe_jax.train.loop import train
 from tests.helpers import tiny_config
 from tests.test_train import TINY
 

@@ -1,9 +1,9 @@
-"""The weights' collective floor (`moe_jax.traffic`) against counts made another way."""
+"""The weights' collective floor (`moe_jax.aot.collectives`) against counts made another way."""
 
 import pytest
 
-from moe_jax.summary import param_breakdown
-from moe_jax.traffic import weight_collectives
+from moe_jax.aot.collectives import weight_collectives
+from moe_jax.summary.counts import param_breakdown
 from tests.helpers import tiny_config
 
 MESH = {"data": 1, "fsdp": 1, "expert": 1, "tensor": 1}

@@ -25,13 +25,14 @@ import optax
 import pytest
 from flax import nnx
 
-from moe_jax import trainer
-from moe_jax.load import load_run
-from moe_jax.metrics import read_metrics
+from moe_jax.inference.load import load_run
 from moe_jax.model import Transformer
-from moe_jax.plot import main as plot_main
+from moe_jax.observe.plot import main as plot_main
+from moe_jax.observe.writers import read_metrics
 from moe_jax.run.policy import inspect_run
-from moe_jax.train_step import (
+from moe_jax.train import loop as trainer
+from moe_jax.train.loop import TrainingError, train
+from moe_jax.train.step import (
     clip_by_global_norm,
     compute_grads,
     decay_mask,
@@ -40,7 +41,6 @@ from moe_jax.train_step import (
     lr_schedule,
     make_optimizer,
 )
-from moe_jax.trainer import TrainingError, train
 from tests.helpers import tiny_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -339,7 +339,7 @@ def test_plots_and_tensorboard_files_are_written(runs, tmp_path):
 def test_metrics_survive_a_record_cut_off_mid_write(tmp_path):
     """A kill mid-write leaves half a line: readers skip it, and the next writer (the resumed
     run) starts on a new line instead of gluing its first record onto the fragment."""
-    from moe_jax.metrics import METRICS_FILE, MetricsWriter
+    from moe_jax.observe.writers import METRICS_FILE, MetricsWriter
 
     with MetricsWriter(tmp_path, tensorboard=False) as w:
         w.write({"kind": "train", "step": 1, "loss": 2.0})
@@ -389,8 +389,8 @@ def test_throughput_and_mfu_follow_the_step_clock(tmp_path, monkeypatch, capsys)
     model FLOPs per token / the peak (one CPU host here). Top-1 routing with renormalised
     weights is warned about (its router gets no gradient from the LM loss)."""
 
-    from moe_jax.run.store import Checkpointer
-    from moe_jax.summary import train_flops_per_token
+    from moe_jax.run.checkpoints import Checkpointer
+    from moe_jax.summary.counts import train_flops_per_token
 
     clock, pending = [0.0], [0]
 
@@ -482,7 +482,7 @@ def test_learns_tinyshakespeare_well_below_the_unigram_entropy(tmp_path):
 
 
 def test_mfu_peak_is_the_chips_bf16_peak_on_an_accelerator_measured_on_cpu(monkeypatch):
-    from moe_jax import metrics
+    from moe_jax.observe import writers as metrics
 
     monkeypatch.setattr(metrics, "measure_peak_flops", lambda: 3e11)
     assert metrics.unit_peak_flops(5e10) == (5e10, "train.peak_flops")

@@ -18,7 +18,7 @@ from jax.ad_checkpoint import checkpoint_name
 from moe_jax.config import REMAT_NAMES, ConfigError
 from moe_jax.model.remat import policy
 from moe_jax.sharding import batch_sharding, make_mesh
-from moe_jax.train_step import init_state, loss_fn, make_optimizer, make_train_step
+from moe_jax.train.step import init_state, loss_fn, make_optimizer, make_train_step
 from tests.helpers import one_expert_at_a_time, tiny_config
 
 MESH = ["mesh.fsdp=2", "mesh.expert=2", "mesh.tensor=2"]

@@ -16,7 +16,7 @@ from flax import nnx
 
 from moe_jax.config import ConfigError
 from moe_jax.model import Transformer
-from moe_jax.train_step import make_optimizer
+from moe_jax.train.step import make_optimizer
 from tests.helpers import forward, forward_cached, tiny_config
 
 D_VISION = 12

@@ -44,7 +44,7 @@ def train(S: dict) -> None:
     import torch
 
     from moe_jax.config import load_config
-    from moe_jax.summary import train_flops_per_token
+    from moe_jax.summary.counts import train_flops_per_token
 
     cfg = load_config(GPU_CONFIG, S["train_overrides"])
     t = cfg.train

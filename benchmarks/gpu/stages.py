@@ -35,7 +35,7 @@ sys.path.insert(0, str(BENCH))  # benchmarks/: the CPU benchmarks' train-step bu
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from moe_jax.profile import kernel_kind, profile  # noqa: E402, F401  (kernel_kind: the tests')
+from moe_jax.observe.profile import kernel_kind, profile  # noqa: E402, F401  (kernel_kind: the tests')
 
 GPU_CONFIG = BENCH / "configs" / "gpu_1b.yaml"
 # Sizes on the GPU and in the CPU dry run.
@@ -481,7 +481,7 @@ def _moe_impls(M: dict) -> dict:
         return jax.lax.ragged_dot(x, w, sizes, preferred_element_type=jnp.float32).astype(x.dtype)
 
     def mosaic(x, w, sizes):  # moe.impl=mosaic: jax's Mosaic GPU kernels, our VJP
-        from moe_jax.model import mosaic
+        from moe_jax.kernels import mosaic_gmm as mosaic
 
         return mosaic.grouped_matmul(x, w, sizes)
 
@@ -610,8 +610,8 @@ def train_variant(S: dict, variant: list[str]) -> None:
 
     from moe_jax import backends
     from moe_jax.config import load_config
-    from moe_jax.metrics import chip_peak_flops
-    from moe_jax.summary import param_counts, train_flops_per_token
+    from moe_jax.observe.writers import chip_peak_flops
+    from moe_jax.summary.counts import param_counts, train_flops_per_token
 
     overrides = [o for o in variant if not o.startswith("+")]
     rec = dict(kind="train", variant=" ".join(o for o in variant if o != "+profile") or "auto")
@@ -786,7 +786,8 @@ def picked_kernel(S: dict, dry: bool) -> None:
     """Decoding's expert product alone, one token's top-k rows against a gate-shaped stack:
     the Triton kernel reading the picked weights in place (at each block shape) against
     XLA's gather and two-row GEMM; GB/s of the picked weights' bytes, error against float64."""
-    from moe_jax.model import experts, picked
+    from moe_jax.kernels import picked_matmul as picked
+    from moe_jax.model import experts
 
     M = S["picked"]
     J, E, K, N = M["J"], M["E"], M["K"], M["N"]

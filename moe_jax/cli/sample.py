@@ -31,11 +31,11 @@ from pathlib import Path
 
 import numpy as np
 
-from moe_jax.cli.entry import command
 from moe_jax.config import SAMPLING_RANGES, sampling_problem
 from moe_jax.config.run import WEIGHT_KINDS
 from moe_jax.errors import MoeJaxError
 from moe_jax.process_setup import import_jax, reexec_with_hugepages
+from moe_jax.run.door import command
 
 SEPARATOR = "\n" + "-" * 40 + "\n"
 # The counting flags' ranges, (argparse dest, test, requirement), checked before jax is imported;
@@ -159,8 +159,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def sample(args: argparse.Namespace, prompt: str | None) -> int:
     """Load the run and print its samples (the flags are checked)."""
+    from moe_jax.inference.load import load_sampler, read_run_meta
     from moe_jax.inference.sampling import SamplingError
-    from moe_jax.load import load_sampler, read_run_meta
 
     if args.chat:  # a tokenizer without a chat template is refused before the weights load
         saved = read_run_meta(args.run, args.step)["tokenizer"]

@@ -23,9 +23,9 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from moe_jax.cli.configs import config_path
-from moe_jax.cli.entry import command, say
 from moe_jax.cli.train import config_argv
 from moe_jax.config import Config, cli_config
+from moe_jax.run.door import command, say
 
 USAGE = (
     "usage: python -m moe_jax.cli.shared_storage write|check|clean TOKEN [CONFIG] [key=value ...]"

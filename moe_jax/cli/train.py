@@ -25,9 +25,9 @@ import sys
 from collections.abc import Sequence
 
 from moe_jax.cli.configs import config_path
-from moe_jax.cli.entry import command
 from moe_jax.config import ConfigError, cli_config, cli_given_keys
 from moe_jax.process_setup import import_jax, reexec_with_hugepages
+from moe_jax.run.door import command
 
 USAGE = "usage: moe-jax-train [CONFIG] [section.key=value ...]   (or: python train.py ...)"
 
@@ -55,7 +55,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     # Only now jax and what imports it (seconds): a bad config has failed before that.
     import_jax()
     from moe_jax.sharding import init_distributed
-    from moe_jax.trainer import train
+    from moe_jax.train.loop import train
 
     init_distributed(cfg)
     # init_from=HF_DIR: the family's capacity and balancing where the user set none

@@ -104,7 +104,7 @@ class Config:
     sample: SampleConfig = field(default_factory=SampleConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     lora: LoRAConfig = field(default_factory=LoRAConfig)
-    rl: RLConfig = field(default_factory=RLConfig)  # train.objective=grpo (moe_jax/rl/)
+    rl: RLConfig = field(default_factory=RLConfig)  # train.objective=grpo (moe_jax/posttrain/rl/)
     run_dir: str = "runs/tiny"
     seed: int = 0
     # Start a new run from the params of another run directory (trained, or imported with
@@ -234,7 +234,7 @@ def check_lora_targets(cfg: Config) -> None:
 
 def _check_objective(cfg: Config) -> None:
     """train.objective=dpo trains on preference pairs (against the base with LoRA's adapters
-    off, or a frozen copy of the initial params: moe_jax/reference.py);
+    off, or a frozen copy of the initial params: moe_jax/posttrain/reference_policy.py);
     grpo on prompts (`_check_grpo`)."""
     _check_grpo(cfg)
     dpo = cfg.train.objective == "dpo"

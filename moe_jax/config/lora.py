@@ -1,4 +1,4 @@
-"""The lora section: low-rank adapters on a frozen base (moe_jax/lora/)."""
+"""The lora section: low-rank adapters on a frozen base (moe_jax/posttrain/lora.py)."""
 
 from __future__ import annotations
 
@@ -37,7 +37,7 @@ class LoRAConfig:
     base_dtype: str = "bfloat16"
     # A PEFT adapter directory (adapter_model.safetensors + adapter_config.json) whose pairs
     # a run started with init_from takes instead of new adapters (its r and alpha must be
-    # lora.rank and lora.alpha; moe_jax/lora/peft.py). null: new adapters.
+    # lora.rank and lora.alpha; moe_jax/interop/peft.py). null: new adapters.
     init_adapter: str | None = None
 
     def check(self) -> None:

@@ -329,7 +329,7 @@ class MoEConfig:
     # Decoding's picked experts (few tokens in flight: batch x top_k < n_experts): auto (the
     # backend's own: gather everywhere for now) | gather (XLA gathers the picked weights,
     # then multiplies) | triton (NVIDIA GPUs: a Pallas Triton kernel reads each picked weight
-    # where it lies; moe_jax/model/picked.py). Both compute the same products.
+    # where it lies; moe_jax/kernels/picked_matmul.py). Both compute the same products.
     decode_impl: str = "auto"
     # How expert-parallel layers with moe.impl=ragged or mosaic move tokens (backends.py):
     # auto (ragged on GPU/TPU, buffers on CPU) | ragged (only the routed rows, by

@@ -1,4 +1,4 @@
-"""The rl section: GRPO (`train.objective=grpo`, moe_jax/rl/)."""
+"""The rl section: GRPO (`train.objective=grpo`, moe_jax/posttrain/rl/)."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ class RLConfig:
     group_size: int = 4  # G completions sampled per prompt (train.batch_size prompts a step)
     max_new_tokens: int = 64  # a completion's most tokens (it ends earlier at EOS)
     # A prompt's most tokens (longer ones are refused by line), which fixes the rollouts'
-    # width at its sampler bucket + max_new_tokens (what `moe_jax.aot` compiles for GRPO);
+    # width at its sampler bucket + max_new_tokens (what `moe_jax.aot.command` compiles for GRPO);
     # 0: the longest prompt's (the data's).
     max_prompt_len: int = 0
     temperature: float = 1.0  # the sampler's; the trainer's log-probs are of logits / it
@@ -32,12 +32,12 @@ class RLConfig:
     scale_rewards: bool = True
     # KL to the reference (k3: exp(ref - logp) - (ref - logp) - 1 per token), the reference
     # being, as DPO's, the base with the LoRA adapters off or, in a full fine-tune, a frozen
-    # copy of the starting params (moe_jax/reference.py, in the optimizer state); both run
+    # copy of the starting params (posttrain/reference_policy.py, in the optimizer state); both run
     # the rollout's experts (routing_replay). 0: none, no reference forward and no copy.
     kl_beta: float = 0.0
     # PPO-style passes over each batch of rollouts: `epochs` passes, each over `minibatches`
     # splits of the batch (rows m, m + minibatches, ...), one optimizer update a split, all
-    # inside one train step (moe_jax/rl/passes.py). train.steps counts rollout batches, and
+    # inside one train step (posttrain/rl/passes.py). train.steps counts rollout batches, and
     # the LR schedule advances once a batch. 1 and 1: one update a batch (the ratio is 1 but
     # for the sampler / trainer mismatch).
     epochs: int = 1

@@ -24,7 +24,7 @@ SFT_FORMATS = ("none", "prompt_completion", "chat", "preference", "prompts")  # 
 DPO_LOSSES = ("sigmoid", "ipo", "simpo")  # train.dpo_loss (dpo.py)
 OBJECTIVES = ("lm", "dpo", "grpo")  # train.objective (train_step.py, dpo.py, rl/grpo.py)
 MESH_AXES = ("data", "fsdp", "expert", "tensor")  # the axes a mesh.* size names
-# train.trackers (moe_jax/trackers.py); "jsonl" is always on, and may be named
+# train.trackers (moe_jax/observe/trackers.py); "jsonl" is always on, and may be named
 TRACKERS = ("jsonl", "tensorboard", "wandb", "mlflow")
 # Logits divided by the temperature stay finite in float32 (|logit| < 1e30) inside this range.
 MIN_TEMPERATURE, MAX_TEMPERATURE = 1e-6, 1e6
@@ -152,7 +152,7 @@ class TrainConfig:
     seq_len: int = 128
     grad_accum: int = 1  # micro-batches per step; batch_size must divide by it
     lr: float = 3e-3
-    # The LR after warmup (moe_jax/train_step.py: lr_schedule): cosine | linear decay to
+    # The LR after warmup (moe_jax/train/step.py: lr_schedule): cosine | linear decay to
     # min_lr_ratio * lr at train.steps, or wsd (warmup-stable-decay: lr held, then a linear
     # decay over the last decay_fraction of the steps)
     schedule: str = "cosine"
@@ -175,7 +175,7 @@ class TrainConfig:
     # sum of the MTP depths' cross-entropies (moe_jax/model/mtp.py); DeepSeek-V3: 0.3 for its
     # first 10T tokens, then 0.1. Unused with model.mtp_depth=0.
     mtp_loss_weight: float = 0.3
-    # Positions per chunk of the output head in the loss (moe_jax/loss.py): the [B, T, V]
+    # Positions per chunk of the output head in the loss (moe_jax/model/loss.py): the [B, T, V]
     # float32 logits are never held whole, for one more head matmul in the backward; must
     # divide train.seq_len. 0 = all positions at once; -1 = auto (moe_jax/backends.py: 0 on
     # CPU, up to 1024 on GPU / TPU).
@@ -184,14 +184,14 @@ class TrainConfig:
     eval_batches: int = 8
     log_every: int = 10
     peak_flops: float = 0.0  # FLOP/s of one device (one host on CPU) for MFU; 0 = measure
-    # Where the metrics go besides RUN_DIR/metrics.jsonl (always written; moe_jax/trackers.py):
+    # Where the metrics go besides RUN_DIR/metrics.jsonl (always written; observe/trackers.py):
     # tensorboard (RUN_DIR/tb) | wandb (its run id kept in RUN_DIR, so a resume continues the
     # same run; WANDB_MODE=offline works) | mlflow (tracker_uri, or a file store RUN_DIR/mlruns)
     trackers: tuple[str, ...] = ("tensorboard",)
     tracker_project: str = "moe_jax"  # the W&B project / MLflow experiment
     tracker_uri: str | None = None  # MLflow's tracking URI; None: file:RUN_DIR/mlruns
     # A jax.profiler trace of steps profile_start .. profile_start + profile_steps - 1 into
-    # RUN_DIR/profile (moe_jax/profile.py: TensorBoard, Perfetto, python -m moe_jax.profile);
+    # RUN_DIR/profile (observe/profile.py: TensorBoard, Perfetto, python -m moe_jax.profile);
     # profile_steps 0 = off
     profile_start: int = 5
     profile_steps: int = 0
@@ -202,13 +202,13 @@ class TrainConfig:
     # checkpoints after it are moved to RUN_DIR/superseded. 0 = the latest. A one-off override.
     resume_step: int = 0
     # What the step minimises: lm (cross-entropy: pretraining and SFT) | dpo (Direct
-    # Preference Optimization on data.sft=preference pairs, moe_jax/dpo.py; the reference
+    # Preference Optimization on data.sft=preference pairs, moe_jax/posttrain/dpo.py; the reference
     # is the base with the LoRA adapters off, or without LoRA a frozen copy of the initial
-    # params in the optimizer state, moe_jax/reference.py) | grpo (GRPO / GSPO
-    # on rollouts of data.sft=prompts, the rl section, moe_jax/rl/)
+    # params in the optimizer state, moe_jax/posttrain/reference_policy.py) | grpo (GRPO / GSPO
+    # on rollouts of data.sft=prompts, the rl section, moe_jax/posttrain/rl/)
     objective: str = "lm"
     dpo_beta: float = 0.1  # DPO's beta: the strength of the implicit KL to the reference
-    # DPO's loss, TRL's loss_type (moe_jax/dpo.py): sigmoid (DPO) | ipo (IPO, on per-token
+    # DPO's loss, TRL's loss_type (moe_jax/posttrain/dpo.py): sigmoid (DPO) | ipo (IPO, on per-token
     # log-ratios, as TRL's) | simpo (SimPO, TRL's CPOTrainer loss_type=simpo with
     # cpo_alpha=0: per-token log-probs, no reference, margin train.simpo_gamma)
     dpo_loss: str = "sigmoid"
@@ -359,7 +359,7 @@ class CheckpointConfig:
     async_save: bool = True
     # A Hugging Face copy (RUN_DIR/hf/step_S: config.json, safetensors, tokenizer) of every
     # export_hf-th save and of the last step, in the run's compute dtype; 0 = none
-    # (moe_jax/run/hf_exports.py)
+    # (moe_jax/train/hf_exports.py)
     export_hf: int = 0
 
     def check(self) -> None:
@@ -379,7 +379,7 @@ class SampleConfig:
     top_p: float = 1.0  # 1.0 = off
     seed: int = 0
     # Rows and prompt length of a batch: sample.py's --num-samples sets batch_size (its prompt
-    # sets the length); `moe_jax.aot --step decode` compiles for both.
+    # sets the length); `moe_jax.aot.command --step decode` compiles for both.
     batch_size: int = 1
     prompt_len: int = 128
     # Form of the weights when sampling (moe_jax/inference/weights.py): auto (bfloat16 if

@@ -21,7 +21,7 @@ from moe_jax.config import Config
 from moe_jax.data.corpus import load_corpus
 from moe_jax.data.prepared import load_prepared
 from moe_jax.data.sft import load_sft
-from moe_jax.data.store import is_prepared
+from moe_jax.data.token_store import is_prepared
 from moe_jax.tokenizer import Tokenizer
 
 

@@ -38,7 +38,7 @@ import grain
 import numpy as np
 
 from moe_jax.config import Config
-from moe_jax.data.store import META_FILE
+from moe_jax.data.token_store import META_FILE
 from moe_jax.data.windows import check_split_fits, local_rows, unigram_entropy
 from moe_jax.tokenizer import CharTokenizer, DataError, Tokenizer, decode_utf8, load_tokenizer
 

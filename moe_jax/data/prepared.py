@@ -33,7 +33,7 @@ import grain
 import numpy as np
 
 from moe_jax.config import Config
-from moe_jax.data.store import TokenStore, describe_tokenizer, tokenizer_hash
+from moe_jax.data.token_store import TokenStore, describe_tokenizer, tokenizer_hash
 from moe_jax.data.windows import (
     batch_examples,
     check_split_fits,

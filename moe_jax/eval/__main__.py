@@ -21,7 +21,7 @@ import json
 import sys
 from pathlib import Path
 
-from moe_jax.cli.entry import command, writes
+from moe_jax.run.door import command, writes
 
 COUNT_FLAGS = {"limit": 1, "batch_size": 1, "num_fewshot": 0, "step": 0, "bootstrap_iters": 0}
 
@@ -78,7 +78,7 @@ def evaluate(args: argparse.Namespace) -> int:
 
     from moe_jax.eval.backend import MoeJaxLM
     from moe_jax.eval.tasks import load_suite, metrics
-    from moe_jax.load import read_run_meta
+    from moe_jax.inference.load import read_run_meta
     from moe_jax.run.output import check_place, new_file
 
     suite = load_suite(args.tasks, args.include_path, args.num_fewshot)

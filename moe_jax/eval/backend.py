@@ -9,7 +9,7 @@ model_args: `run` (the run directory), `step` (default: the latest), `batch_size
 compiled program), `max_length` (tokens the model reads, default model.max_seq_len), `seed`
 (sampled generation), and dotted overrides of the run's config as sample.py takes them
 (mesh.*, model.dtype, sample.weights, ...): the run is restored sharded onto that mesh in
-that weight form (`moe_jax.load.load_sampler`).
+that weight form (`moe_jax.inference.load.load_sampler`).
 
 Text becomes tokens as the harness's Hugging Face backend makes them, with the run's own
 tokenizer: a text is encoded with the tokenizer's special tokens (a BOS first, where it adds
@@ -91,7 +91,7 @@ class MoeJaxLM(TemplateLM):
                 "batch_size, max_length, seed and section.key overrides (mesh.*, sample.weights)"
             )
         if run is not None:
-            from moe_jax.load import load_sampler
+            from moe_jax.inference.load import load_sampler
 
             step = None if step is None else int_arg("step", step)
             settings = [f"{k}={v}" for k, v in overrides.items()]

@@ -8,7 +8,7 @@ imported (it has no plugin entry point), so a bare `lm_eval --model moe_jax` can
 package's backend: this module imports it, then hands the arguments to the harness's CLI
 (every flag of `lm_eval`'s works). `run --tasks` names the harness's index lacks are refused
 first (lm-eval's own refusal is a traceback); those and the moe_jax backend's errors (a bad run
-directory, mesh or override) print one `error: ...` line and exit 2 (moe_jax.cli.entry).
+directory, mesh or override) print one `error: ...` line and exit 2 (moe_jax.run.door).
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ from pathlib import Path
 from lm_eval.__main__ import cli_evaluate
 
 import moe_jax.eval.backend  # noqa: F401 (registers "moe_jax" with the harness)
-from moe_jax.cli.entry import command
 from moe_jax.eval.tasks import check_known, task_names
+from moe_jax.run.door import command
 
 
 def check_tasks(argv: Sequence[str]) -> None:

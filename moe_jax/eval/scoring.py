@@ -38,7 +38,7 @@ from jax.sharding import PartitionSpec as P
 from tqdm import tqdm
 
 from moe_jax.eval import EvalError
-from moe_jax.eval.buckets import batches, bucket
+from moe_jax.eval.batching import batches, bucket
 from moe_jax.inference.sampling import Sampler, model_of
 from moe_jax.sharding import split_batch_axes
 

@@ -29,7 +29,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from moe_jax.inference.draws import Mode, filtered_logits, in_vocab
+from moe_jax.inference.next_token import Mode, filtered_logits, in_vocab
 
 
 def step_keys(row_keys_B, step, n: int) -> list:

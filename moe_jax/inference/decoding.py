@@ -24,7 +24,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from moe_jax.inference.draws import Mode
+from moe_jax.inference.next_token import Mode
 from moe_jax.sharding import split_batch_axes
 
 
@@ -144,7 +144,7 @@ def unstack_blocks(tree, n: int, consume: bool = False) -> list:
 
 def _block(a, b: int):
     """Block b of a stacked array; of an abstract one (compiling for other devices, see
-    `moe_jax.aot`), its shape and the sharding of its other axes."""
+    `moe_jax.aot.command`), its shape and the sharding of its other axes."""
     if not isinstance(a, jax.ShapeDtypeStruct):
         return a[b]
     sharding = a.sharding

@@ -1,6 +1,6 @@
 """Text generation: prefill + KV-cache decode in one compiled program.
 
-    cfg, sampler, tok = load_sampler("runs/x", ["mesh.expert=2"])   # a run (moe_jax.load)
+    cfg, sampler, tok = load_sampler("runs/x", ["mesh.expert=2"])   # a run (moe_jax.inference.load)
     sampler = Sampler(model)                       # splits the params once; keep it around
     out = sampler.generate([ids_a, ids_b], max_new_tokens=100, temperature=0.8, top_k=40)
     out.sequences()                                # generated ids per prompt, stop token included
@@ -50,7 +50,7 @@ An int8 model (`moe_jax.model.int8`) runs the same program: its weights enter as
 and scales, and each layer's are dequantised inside the loop in that layer's turn (XLA would
 otherwise hoist them out of the loop as float copies; see `moe_jax.model.int8.after`).
 So does a bf16 model on CPU, which computes in float32: its weights are converted in their
-turn and in parts (`moe_jax.model.convert`), and the program is compiled without XLA's
+turn and in parts (`moe_jax.model.in_turn`), and the program is compiled without XLA's
 loop-invariant code motion, which would hoist every conversion out of the loop (a float32 copy
 of every weight for the whole loop: 2x the weights' bytes in temporaries).
 
@@ -62,7 +62,7 @@ it is sampled. The callback syncs with the host every step, which costs nothing 
 on CPU or for text a person reads; batches compile without it. JAX orders callbacks on one
 device only; under a mesh they are unordered and the host puts the steps back in order.
 
-Drawing tokens (temperature, top-k, top-p, one key a row): `moe_jax.inference.draws`. The loop's
+Drawing tokens (temperature, top-k, top-p, one key a row): `inference.next_token`. The loop's
 scaffolding (the request as one value, the model calls, row keys, stop test, streaming), which
 the speculative sampler shares: `moe_jax.inference.decoding`.
 """
@@ -94,8 +94,9 @@ from moe_jax.inference.decoding import (
     model_of,
     unstack_blocks,
 )
-from moe_jax.inference.draws import Mode, pick_tokens
-from moe_jax.model import Transformer, convert
+from moe_jax.inference.next_token import Mode, pick_tokens
+from moe_jax.model import Transformer
+from moe_jax.model import in_turn as convert
 from moe_jax.model.int8 import is_quantized, quantize_model
 
 MIN_BUCKET = 16  # shortest prompt bucket: shorter prompts are padded to this
@@ -270,7 +271,7 @@ class Sampler:
         """`program` jitted, its `program` argument static. 16-bit weights for a wider compute
         dtype (bf16 weights on CPU) compile without the loop-invariant code motion, which
         would hoist each weight's conversion out of the decode loop: a float copy of every
-        weight alive for the whole loop (`moe_jax.model.convert`)."""
+        weight alive for the whole loop (`moe_jax.model.in_turn`)."""
         dtype = backends.compute_dtype(self.cfg.model.dtype)
         converts = convert.any_in_turn((self.params, self.param_blocks), dtype)
         options = backends.loop_compiler_options(converts)
@@ -350,7 +351,7 @@ class Sampler:
 
         `sharding`: give the prompts and sampling values as abstract arrays with this sharding
         instead of arrays on this host's device (the sampler's params are then abstract too:
-        compiling for a TPU slice or GPU cluster from this machine, see `moe_jax.aot`)."""
+        compiling for a TPU slice or GPU cluster from this machine, see `moe_jax.aot.command`)."""
         request, program = self._inputs(prompts, max_new_tokens, **kw)
         if sharding is not None:
             as_abstract = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding)

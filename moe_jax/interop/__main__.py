@@ -40,7 +40,7 @@ A LoRA run (lora.rank > 0) exports merged (each adapted weight W + alpha/r A B);
 export-adapter writes its adapters alone in PEFT's format (adapter_model.safetensors +
 adapter_config.json, PEFT's tensor names for the architecture), which PEFT loads onto the
 HF base; `train.py init_from=BASE lora.init_adapter=ADAPTER_DIR` reads one back
-(moe_jax/lora/peft.py).
+(moe_jax/interop/peft.py).
 
 Errors (unsupported architecture or setting, missing tensor, existing non-empty --out) print
 one `error: ...` line and exit 2; nothing existing is overwritten.
@@ -56,7 +56,6 @@ from pathlib import Path
 from flax import nnx
 from omegaconf import OmegaConf
 
-from moe_jax.cli.entry import command, writes
 from moe_jax.config import (
     Config,
     ConfigError,
@@ -72,6 +71,7 @@ from moe_jax.interop.export import export_run as stream_export
 from moe_jax.interop.safetensors_io import InteropError
 from moe_jax.interop.stream import ImportPlan, Progress
 from moe_jax.model import Transformer
+from moe_jax.run.door import command, writes
 from moe_jax.run.layout import TOKENIZER_DIR
 from moe_jax.run.policy import RESUMABLE_CHANGES
 from moe_jax.run.stream_save import write_params_run
@@ -221,7 +221,7 @@ def main(argv: list[str]) -> int:
         cfg = import_run(args.hf_dir, args.out, config, rest, args.dtype, args.allow_nonfinite)
         print(f"imported {args.hf_dir} into {cfg.run_dir} (step 0)")
     elif args.command == "export-adapter":
-        from moe_jax.lora.peft import export_adapter
+        from moe_jax.interop.peft import export_adapter
 
         _require_empty(args.out)
         arch, _ = export_adapter(args.run_dir, args.out, args.step, args.arch)

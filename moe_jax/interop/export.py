@@ -41,12 +41,12 @@ from moe_jax.config import Config
 from moe_jax.interop.convert import pick_family, write_hf
 from moe_jax.interop.lazy import Deferred
 from moe_jax.interop.safetensors_io import InteropError
-from moe_jax.lora.params import quantized_base
 from moe_jax.model import Transformer, fp4
 from moe_jax.model.int8 import QUANTIZATIONS, QuantizedParam
 from moe_jax.model.moe import FLOAT32_PARAMS
+from moe_jax.posttrain.lora import quantized_base
+from moe_jax.run.checkpoints import open_checkpoints, read_meta
 from moe_jax.run.layout import CHECKPOINT_DIR
-from moe_jax.run.store import open_checkpoints, read_meta
 from moe_jax.run.stream_save import CheckpointArrays
 
 DTYPES = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(ml_dtypes.bfloat16)}
@@ -107,7 +107,7 @@ def export_run(
         return _deferred(arrays, path, block)
 
     if cfg.lora.rank:  # a LoRA run: each adapted weight written merged, W + (alpha / r) A B
-        from moe_jax.lora.peft import merged_reader
+        from moe_jax.interop.peft import merged_reader
 
         read = merged_reader(read, arrays.shapes, cfg.lora.alpha / cfg.lora.rank)
     write_hf(cfg, family, hf_config, read, out, tokenizer=tokenizer, dtype=out_dtype,

@@ -48,7 +48,7 @@ from moe_jax.model.kv_cache import KVCache, check_cache_inputs, ring_keys, write
 from moe_jax.model.norm import RMSNorm, rms_norm
 from moe_jax.model.paged_kv import is_paged, paged_keys
 from moe_jax.model.rope import apply_rope, rope_attention_factor, rope_inv_freq
-from moe_jax.scopes import ATTENTION, scoped
+from moe_jax.named_scopes import ATTENTION, scoped
 from moe_jax.sharding import param
 
 # Checkpoint name of a query block's output and log-sum-exp, all its backward keeps besides

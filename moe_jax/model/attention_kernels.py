@@ -166,7 +166,7 @@ def cudnn(
     skipped beyond the causal ones. cuDNN's packed layout (`q_offsets`) would express
     documents exactly, but JAX refuses it unless the host's own GPU is a Hopper, so it cannot
     be compiled ahead of time here."""
-    from moe_jax.model import cudnn_attention
+    from moe_jax.kernels import cudnn_attention
 
     if q_BTHD.dtype not in (jnp.bfloat16, jnp.float16):
         raise backends.KernelError(

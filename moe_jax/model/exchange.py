@@ -34,7 +34,7 @@ from moe_jax.model.routing import (
     sum_choices,
     to_buffers,
 )
-from moe_jax.scopes import COMBINE, DISPATCH, scoped
+from moe_jax.named_scopes import COMBINE, DISPATCH, scoped
 from moe_jax.sharding import split_batch_axes
 
 

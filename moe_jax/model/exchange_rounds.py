@@ -29,13 +29,13 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from moe_jax.scopes import COMBINE, DISPATCH
+from moe_jax.named_scopes import COMBINE, DISPATCH
 
 # The exchange's collective; the CPU tests swap in a stand-in (XLA:CPU has none):
 # tests/ragged_stand_in.py.
 ragged_all_to_all = jax.lax.ragged_all_to_all
 
-# The name scope of the rounds' loops: `moe_jax.hlo` counts their FLOPs and collectives at
+# The name scope of the rounds' loops: `moe_jax.aot.hlo` counts their FLOPs and collectives at
 # ROUND_LOOP_TRIPS extra rounds (a loop of unknown trip count otherwise).
 ROUND_LOOP_SCOPE = "exchange_rounds"
 ROUND_LOOP_TRIPS = 0  # the common case, one round (the first runs outside the loops)

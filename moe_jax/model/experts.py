@@ -17,12 +17,14 @@ from jax.ad_checkpoint import checkpoint_name
 
 from moe_jax import backends
 from moe_jax.config import Config
-from moe_jax.model import convert, lora, picked, weight_gather
-from moe_jax.model.buckets import swiglu_filled
+from moe_jax.kernels import picked_matmul as picked
+from moe_jax.model import in_turn as convert
+from moe_jax.model import lora, weight_gather
 from moe_jax.model.glu import SWIGLU, Activation, glu
 from moe_jax.model.grouped import grouped_buffers
 from moe_jax.model.routing import scale_inputs, sum_choices
-from moe_jax.scopes import EXPERTS, scoped
+from moe_jax.model.row_buckets import swiglu_filled
+from moe_jax.named_scopes import EXPERTS, scoped
 from moe_jax.sharding import param
 
 EXPERT_PARAMS = ("w_gate", "w_up", "w_down", "gate_bias", "up_bias", "down_bias")

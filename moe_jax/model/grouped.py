@@ -24,10 +24,10 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from moe_jax import backends
-from moe_jax.model import mosaic
-from moe_jax.model.buckets import SAVED_NAMES
+from moe_jax.kernels import mosaic_gmm as mosaic
 from moe_jax.model.glu import SWIGLU, Activation, glu, glu_vjp
-from moe_jax.scopes import EXPERTS, scoped
+from moe_jax.model.row_buckets import SAVED_NAMES
+from moe_jax.named_scopes import EXPERTS, scoped
 
 MEGABLOX_TILE = (512, 1024, 1024)  # rows, contracted, output: MaxText's default tiling
 

@@ -5,7 +5,7 @@
 
 This is the model's half of int8 inference, imported by the model (`after`), the sampler and
 the checkpoint reader (which rebuilds int8 runs); int8 run directories are written by
-`python -m moe_jax.quantize` (moe_jax/inference/quantize.py), which builds on it.
+`python -m moe_jax.quantize` (moe_jax/quantize.py), which builds on it.
 
 What is quantised: every matmul weight of attention (wq, wk, wv, wo), of the dense and shared
 SwiGLU MLPs and of the routed experts (w_gate, w_up, w_down), and the output head. What stays

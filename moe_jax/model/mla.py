@@ -46,7 +46,8 @@ from jax.ad_checkpoint import checkpoint_name
 
 from moe_jax import backends
 from moe_jax.config import Config
-from moe_jax.model import attention_kernels, convert, lora, weight_gather
+from moe_jax.model import attention_kernels, lora, weight_gather
+from moe_jax.model import in_turn as convert
 from moe_jax.model.attention import (
     ATTENTION_OUT,
     attend,
@@ -58,7 +59,7 @@ from moe_jax.model.kv_cache import KVCache, check_cache_inputs, write_cache
 from moe_jax.model.norm import RMSNorm
 from moe_jax.model.paged_kv import is_paged, paged_keys
 from moe_jax.model.rope import apply_rope, rope_attention_factor, rope_inv_freq, rope_softmax_factor
-from moe_jax.scopes import ATTENTION, scoped
+from moe_jax.named_scopes import ATTENTION, scoped
 from moe_jax.sharding import param
 
 # DeepSeek's q_a_layernorm and kv_a_layernorm keep their class's default eps (transformers'

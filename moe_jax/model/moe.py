@@ -67,7 +67,7 @@ from moe_jax.model.routing import (
     sum_choices,
     to_buffers,
 )
-from moe_jax.scopes import COMBINE, DISPATCH, SHARED_EXPERT
+from moe_jax.named_scopes import COMBINE, DISPATCH, SHARED_EXPERT
 from moe_jax.sharding import n_batch_shards, param
 
 __all__ = ["FLOAT32_PARAMS", "MoE", "SwiGLU"]

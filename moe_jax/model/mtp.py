@@ -10,7 +10,7 @@ For depth k = 1..D and position t (h_0 = the main model's last layer output, bef
 The embedding and the output head are the main model's own parameters (one copy each: the MTP
 loss trains them too); each depth has its own norms, projection, decoder layer (of the kind of
 the main model's last layer: attention + MoE or dense) and output norm. The MTP loss is
-`train.mtp_loss_weight / D * sum_k CE_k` (`moe_jax.train_step`), CE_k over the positions
+`train.mtp_loss_weight / D * sum_k CE_k` (`moe_jax.train.step`), CE_k over the positions
 whose target t+k+1 lies in the row, in the same document, and is counted by the loss mask.
 
 The order of the concatenation is the released checkpoints': vLLM, SGLang, Megatron-LM and

@@ -25,7 +25,7 @@ import jax
 from jax.ad_checkpoint import Recompute, Saveable
 
 from moe_jax.model.attention import ATTENTION_OUT
-from moe_jax.model.buckets import SAVED_NAMES
+from moe_jax.model.row_buckets import SAVED_NAMES
 
 # Kept by `dots` besides matmul outputs: the experts' matmuls run inside `buckets`' switch
 # and attention's are batched matmuls (not saved by `dots_with_no_batch_dims_saveable`).

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from moe_jax.config import MoEConfig
-from moe_jax.scopes import COMBINE, DISPATCH, ROUTER, scoped
+from moe_jax.named_scopes import COMBINE, DISPATCH, ROUTER, scoped
 
 
 def capacity(tokens_per_group: int, cfg: MoEConfig) -> int:

@@ -59,7 +59,8 @@ from jax.ad_checkpoint import checkpoint_name
 
 from moe_jax import backends
 from moe_jax.config import Config, check_lora_targets
-from moe_jax.model import convert, lora, weight_gather
+from moe_jax.model import in_turn as convert
+from moe_jax.model import lora, weight_gather
 from moe_jax.model.attention import Attention
 from moe_jax.model.int8 import QuantizedParam, after
 from moe_jax.model.kv_cache import KVCache
@@ -69,7 +70,7 @@ from moe_jax.model.mtp import MTPLayer
 from moe_jax.model.norm import RMSNorm
 from moe_jax.model.remat import remat
 from moe_jax.model.routing import aux_loss
-from moe_jax.scopes import MLP
+from moe_jax.named_scopes import MLP
 from moe_jax.sharding import at_block_boundary, param
 
 # Per-MoE-layer scalars of `aux` ([n_moe_layers] each): what capacity dropped, and how the

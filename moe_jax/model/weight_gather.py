@@ -38,7 +38,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from moe_jax import backends
-from moe_jax.model import convert
+from moe_jax.model import in_turn as convert
 from moe_jax.sharding import logical_to_spec, n_batch_shards, split_batch_axes
 
 # (gather by steps, the largest group one collective spans: 0 = whole axes)

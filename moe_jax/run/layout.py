@@ -10,7 +10,7 @@
         opt_state/  the optax state                     (Orbax PyTree)
         data/       the Grain iterator position, one JSON file per process
         meta/       resolved config (YAML text), tokenizer, corpus fingerprint (JSON)
-    RUN_DIR/metrics.jsonl, RUN_DIR/tb/   metrics (see moe_jax/metrics.py)
+    RUN_DIR/metrics.jsonl, RUN_DIR/tb/   metrics (see moe_jax/observe/writers.py)
     RUN_DIR/train.lock            while a run trains: its pid and host (see `run.lock.RunLock`)
     RUN_DIR/superseded/<step>/    checkpoints after the one `train.resume_step` resumed from
 

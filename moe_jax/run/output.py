@@ -12,7 +12,7 @@ same through KeyboardInterrupt. A signal that lands where Python cannot raise (a
 is raised again before the output is committed. Only kill -9 leaves a sibling behind: the
 next command writing next to it removes every sibling whose process is gone (the pid in its
 name).
-`one_line` turns those endings into what a command prints and returns (`moe_jax.cli.entry`).
+`one_line` turns those endings into what a command prints and returns (`moe_jax.run.door`).
 """
 
 from __future__ import annotations
@@ -228,7 +228,7 @@ def new_output(out: Path, what: str) -> Iterator[Path]:
     non-empty one before the work starts. Not `tempfile.mkdtemp`, whose mode 700 the renamed
     output would keep: this one gets the user's umask."""
     from moe_jax.run.lock import make_dir  # here: lock imports jax, and the commands' door
-    # (moe_jax.cli.entry) imports this module before a command has checked its input
+    # (moe_jax.run.door) imports this module before a command has checked its input
 
     out = Path(out)
     new_parents = [d for d in out.absolute().parents if not d.exists()]  # removed on failure

@@ -21,8 +21,8 @@ from pathlib import Path
 import orbax.checkpoint as ocp
 
 from moe_jax.config import Config, ConfigError, config_from_yaml
+from moe_jax.run.checkpoints import read_meta, read_only_manager
 from moe_jax.run.layout import CONFIG_FILE, LOCK_FILE, RunError
-from moe_jax.run.store import read_meta, read_only_manager
 from moe_jax.tokenizer import Tokenizer
 
 # Architecture keys that may change when resuming (or starting from another run): none of

@@ -29,9 +29,9 @@ import tensorstore as ts
 from flax import nnx
 
 from moe_jax.config import config_to_yaml
+from moe_jax.run.checkpoints import _manager, keep_tokenizer_files
 from moe_jax.run.layout import CHECKPOINT_DIR, CONFIG_FILE
 from moe_jax.run.output import new_output
-from moe_jax.run.store import _manager, keep_tokenizer_files
 
 # At most this much of a parameter is made and written at once: one chunk, which is also
 # what a reader of a region decodes (an export reads one expert at a time).

@@ -14,7 +14,7 @@ import socket
 import sys
 from pathlib import Path
 
-from moe_jax.cli.entry import command, say
+from moe_jax.run.door import command, say
 from moe_jax.run.output import stop_exception
 
 # Engine keyword -> its flag, for the engine's own size checks (`size_problem`).
@@ -115,9 +115,9 @@ def main(argv=None) -> int:
 
 def serve(args, sock: socket.socket, uvicorn, create_app) -> int:
     """Load the run and serve it on `sock` until a signal stops uvicorn."""
-    from moe_jax.load import load_sampler
+    from moe_jax.inference.load import load_sampler
 
-    # Until uvicorn serves, a signal stops the command as any other (moe_jax.cli.entry).
+    # Until uvicorn serves, a signal stops the command as any other (moe_jax.run.door).
     cfg, sampler, tokenizer = load_sampler(args.run, args.overrides, args.step)
     engine = engine_for(args, cfg, sampler, tokenizer)
     name = args.model_name or Path(args.run).resolve().name

@@ -22,7 +22,7 @@ work: nothing here splits words into tokens.
 
 Saved form: byte and char are wholly described by `to_dict()` (in every checkpoint's meta).
 A file tokenizer's `to_dict()` is its kind and the SHA-256 of each file; the files are kept
-in the run directory (RUN_DIR/tokenizer/, see `files.py` and moe_jax/run/store.py), and
+in the run directory (RUN_DIR/tokenizer/, see `files.py` and moe_jax/run/checkpoints.py), and
 `tokenizer_from_dict` reads them from there and checks them.
 """
 

@@ -57,7 +57,6 @@ from jax.sharding import PartitionSpec as P
 
 from moe_jax.inference.acceptance import DraftRule, step_keys
 from moe_jax.inference.decoding import model_of
-from moe_jax.inference.draws import Mode
 from moe_jax.inference.engine.programs import (
     Batch,
     PickMode,
@@ -66,6 +65,7 @@ from moe_jax.inference.engine.programs import (
     is_ring,
     token_logprobs,
 )
+from moe_jax.inference.next_token import Mode
 from moe_jax.inference.speculative import draft_chain, mtp_depth, mtp_draft, put_at, take_at
 
 

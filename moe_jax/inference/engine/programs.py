@@ -37,7 +37,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from moe_jax.inference.decoding import Weights, model_of, stack_blocks, unstack_blocks
-from moe_jax.inference.draws import Mode, in_vocab, sample_tokens
+from moe_jax.inference.next_token import Mode, in_vocab, sample_tokens
 
 
 class Batch(NamedTuple):
@@ -172,7 +172,7 @@ def token_logprobs(logits_XV, tokens_X, n_vocab):
 def tempered_logprobs(logits_BV, tokens_B, temperature_B):
     """log p(token) under the logits at the row's temperature (1 for greedy rows), over the
     whole vocabulary: `Sampler.generate(record=True)`'s log-probs, what a trainer recomputes
-    (`moe_jax.rl.rollouts.token_logps`)."""
+    (`moe_jax.posttrain.rl.rollouts.token_logps`)."""
     t_B1 = jnp.where(temperature_B == 0, 1.0, temperature_B)[:, None]
     logp_BV = jax.nn.log_softmax(logits_BV.astype(jnp.float32) / t_B1, axis=-1)
     return jnp.take_along_axis(logp_BV, tokens_B[:, None], axis=-1)[:, 0]
