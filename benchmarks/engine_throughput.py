@@ -45,8 +45,9 @@ import numpy as np
 from common import STYLES, bench_config, count, counts, hf_model, machine, wait_until_idle
 from flax import nnx
 
+from moe_jax.data.windows import bucket
 from moe_jax.inference.engine import Engine, SamplingParams
-from moe_jax.inference.sampling import Sampler, prompt_bucket
+from moe_jax.inference.sampling import Sampler
 from moe_jax.model import Transformer
 from moe_jax.train.step import init_state, make_optimizer, make_train_step
 
@@ -96,7 +97,7 @@ def one_at_a_time(sampler: Sampler, prompts, N: int) -> dict:
     """Each request alone through the sampler; one prompt per bucket first, to compile."""
     buckets = {}
     for p in prompts:
-        buckets.setdefault(prompt_bucket(len(p), 10**9), p)
+        buckets.setdefault(bucket(len(p), 10**9), p)
     for p in buckets.values():
         sampler.generate([p], N, temperature=0)
     start, cpu = time.perf_counter(), time.process_time()
@@ -232,7 +233,7 @@ def main(argv: list[str]) -> int:
         "engine_peak_mib": float(np.mean([r["peak_pages_mean"] for r in rows]))
         * args.page_size * per_pos / 2**20,
         "full_context_mib": cfg.model.max_seq_len * per_pos / 2**20,
-        "sampler_mib": float(np.mean([prompt_bucket(len(q), 10**9) + N for q in prompts]))
+        "sampler_mib": float(np.mean([bucket(len(q), 10**9) + N for q in prompts]))
         * per_pos / 2**20,
     }  # fmt: skip
     print(f"{args.size} {args.style}: {args.requests} requests, prompts {lo}-{hi}, {N} new")

@@ -1,4 +1,22 @@
-"""moe_jax: a JAX/Flax NNX framework for decoder-only Mixture-of-Experts language models."""
+"""moe_jax: a JAX/Flax NNX framework for decoder-only Mixture-of-Experts language models.
+
+The package in layers, lowest first. A module imports only from its own unit or from a unit
+before it in `LAYERS` (tests/test_imports.py checks every import, at a module's top or in a
+function), so any layer can be read and tested without those above it:
+
+    base    errors, process_setup (jax's import and the host), kernels/ (fused kernels that
+            stand alone), backends (the kernel choice), named_scopes, config/, tokenizer/
+    core    sharding (the mesh and its rules), model/ (the decoder, its layers and loss),
+            data/ (corpora, token stores, SFT / preference / prompt rows)
+    runs    run/ (a run directory: layout, lock, outputs, Orbax checkpoints, the policy of a
+            resume, the command door)
+    rooms   interop/ (Hugging Face and PEFT formats), summary/ (parameter and FLOP accounting),
+            observe/ (metric writers, trackers, plots, profiles), inference/ (sampling, the
+            engine, loading a run for inference)
+    jobs    posttrain/ (LoRA, DPO, RL), eval/, train/ (the loop and its step), serve/
+    tools   aot/, prepare, quantize, plot, profile (the last two: doors of observe/'s
+            commands) and cli/ (train.py and sample.py)
+"""
 
 import os
 import sys
@@ -6,6 +24,16 @@ import sys
 from moe_jax.process_setup import import_jax
 
 __version__ = "0.1.0"
+
+# The units of the layering above, lowest first (a unit: a top-level module or package).
+LAYERS = (
+    ("errors", "process_setup", "kernels", "backends", "named_scopes", "config", "tokenizer"),
+    ("sharding", "model", "data"),
+    ("run",),
+    ("interop", "summary", "observe", "inference"),
+    ("posttrain", "eval", "train", "serve"),
+    ("aot", "prepare", "quantize", "plot", "profile", "cli"),
+)
 
 # jax is imported here, without the CUDA plugin's no-driver lines, for every entry point
 # (`python -m moe_jax.X`, the benchmarks, notebooks, the tests) but the commands that check

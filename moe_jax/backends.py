@@ -48,7 +48,7 @@ AUTO = {
     # in place (`moe.decode_impl=triton`) took 23.4 at its best blocks (2026-11-28).
     "gpu": {"attention": "cudnn", "moe": "batched", "decode": "gather"},
     # Dropless (moe.capacity_factor <= 0) on GPU: the grouped rows through jax's Mosaic GPU
-    # kernels with our VJP (`model/mosaic.py`), where every expert is on the device
+    # kernels with our VJP (`kernels/mosaic_gmm.py`), where every expert is on the device
     # (ep 1: the ragged exchange has not run on several GPUs yet), in 16 bits, at dims
     # their tiles divide; else the row above. The batched buffers, dropless, hold C = every
     # token a group routes for every expert: E / k times the rows (4x for the kit's model).
@@ -67,17 +67,18 @@ COMPUTE_DTYPE = {"cpu": "float32", "gpu": "bfloat16", "tpu": "bfloat16"}
 # converted where they are used. XLA:CPU can neither multiply nor gather bf16, and left to it
 # the float32 copies of every weight were alive at once (hoisted out of the decode loop,
 # scheduled up front): 2.1x the weights in temporaries. Where True the model converts them
-# in their turn and in parts (model/convert.py), and the sampler compiles its loop without
+# in their turn and in parts (model/in_turn.py), and the sampler compiles its loop without
 # XLA's loop-invariant code motion (LOOP_COMPILER_OPTIONS), which would hoist them again. On
 # the accelerators the compute dtype is the weights' bf16: nothing is converted, nothing
 # changes.
 CONVERTS_IN_TURN = {"cpu": True, "gpu": False, "tpu": False}
 LOOP_COMPILER_OPTIONS = {"xla_disable_hlo_passes": "while-loop-invariant-code-motion"}
-# Where each kernel lives (moe_jax/model/): attention `blocked` attention.py, `cudnn` and
-# `splash` attention_kernels.py (cuDNN's training form: cudnn_attention.py); moe `buckets`
-# buckets.py, `batched` experts.py (`expert_swiglu`'s batched matmul), `ragged` and
-# `megablox` grouped.py (XLA's ragged_dot, the Pallas TPU grouped matmul), `mosaic` mosaic.py;
-# decode `gather` experts.py (`rows_matmul`), `triton` picked.py.
+# Where each kernel lives (moe_jax/model/ unless said): attention `blocked` attention.py,
+# `cudnn` and `splash` attention_kernels.py (cuDNN's training form: kernels/cudnn_attention.py);
+# moe `buckets` row_buckets.py, `batched` experts.py (`expert_swiglu`'s batched matmul),
+# `ragged` and `megablox` grouped.py (XLA's ragged_dot, the Pallas TPU grouped matmul),
+# `mosaic` kernels/mosaic_gmm.py; decode `gather` experts.py (`rows_matmul`), `triton`
+# kernels/picked_matmul.py.
 IMPLS = {
     "attention": ("auto", "blocked", "cudnn", "splash"),
     "moe": ("auto", "buckets", "batched", "ragged", "megablox", "mosaic"),
@@ -167,18 +168,18 @@ def takes(
     import jax.numpy as jnp
 
     if impl == "mosaic":
-        from moe_jax.kernels import mosaic_gmm as mosaic
+        from moe_jax.kernels import mosaic_gmm
 
         dims, ep = (shape or {}).get("dims"), (shape or {}).get("ep", 1)
         sixteen = dtype is not None and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16)
-        fits = dims is not None and mosaic.dims_fit(*dims)
-        return sixteen and fits and ep == 1 and mosaic.available()
+        fits = dims is not None and mosaic_gmm.dims_fit(*dims)
+        return sixteen and fits and ep == 1 and mosaic_gmm.available()
 
     if impl == "triton":
-        from moe_jax.kernels import picked_matmul as picked
+        from moe_jax.kernels import picked_matmul
 
         dims = (shape or {}).get("dims")
-        return dims is not None and picked.fits(*dims) and picked.available()
+        return dims is not None and picked_matmul.fits(*dims) and picked_matmul.available()
     if impl == "cudnn":
         return (dtype is None or jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16)) and (
             cudnn_installed() and not sinks

@@ -52,6 +52,39 @@ def test_no_module_imports_itself_back():
         pytest.fail(f"import cycle: {' -> '.join(e.args[1])}")
 
 
+def _unit(name: str) -> str:
+    return name.split(".")[1] if name != "moe_jax" else name
+
+
+def test_imports_only_run_down_the_layers():
+    """Each module imports only from its own unit (top-level module or package) or from a
+    unit earlier in `moe_jax.LAYERS`, read in order within a layer too: no import upward."""
+    from moe_jax import LAYERS
+
+    order = [unit for layer in LAYERS for unit in layer]
+    rank = {unit: i for i, unit in enumerate(order)}
+    assert len(rank) == len(order), "a unit named twice in LAYERS"
+    units = {_unit(name) for name in MODULES} - {"moe_jax"}
+    assert units == set(rank), f"units not in LAYERS: {sorted(units ^ set(rank))}"
+    upward = [
+        f"{name} -> {dep}"
+        for name in MODULES
+        if name != "moe_jax"
+        for dep in imports(name)
+        if dep != "moe_jax" and rank[_unit(dep)] > rank[_unit(name)]
+    ]
+    assert not upward, "imports up the layers: " + "; ".join(sorted(upward))
+
+
+def test_the_layer_check_sees_an_upward_import(monkeypatch, tmp_path):
+    """The check above on a module that imports the trainer from the model: refused."""
+    fake = tmp_path / "fake.py"
+    fake.write_text("from moe_jax.train.loop import train\n")
+    monkeypatch.setitem(MODULES, "moe_jax.model.fake", fake)
+    with pytest.raises(AssertionError, match="moe_jax.model.fake -> moe_jax.train.loop"):
+        test_imports_only_run_down_the_layers()
+
+
 def test_the_model_imports_only_the_config_and_sharding():
     """The model is what checkpoints, quantisation, interop and training are built on
     (`scopes`: the names of a step's parts, a leaf that imports only jax; `errors`: the

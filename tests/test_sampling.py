@@ -19,8 +19,9 @@ import pytest
 from flax import nnx
 
 from moe_jax.data.corpus import train_iterator
+from moe_jax.data.windows import bucket
 from moe_jax.inference.next_token import Mode, sample_tokens
-from moe_jax.inference.sampling import Sampler, SamplingError, prompt_bucket
+from moe_jax.inference.sampling import Sampler, SamplingError
 from moe_jax.model import Transformer
 from moe_jax.run.checkpoints import Checkpointer
 from moe_jax.sharding import make_mesh, state_shardings
@@ -299,8 +300,8 @@ def test_greedy_and_top_k_1_break_ties_by_lowest_id():
 
 def test_prompt_buckets_reuse_one_compiled_program(base):
     _, sampler, _, _ = base
-    assert [prompt_bucket(n, 1000) for n in (1, 16, 17, 100)] == [16, 16, 32, 128]
-    assert prompt_bucket(300, 400) == 400  # capped so prompt + new tokens fit the context
+    assert [bucket(n, 1000) for n in (1, 16, 17, 100)] == [16, 16, 32, 128]
+    assert bucket(300, 400) == 400  # capped so prompt + new tokens fit the context
     compiled = sampler.compiled._cache_size()
     sampler.generate(prompts_of([20]), 2, temperature=0.7, top_k=5)  # new bucket (32): compiles
     assert sampler.compiled._cache_size() == compiled + 1

@@ -481,9 +481,9 @@ def _moe_impls(M: dict) -> dict:
         return jax.lax.ragged_dot(x, w, sizes, preferred_element_type=jnp.float32).astype(x.dtype)
 
     def mosaic(x, w, sizes):  # moe.impl=mosaic: jax's Mosaic GPU kernels, our VJP
-        from moe_jax.kernels import mosaic_gmm as mosaic
+        from moe_jax.kernels import mosaic_gmm
 
-        return mosaic.grouped_matmul(x, w, sizes)
+        return mosaic_gmm.grouped_matmul(x, w, sizes)
 
     # Measured on the H200 and left out since: XLA's ragged_dot (26.5 ms forward, 171 ms with
     # the backward), its Triton lowering (missing from jax 0.11.2), tokamax's Triton
@@ -786,7 +786,7 @@ def picked_kernel(S: dict, dry: bool) -> None:
     """Decoding's expert product alone, one token's top-k rows against a gate-shaped stack:
     the Triton kernel reading the picked weights in place (at each block shape) against
     XLA's gather and two-row GEMM; GB/s of the picked weights' bytes, error against float64."""
-    from moe_jax.kernels import picked_matmul as picked
+    from moe_jax.kernels import picked_matmul
     from moe_jax.model import experts
 
     M = S["picked"]
@@ -801,7 +801,7 @@ def picked_kernel(S: dict, dry: bool) -> None:
     gather = jax.jit(lambda x, w, e: experts.rows_matmul(x, w[e]))
     impls = {"gather + GEMM (XLA)": gather}
     for blocks in M["blocks"]:
-        fn = partial(picked.picked_matmul, blocks=tuple(blocks), interpret=dry)
+        fn = partial(picked_matmul.picked_matmul, blocks=tuple(blocks), interpret=dry)
         impls[f"triton {tuple(blocks)}"] = jax.jit(fn)
     nbytes, R = J * K * N * 2, M.get("rounds", 10)
 

@@ -214,7 +214,7 @@ def program_figures(compiled, cfg, hlo_path: str | None = None, new_tokens=None)
 def compile_step(cfg, topo, step: str, verbose: bool = False, hlo_path: str | None = None):
     """Compile `step` ("train" | "decode") of `cfg` for `topo`. -> report dict; a GRPO
     train step (train.objective=grpo) is its sampler's program and its update's
-    (`rl.aot.compile_grpo`). Raises DoesNotFit, or ConfigError / SamplingError for a config
+    (`aot.grpo.compile_grpo`). Raises DoesNotFit, or ConfigError / SamplingError for a config
     the step cannot take."""
     from moe_jax import backends
     from moe_jax.summary.counts import decode_flops, train_flops_per_token

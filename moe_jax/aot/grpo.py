@@ -6,7 +6,7 @@ across them.
 
 - "sample": the sampler's recording generate that `rl.collect` runs each step
   (`Sampler.generate(record=True)`): train.batch_size x rl.group_size rows of a prompt bucket
-  (`prompt_bucket(rl.max_prompt_len)`) + rl.max_new_tokens, its weights the copy of the
+  (`data.windows.bucket(rl.max_prompt_len)`) + rl.max_new_tokens, its weights the copy of the
   train state's params that `rl.collect` lays out for sampling each step (INFERENCE_RULES on
   `sharding.rollout_mesh`: nothing split over fsdp, so the decode loop gathers no weight),
   traced on that mesh as the trainer's loop does;
@@ -41,7 +41,7 @@ GIB = 1 << 30
 def rollout_shape(cfg) -> tuple[int, int, int]:
     """(rows R, prompt bucket P, new tokens N) of a step's rollouts: rows P + N wide."""
     from moe_jax.config import ConfigError
-    from moe_jax.inference.sampling import prompt_bucket
+    from moe_jax.data.windows import bucket
 
     rl, m = cfg.rl, cfg.model
     if rl.rollout_engine:
@@ -57,7 +57,7 @@ def rollout_shape(cfg) -> tuple[int, int, int]:
     limit = m.max_seq_len - rl.max_new_tokens
     return (
         cfg.train.batch_size * rl.group_size,
-        prompt_bucket(rl.max_prompt_len, limit),
+        bucket(rl.max_prompt_len, limit),
         (rl.max_new_tokens),
     )
 

@@ -22,7 +22,11 @@ WEIGHT_KINDS = ("auto", "float32", "bfloat16", "int8", "mxfp4")  # sample.weight
 # data.sft (moe_jax/data/sft.py; preference: DPO's pairs, moe_jax/data/preference.py)
 SFT_FORMATS = ("none", "prompt_completion", "chat", "preference", "prompts")  # prompts: GRPO's
 DPO_LOSSES = ("sigmoid", "ipo", "simpo")  # train.dpo_loss (dpo.py)
-OBJECTIVES = ("lm", "dpo", "grpo")  # train.objective (train_step.py, dpo.py, rl/grpo.py)
+OBJECTIVES = (
+    "lm",
+    "dpo",
+    "grpo",
+)  # train.objective (train/step.py, posttrain/dpo.py, posttrain/rl/grpo.py)
 MESH_AXES = ("data", "fsdp", "expert", "tensor")  # the axes a mesh.* size names
 # train.trackers (moe_jax/observe/trackers.py); "jsonl" is always on, and may be named
 TRACKERS = ("jsonl", "tensorboard", "wandb", "mlflow")

@@ -26,8 +26,7 @@ import numpy as np
 
 from moe_jax.config import Config, ConfigError
 from moe_jax.data.sft import Record, read_records
-from moe_jax.data.windows import batch_examples, local_rows, unigram_entropy
-from moe_jax.inference.sampling import prompt_bucket
+from moe_jax.data.windows import batch_examples, bucket, local_rows, unigram_entropy
 from moe_jax.tokenizer import DataError, Tokenizer, load_tokenizer
 
 FORM = '{"prompt": "...", ...} (or a list of messages; other fields go to the rewards)'
@@ -170,10 +169,10 @@ def load_prompts(cfg: Config, tokenizer: Tokenizer | None = None) -> PromptData:
         ids.append(encoded)
     n_val = min(max(math.ceil(len(records) * d.val_fraction), 1), len(records) - 1)
     cut = len(records) - n_val
-    bucket = prompt_bucket(cfg.rl.max_prompt_len or max(map(len, ids)), limit)
+    padded = bucket(cfg.rl.max_prompt_len or max(map(len, ids)), limit)
     description = f"GRPO prompts {d.path}: {cut:,} train / {n_val:,} val prompts"
     return PromptData(
-        tokenizer, records, ids, cut, cfg.train.seq_len + 1, bucket, rewards, description,
+        tokenizer, records, ids, cut, cfg.train.seq_len + 1, padded, rewards, description,
         fingerprint,
     )  # fmt: skip
 

@@ -1,5 +1,6 @@
 """What the datasets share: each process's rows of a global batch, the splits' fit check, the
-unigram baseline, packed windows of documents and their batches."""
+unigram baseline, packed windows of documents and their batches, and the padded length of a
+row (`bucket`), which sampling's prompts, GRPO's prompts and eval's requests share."""
 
 from __future__ import annotations
 
@@ -10,6 +11,14 @@ import numpy as np
 
 from moe_jax.config import Config
 from moe_jax.tokenizer import DataError
+
+MIN_BUCKET = 16  # shortest padded length: shorter rows share its program
+
+
+def bucket(length: int, limit: int, minimum: int = MIN_BUCKET) -> int:
+    """`length` padded up: the next power of two, at least `minimum`, at most `limit`, so that
+    a handful of compiled programs serve every length."""
+    return min(max(minimum, 1 << math.ceil(math.log2(max(length, 1)))), limit)
 
 
 def local_rows(global_batch: int, process_index: int, process_count: int) -> slice:

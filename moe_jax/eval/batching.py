@@ -2,25 +2,21 @@
 serve a whole task.
 
 Requests are sorted by length, longest first, and cut into batches of `batch_size` rows; a
-batch is padded to the bucket of its longest row (`bucket`: the next power of two, at least a
-minimum, at most the context) and its last batch is filled up with empty rows. A program is
-compiled per (rows, bucket) shape, so a task whose lengths span 20 to 900 tokens costs at most
-the 7 programs of the buckets 16 .. 1024, and rows of one batch are close in length (the
-padding is what the length sort leaves, as in the harness's Hugging Face backend, plus the
-bucket's rounding up).
+batch is padded to the bucket of its longest row (`data.windows.bucket`: the next power of
+two, at least a minimum, at most the context) and its last batch is filled up with empty
+rows. A program is compiled per (rows, bucket) shape, so a task whose lengths span 20 to 900
+tokens costs at most the 7 programs of the buckets 16 .. 1024, and rows of one batch are close
+in length (the padding is what the length sort leaves, as in the harness's Hugging Face
+backend, plus the bucket's rounding up).
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 
-MIN_BUCKET = 16  # shortest padded length: shorter rows share its program
+from moe_jax.data.windows import bucket
 
-
-def bucket(length: int, limit: int, minimum: int = MIN_BUCKET) -> int:
-    """`length` padded up: the next power of two, at least `minimum`, at most `limit`."""
-    return min(max(minimum, 1 << math.ceil(math.log2(max(length, 1)))), limit)
+__all__ = ["batches", "bucket"]
 
 
 def batches(lengths: Sequence[int], batch_size: int) -> list[list[int]]:

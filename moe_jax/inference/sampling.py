@@ -71,7 +71,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import math
 from collections.abc import Callable, Sequence
 from functools import partial
 
@@ -84,6 +83,7 @@ from jax.sharding import PartitionSpec as P
 
 from moe_jax import backends
 from moe_jax.config import sampling_problem
+from moe_jax.data.windows import bucket
 from moe_jax.errors import MoeJaxError
 from moe_jax.inference.decoding import (
     Decoding,
@@ -95,11 +95,9 @@ from moe_jax.inference.decoding import (
     unstack_blocks,
 )
 from moe_jax.inference.next_token import Mode, pick_tokens
-from moe_jax.model import Transformer
-from moe_jax.model import in_turn as convert
+from moe_jax.model import Transformer, in_turn
 from moe_jax.model.int8 import is_quantized, quantize_model
 
-MIN_BUCKET = 16  # shortest prompt bucket: shorter prompts are padded to this
 STOP_BUCKET = 8  # stop-token lists are padded to a multiple of this
 
 
@@ -222,11 +220,6 @@ def _pad_stops(stop_tokens: Sequence[int]) -> np.ndarray:
     return padded
 
 
-def prompt_bucket(length: int, limit: int) -> int:
-    """Padded prompt length: the next power of two (at least MIN_BUCKET), at most `limit`."""
-    return min(max(MIN_BUCKET, 1 << math.ceil(math.log2(length))), limit)
-
-
 class Sampler:
     """Generation from one model's parameters: split once, programs compiled and cached per
     sampler (so keep one Sampler per model rather than one per call)."""
@@ -273,7 +266,7 @@ class Sampler:
         would hoist each weight's conversion out of the decode loop: a float copy of every
         weight alive for the whole loop (`moe_jax.model.in_turn`)."""
         dtype = backends.compute_dtype(self.cfg.model.dtype)
-        converts = convert.any_in_turn((self.params, self.param_blocks), dtype)
+        converts = in_turn.any_in_turn((self.params, self.param_blocks), dtype)
         options = backends.loop_compiler_options(converts)
         return jax.jit(program, static_argnames="program", compiler_options=options)
 
@@ -387,7 +380,7 @@ class Sampler:
                 f"model's context (model.max_seq_len={max_len}); shorten the prompt or lower "
                 "max_new_tokens"
             )
-        P = prompt_bucket(longest, max_len - max_new_tokens)
+        P = bucket(longest, max_len - max_new_tokens)
         prompt_BP = np.zeros((len(prompts), P), np.int32)
         for row, ids in zip(prompt_BP, prompts, strict=True):
             row[: len(ids)] = ids

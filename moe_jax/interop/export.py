@@ -9,8 +9,8 @@ writes it to its shard and drops it. Host memory: about the largest tensor (or o
 a parameter whose tensor map merges axes), whatever the model's size.
 
 A LoRA run (lora.rank > 0) is written merged: each adapted weight W + (alpha / r) A B, in
-float32 before the cast to `dtype` (`lora.peft.merged_reader`); its adapters alone go out
-in PEFT's format with `lora.peft.export_adapter`. On a quantised base (lora.base_dtype int8
+float32 before the cast to `dtype` (`interop.peft.merged_reader`); its adapters alone go out
+in PEFT's format with `interop.peft.export_adapter`. On a quantised base (lora.base_dtype int8
 or mxfp4) each quantised weight is dequantised as it is read, region by region (int8: its
 values and the scales of their channels; MXFP4: the 32-row blocks that cover the rows
 asked for), by the model's own dequantisation (`QuantizedParam.dequantize`), so W is the
@@ -42,9 +42,8 @@ from moe_jax.interop.convert import pick_family, write_hf
 from moe_jax.interop.lazy import Deferred
 from moe_jax.interop.safetensors_io import InteropError
 from moe_jax.model import Transformer, fp4
-from moe_jax.model.int8 import QUANTIZATIONS, QuantizedParam
+from moe_jax.model.int8 import QUANTIZATIONS, QuantizedParam, quantize_model
 from moe_jax.model.moe import FLOAT32_PARAMS
-from moe_jax.posttrain.lora import quantized_base
 from moe_jax.run.checkpoints import open_checkpoints, read_meta
 from moe_jax.run.layout import CHECKPOINT_DIR
 from moe_jax.run.stream_save import CheckpointArrays
@@ -80,8 +79,8 @@ def export_run(
         hf_config |= {"bos_token_id": tokenizer.bos_id, "eos_token_id": tokenizer.eos_id}
     quantised_base = cfg.lora.rank > 0 and cfg.lora.base_dtype in QUANTIZATIONS
     build = lambda: Transformer(cfg, rngs=nnx.Rngs(0))
-    if quantised_base:  # the stored tree: the run's quantised base (`lora.params`)
-        build = lambda: quantized_base(Transformer(cfg, rngs=nnx.Rngs(0)), cfg.lora.base_dtype)
+    if quantised_base:  # the stored tree: the run's quantised base (`model.int8.quantize_model`)
+        build = lambda: quantize_model(Transformer(cfg, rngs=nnx.Rngs(0)), cfg.lora.base_dtype)
     abstract = nnx.state(nnx.eval_shape(build), nnx.Param)
     arrays = CheckpointArrays(run_dir / CHECKPOINT_DIR / str(step), abstract)
     quantised = {p: v for p, v in nnx.to_flat_state(abstract) if isinstance(v, QuantizedParam)}

@@ -6,7 +6,7 @@
     read = merged_reader(read, shapes, scale)     # interop.export: W + (alpha / r) A B
 
 An adapter comes onto a run or a Hugging Face directory as a new run starts from it:
-`train.py init_from=BASE lora.init_adapter=ADAPTER_DIR` (`lora.params.start_adapters`).
+`train.py init_from=BASE lora.init_adapter=ADAPTER_DIR` (`posttrain.lora.start_adapters`).
 
 PEFT names a Linear's pair `base_model.model.<module>.lora_A.weight` [r, in] and
 `...lora_B.weight` [out, r], with update x A^T B^T (alpha / r). Our pair is A [in..., r],

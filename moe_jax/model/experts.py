@@ -17,9 +17,8 @@ from jax.ad_checkpoint import checkpoint_name
 
 from moe_jax import backends
 from moe_jax.config import Config
-from moe_jax.kernels import picked_matmul as picked
-from moe_jax.model import in_turn as convert
-from moe_jax.model import lora, weight_gather
+from moe_jax.kernels import picked_matmul
+from moe_jax.model import in_turn, lora, weight_gather
 from moe_jax.model.glu import SWIGLU, Activation, glu
 from moe_jax.model.grouped import grouped_buffers
 from moe_jax.model.routing import scale_inputs, sum_choices
@@ -94,10 +93,10 @@ def swiglu_rows(x_CD, w: dict, dtype, act: Activation = SWIGLU) -> jax.Array:
     """SwiGLU of rows [..., C, D] with weights [..., D, F] (a leading expert axis on both, or
     none), without the down-projection bias (added after any tensor-parallel sum). 16-bit
     expert stacks for a wider `dtype` (bf16 weights on CPU) run a group of experts at a time,
-    so that only that group's weights are ever converted (`convert.by_expert_groups`)."""
+    so that only that group's weights are ever converted (`in_turn.by_expert_groups`)."""
     if x_CD.ndim == 3:
         one = lambda x_ECD, w_E: _swiglu_rows(x_ECD, w_E, dtype, act)
-        return convert.by_expert_groups(one, x_CD, w, dtype)
+        return in_turn.by_expert_groups(one, x_CD, w, dtype)
     return _swiglu_rows(x_CD, w, dtype, act)
 
 
@@ -220,7 +219,7 @@ def picked_swiglu(
     dequantize only the picked rows) or a dict of expert weight arrays; `reduce_axis`: they
     hold a shard of the hidden dim (tensor parallelism), and the partial down projections
     are summed over it; `impl` (moe.decode_impl): `gather` copies the picked weights out and
-    multiplies (`rows_matmul`), `triton` reads them in place (`picked.picked_matmul`; 16-bit
+    multiplies (`rows_matmul`), `triton` reads them in place (`picked_matmul.picked_matmul`; 16-bit
     or float weights at dims its blocks divide, else the gather).
     -> y_BTD, summed over the choices."""
     source = weights.get if isinstance(weights, dict) else lambda n: getattr(weights, n, None)
@@ -230,7 +229,7 @@ def picked_swiglu(
     stored = lambda v: v.get_raw_value() if isinstance(v, nnx.Variable) else v
     in_place = not any(isinstance(stored(source(n)), dict) for n in EXPERT_PARAMS)
     in_place &= backends.choose("decode", impl, shape={"dims": (D, F)}) == "triton"
-    in_place &= picked.fits(D, F)  # else the gather, whatever was named
+    in_place &= picked_matmul.fits(D, F)  # else the gather, whatever was named
 
     def pick(n):  # [B, T, K, ...] of each assignment's expert, or 0 without that weight
         a = source(n)
@@ -241,7 +240,7 @@ def picked_swiglu(
             return rows_matmul(x_BTKD, pick(n))
         w_EKN = source(n)
         w_EKN = w_EKN if isinstance(w_EKN, jax.Array) else w_EKN[...]
-        y_JN = picked.picked_matmul(
+        y_JN = picked_matmul.picked_matmul(
             x_BTKD.reshape(-1, x_BTKD.shape[-1]).astype(dtype), w_EKN,
             experts_BTK.reshape(-1), interpret=backends.interpret(),
         )  # fmt: skip

@@ -24,7 +24,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from moe_jax import backends
-from moe_jax.kernels import mosaic_gmm as mosaic
+from moe_jax.kernels import mosaic_gmm
 from moe_jax.model.glu import SWIGLU, Activation, glu, glu_vjp
 from moe_jax.model.row_buckets import SAVED_NAMES
 from moe_jax.named_scopes import EXPERTS, scoped
@@ -97,9 +97,9 @@ def grouped_matmul(x_nK, w_EKN, sizes_E, impl: str, max_group: int | None = None
     """Rows in groups of sizes_E (in expert order) times their expert's [K, N] weight; rows
     past the groups give zeros. The weight gradient is written by hand (`ragged_hand_grad`);
     `max_group` (static): no group has more rows. impl "mosaic": jax's Mosaic GPU kernels
-    (`mosaic`) where they take the operands, XLA's ragged_dot otherwise."""
-    if impl == "mosaic" and mosaic.takes(x_nK, w_EKN):
-        return mosaic.grouped_matmul(x_nK, w_EKN, sizes_E)
+    (`kernels.mosaic_gmm`) where they take the operands, XLA's ragged_dot otherwise."""
+    if impl == "mosaic" and mosaic_gmm.takes(x_nK, w_EKN):
+        return mosaic_gmm.grouped_matmul(x_nK, w_EKN, sizes_E)
     if impl == "megablox":
         from jax.experimental.pallas.ops.tpu.megablox import gmm
 

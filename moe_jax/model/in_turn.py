@@ -1,8 +1,8 @@
 """Weights stored in 16 bits, converted to a wider compute dtype in their turn and in parts.
 
-    w_DF = convert.dense(v[...], dtype, x_ND)        # once x_ND exists
-    logits_BTV = convert.vocab_logits(x_BTD, head_DV, 1, dtype)   # a chunk of V at a time
-    y_ECD = convert.by_expert_groups(fn, x_ECD, w, dtype)          # a group of experts at a time
+    w_DF = in_turn.dense(v[...], dtype, x_ND)        # once x_ND exists
+    logits_BTV = in_turn.vocab_logits(x_BTD, head_DV, 1, dtype)   # a chunk of V at a time
+    y_ECD = in_turn.by_expert_groups(fn, x_ECD, w, dtype)          # a group of experts at a time
 
 Sampling a checkpoint's bf16 weights on CPU (`sample.weights=bfloat16`) computes in float32
 (`backends.COMPUTE_DTYPE`), so every weight is converted where it is used: XLA:CPU has no bf16

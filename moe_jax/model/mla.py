@@ -46,8 +46,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from moe_jax import backends
 from moe_jax.config import Config
-from moe_jax.model import attention_kernels, lora, weight_gather
-from moe_jax.model import in_turn as convert
+from moe_jax.model import attention_kernels, in_turn, lora, weight_gather
 from moe_jax.model.attention import (
     ATTENTION_OUT,
     attend,
@@ -106,8 +105,8 @@ class MLAttention(nnx.Module):
 
     def _w(self, v: nnx.Param, x: jax.Array) -> jax.Array:
         """A weight without a model dim (nothing for `weight_gather.einsum` to gather), as computed
-        on `x` (a 16-bit weight converted once x exists: `convert.dense`)."""
-        return convert.dense(v[...], self.dtype, x)
+        on `x` (a 16-bit weight converted once x exists: `in_turn.dense`)."""
+        return in_turn.dense(v[...], self.dtype, x)
 
     def _query(self, x_BTD: jax.Array) -> jax.Array:
         if hasattr(self, "wq"):

@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from moe_jax.model import in_turn as convert
+from moe_jax.model import in_turn
 from moe_jax.model.glu import SWIGLU, Activation, glu, glu_vjp
 
 # Checkpoint names of the expert's output (what combine's backward needs) and of the
@@ -55,8 +55,8 @@ def _pad_rows(a_RX: jax.Array, rows: int) -> jax.Array:
 
 
 def _cast(w: dict, dtype, x) -> dict:
-    """The weights in `dtype` (16-bit ones converted once `x` exists: `convert.dense`)."""
-    return {n: convert.dense(a, dtype, x) for n, a in w.items()}
+    """The weights in `dtype` (16-bit ones converted once `x` exists: `in_turn.dense`)."""
+    return {n: in_turn.dense(a, dtype, x) for n, a in w.items()}
 
 
 def _forward_rows(r: int, x_CD, w, dtype, act: Activation):

@@ -59,8 +59,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from moe_jax import backends
 from moe_jax.config import Config, check_lora_targets
-from moe_jax.model import in_turn as convert
-from moe_jax.model import lora, weight_gather
+from moe_jax.model import in_turn, lora, weight_gather
 from moe_jax.model.attention import Attention
 from moe_jax.model.int8 import QuantizedParam, after
 from moe_jax.model.kv_cache import KVCache
@@ -294,14 +293,14 @@ class Transformer(nnx.Module):
         """Final norm and head: the last layer's output [B, T, D] -> float32 logits [B, T, V].
         `head_DV`: the head weight as `head_weight` gave it (read once for many calls).
         A 16-bit head for a wider compute dtype (bf16 weights on CPU) is converted a chunk
-        of the vocabulary at a time (`convert.vocab_logits`)."""
+        of the vocabulary at a time (`in_turn.vocab_logits`)."""
         x_BTD = self.final_norm(x_BTD)
         if head_DV is None:
             if self.cfg.model.tie_embeddings:
-                return convert.vocab_logits(x_BTD, self.embed.embedding[...], 0, self.dtype)
+                return in_turn.vocab_logits(x_BTD, self.embed.embedding[...], 0, self.dtype)
             head = after(x_BTD, self.head)
             if not isinstance(head, QuantizedParam):
-                return convert.vocab_logits(x_BTD, head[...], 1, self.dtype)
+                return in_turn.vocab_logits(x_BTD, head[...], 1, self.dtype)
             head_DV = head[...].astype(self.dtype)
         return (x_BTD @ head_DV).astype(jnp.float32)
 
@@ -310,11 +309,11 @@ class Transformer(nnx.Module):
         16-bit ones are converted once it exists)."""
         if self.cfg.model.tie_embeddings:
             table = self.embed.embedding[...].T
-            return table.astype(self.dtype) if x is None else convert.dense(table, self.dtype, x)
+            return table.astype(self.dtype) if x is None else in_turn.dense(table, self.dtype, x)
         head = self.head if x is None else after(x, self.head)
         if x is None or isinstance(head, QuantizedParam):
             return head[...].astype(self.dtype)
-        return convert.dense(head[...], self.dtype, x)
+        return in_turn.dense(head[...], self.dtype, x)
 
     def _insert_images(self, x_BTD, images_BND, mask_BT) -> jax.Array:
         """The projected image embeddings in place of the token embeddings the mask marks."""

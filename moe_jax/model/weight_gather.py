@@ -38,7 +38,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from moe_jax import backends
-from moe_jax.model import in_turn as convert
+from moe_jax.model import in_turn
 from moe_jax.sharding import logical_to_spec, n_batch_shards, split_batch_axes
 
 # (gather by steps, the largest group one collective spans: 0 = whole axes)
@@ -134,8 +134,8 @@ def einsum(subscripts: str, x_B, v: nnx.Variable, dtype) -> jax.Array:
     the batch axes. By steps: each device's rows, w's model dim gathered, its other dims as
     split (x's dims that w splits too split alike), the partial sums of contracted split dims
     added over their axes. A 16-bit w for a wider `dtype` is converted once x_B exists
-    (`convert.dense`)."""
-    w = convert.dense(v[...], dtype, x_B)
+    (`in_turn.dense`)."""
+    w = in_turn.dense(v[...], dtype, x_B)
     lhs, rest = subscripts.split(",")
     rhs, out = rest.split("->")
     mesh, names = _steps_mesh(x_B), v.get_metadata().get("out_sharding")

@@ -113,8 +113,8 @@ def start_state(
     newest instead, unless pinned, if training there removed the one checked meanwhile).
     With LoRA (`cfg.lora.rank`), the source is the frozen base, restored in
     lora.base_dtype (int8 or mxfp4: read in bfloat16, then quantised weight by weight), and
-    the adapters are new (`lora.params.fresh_adapters`, from cfg.seed)
-    or, with lora.init_adapter, a PEFT adapter's (`lora.peft.adapters_from_peft`)."""
+    the adapters are new (`posttrain.lora.fresh_adapters`, from cfg.seed)
+    or, with lora.init_adapter, a PEFT adapter's (`interop.peft.adapters_from_peft`)."""
     target, adapters = abstract_state["params"], None
     if lora_params.has_adapters(target):
         adapters, target = nnx.split_state(target, lora_params.is_adapter, ...)

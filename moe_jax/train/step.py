@@ -299,7 +299,7 @@ def loss_fn(
 def compute_grads(params, graphdef: nnx.GraphDef, batch: Batch, t: TrainConfig):
     """-> (grads, metrics) of the batch, accumulated over `t.grad_accum` micro-batches.
     With LoRA adapters in `params`, the gradients of their A and B alone (the frozen base
-    gets none: `lora.params.split`).
+    gets none: `posttrain.lora.split`).
 
     Metrics: "loss", "ce" and "logit_z" (means over the batch's counted targets), "n_targets"
     (their number), the MoE aux statistics (means over the micro-batches), and with
