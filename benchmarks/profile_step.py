@@ -54,9 +54,9 @@ import moe_jax.model.transformer as transformer_mod  # noqa: E402
 import moe_jax.train.step as train_step_mod  # noqa: E402
 from moe_jax.config import ConfigError  # noqa: E402
 from moe_jax.named_scopes import PARTS  # noqa: E402
-from moe_jax.observe.writers import measure_peak_flops  # noqa: E402
 from moe_jax.process_setup import reexec_with_hugepages  # noqa: E402
 from moe_jax.summary.counts import train_flops_per_token  # noqa: E402
+from moe_jax.summary.peaks import measure_peak_flops  # noqa: E402
 
 # Scope name -> (owner, attribute) wrapped in jax.named_scope(scope). An op is charged to the
 # innermost scope in its name (see `_part`): these, or the model's own (PACKAGE_PARTS, named

@@ -27,7 +27,7 @@ side's turn paid 7 s instead of 4 s (CPU s and kernel `sys` s per step are in th
 its own copy of this script as the worker) in the peer's place, to measure a change in turns.
 `first_step_s` is the
 first call (trace + compile + run for ours). The matmul peak (fastest of 5 jitted 2048^3 fp32
-`jnp.dot`s, `moe_jax.observe.writers.measure_peak_flops`) is measured in our worker before each turn
+`jnp.dot`s, `moe_jax.summary.peaks.measure_peak_flops`) is measured in our worker before each turn
 and its median is the MFU denominator; model FLOPs/token (active experts only) come from
 `moe_jax.summary.counts.train_flops_per_token`, the same for both sides (the Llama 4 peer runs every
 expert on every token, so it does more arithmetic than this counts).
@@ -90,7 +90,7 @@ def ours(cfg):
     """-> (step() that blocks until done, a peak-FLOP/s probe) for moe_jax's real train step."""
     import jax
 
-    from moe_jax.observe.writers import measure_peak_flops
+    from moe_jax.summary.peaks import measure_peak_flops
 
     train_step, state, batches = real_train_step(cfg)
     box = {"state": state, "i": 0}

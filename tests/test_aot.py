@@ -24,9 +24,9 @@ from moe_jax.aot import command as aot
 from moe_jax.aot import hlo
 from moe_jax.aot.topology import TopologyError, get_topology, torus_3d
 from moe_jax.config import ConfigError
-from moe_jax.observe.writers import chip_peak_flops
 from moe_jax.sharding import make_mesh
 from moe_jax.summary.counts import param_breakdown
+from moe_jax.summary.peaks import chip_peak_flops
 from tests.helpers import tiny_config
 
 pytest.importorskip("libtpu", reason="the `aot` extra (libtpu) is not installed")

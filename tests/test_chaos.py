@@ -46,11 +46,11 @@ COMMANDS = {
     "interop": "moe_jax.interop.__main__",
     "eval": "moe_jax.eval.__main__",
     "harness": "moe_jax.eval.harness",
-    "aot": "moe_jax.aot.command",
+    "aot": "moe_jax.aot.__main__",
     "prepare": "moe_jax.prepare",
-    "plot": "moe_jax.observe.plot",
-    "profile": "moe_jax.observe.profile",
-    "summary": "moe_jax.summary.counts",
+    "plot": "moe_jax.plot",
+    "profile": "moe_jax.profile",
+    "summary": "moe_jax.summary.__main__",
     "serve": "moe_jax.serve.__main__",
 }
 NEEDS = {"eval": "lm_eval", "harness": "lm_eval", "serve": "uvicorn"}  # the optional extras'

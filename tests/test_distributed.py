@@ -122,11 +122,11 @@ def test_save_on_one_mesh_resume_on_another(tmp_path, straight_run, monkeypatch)
     moved = tmp_path / "moved"
     # The MFU peak is measured on one device, outside the mesh (under it, the matmul would
     # run on all 8 devices at once and the peak come out ~8x low).
-    from moe_jax.observe import writers as metrics
+    from moe_jax.summary import peaks
 
-    meshes, real_measure = [], metrics.measure_peak_flops
+    meshes, real_measure = [], peaks.measure_peak_flops
     measure = lambda: meshes.append(jax.sharding.get_abstract_mesh().empty) or 1e11
-    monkeypatch.setattr(metrics, "measure_peak_flops", measure)
+    monkeypatch.setattr(peaks, "measure_peak_flops", measure)
     cfg = tiny_config(*ARCH, *MESHES["expert8"], f"run_dir={moved}", "train.peak_flops=0")
     train(cfg, stop_at=2)
     assert meshes == [True]

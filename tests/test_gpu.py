@@ -82,8 +82,8 @@ def test_mosaic_grouped_matmul_equals_float32_values_and_gradients():
 
 
 def test_picked_experts_kernel_equals_float64():
-    """Decoding's picked-experts kernel (`model/picked.py`, Triton) at the kit model's expert
-    shape, bf16 operands, one token's 8 rows (two share an expert) against float64: bf16
+    """Decoding's picked-experts kernel (`kernels/picked_matmul.py`, Triton) at the kit model's
+    expert shape, bf16 operands, one token's 8 rows (two share an expert) against float64: bf16
     output rounding (~4e-3 in norm), a wrong expert or column band O(1)."""
     from moe_jax.kernels import picked_matmul as picked
 

@@ -251,9 +251,9 @@ def test_tensorboard_writes_without_importing_torch(tmp_path):
 
 
 def test_the_cpu_peak_is_measured_once_a_process():
-    from moe_jax.observe import writers as metrics
+    from moe_jax.summary import peaks
 
-    first = metrics.measure_peak_flops(n=256, repeats=1)
-    hits = metrics._matmul_flops.cache_info().hits
-    assert metrics.measure_peak_flops(n=256, repeats=1) == first
-    assert metrics._matmul_flops.cache_info().hits == hits + 1
+    first = peaks.measure_peak_flops(n=256, repeats=1)
+    hits = peaks._matmul_flops.cache_info().hits
+    assert peaks.measure_peak_flops(n=256, repeats=1) == first
+    assert peaks._matmul_flops.cache_info().hits == hits + 1

@@ -1,4 +1,4 @@
-"""Decoding's picked-experts kernel (moe.decode_impl=triton, `model/picked.py`) against
+"""Decoding's picked-experts kernel (moe.decode_impl=triton, `kernels/picked_matmul.py`) against
 float64 and against the gather path, run here in Pallas' interpreter (the GPU kit times
 it on the device); and the two-row projections the GPU programs use at batch 1.
 

@@ -482,16 +482,16 @@ def test_learns_tinyshakespeare_well_below_the_unigram_entropy(tmp_path):
 
 
 def test_mfu_peak_is_the_chips_bf16_peak_on_an_accelerator_measured_on_cpu(monkeypatch):
-    from moe_jax.observe import writers as metrics
+    from moe_jax.summary import peaks
 
-    monkeypatch.setattr(metrics, "measure_peak_flops", lambda: 3e11)
-    assert metrics.unit_peak_flops(5e10) == (5e10, "train.peak_flops")
-    assert metrics.unit_peak_flops(0.0) == (3e11, "measured jnp.dot peak")  # this CPU
+    monkeypatch.setattr(peaks, "measure_peak_flops", lambda: 3e11)
+    assert peaks.unit_peak_flops(5e10) == (5e10, "train.peak_flops")
+    assert peaks.unit_peak_flops(0.0) == (3e11, "measured jnp.dot peak")  # this CPU
     # As on a v5p host: the table's figure, not a measured fp32 matmul.
     v5p = SimpleNamespace(device_kind="TPU v5")
-    monkeypatch.setattr(metrics.jax, "default_backend", lambda: "tpu")
-    monkeypatch.setattr(metrics.jax, "devices", lambda: [v5p])
-    assert metrics.unit_peak_flops(0.0) == (459e12, "bf16 peak of a TPU v5")
+    monkeypatch.setattr(peaks.jax, "default_backend", lambda: "tpu")
+    monkeypatch.setattr(peaks.jax, "devices", lambda: [v5p])
+    assert peaks.unit_peak_flops(0.0) == (459e12, "bf16 peak of a TPU v5")
     # A chip the table does not know is measured.
     v5p.device_kind = "TPU v99"
-    assert metrics.unit_peak_flops(0.0) == (3e11, "measured jnp.dot peak")
+    assert peaks.unit_peak_flops(0.0) == (3e11, "measured jnp.dot peak")

@@ -610,8 +610,8 @@ def train_variant(S: dict, variant: list[str]) -> None:
 
     from moe_jax import backends
     from moe_jax.config import load_config
-    from moe_jax.observe.writers import chip_peak_flops
     from moe_jax.summary.counts import param_counts, train_flops_per_token
+    from moe_jax.summary.peaks import chip_peak_flops
 
     overrides = [o for o in variant if not o.startswith("+")]
     rec = dict(kind="train", variant=" ".join(o for o in variant if o != "+profile") or "auto")

@@ -434,7 +434,3 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(format_report(report, path))
     print(json.dumps(report))
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

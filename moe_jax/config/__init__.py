@@ -2,27 +2,28 @@
 
 OmegaConf does the merging and type coercion against the dataclass schema; each section
 checks its own fields (`model.py`: model, attention, moe; `run.py`: data, train, mesh,
-checkpoint, sample, eval), `Config.check` the checks across sections, and every failure is one
+checkpoint, sample, eval; `lora.py`, `rl.py`), `Config.check` (`tree.py`) the checks across
+sections, and every failure is one
 `ConfigError` whose message names the problem and the fix. The result is a tree of frozen
-(hence hashable) dataclasses, so a config can be a static argument to `jax.jit`.
+(hence hashable) dataclasses, so a config can be a static argument to `jax.jit`. Reading one
+from YAML and overrides, and writing it back: `loading.py`.
 
     cfg = load_config("configs/tiny.yaml", ["model.n_layers=4", "moe.capacity_factor=1.25"])
 """
 
 from __future__ import annotations
 
-import difflib
-import math
-import sys
-from collections.abc import Sequence
-from dataclasses import dataclass, field, fields, is_dataclass
-from pathlib import Path
-
-import yaml
-from omegaconf import OmegaConf
-from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
-
-from moe_jax.config.checks import ConfigError, numbers_in_range, positive, require
+from moe_jax.config.checks import ConfigError
+from moe_jax.config.loading import (
+    SAMPLING_OVERRIDES,
+    cli_config,
+    cli_given_keys,
+    config_from_yaml,
+    config_to_yaml,
+    given_keys,
+    load_config,
+    sampling_config,
+)
 from moe_jax.config.lora import LORA_TARGETS, LoRAConfig
 from moe_jax.config.model import (
     DTYPES,
@@ -51,6 +52,7 @@ from moe_jax.config.run import (
     TrainConfig,
     sampling_problem,
 )
+from moe_jax.config.tree import Config, check_lora_targets, lora_groups, validate
 
 __all__ = [
     "check_lora_targets",
@@ -83,6 +85,8 @@ __all__ = [
     "SampleConfig",
     "TrainConfig",
     "cli_config",
+    "cli_given_keys",
+    "given_keys",
     "config_from_yaml",
     "config_to_yaml",
     "load_config",
@@ -90,386 +94,3 @@ __all__ = [
     "sampling_problem",
     "validate",
 ]
-
-
-@dataclass(frozen=True)
-class Config:
-    model: ModelConfig = field(default_factory=ModelConfig)
-    attention: AttentionConfig = field(default_factory=AttentionConfig)
-    moe: MoEConfig = field(default_factory=MoEConfig)
-    data: DataConfig = field(default_factory=DataConfig)
-    train: TrainConfig = field(default_factory=TrainConfig)
-    mesh: MeshConfig = field(default_factory=MeshConfig)
-    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
-    sample: SampleConfig = field(default_factory=SampleConfig)
-    eval: EvalConfig = field(default_factory=EvalConfig)
-    lora: LoRAConfig = field(default_factory=LoRAConfig)
-    rl: RLConfig = field(default_factory=RLConfig)  # train.objective=grpo (moe_jax/posttrain/rl/)
-    run_dir: str = "runs/tiny"
-    seed: int = 0
-    # Start a new run from the params of another run directory (trained, or imported with
-    # `moe_jax.interop import`): its latest checkpoint, or init_step; a fresh optimizer state,
-    # data position and step 0. The source is only read. Its architecture (model, attention,
-    # moe, data.tokenizer) must be this config's: start from its config, `train.py
-    # SRC/config.yaml init_from=SRC run_dir=NEW ...`. Its tokenizer is the new run's. Ignored
-    # once run_dir has checkpoints of its own (it resumes them).
-    init_from: str | None = None
-    init_step: int | None = None  # the source's checkpoint to start from; None: its latest
-
-    # Derived architecture facts, used by the model, the summary and the tests.
-    @property
-    def head_dim(self) -> int:
-        a = self.attention
-        return a.head_dim if a.head_dim is not None else self.model.d_model // a.n_heads
-
-    @property
-    def rotary_dim(self) -> int:
-        """The dims of each head RoPE rotates (the first ones): int(head_dim x
-        attention.partial_rotary_factor), as transformers counts them."""
-        return int(self.head_dim * self.attention.partial_rotary_factor)
-
-    def uses_rope(self, layer: int) -> bool:
-        n = self.attention.nope_interval
-        return not (n > 0 and (layer + 1) % n == 0)
-
-    def uses_window(self, layer: int) -> bool:
-        """Whether `layer` attends within attention.sliding_window (not every
-        full_attention_interval-th layer)."""
-        a = self.attention
-        n = a.full_attention_interval
-        return a.sliding_window > 0 and not (n > 0 and (layer + 1) % n == 0)
-
-    def is_moe(self, layer: int) -> bool:
-        e = self.moe
-        return (
-            e.n_experts > 0
-            and layer >= e.first_dense_layers
-            and (layer + 1) % e.interleave_step == 0
-        )
-
-    @property
-    def layer_period(self) -> int:
-        """Smallest block of layers whose (RoPE, window, MoE) pattern repeats."""
-        a = self.attention
-        intervals = (a.nope_interval, a.full_attention_interval, self.moe.interleave_step)
-        return math.lcm(*(max(n, 1) for n in intervals))
-
-    def check(self) -> None:
-        """Every section's own checks, then the checks that span sections."""
-        numbers_in_range(self)
-        for section in (self.model, self.attention, self.moe, self.mesh, self.train,
-                        self.data, self.checkpoint, self.sample, self.eval,
-                        self.lora, self.rl):  # fmt: skip
-            section.check()
-        _check_across_sections(self)
-
-
-def _check_across_sections(cfg: Config) -> None:
-    m, a, e = cfg.model, cfg.attention, cfg.moe
-    if a.kind == "gqa":  # mla sizes its heads by its own fields (AttentionConfig)
-        _check_head_dim(cfg)
-    require(
-        e.first_dense_layers <= m.n_layers,
-        f"moe.first_dense_layers ({e.first_dense_layers}) exceeds model.n_layers ({m.n_layers})",
-    )
-    if any(not cfg.is_moe(i) for i in range(m.n_layers)):
-        positive(m, "model", ["ffn_hidden"])
-    kept = set(m.remat_saved) | set(m.remat_offloaded)
-    require(
-        e.row_chunks == 1 or not kept & {"expert_gate_up", "expert_out"},
-        f"moe.row_chunks={e.row_chunks} recomputes the experts' gate/up products chunk by "
-        "chunk, so model.remat_save / remat_offload cannot keep expert_gate_up or expert_out: "
-        "drop those names or set moe.row_chunks=1",
-    )
-    if e.n_experts > 0 and cfg.mesh.expert > 0:
-        require(
-            e.n_experts % cfg.mesh.expert == 0,
-            f"moe.n_experts ({e.n_experts}) must be divisible by mesh.expert ({cfg.mesh.expert})",
-        )
-    require(
-        cfg.train.seq_len <= m.max_seq_len,
-        f"train.seq_len ({cfg.train.seq_len}) exceeds model.max_seq_len ({m.max_seq_len})",
-    )
-    if cfg.init_step is not None:
-        require(cfg.init_from is not None, "init_step is set but init_from is not; set both")
-        require(cfg.init_step >= 0, f"init_step must be >= 0, got {cfg.init_step}")
-    require(
-        cfg.init_from is None or cfg.init_from.strip() != "",
-        "init_from is empty; name the run directory to start from, or set it to null",
-    )
-    _check_objective(cfg)
-    _check_lora_targets(cfg)
-
-
-def lora_groups(cfg: Config) -> tuple[str, ...]:
-    """The lora.targets groups this model has weights of (model/lora.py's GROUP_WEIGHTS):
-    attention in every layer, mlp in the dense layers, experts in the MoE layers, shared in
-    those with a shared expert. (The MTP layers are of the last layer's kind.)"""
-    moe = [cfg.is_moe(i) for i in range(cfg.model.n_layers)]
-    has = {"attention": bool(moe), "mlp": not all(moe), "experts": any(moe),
-           "shared": any(moe) and cfg.moe.shared_expert_hidden > 0}  # fmt: skip
-    return tuple(g for g in LORA_TARGETS if has[g])
-
-
-def _check_lora_targets(cfg: Config) -> None:
-    """Where the config holds the model's architecture, `check_lora_targets` (an init_from
-    Hugging Face directory brings its own, checked when the model is built)."""
-    if cfg.init_from is None:
-        check_lora_targets(cfg)
-
-
-def check_lora_targets(cfg: Config) -> None:
-    """A target this model has no weight of would train nothing: refused by name (the config
-    check, and `Transformer` for a config whose architecture came from elsewhere)."""
-    if cfg.lora.rank == 0:
-        return
-    have = lora_groups(cfg)
-    for target in cfg.lora.targets:
-        require(
-            target in have,
-            f"lora.targets has '{target}', which matches no weight of this model (its "
-            f"targets: {', '.join(have)}); drop '{target}' from lora.targets",
-        )
-
-
-def _check_objective(cfg: Config) -> None:
-    """train.objective=dpo trains on preference pairs (against the base with LoRA's adapters
-    off, or a frozen copy of the initial params: moe_jax/posttrain/reference_policy.py);
-    grpo on prompts (`_check_grpo`)."""
-    _check_grpo(cfg)
-    dpo = cfg.train.objective == "dpo"
-    require(
-        dpo == (cfg.data.sft == "preference"),
-        "train.objective=dpo trains on preference pairs (data.sft=preference) and those pairs "
-        "train nothing else; set both or neither",
-    )
-    if dpo:
-        require(
-            cfg.train.grad_accum == 1 and cfg.model.mtp_depth == 0,
-            "train.objective=dpo runs whole batches of pairs without the MTP loss: set "
-            "train.grad_accum=1 and model.mtp_depth=0",
-        )
-
-
-def _check_grpo(cfg: Config) -> None:
-    grpo, rl = cfg.train.objective == "grpo", cfg.rl
-    require(
-        grpo == (cfg.data.sft == "prompts"),
-        "train.objective=grpo samples from prompts (data.sft=prompts) and those prompts "
-        "train nothing else; set both or neither",
-    )
-    require(
-        grpo or not rl.rollout_engine,
-        "rl.rollout_engine=true draws GRPO's rollouts, and train.objective="
-        f"{cfg.train.objective} draws none; set train.objective=grpo or drop it",
-    )
-    if grpo:
-        require(rl.rewards, "train.objective=grpo needs rl.rewards=[pkg.module:function, ...]")
-        # model.mtp_depth > 0 is taken: the MTP loss is off and the MTP layers stay frozen
-        # (MiMo's RL; the sampler never runs them, so there are no experts of theirs to replay)
-        require(
-            cfg.train.grad_accum == 1,
-            "train.objective=grpo splits a batch of rollouts with rl.minibatches, not "
-            "train.grad_accum: set train.grad_accum=1",
-        )
-        rows = cfg.train.batch_size * rl.group_size
-        require(
-            rows % rl.minibatches == 0,
-            f"rl.minibatches={rl.minibatches} does not divide a batch's {rows} rollouts "
-            f"(train.batch_size x rl.group_size); pick a divisor of {rows}",
-        )
-
-
-def _check_head_dim(cfg: Config) -> None:
-    m, a = cfg.model, cfg.attention
-    if a.head_dim is None:
-        require(
-            m.d_model % a.n_heads == 0,
-            f"model.d_model ({m.d_model}) must be divisible by attention.n_heads ({a.n_heads}), "
-            "or set attention.head_dim explicitly",
-        )
-    require(cfg.head_dim > 0, f"attention.head_dim must be positive, got {cfg.head_dim}")
-    if any(cfg.uses_rope(i) for i in range(m.n_layers)):
-        require(
-            cfg.head_dim % 2 == 0 or a.partial_rotary_factor < 1,
-            f"head_dim ({cfg.head_dim}) must be even for RoPE; change attention.head_dim",
-        )
-        require(
-            cfg.rotary_dim > 0 and cfg.rotary_dim % 2 == 0,
-            f"attention.partial_rotary_factor ({a.partial_rotary_factor}) rotates "
-            f"int(head_dim x factor) = {cfg.rotary_dim} of the {cfg.head_dim} dims of a head, "
-            "which must be even and > 0; change attention.partial_rotary_factor",
-        )
-
-
-def validate(cfg: Config) -> None:
-    """ConfigError, naming the fix, unless `cfg` is a possible configuration."""
-    cfg.check()
-
-
-def _suggest(key: str, parent: object) -> str:
-    names = [f.name for f in fields(parent)] if is_dataclass(parent) else []
-    close = difflib.get_close_matches(key, names, n=1)
-    return f"; did you mean '{close[0]}'?" if close else f"; valid keys: {', '.join(names)}"
-
-
-def _node_at(path: str) -> object:
-    node: object = Config
-    for part in path.split(".") if path else []:
-        sub = {f.name: f for f in fields(node)}.get(part) if is_dataclass(node) else None
-        if sub is None:
-            return None
-        node = sub.default_factory() if callable(sub.default_factory) else sub.default
-    return node() if isinstance(node, type) else node
-
-
-def _explain(err: OmegaConfBaseException, source: str) -> ConfigError:
-    full_key = getattr(err, "full_key", None) or ""
-    if isinstance(err, ConfigKeyError) and full_key:
-        parent, _, key = full_key.rpartition(".")
-        hint = _suggest(key, _node_at(parent))
-        return ConfigError(f"unknown config key '{full_key}' in {source}{hint}")
-    first_line = str(err).splitlines()[0]
-    where = f" for '{full_key}'" if full_key else ""
-    return ConfigError(f"bad config value{where} in {source}: {first_line}")
-
-
-def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -> Config:
-    """Schema defaults <- YAML file at `path` <- `key.sub=value` overrides, then validated."""
-    cfg = OmegaConf.structured(Config)
-    if path is not None:
-        path = Path(path)
-        if not path.exists():
-            raise ConfigError(
-                f"config file '{path}' does not exist; pass a YAML file from configs/"
-            )
-        if not path.is_file():
-            raise ConfigError(f"config path '{path}' is not a file; pass a YAML file from configs/")
-        try:
-            file_cfg = OmegaConf.load(path)
-        except Exception as e:  # yaml.YAMLError and friends
-            detail = " ".join(str(e).split())
-            raise ConfigError(f"config file '{path}' is not valid YAML: {detail}") from None
-        if not isinstance(file_cfg, type(OmegaConf.create({}))):
-            raise ConfigError(f"config file '{path}' must hold a mapping of sections")
-        try:
-            cfg = OmegaConf.merge(cfg, file_cfg)
-        except OmegaConfBaseException as e:
-            raise _explain(e, str(path)) from None
-    return _validated(_merge_overrides(cfg, overrides))
-
-
-def _validated(cfg) -> Config:
-    """The OmegaConf config as a validated Config."""
-    try:
-        result = OmegaConf.to_object(cfg)
-    except OmegaConfBaseException as e:
-        raise _explain(e, "config") from None
-    validate(result)
-    return result
-
-
-def _merge_overrides(cfg, overrides: Sequence[str]):
-    """An OmegaConf config <- `key.sub=value` overrides, each checked against the schema."""
-    for item in overrides:
-        key, sep, _ = item.partition("=")
-        if not sep or not key:
-            raise ConfigError(f"override '{item}' is not of the form section.key=value")
-        try:
-            cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist([item]))
-        except OmegaConfBaseException as e:
-            value = item.partition("=")[2]
-            if "is not a TupleConfig" not in str(e) or value.startswith("["):
-                raise _explain(e, f"override '{item}'") from None
-            # a list key given bare names: train.trackers=wandb,mlflow
-            cfg = _merge_overrides(cfg, [f"{key}=[{value}]"])
-        except yaml.YAMLError as e:  # the value is parsed as YAML: `{`, `,,` ...
-            detail = " ".join(str(e).split())
-            raise ConfigError(
-                f"override '{item}' has a value that is not valid YAML ({detail}); put the "
-                f"value in double quotes inside the argument: '{key}=\"...\"'"
-            ) from None
-    return cfg
-
-
-# What sampling may change in a run's saved config: where and how it runs, not what the
-# weights mean (the mesh, the compute dtype, the sample section).
-SAMPLING_OVERRIDES = ("mesh.", "sample.", "model.dtype=")
-
-
-def sampling_config(saved: Config, overrides: Sequence[str]) -> Config:
-    """A run's saved config <- sampling overrides (SAMPLING_OVERRIDES only), validated. Call
-    with `saved=Config()` to check overrides before a run is read."""
-    for item in overrides:
-        if not item.startswith(SAMPLING_OVERRIDES):
-            key = item.partition("=")[0]
-            raise ConfigError(
-                f"'{key}' cannot be set when sampling: the run's checkpoint fixes it; set "
-                "mesh.*, model.dtype or sample.* (e.g. mesh.expert=2 sample.weights=int8)"
-            )
-    return _validated(_merge_overrides(OmegaConf.structured(saved), overrides))
-
-
-def config_to_yaml(cfg: Config) -> str:
-    return OmegaConf.to_yaml(OmegaConf.structured(cfg))
-
-
-def config_from_yaml(text: str) -> Config:
-    """Inverse of `config_to_yaml` (used for configs saved inside run directories)."""
-    try:
-        saved = _renamed_keys(OmegaConf.create(text))
-        merged = OmegaConf.merge(OmegaConf.structured(Config), saved)
-        result = OmegaConf.to_object(merged)
-    except OmegaConfBaseException as e:
-        raise _explain(e, "saved config") from None
-    validate(result)
-    return result
-
-
-def _renamed_keys(saved):
-    """A saved config with the keys of earlier versions renamed: train.tensorboard (a bool)
-    became train.trackers (a list)."""
-    train = saved.get("train") if hasattr(saved, "get") else None
-    if train is not None and "tensorboard" in train:
-        tensorboard = train.pop("tensorboard")
-        if "trackers" not in train:
-            train.trackers = ["tensorboard"] if tensorboard else []
-    return saved
-
-
-def given_keys(path: str | Path | None, overrides: Sequence[str] = ()) -> frozenset[str]:
-    """The dotted keys that the YAML file at `path` (None: no file) and the `key=value`
-    overrides set: what the user chose, as against what the schema's defaults left (a Hugging
-    Face checkpoint's family then sets those: `interop.as_run.with_run_keys`)."""
-    keys = {item.partition("=")[0] for item in overrides}
-    if path is not None:
-        keys |= _dotted(OmegaConf.to_container(OmegaConf.load(path)))
-    return frozenset(keys)
-
-
-def _dotted(tree, prefix: str = "") -> set[str]:
-    """The dotted paths of the leaves of a nested dict."""
-    if not isinstance(tree, dict):
-        return {prefix[:-1]}
-    return set().union(*(_dotted(v, f"{prefix}{k}.") for k, v in tree.items()))
-
-
-def cli_given_keys(argv: Sequence[str]) -> frozenset[str]:
-    """The keys a CLI's `[CONFIG.yaml] [key=value ...]` sets: the named file's and the
-    overrides' (a default config the user did not name sets none)."""
-    args = list(argv)
-    path = args.pop(0) if args and "=" not in args[0] else None
-    return given_keys(path, args)
-
-
-def cli_config(argv: Sequence[str], default_path: str | Path | None) -> Config:
-    """For the CLIs: `[CONFIG.yaml] [key=value ...]`; a bad config prints one line and exits 2."""
-    args = list(argv)
-    path = default_path
-    if args and "=" not in args[0]:
-        path = args.pop(0)
-    try:
-        return load_config(path, args)
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        raise SystemExit(2) from None

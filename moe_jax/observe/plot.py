@@ -21,7 +21,6 @@ The `*_figure` functions return the matplotlib figures (None when there is nothi
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
 import matplotlib
@@ -239,7 +238,3 @@ def main(argv: list[str] | None = None) -> int:
             plt.close(fig)
             print(out / name)
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

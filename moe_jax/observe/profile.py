@@ -349,7 +349,3 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
     print(format_summary(trace, top))
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

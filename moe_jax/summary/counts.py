@@ -291,7 +291,3 @@ def main(argv: Sequence[str] | None = None) -> int:
     cfg = cli_config(args, default_path=None)
     print(format_summary(cfg))
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

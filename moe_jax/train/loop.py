@@ -35,7 +35,7 @@ from moe_jax.eval.in_training import TaskEval
 from moe_jax.inference.weights import WeightsDoNotFit, check_train_fits
 from moe_jax.observe.profile import StepProfiler
 from moe_jax.observe.trackers import check_trackers, open_trackers
-from moe_jax.observe.writers import MetricsWriter, compute_units, unit_peak_flops
+from moe_jax.observe.writers import MetricsWriter
 from moe_jax.process_setup import platform_line
 from moe_jax.run.checkpoints import Checkpointer
 from moe_jax.run.layout import RunError
@@ -43,6 +43,7 @@ from moe_jax.run.output import no_space
 from moe_jax.run.policy import inspect_run
 from moe_jax.sharding import check_batch_split, global_batch, make_mesh
 from moe_jax.summary.counts import param_counts, train_flops_per_token
+from moe_jax.summary.peaks import compute_units, unit_peak_flops
 from moe_jax.train import hf_exports
 from moe_jax.train.console import (
     NullWriter,

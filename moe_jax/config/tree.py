@@ -1,0 +1,239 @@
+"""The `Config` tree: its sections, the architecture facts derived from them, and the checks
+that span sections (`Config.check`: each section's own checks, then these)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from moe_jax.config.checks import numbers_in_range, positive, require
+from moe_jax.config.lora import LORA_TARGETS, LoRAConfig
+from moe_jax.config.model import (
+    AttentionConfig,
+    ModelConfig,
+    MoEConfig,
+)
+from moe_jax.config.rl import RLConfig
+from moe_jax.config.run import (
+    CheckpointConfig,
+    DataConfig,
+    EvalConfig,
+    MeshConfig,
+    SampleConfig,
+    TrainConfig,
+)
+
+
+@dataclass(frozen=True)
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    attention: AttentionConfig = field(default_factory=AttentionConfig)
+    moe: MoEConfig = field(default_factory=MoEConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    mesh: MeshConfig = field(default_factory=MeshConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    sample: SampleConfig = field(default_factory=SampleConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
+    rl: RLConfig = field(default_factory=RLConfig)  # train.objective=grpo (moe_jax/posttrain/rl/)
+    run_dir: str = "runs/tiny"
+    seed: int = 0
+    # Start a new run from the params of another run directory (trained, or imported with
+    # `moe_jax.interop import`): its latest checkpoint, or init_step; a fresh optimizer state,
+    # data position and step 0. The source is only read. Its architecture (model, attention,
+    # moe, data.tokenizer) must be this config's: start from its config, `train.py
+    # SRC/config.yaml init_from=SRC run_dir=NEW ...`. Its tokenizer is the new run's. Ignored
+    # once run_dir has checkpoints of its own (it resumes them).
+    init_from: str | None = None
+    init_step: int | None = None  # the source's checkpoint to start from; None: its latest
+
+    # Derived architecture facts, used by the model, the summary and the tests.
+    @property
+    def head_dim(self) -> int:
+        a = self.attention
+        return a.head_dim if a.head_dim is not None else self.model.d_model // a.n_heads
+
+    @property
+    def rotary_dim(self) -> int:
+        """The dims of each head RoPE rotates (the first ones): int(head_dim x
+        attention.partial_rotary_factor), as transformers counts them."""
+        return int(self.head_dim * self.attention.partial_rotary_factor)
+
+    def uses_rope(self, layer: int) -> bool:
+        n = self.attention.nope_interval
+        return not (n > 0 and (layer + 1) % n == 0)
+
+    def uses_window(self, layer: int) -> bool:
+        """Whether `layer` attends within attention.sliding_window (not every
+        full_attention_interval-th layer)."""
+        a = self.attention
+        n = a.full_attention_interval
+        return a.sliding_window > 0 and not (n > 0 and (layer + 1) % n == 0)
+
+    def is_moe(self, layer: int) -> bool:
+        e = self.moe
+        return (
+            e.n_experts > 0
+            and layer >= e.first_dense_layers
+            and (layer + 1) % e.interleave_step == 0
+        )
+
+    @property
+    def layer_period(self) -> int:
+        """Smallest block of layers whose (RoPE, window, MoE) pattern repeats."""
+        a = self.attention
+        intervals = (a.nope_interval, a.full_attention_interval, self.moe.interleave_step)
+        return math.lcm(*(max(n, 1) for n in intervals))
+
+    def check(self) -> None:
+        """Every section's own checks, then the checks that span sections."""
+        numbers_in_range(self)
+        for section in (self.model, self.attention, self.moe, self.mesh, self.train,
+                        self.data, self.checkpoint, self.sample, self.eval,
+                        self.lora, self.rl):  # fmt: skip
+            section.check()
+        _check_across_sections(self)
+
+
+def _check_across_sections(cfg: Config) -> None:
+    m, a, e = cfg.model, cfg.attention, cfg.moe
+    if a.kind == "gqa":  # mla sizes its heads by its own fields (AttentionConfig)
+        _check_head_dim(cfg)
+    require(
+        e.first_dense_layers <= m.n_layers,
+        f"moe.first_dense_layers ({e.first_dense_layers}) exceeds model.n_layers ({m.n_layers})",
+    )
+    if any(not cfg.is_moe(i) for i in range(m.n_layers)):
+        positive(m, "model", ["ffn_hidden"])
+    kept = set(m.remat_saved) | set(m.remat_offloaded)
+    require(
+        e.row_chunks == 1 or not kept & {"expert_gate_up", "expert_out"},
+        f"moe.row_chunks={e.row_chunks} recomputes the experts' gate/up products chunk by "
+        "chunk, so model.remat_save / remat_offload cannot keep expert_gate_up or expert_out: "
+        "drop those names or set moe.row_chunks=1",
+    )
+    if e.n_experts > 0 and cfg.mesh.expert > 0:
+        require(
+            e.n_experts % cfg.mesh.expert == 0,
+            f"moe.n_experts ({e.n_experts}) must be divisible by mesh.expert ({cfg.mesh.expert})",
+        )
+    require(
+        cfg.train.seq_len <= m.max_seq_len,
+        f"train.seq_len ({cfg.train.seq_len}) exceeds model.max_seq_len ({m.max_seq_len})",
+    )
+    if cfg.init_step is not None:
+        require(cfg.init_from is not None, "init_step is set but init_from is not; set both")
+        require(cfg.init_step >= 0, f"init_step must be >= 0, got {cfg.init_step}")
+    require(
+        cfg.init_from is None or cfg.init_from.strip() != "",
+        "init_from is empty; name the run directory to start from, or set it to null",
+    )
+    _check_objective(cfg)
+    _check_lora_targets(cfg)
+
+
+def lora_groups(cfg: Config) -> tuple[str, ...]:
+    """The lora.targets groups this model has weights of (model/lora.py's GROUP_WEIGHTS):
+    attention in every layer, mlp in the dense layers, experts in the MoE layers, shared in
+    those with a shared expert. (The MTP layers are of the last layer's kind.)"""
+    moe = [cfg.is_moe(i) for i in range(cfg.model.n_layers)]
+    has = {"attention": bool(moe), "mlp": not all(moe), "experts": any(moe),
+           "shared": any(moe) and cfg.moe.shared_expert_hidden > 0}  # fmt: skip
+    return tuple(g for g in LORA_TARGETS if has[g])
+
+
+def _check_lora_targets(cfg: Config) -> None:
+    """Where the config holds the model's architecture, `check_lora_targets` (an init_from
+    Hugging Face directory brings its own, checked when the model is built)."""
+    if cfg.init_from is None:
+        check_lora_targets(cfg)
+
+
+def check_lora_targets(cfg: Config) -> None:
+    """A target this model has no weight of would train nothing: refused by name (the config
+    check, and `Transformer` for a config whose architecture came from elsewhere)."""
+    if cfg.lora.rank == 0:
+        return
+    have = lora_groups(cfg)
+    for target in cfg.lora.targets:
+        require(
+            target in have,
+            f"lora.targets has '{target}', which matches no weight of this model (its "
+            f"targets: {', '.join(have)}); drop '{target}' from lora.targets",
+        )
+
+
+def _check_objective(cfg: Config) -> None:
+    """train.objective=dpo trains on preference pairs (against the base with LoRA's adapters
+    off, or a frozen copy of the initial params: moe_jax/posttrain/reference_policy.py);
+    grpo on prompts (`_check_grpo`)."""
+    _check_grpo(cfg)
+    dpo = cfg.train.objective == "dpo"
+    require(
+        dpo == (cfg.data.sft == "preference"),
+        "train.objective=dpo trains on preference pairs (data.sft=preference) and those pairs "
+        "train nothing else; set both or neither",
+    )
+    if dpo:
+        require(
+            cfg.train.grad_accum == 1 and cfg.model.mtp_depth == 0,
+            "train.objective=dpo runs whole batches of pairs without the MTP loss: set "
+            "train.grad_accum=1 and model.mtp_depth=0",
+        )
+
+
+def _check_grpo(cfg: Config) -> None:
+    grpo, rl = cfg.train.objective == "grpo", cfg.rl
+    require(
+        grpo == (cfg.data.sft == "prompts"),
+        "train.objective=grpo samples from prompts (data.sft=prompts) and those prompts "
+        "train nothing else; set both or neither",
+    )
+    require(
+        grpo or not rl.rollout_engine,
+        "rl.rollout_engine=true draws GRPO's rollouts, and train.objective="
+        f"{cfg.train.objective} draws none; set train.objective=grpo or drop it",
+    )
+    if grpo:
+        require(rl.rewards, "train.objective=grpo needs rl.rewards=[pkg.module:function, ...]")
+        # model.mtp_depth > 0 is taken: the MTP loss is off and the MTP layers stay frozen
+        # (MiMo's RL; the sampler never runs them, so there are no experts of theirs to replay)
+        require(
+            cfg.train.grad_accum == 1,
+            "train.objective=grpo splits a batch of rollouts with rl.minibatches, not "
+            "train.grad_accum: set train.grad_accum=1",
+        )
+        rows = cfg.train.batch_size * rl.group_size
+        require(
+            rows % rl.minibatches == 0,
+            f"rl.minibatches={rl.minibatches} does not divide a batch's {rows} rollouts "
+            f"(train.batch_size x rl.group_size); pick a divisor of {rows}",
+        )
+
+
+def _check_head_dim(cfg: Config) -> None:
+    m, a = cfg.model, cfg.attention
+    if a.head_dim is None:
+        require(
+            m.d_model % a.n_heads == 0,
+            f"model.d_model ({m.d_model}) must be divisible by attention.n_heads ({a.n_heads}), "
+            "or set attention.head_dim explicitly",
+        )
+    require(cfg.head_dim > 0, f"attention.head_dim must be positive, got {cfg.head_dim}")
+    if any(cfg.uses_rope(i) for i in range(m.n_layers)):
+        require(
+            cfg.head_dim % 2 == 0 or a.partial_rotary_factor < 1,
+            f"head_dim ({cfg.head_dim}) must be even for RoPE; change attention.head_dim",
+        )
+        require(
+            cfg.rotary_dim > 0 and cfg.rotary_dim % 2 == 0,
+            f"attention.partial_rotary_factor ({a.partial_rotary_factor}) rotates "
+            f"int(head_dim x factor) = {cfg.rotary_dim} of the {cfg.head_dim} dims of a head, "
+            "which must be even and > 0; change attention.partial_rotary_factor",
+        )
+
+
+def validate(cfg: Config) -> None:
+    """ConfigError, naming the fix, unless `cfg` is a possible configuration."""
+    cfg.check()
