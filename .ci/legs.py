@@ -36,6 +36,8 @@ OLDEST_ONLY_PACKAGES += ["fastapi", "uvicorn", "openai", "wandb", "mlflow"]
 # The newest leg's tests run ~1.15x as long as the oldest's (no classic XLA:CPU emitters from
 # jaxlib 0.11; measured over whole legs: 1030 tests in 23:37 against 1269 in 23:42).
 NEWEST_SLOWER = 1.15
+# Tests shorter than this are not timed in legs.json: they go last, in collection order.
+MIN_SECONDS = 1.0
 DURATION = re.compile(r"^([0-9.]+)s (call|setup|teardown)\s+(\S+)$", re.M)
 
 
@@ -172,6 +174,9 @@ def split(coverage_file: str, log_file: str) -> dict:
     return {
         "oldest_only": sorted(oldest.tests - newest.tests),
         "newest_only": sorted(newest.tests - oldest.tests),
+        # for the order the workers take tests in (tests/conftest.py): the longest first
+        "seconds": {t: round(cost[t], 1) for t in sorted(tests) if cost[t] >= MIN_SECONDS},
+        "module_seconds": {m: round(s, 1) for m, s in sorted(shared.items()) if s >= MIN_SECONDS},
     }
 
 

@@ -86,13 +86,31 @@ def pytest_configure(config):
 
 
 def pytest_collection_modifyitems(config, items):
-    if not config.getoption("leg"):
-        return
-    others = _leg_tests(config)[1]
-    dropped = [item for item in items if item.nodeid in others]
-    if dropped:
-        config.hook.pytest_deselected(items=dropped)
-        items[:] = [item for item in items if item.nodeid not in others]
+    if config.getoption("leg"):
+        others = _leg_tests(config)[1]
+        dropped = [item for item in items if item.nodeid in others]
+        if dropped:
+            config.hook.pytest_deselected(items=dropped)
+            items[:] = [item for item in items if item.nodeid not in others]
+    if hasattr(config, "workerinput"):  # an xdist worker: the order it reports is the queue's
+        items[:] = longest_first(items, config.rootpath)
+
+
+def longest_first(items: list, root: Path) -> list:
+    """`items` in xdist's units (a module with a module-scoped fixture, else a test), the
+    units longest first by legs.json's recorded seconds, each unit's tests in their order.
+    The workers take units from the front of the queue as they finish, so the long ones start
+    early instead of leaving one worker running alone at the end (the greedy longest-first
+    rule; measured in the log's durations). Unrecorded tests (short, or new) go last."""
+    legs = json.loads(LEGS.read_text(encoding="utf-8"))
+    seconds, shared = legs.get("seconds", {}), legs.get("module_seconds", {})
+    units: dict[str, list] = {}
+    for item in items:
+        path = item.nodeid.split("::", 1)[0]
+        units.setdefault(path if _has_module_fixture(root / path) else item.nodeid, []).append(item)
+    cost = lambda unit: shared.get(unit, 0.0) + sum(seconds.get(i.nodeid, 0.0) for i in units[unit])
+    order = sorted(units, key=lambda unit: -cost(unit))  # stable: ties keep collection order
+    return [item for unit in order for item in units[unit]]
 
 
 def pytest_sessionfinish(session):
@@ -118,11 +136,13 @@ def pytest_xdist_make_scheduler(config, log):
     """`pytest -n N` (xdist's default `--dist load`) hands out tests one by one, so the tests
     of a module that share a module-scoped fixture (a trained run, a saved checkpoint) land on
     both workers and each builds it (measured: test_train.py's runs, ~12 s of CPU, twice).
-    Such a module goes to one worker whole, and first (xdist orders the units by their test
-    count); every other test is still a unit of its own. Another --dist mode is left alone."""
+    Such a module goes to one worker whole; every other test is still a unit of its own, and
+    the units are queued longest first (`longest_first`). Another --dist mode is left alone."""
     if config.getvalue("dist") != "load":
         return None
     from xdist.scheduler import LoadScopeScheduling
+
+    config.option.loadscopereorder = False  # keep the workers' order: longest first
 
     class ModulesWithSharedFixtures(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:

@@ -52,3 +52,27 @@ def test_tests_that_import_an_extra_the_newest_leg_lacks_stay_in_the_oldest():
     mla = "tests/test_mla.py::test_"
     assert legs.needs_an_extra(mla + "attention_equals_transformers_deepseek_v3[False-half-0]", {})
     assert not legs.needs_an_extra(mla + "packed_documents_attend_only_within_themselves", {})
+
+
+def test_workers_take_the_longest_units_first(tmp_path, monkeypatch):
+    """xdist's queue (conftest.longest_first): units longest first by the recorded seconds, a
+    module with a module-scoped fixture one unit (its fixture's seconds counted once, its
+    tests kept together and in order), unrecorded tests last in collection order."""
+    from types import SimpleNamespace
+
+    from tests import conftest
+
+    (tmp_path / "test_shared.py").write_text('@pytest.fixture(scope="module")\n')
+    (tmp_path / "test_plain.py").write_text("")
+    legs = tmp_path / "legs.json"
+    legs.write_text(json.dumps({
+        "seconds": {"test_plain.py::a": 5.0, "test_plain.py::c": 30.0, "test_shared.py::x": 4.0},
+        "module_seconds": {"test_shared.py": 10.0},
+    }))  # fmt: skip
+    monkeypatch.setattr(conftest, "LEGS", legs)
+    names = ["test_plain.py::a", "test_shared.py::x", "test_plain.py::b", "test_shared.py::y",
+             "test_plain.py::c", "test_plain.py::d"]  # fmt: skip
+    items = [SimpleNamespace(nodeid=n) for n in names]
+    order = [i.nodeid for i in conftest.longest_first(items, tmp_path)]
+    assert order == ["test_plain.py::c", "test_shared.py::x", "test_shared.py::y",
+                     "test_plain.py::a", "test_plain.py::b", "test_plain.py::d"]  # fmt: skip
