@@ -109,7 +109,7 @@ def jitted():
 
     return {
         "forward": jax.jit(forward),
-        "prefill": jax.jit(lambda params, x: layer(params).prefill(x)),
+        "prefill": jax.jit(lambda params, x, mask: layer(params).prefill(x, None, mask)),
         "step": jax.jit(lambda params, x, state: layer(params).step(x, state)),
         "init_state": lambda params: layer(params).init_state(B),
         "grad": jax.jit(jax.grad(scalar, argnums=(0, 1))),
@@ -225,22 +225,23 @@ def test_layer_gradient_equals_torch_autograd(reference, jitted):
 
 
 def test_prefill_then_decode_equals_the_full_forward(reference, jitted):
-    """Prefill 67 tokens (chunked, padded), then decode the other 13 one at a time (the
-    recurrence and the conv window): every position equals the full forward's. Also the
-    first 5 tokens decoded from an empty state (the window still holding the zeros before the
-    sequence). Tolerance 2e-5 absolute (float32, outputs of up to ~30): the two forms differ
+    """Prefill 67 tokens (chunked, padded; the second row's first 5 masked, a left-padded
+    prompt), then decode the other 13 one at a time (the recurrence and the conv window):
+    every position equals the full forward's. Also the first 5 tokens decoded from an empty
+    state (the window still holding the zeros before the sequence), against the unmasked
+    forward. Tolerance 2e-5 absolute (float32, outputs of up to ~30): the two forms differ
     by rounding only (measured 4e-6)."""
     _, _, params = reference
-    x, _ = _inputs(6)
-    ones = np.ones((B, T), np.float32)
-    full = np.asarray(jitted["forward"](params, x, ones))
-    y, state = jitted["prefill"](params, x[:, :PREFIX])
+    x, mask = _inputs(6)
+    full = np.asarray(jitted["forward"](params, x, mask))
+    y, state = jitted["prefill"](params, x[:, :PREFIX], mask[:, :PREFIX])
     decoded = [np.asarray(y)]
     for t in range(PREFIX, T):
         y_t, state = jitted["step"](params, x[:, t], state)
         decoded.append(np.asarray(y_t)[:, None])
     np.testing.assert_allclose(np.concatenate(decoded, axis=1), full, rtol=0, atol=2e-5)
 
+    full = np.asarray(jitted["forward"](params, x, np.ones((B, T), np.float32)))
     state = jitted["init_state"](params)
     for t in range(5):
         y_t, state = jitted["step"](params, x[:, t], state)
