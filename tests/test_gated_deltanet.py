@@ -128,7 +128,8 @@ def _weight_scale(name: str) -> float:
 
 def _torch_layer(layout: str):
     """transformers' layer with random weights (every parameter, not its init: a weight left
-    at ones or zeros would hide a misplaced one), and its weights as numpy."""
+    at ones or zeros would hide a misplaced one), and its weights as numpy; they map onto
+    ours and back (`from_hf`, `to_hf`) unchanged."""
     torch = pytest.importorskip("torch", reason="needs torch (the `interop` extra)")
     pytest.importorskip("transformers", reason="needs transformers (the `interop` extra)")
     # Without fla and causal-conv1d transformers runs its torch fallback, the reference here.
@@ -164,6 +165,10 @@ def _torch_layer(layout: str):
         ref.norm.weight.add_(1.0)
     weights = {n: p.detach().numpy().copy() for n, p in ref.named_parameters()}
     assert gdn.hf_layout(weights) == layout
+    back = gdn.to_hf(gdn.from_hf(weights, SIZES), SIZES, layout)  # the export's mapping
+    assert back.keys() == weights.keys()
+    for name, w in weights.items():
+        np.testing.assert_array_equal(back[name], w, err_msg=name)
     return torch, ref, weights
 
 

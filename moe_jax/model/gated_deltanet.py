@@ -357,7 +357,8 @@ class GatedDeltaNet(nnx.Module):
 # The input projections of each transformers layout: (weight, the streams it stacks, whether
 # its rows are grouped by key head). Qwen3-Next fuses them, each key head's rows together
 # (q, k, then its G value heads' v and z; its G b's then its G a's); Qwen3.5 keeps one per
-# stream, heads in order. Both are read by the same split (`_unstack`).
+# stream, heads in order. Both are read by the same split (`_unstack`) and written back by the
+# same concatenation (`to_hf`).
 HF_INPUTS = {
     "qwen3_next": (("in_proj_qkvz", "qkvz", True), ("in_proj_ba", "ba", True)),
     "qwen3_5_moe": (
@@ -399,6 +400,24 @@ def from_hf(tensors: dict, sizes: GDNSizes) -> dict[str, np.ndarray]:
     out["A_log"] = np.asarray(tensors["A_log"])
     out["norm_scale"] = np.asarray(tensors["norm.weight"])
     out["wo"] = np.asarray(tensors["out_proj.weight"]).T.reshape(H, V, -1)
+    return out
+
+
+def to_hf(weights: dict, sizes: GDNSizes, layout: str) -> dict[str, np.ndarray]:
+    """transformers' tensors for `layout` from our weights (by attribute name, numpy): the
+    inverse of `from_hf`, each stacked projection put back together by key-head group."""
+    D = sizes.d_model
+    out = {}
+    for name, streams, grouped in HF_INPUTS[layout]:
+        groups = sizes.n_key_heads if grouped else 1
+        rows = [np.asarray(weights[f"w{c}"]).reshape(D, -1).T for c in streams]
+        stacked = np.concatenate([r.reshape(groups, -1, D) for r in rows], axis=1)
+        out[f"{name}.weight"] = stacked.reshape(-1, D)
+    out["conv1d.weight"] = np.asarray(weights["conv"])[:, None, :]
+    out["dt_bias"] = np.asarray(weights["dt_bias"])
+    out["A_log"] = np.asarray(weights["A_log"])
+    out["norm.weight"] = np.asarray(weights["norm_scale"])
+    out["out_proj.weight"] = np.asarray(weights["wo"]).reshape(-1, D).T
     return out
 
 
