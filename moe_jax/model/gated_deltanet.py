@@ -19,7 +19,8 @@ Shape letters here (the house's, except):
     N  key heads (`num_k_heads`)       H  value heads (`num_v_heads`), the rule's heads
     G  value heads per key head        K  a key (and query) head's width
     V  a value head's width            C  the convolved channels, q | k | v (2 N K + H V)
-    W  the convolution's window        L  a chunk's tokens (`CHUNK`; LL its square)
+    W  the convolution's kernel (the window it keeps holds its W - 1 previous inputs)
+    L  a chunk's tokens (`CHUNK`; LL its square)
     n  chunks (lower case: it varies with the call's length)
 """
 
