@@ -11,6 +11,7 @@ its API is re-exported here.
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 from flax import nnx
@@ -105,3 +106,7 @@ def main(argv: list[str]) -> int:
     writes(args.out)
     print(quantize_run(args.run, args.out, args.step, args.mode))
     return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
