@@ -183,7 +183,8 @@ def load_model(
 def restore_params(run_dir: str | Path, step: int | None, target, or_newest: bool = False):
     """-> (the params of a checkpoint, latest or `step`, restored into `target`: abstract
     arrays with the shardings and dtypes to restore onto; its step). Read-only, like
-    `load_run`. `or_newest`: if `step` was removed while reading, the newest instead."""
+    `load_run`, float params in turn as it reads them (`restore_in_turn`). `or_newest`: if
+    `step` was removed while reading, the newest instead."""
     run_dir = Path(run_dir)
     if is_hf_dir(run_dir):  # a Hugging Face directory: streamed onto the target
         return hf_params(run_dir, target), 0
@@ -191,6 +192,8 @@ def restore_params(run_dir: str | Path, step: int | None, target, or_newest: boo
     def read(step):
         manager, step = open_checkpoints(run_dir, step)
         try:
+            if in_turn(target):  # float params (init_from=RUN): as load_model reads them
+                return restore_in_turn(manager, step, run_dir, target), step
             args = ocp.args.StandardRestore(target)
             return restore(manager, step, run_dir, params=args).params, step
         finally:
