@@ -450,13 +450,14 @@ MOMENTS = [
      "moe_jax.inference.load:load_model", True),
     # inside the checkpoint's read (issue 64: Orbax wraps a stop in a plain Exception, once
     # told as damage with advice that on a resume would supersede good checkpoints): the
-    # meta's, through Orbax, and the params', array by array
+    # meta's, sent from Orbax's worker thread reading the JSON, so that it lands while the
+    # main thread waits inside Orbax; the params', array by array
     ("quantize-reading-meta", "quantize", ["{run}", "--out", "{out}"],
-     "orbax.checkpoint:CheckpointManager.restore", True),
+     "orbax.checkpoint:JsonCheckpointHandler.restore", True),
     ("quantize-reading-params", "quantize", ["{run}", "--out", "{out}"],
      "moe_jax.run.stream_save:CheckpointArrays.read", True),
     ("sample-reading-meta", "sample", ["--run", "{run}", "--max-new-tokens", "2"],
-     "orbax.checkpoint:CheckpointManager.restore", True),
+     "orbax.checkpoint:JsonCheckpointHandler.restore", True),
     ("sample-reading-params", "sample", ["--run", "{run}", "--max-new-tokens", "2"],
      "moe_jax.run.stream_save:CheckpointArrays.read", True),
     ("serve-loading", "serve", ["{run}", "--port", "0"],
@@ -480,9 +481,6 @@ MOMENTS = [
     ("shared_storage-looking", "shared_storage", ["check", "tok", "tiny", "run_dir={out}"],
      "moe_jax.cli.shared_storage:problems", False),
 ]  # fmt: skip
-# Where the signal is sent from another thread this many seconds into the call, so that it
-# lands inside the library's own code (Orbax's read), not before it.
-DURING = {"orbax.checkpoint:CheckpointManager.restore": 0.005}
 SIGNAL_CASES = [
     (f"{name}-{s.name}", command, argv, target, s)
     for i, (name, command, argv, target, heavy) in enumerate(MOMENTS)
@@ -499,7 +497,7 @@ def test_a_signal_at_any_moment_is_one_line(world, capsys, monkeypatch, case, co
     if command == "eval":
         from moe_jax.eval import scoring  # noqa: F401 (the target's module)
     out = world.root / f"out_{case}"
-    monkeypatch.setattr(*_at(target, signum, during=DURING.get(target)))
+    monkeypatch.setattr(*_at(target, signum))
     before = world.snapshot()
     code, err = _call(world, command, _fill(world, argv, out), capsys)
     _assert_clean(world, code, err, before, out)
