@@ -71,14 +71,14 @@ SHAKESPEARE_URL = (
     "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
 )
 LOCAL_COPIES = {SHAKESPEARE_URL: ROOT.parent / "shared/data/tinyshakespeare.txt"}
-TOOLS = (
-    "moe_jax.summary.counts",
-    "moe_jax.observe.plot",
+TOOLS = (  # as the README runs them: `python -m` names (plot, profile, summary: kept names)
+    "moe_jax.summary",
+    "moe_jax.plot",
     "moe_jax.quantize",
     "moe_jax.interop",
     "moe_jax.prepare",
     "moe_jax.eval",
-    "moe_jax.observe.profile",
+    "moe_jax.profile",
 )
 DEVICE_COUNT = re.compile(r"--xla_force_host_platform_device_count=(\d+)")
 COORDINATOR_PORT = re.compile(r"^(mesh\.coordinator_address=.*:)\d+$")
@@ -111,7 +111,7 @@ class Command:
         module = w[2] if w[1] == "-m" and len(w) > 2 else None
         if w[1] == "sample.py" or module in TOOLS:
             return "run"
-        return "aot" if module == "moe_jax.aot.command" else "unknown"
+        return "aot" if module == "moe_jax.aot" else "unknown"
 
 
 def _shell_line(line: str, exported: dict[str, str]) -> list[Command]:
