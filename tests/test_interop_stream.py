@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import gc
 import json
+import re
 import runpy
 import shutil
 import tracemalloc
@@ -36,6 +37,7 @@ from moe_jax.interop import load_hf  # noqa: E402
 from moe_jax.interop import stream as stream_mod  # noqa: E402
 from moe_jax.interop.__main__ import main as interop  # noqa: E402
 from moe_jax.interop.safetensors_io import TensorReader  # noqa: E402
+from moe_jax.run.layout import RunError  # noqa: E402
 from moe_jax.sharding import LOGICAL_RULES, make_mesh, state_shardings  # noqa: E402
 from moe_jax.train.loop import train  # noqa: E402
 from tests.test_interop import gpt_oss_as_released, hf_model, params_of  # noqa: E402
@@ -220,6 +222,29 @@ def test_the_import_keeps_bf16_and_is_params_only(bf16, tmp_path):
     assert back.keys() == source.keys()
     for name, tensor in source.items():
         assert tensor.dtype == torch.bfloat16 and torch.equal(back[name], tensor), name
+
+
+@pytest.mark.parametrize("lost", ["chunk", "metadata"])
+def test_an_import_missing_an_array_s_file_is_damage_naming_it(bf16, tmp_path, capsys, lost):
+    """An import's arrays are plain zarr, every chunk written: a chunk gone once read as
+    zeros (the fill value) when its params were read in turn, and exported as zeros, where
+    Orbax's restore refused it; its .zarray gone, export ended in a traceback. Both are
+    damage naming the array, in one line, for sampling and export alike."""
+    _, run = bf16
+    bad = tmp_path / "run"
+    shutil.copytree(run, bad)
+    array = bad / "checkpoints" / "0" / "params" / "embed.embedding.value"
+    for f in array.iterdir():
+        if f.name[0].isdigit() == (lost == "chunk"):
+            f.unlink()
+    says = r"is damaged: array 'embed.embedding' of its params cannot be read \(NOT_FOUND\)"
+    with pytest.raises(RunError, match=says):
+        load_run(bad, weights="bfloat16")
+    capsys.readouterr()
+    assert interop(["export", str(bad), "--out", str(tmp_path / "hf")]) == 2
+    err = capsys.readouterr().err
+    assert re.match("error: checkpoint 0 in .* " + says, err) and err.count("\n") == 1, err
+    assert not (tmp_path / "hf").exists()
 
 
 def test_sample_from_the_hf_directory_equals_sampling_the_import(bf16, capsys):

@@ -133,9 +133,7 @@ def restore(manager: ocp.CheckpointManager, step: int, run_dir: Path, **items):
     return ocp.args.Composite(**restored)
 
 
-def read_failed(
-    manager: ocp.CheckpointManager, step: int, run_dir: Path, item: str, e: Exception
-) -> NoReturn:
+def read_failed(manager, step: int, run_dir: Path, item: str, e: Exception) -> NoReturn:
     """Raise what reading `item` of checkpoint `step` failing with `e` is: the stop that
     landed in it, the checkpoint removed meanwhile (CheckpointRemoved), or else damage
     (RunError naming what cannot be read, and the earlier checkpoint to read instead)."""
@@ -180,10 +178,12 @@ class _OrphanedTasks(logging.Filter):
         return not str(record.msg).startswith("Task exception was never retrieved")
 
 
-# TensorStore's errors start with a status (NOT_FOUND, DATA_LOSS, ...) and quote the key it
-# failed on in the item's database: an array's metadata or one of its chunks, e.g.
-# "embed.embedding.value/.zarray" or "head.value/0.1".
-_ARRAY_ERROR = re.compile(r'^([A-Z_]+): .*?"([^"/]+)/(?:\.zarray|zarr\.json|[\d.]+)"', re.S)
+# TensorStore's errors start with a status (NOT_FOUND, DATA_LOSS, ...) and quote what it failed
+# on, an array's metadata or a chunk: a key of OCDBT's database ("embed.embedding.value/.zarray",
+# "head.value/0.1"), or a file path ending so (a plain zarr array's: an import's).
+_ARRAY_ERROR = re.compile(
+    r'^([A-Z_]+): .*?"(?:[^"]*/)?([^"/]+)/(?:\.zarray|zarr\.json|[\d.]+)"', re.S
+)
 
 
 def _damaged(manager: ocp.CheckpointManager, step: int, run_dir: Path, item: str, e) -> str:
