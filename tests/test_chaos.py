@@ -293,21 +293,7 @@ def _bad_inputs() -> list[tuple[str, str, list[str], str]]:
         sampling_commands.items(), overrides.items()
     ):
         cases.append((f"{command}-{bad}", command, argv(item), says))
-    # aot: the same inference checks of the decode step, and topologies that are no slice
-    tiny = ["configs/tiny.yaml", "model.d_model=32", "moe.expert_hidden=40"]
-    for bad, (item, says) in overrides.items():
-        if bad not in ("fixed_key",):
-            cases.append(
-                (
-                    f"aot-decode-{bad}",
-                    "aot",
-                    [*tiny, "--topology", "v5e-1", "--step", "decode", item],
-                    says,
-                )  # fmt: skip
-            )
-    for topology in ("v5p-0", "v4-0", "v5p-7", "v5e-3", "h100:0x8", "h100:1x99", "tpu-9"):
-        cases.append((f"aot-topology-{topology}", "aot", [*tiny, "--topology", topology],
-                      "unknown topology"))  # fmt: skip
+    cases += _aot_cases(overrides)
     # train: kernels this CPU cannot run, refused before the run directory is made
     for item in ("attention.impl=cudnn", "attention.impl=splash", "moe.impl=megablox",
                  "moe.impl=mosaic", "moe.exchange=ragged", "nosuch.key=1"):  # fmt: skip
@@ -339,7 +325,32 @@ def _bad_inputs() -> list[tuple[str, str, list[str], str]]:
         ("profile-no-trace", "profile", ["{done}"], "no perfetto_trace"),
         ("shared_storage-unseen", "shared_storage", ["check", "tok", "tiny", "run_dir={out}"],
          "does not see"),
-        # issue 64's holes: a traceback each, or a silent pass (the LoRA target, the NaN)
+    ]  # fmt: skip
+    return cases + _door_holes()
+
+
+def _aot_cases(overrides: dict) -> list[tuple[str, str, list[str], str]]:
+    """aot: the sampling overrides' inference checks of the decode step, and topologies that
+    are no slice."""
+    tiny = ["configs/tiny.yaml", "model.d_model=32", "moe.expert_hidden=40"]
+    decode = ["--topology", "v5e-1", "--step", "decode"]
+    cases = [(f"aot-decode-{bad}", "aot", [*tiny, *decode, item], says)
+             for bad, (item, says) in overrides.items() if bad != "fixed_key"]  # fmt: skip
+    for topology in ("v5p-0", "v4-0", "v5p-7", "v5e-3", "h100:0x8", "h100:1x99", "tpu-9"):
+        cases.append((f"aot-topology-{topology}", "aot", [*tiny, "--topology", topology],
+                      "unknown topology"))  # fmt: skip
+    return cases
+
+
+def _door_holes() -> list[tuple[str, str, list[str], str]]:
+    """Issue 64's holes of the door, each once a traceback or a silent pass: serve's flag
+    values no server can run with (a page size of 0 ended in a traceback after the load, a
+    chunk of 0 served and never answered), refused before the load; plot of a record
+    missing a field, profile of a trace that is no gzip, LoRA targets the model has no
+    weight of, an HF checkpoint with a NaN weight."""
+    cases = [(f"serve{flag}={value}", "serve", ["{run}", flag, value], says)
+             for flag, value, says in SERVE_FLAGS]  # fmt: skip
+    return cases + [
         ("plot-record-missing-a-field", "plot", ["{metrics}", "--out", "{out}"],
          "has no 'loss', which the plots draw"),
         ("profile-unreadable-trace", "profile", ["{trace}"], "cannot read the trace file"),
@@ -349,11 +360,6 @@ def _bad_inputs() -> list[tuple[str, str, list[str], str]]:
         ("import-nan-weight", "interop", ["import", "{nan_hf}", "--out", "{out}"],
          "NaN or inf"),
     ]  # fmt: skip
-    # serve: flag values no server can run with (a page size of 0 once ended in a traceback
-    # after the load, a chunk of 0 served and never answered), refused before the load
-    for flag, value, says in SERVE_FLAGS:
-        cases.append((f"serve{flag}={value}", "serve", ["{run}", flag, value], says))
-    return cases
 
 
 BAD_INPUTS = _bad_inputs()
