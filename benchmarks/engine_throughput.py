@@ -1,26 +1,28 @@
 """Engine throughput: continuous batching (`moe_jax.inference.engine`) at 1, 8 and 64
-concurrent requests against sample.py's sampler one request at a time, on the same model and
-requests.
+concurrent requests against sample.py's sampler, one request at a time and in static batches,
+on the same model and requests.
 
     python benchmarks/engine_throughput.py                          # small mixtral, 64 requests
     python benchmarks/engine_throughput.py --concurrency 1,8 --requests 16 --new-tokens 32
 
 Requests: `--requests` prompts of random bytes, their lengths spread evenly over
-`--prompt-lens` (min,max), each generating `--new-tokens` greedy tokens (no stop).
-One at a time: a `Sampler.generate([prompt], N)` call per request, one after another. The
-engine: a closed loop keeping `c` requests in flight (the next submitted as one ends), with
-`--slots` slots (default: the largest concurrency). Tokens/s = generated tokens / wall time
-of the whole workload, after a warm-up pass (compiles excluded); every engine pass sends
-prompts of the same lengths and new tokens (none found in the prefix cache: the sampler has
-none). The JSON line also has the process' CPU seconds (`cpu_s`), steadier than wall time on
-a loaded machine. Time to first token: from a request's submission to its first token;
-inter-token latency: between its successive tokens;
-p50 / p90 / p99 over all requests. KV memory per request: the pages it held at its peak
-(every layer's k and v) against a full-context allocation (model.max_seq_len positions) and
-against the sampler's (its prompt bucket + new tokens). `--peer`: transformers' continuous
-batching (`generate_batch`, its default config, greedy, every token generated) on the same
-model shape (random init) and the whole workload at once, timed on a second call (slow on
-CPU: keep the workload small).
+`--prompt-lens` (min,max), each generating `--new-tokens` greedy tokens (no stop). One at a
+time: a `Sampler.generate([prompt], N)` call per request, one after another. Static batches:
+the requests in arrival order, `slots` at a time, a `Sampler.generate` call each (the
+baseline continuous batching must beat). The engine: a closed loop keeping `c` requests in
+flight (the next submitted as one ends), with `--slots` slots (default: the largest
+concurrency). Tokens/s = generated tokens / wall time of the whole workload, after a warm-up
+pass (compiles excluded); every engine pass sends prompts of the same lengths and new tokens
+(none found in the prefix cache: the sampler has none). The JSON line also has the process'
+CPU seconds (`cpu_s`), steadier than wall time on a loaded machine, and the load average at
+the start and end (`load_avg`). Time to first token: from a request's submission to its
+first token; inter-token latency: between its successive tokens; p50 / p90 / p99 over all
+requests. KV memory per request: the pages it held at its peak (every layer's k and v)
+against a full-context allocation (model.max_seq_len positions) and against the sampler's
+(its prompt bucket + new tokens). `--peer`: transformers' continuous batching
+(`generate_batch`, its default config, greedy, every token generated) on the same model
+shape (random init, float32, sdpa attention: both recorded) and the whole workload at once,
+timed on a second call (slow on CPU: keep the workload small).
 `--speculative`: the same with speculative decoding (`Engine(speculative=True)`) beside the
 plain engine, on a model with `--draft-depth` MTP layers trained `--train-steps` steps on
 tinyshakespeare (../shared/data; else the Python standard library's sources) so that its
@@ -35,6 +37,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import os
 import sys
 import sysconfig
 import time
@@ -107,8 +110,27 @@ def one_at_a_time(sampler: Sampler, prompts, N: int) -> dict:
     return {"tok_s": len(prompts) * N / wall, "wall_s": wall, "cpu_s": cpu}
 
 
+def static_batches(sampler: Sampler, prompts, N: int, batch: int) -> dict:
+    """The requests in arrival order, `batch` at a time, each batch one `Sampler.generate`
+    call (padded to its longest prompt's bucket, every row generating N tokens): static
+    batching, what continuous batching must beat. Each batch's shape compiled first."""
+    groups = [prompts[i : i + batch] for i in range(0, len(prompts), batch)]
+    shapes = {}
+    for g in groups:
+        shapes.setdefault((len(g), bucket(max(map(len, g)), 10**9)), g)
+    for g in shapes.values():
+        sampler.generate(g, N, temperature=0)
+    start, cpu = time.perf_counter(), time.process_time()
+    for g in groups:
+        sampler.generate(g, N, temperature=0)
+    wall, cpu = time.perf_counter() - start, time.process_time() - cpu
+    return {"batch": batch, "tok_s": len(prompts) * N / wall, "wall_s": wall, "cpu_s": cpu}
+
+
 def peer(cfg, style: str, prompts, N: int) -> dict:
-    """transformers' `generate_batch` over the whole workload (a first call warms up)."""
+    """transformers' `generate_batch` over the whole workload (a first call warms up), with
+    the dtype and attention implementation it ran (`hf_model`: float32, the model's default
+    attention, sdpa)."""
     import transformers
 
     model = hf_model(cfg, style)
@@ -120,7 +142,13 @@ def peer(cfg, style: str, prompts, N: int) -> dict:
     out = model.generate_batch(prompts, generation_config=config)
     wall = time.perf_counter() - start
     tokens = sum(len(o.generated_tokens) for o in out.values())
-    return {"tok_s": tokens / wall, "wall_s": wall}
+    dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
+    # What generate_batch ran: the model's own (sdpa), but eager, which it runs as paged
+    # eager; it would switch to flash attention where installed (never on CPU), and it
+    # restores the model's own after.
+    attention = model.config._attn_implementation
+    attention = "paged|eager" if attention == "eager" else attention
+    return {"tok_s": tokens / wall, "wall_s": wall, "dtype": dtype, "attention": attention}
 
 
 def closed_loop(engine: Engine, prompts, N: int, c: int) -> dict:
@@ -196,7 +224,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--page-size", type=count(), default=16)
     p.add_argument("--chunk", type=count(), default=128)
     p.add_argument("--prefill-rows", type=count(), default=4, help="slots prefilled a call")
-    p.add_argument("--no-baseline", action="store_true", help="skip one-at-a-time")
+    p.add_argument("--no-baseline", action="store_true", help="skip the sampler's baselines")
     p.add_argument("--peer", action="store_true", help="also time transformers' generate_batch")
     p.add_argument("--speculative", action="store_true", help="with and without speculation")
     p.add_argument("--draft-depth", type=count(), default=1, help="MTP depths (--speculative)")
@@ -224,10 +252,13 @@ def main(argv: list[str]) -> int:
         chunk=args.chunk,
         prefill_rows=args.prefill_rows,
     )
+    load = [os.getloadavg()]  # the cores may be shared: the figures' load, start and end
     base = None if args.no_baseline else one_at_a_time(sampler, prompts, N)
+    static = None if args.no_baseline else static_batches(sampler, prompts, N, slots)
     fresh = (workload(args.requests, lo, hi, tokens_seed=k) for k in itertools.count(1))
     rows = [engine_figures(engine, fresh, N, c) for c in args.concurrency]
     hf = peer(cfg, args.style, prompts, N) if args.peer else None
+    load.append(os.getloadavg())
     per_pos = kv_bytes_per_position(engine)
     kv = {
         "engine_peak_mib": float(np.mean([r["peak_pages_mean"] for r in rows]))
@@ -237,28 +268,37 @@ def main(argv: list[str]) -> int:
         * per_pos / 2**20,
     }  # fmt: skip
     print(f"{args.size} {args.style}: {args.requests} requests, prompts {lo}-{hi}, {N} new")
-    if base:
-        print(f"one at a time (sampler): {base['tok_s']:8.1f} tok/s")
-    print(" conc    tok/s  vs 1-at-a-time  ttft p50/p99 ms    itl p50/p99 ms")
-    for r in rows:
-        ratio = f"{r['tok_s'] / base['tok_s']:6.2f}x" if base else "   -   "
-        t, i = r["ttft"], r["itl"]
-        ttft, itl = (
-            f"{t['p50_ms']:7.1f}/{t['p99_ms']:7.1f}",
-            f"{i['p50_ms']:7.1f}/{i['p99_ms']:7.1f}",
-        )
-        print(f"{r['concurrency']:5d} {r['tok_s']:8.1f}  {ratio:>14s}  {ttft}  {itl}")
-    if hf:
-        print(f"transformers generate_batch: {hf['tok_s']:8.1f} tok/s")
+    print_rows(base, static, rows, hf, load)
     print(f"KV per request: engine {kv['engine_peak_mib']:.2f} MiB at its peak, sampler "
           f"{kv['sampler_mib']:.2f}, full context {kv['full_context_mib']:.2f}")  # fmt: skip
     print(json.dumps({"benchmark": "engine_throughput", "size": args.size, "style": args.style,
                       "requests": args.requests, "prompt_lens": [lo, hi], "new_tokens": N,
                       "slots": slots, "chunk": args.chunk, "prefill_rows": args.prefill_rows,
-                      "one_at_a_time": base, "engine": rows, "kv": kv,
-                      "transformers_generate_batch": hf,
+                      "one_at_a_time": base, "static_batch": static, "engine": rows, "kv": kv,
+                      "transformers_generate_batch": hf, "load_avg": load,
                       "machine_idle_at_start": idle, **machine()}))  # fmt: skip
     return 0
+
+
+def print_rows(base, static, rows, hf, load) -> None:
+    """The table: the sampler's baselines, the engine at each concurrency against them, the
+    peer, and the load the figures were taken under."""
+    if base:
+        print(f"one at a time (sampler): {base['tok_s']:8.1f} tok/s")
+        print(f"static batches of {static['batch']} (sampler): {static['tok_s']:8.1f} tok/s")
+    print(" conc    tok/s  vs 1-at-a-time  vs static  ttft p50/p99 ms    itl p50/p99 ms")
+    for r in rows:
+        ratio = f"{r['tok_s'] / base['tok_s']:6.2f}x" if base else "   -   "
+        vs_static = f"{r['tok_s'] / static['tok_s']:6.2f}x" if static else "   -   "
+        t, i = r["ttft"], r["itl"]
+        ttft = f"{t['p50_ms']:7.1f}/{t['p99_ms']:7.1f}"
+        itl = f"{i['p50_ms']:7.1f}/{i['p99_ms']:7.1f}"
+        print(f"{r['concurrency']:5d} {r['tok_s']:8.1f}  {ratio:>14s}  {vs_static:>9s}  {ttft}  "
+              f"{itl}")  # fmt: skip
+    if hf:
+        print(f"transformers generate_batch ({hf['dtype']}, {hf['attention']} attention): "
+              f"{hf['tok_s']:8.1f} tok/s")  # fmt: skip
+    print(f"load average (1/5/15 min) at start {load[0]}, at end {load[1]}")
 
 
 def speculation(args, cfg, lo: int, hi: int, idle: bool) -> int:

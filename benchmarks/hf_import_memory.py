@@ -7,12 +7,13 @@ vocab 151936: the released tensor names and shapes) with N layers of random bf16
 temporary directory, in ~4 GB shards with an index as `save_pretrained` writes them, then
 runs `python -m moe_jax.interop import` (and with --export, `export` of that run; with
 --sample, `sample.py --run HF_DIR sample.weights=bfloat16` for two tokens, and the same
-load without sampling, `load_sampler` alone) in a subprocess of its own and reports each
-one's peak RSS (the kernel's high-water mark, file pages of the memory maps included; the
-sampling columns also as a multiple of the weights' bytes) and wall time, next to the time
-of reading the files once (`cat > /dev/null`). Each file is dropped from the page cache
-first (posix_fadvise), so all of them read from disk. A depth whose checkpoint, and its
-import, do not fit on the disk with 8 GB to spare is skipped, saying so.
+load without sampling, `load_sampler` alone, then both again of the imported run directory,
+`--run RUN`) in a subprocess of its own and reports each one's peak RSS (the kernel's
+high-water mark, file pages of the memory maps included; the sampling columns also as a
+multiple of the weights' bytes) and wall time, next to the time of reading the files once
+(`cat > /dev/null`). Each file is dropped from the page cache first (posix_fadvise), so all
+of them read from disk. A depth whose checkpoint, and its import, do not fit on the disk
+with 8 GB to spare is skipped, saying so.
 
 `--compiled` instead compiles the sampler of each depth on abstract bf16 weights (nothing
 written or read: seconds, any depth) and prints its program's temporaries
@@ -22,6 +23,7 @@ written or read: seconds, any depth) and prints its program's temporaries
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import resource
@@ -167,7 +169,7 @@ def one(kind: str, src: Path, out: Path) -> None:
     cmd = [sys.executable, "-m", "moe_jax.interop", kind, str(src), "--out", str(out)]
     if kind == "import":
         cmd.append("data.tokenizer=byte")
-    if kind == "sample":  # straight from the HF directory, bf16 weights, two tokens
+    if kind == "sample":  # bf16 weights, two tokens: of the HF directory or the import
         cmd = [sys.executable, "sample.py", "--run", str(src), "--prompt", "To be"]
         cmd += ["--max-new-tokens", "2", "--num-samples", "1", *SAMPLE_OVERRIDES]
     if kind == "load":  # what sample.py does before it generates
@@ -230,7 +232,9 @@ def main(argv: list[str]) -> None:
     p.add_argument("--layers", type=int, nargs="+", default=[1, 4, 12])
     p.add_argument("--dir", type=Path, default=Path(tempfile.gettempdir()))
     p.add_argument("--export", action="store_true", help="also export each import")
-    p.add_argument("--sample", action="store_true", help="also sample.py --run HF_DIR")
+    p.add_argument(
+        "--sample", action="store_true", help="also sample.py --run HF_DIR, and --run RUN"
+    )
     p.add_argument("--compiled", action="store_true", help="the sampler's temporaries only")
     p.add_argument("--one", nargs=3, help=argparse.SUPPRESS)
     p.add_argument("--load-only", type=Path, help=argparse.SUPPRESS)
@@ -246,7 +250,8 @@ def main(argv: list[str]) -> None:
             print(f"| {n} | {weights:.2f} GiB | {temps:.3f} GiB ({temps / weights:.3f}x) |")
         return None
     extra = [name for name, on in (("export", args.export), ("sample", args.sample)) if on]
-    extra = [n for name in extra for n in (("sampler load", name) if name == "sample" else (name,))]
+    sampled = ("HF dir: sampler load", "HF dir: sample", "run: sampler load", "run: sample")
+    extra = [n for name in extra for n in (sampled if name == "sample" else (name,))]
     print("| layers | params | safetensors | cat > /dev/null | import: peak RSS, time |"
           + "".join(f" {name}: peak RSS, time |" for name in extra))  # fmt: skip
     print("|---|---|---|---|---|" + "---|" * len(extra))
@@ -268,9 +273,9 @@ def main(argv: list[str]) -> None:
             if args.export:
                 exp = run_one("export", work / "run", work / "export")
                 row += f" {exp['rss_gib']:.2f} GiB, {exp['wall_s']:.0f} s |"
-            if args.sample:
-                for kind in ("load", "sample"):
-                    r = run_one(kind, work / "hf", work / "unused")
+            if args.sample:  # the HF directory, then the import of it: the same weights
+                for src, kind in itertools.product(("hf", "run"), ("load", "sample")):
+                    r = run_one(kind, work / src, work / "unused")
                     times = r["rss_gib"] / (size / 2**30)
                     row += f" {r['rss_gib']:.2f} GiB ({times:.2f}x), {r['wall_s']:.0f} s |"
             print(row, flush=True)

@@ -1,8 +1,9 @@
 """Streaming Hugging Face import (moe_jax/interop/stream.py, run/stream_save.py, as_run.py).
 
 - Memory: a many-layer tiny Qwen3-MoE checkpoint imports (onto one device, onto 8 simulated
-  devices with fsdp 8, and into a run directory) and exports with a peak of traced host
-  allocations (tracemalloc sees NumPy's) bounded by its largest tensor, not by its total.
+  devices with fsdp 8, and into a run directory), exports, and loads from that run (bf16)
+  with a peak of traced host allocations (tracemalloc sees NumPy's) bounded by its largest
+  tensor, not by its total.
 - bf16 stays bf16 through import and export, bit for bit.
 - A Hugging Face directory wherever a run is read: `sample.py --run HF_DIR` prints what
   sampling the import prints; `init_from=HF_DIR` takes the same first step as `init_from=`
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import gc
 import json
+import re
 import runpy
 import shutil
 import tracemalloc
@@ -35,6 +37,7 @@ from moe_jax.interop import load_hf  # noqa: E402
 from moe_jax.interop import stream as stream_mod  # noqa: E402
 from moe_jax.interop.__main__ import main as interop  # noqa: E402
 from moe_jax.interop.safetensors_io import TensorReader  # noqa: E402
+from moe_jax.run.layout import RunError  # noqa: E402
 from moe_jax.sharding import LOGICAL_RULES, make_mesh, state_shardings  # noqa: E402
 from moe_jax.train.loop import train  # noqa: E402
 from tests.test_interop import gpt_oss_as_released, hf_model, params_of  # noqa: E402
@@ -169,6 +172,26 @@ def test_import_memory_is_bounded_by_the_largest_tensor(deep, tmp_path, monkeypa
         np.testing.assert_array_equal(back.get(name), source.get(name), name)
 
 
+def test_a_run_s_params_are_read_in_turn_as_an_hf_directory_s(deep, tmp_path, monkeypatch):
+    """`sample.py --run RUN sample.weights=bfloat16` of an import peaked at 2.2x its bf16
+    weights where its HF directory peaked at 1.18x: Orbax's restore reads every array at
+    once, each through a host buffer alive until its device copy runs. The run's float params
+    are read as the HF directory's are, one at a time: traced host memory (the read arrays)
+    bounded by the largest tensor as the import's; the values those of the float32 params,
+    cast to bf16 (round to nearest even, as Orbax casts: exactly equal)."""
+    directory, largest, total = deep
+    monkeypatch.setattr(stream_mod, "STACK_PIECE_BYTES", 0)  # as a released model's stacks
+    out = tmp_path / "run"
+    assert interop(["import", str(directory), "--out", str(out)]) == 0
+    load_run(out, weights="bfloat16")  # first use: the cast and placement programs' tracing
+    peak, (_, model, _) = _peak(lambda: load_run(out, weights="bfloat16"))
+    assert peak < _bound(largest), (peak, largest, total)
+    assert model.embed.embedding[...].dtype == ml_dtypes.bfloat16
+    f32 = params_of(load_run(out)[1])
+    for path, value in params_of(model).items():  # (norms and router stay float32)
+        np.testing.assert_array_equal(value, f32[path].astype(value.dtype), str(path))
+
+
 @pytest.fixture(scope="module")
 def bf16(tmp_path_factory):
     """(HF directory of a bf16 Llama with the byte tokenizer's vocabulary, its import)."""
@@ -199,6 +222,29 @@ def test_the_import_keeps_bf16_and_is_params_only(bf16, tmp_path):
     assert back.keys() == source.keys()
     for name, tensor in source.items():
         assert tensor.dtype == torch.bfloat16 and torch.equal(back[name], tensor), name
+
+
+@pytest.mark.parametrize("lost", ["chunk", "metadata"])
+def test_an_import_missing_an_array_s_file_is_damage_naming_it(bf16, tmp_path, capsys, lost):
+    """An import's arrays are plain zarr, every chunk written: a chunk gone once read as
+    zeros (the fill value) when its params were read in turn, and exported as zeros, where
+    Orbax's restore refused it; its .zarray gone, export ended in a traceback. Both are
+    damage naming the array, in one line, for sampling and export alike."""
+    _, run = bf16
+    bad = tmp_path / "run"
+    shutil.copytree(run, bad)
+    array = bad / "checkpoints" / "0" / "params" / "embed.embedding.value"
+    for f in array.iterdir():
+        if f.name[0].isdigit() == (lost == "chunk"):
+            f.unlink()
+    says = r"is damaged: array 'embed.embedding' of its params cannot be read \(NOT_FOUND\)"
+    with pytest.raises(RunError, match=says):
+        load_run(bad, weights="bfloat16")
+    capsys.readouterr()
+    assert interop(["export", str(bad), "--out", str(tmp_path / "hf")]) == 2
+    err = capsys.readouterr().err
+    assert re.match("error: checkpoint 0 in .* " + says, err) and err.count("\n") == 1, err
+    assert not (tmp_path / "hf").exists()
 
 
 def test_sample_from_the_hf_directory_equals_sampling_the_import(bf16, capsys):

@@ -71,7 +71,7 @@ SHAKESPEARE_URL = (
     "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
 )
 LOCAL_COPIES = {SHAKESPEARE_URL: ROOT.parent / "shared/data/tinyshakespeare.txt"}
-TOOLS = (
+TOOLS = (  # as the README runs them: `python -m` names (plot, profile, summary: kept names)
     "moe_jax.summary",
     "moe_jax.plot",
     "moe_jax.quantize",

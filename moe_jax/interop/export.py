@@ -44,9 +44,9 @@ from moe_jax.interop.safetensors_io import InteropError
 from moe_jax.model import Transformer, fp4
 from moe_jax.model.int8 import QUANTIZATIONS, QuantizedParam, quantize_model
 from moe_jax.model.moe import FLOAT32_PARAMS
-from moe_jax.run.checkpoints import open_checkpoints, read_meta
+from moe_jax.run.checkpoints import open_checkpoints, read_failed, read_meta
 from moe_jax.run.layout import CHECKPOINT_DIR
-from moe_jax.run.stream_save import CheckpointArrays
+from moe_jax.run.stream_save import CheckpointArrays, unreadable
 
 DTYPES = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(ml_dtypes.bfloat16)}
 
@@ -82,35 +82,40 @@ def export_run(
     if quantised_base:  # the stored tree: the run's quantised base (`model.int8.quantize_model`)
         build = lambda: quantize_model(Transformer(cfg, rngs=nnx.Rngs(0)), cfg.lora.base_dtype)
     abstract = nnx.state(nnx.eval_shape(build), nnx.Param)
-    arrays = CheckpointArrays(run_dir / CHECKPOINT_DIR / str(step), abstract)
-    quantised = {p: v for p, v in nnx.to_flat_state(abstract) if isinstance(v, QuantizedParam)}
-    for path, shape in _stored_shapes(arrays, quantised).items():
-        if tuple(arrays.array(path).shape) != shape:
-            where = ".".join(map(str, path))
-            raise InteropError(
-                f"checkpoint {step} in '{run_dir}' does not match its config at {where}"
-            )
-    if dtype:
-        out_dtype = DTYPES[dtype]
-    elif quantised_base:
-        out_dtype = DTYPES["float32" if cfg.model.dtype == "float32" else "bfloat16"]
-    else:
-        out_dtype = _params_dtype(arrays)
-    tensor_dtype = _tensor_dtypes(arrays, out_dtype, own=not dtype and not cfg.lora.rank)
-    total = sum(math.prod(s) * tensor_dtype((p,)).itemsize for p, s in arrays.shapes.items())
-    tracker = progress(total) if progress is not None else None
+    try:  # a missing or truncated array: one line naming it, not a traceback
+        arrays = CheckpointArrays(run_dir / CHECKPOINT_DIR / str(step), abstract)
+        quantised = {p: v for p, v in nnx.to_flat_state(abstract) if isinstance(v, QuantizedParam)}
+        for path, shape in _stored_shapes(arrays, quantised).items():
+            if tuple(arrays.array(path).shape) != shape:
+                where = ".".join(map(str, path))
+                raise InteropError(
+                    f"checkpoint {step} in '{run_dir}' does not match its config at {where}"
+                )
+        if dtype:
+            out_dtype = DTYPES[dtype]
+        elif quantised_base:
+            out_dtype = DTYPES["float32" if cfg.model.dtype == "float32" else "bfloat16"]
+        else:
+            out_dtype = _params_dtype(arrays)
+        tensor_dtype = _tensor_dtypes(arrays, out_dtype, own=not dtype and not cfg.lora.rank)
+        total = sum(math.prod(s) * tensor_dtype((p,)).itemsize for p, s in arrays.shapes.items())
+        tracker = progress(total) if progress is not None else None
 
-    def read(path, block):
-        if path in quantised:
-            return _dequantised(arrays, path, block, quantised[path])
-        return _deferred(arrays, path, block)
+        def read(path, block):
+            if path in quantised:
+                return _dequantised(arrays, path, block, quantised[path])
+            return _deferred(arrays, path, block)
 
-    if cfg.lora.rank:  # a LoRA run: each adapted weight written merged, W + (alpha / r) A B
-        from moe_jax.interop.peft import merged_reader
+        if cfg.lora.rank:  # a LoRA run: each adapted weight written merged, W + (alpha / r) A B
+            from moe_jax.interop.peft import merged_reader
 
-        read = merged_reader(read, arrays.shapes, cfg.lora.alpha / cfg.lora.rank)
-    write_hf(cfg, family, hf_config, read, out, tokenizer=tokenizer, dtype=out_dtype,
-             progress=tracker, tensor_dtype=tensor_dtype)  # fmt: skip
+            read = merged_reader(read, arrays.shapes, cfg.lora.alpha / cfg.lora.rank)
+        write_hf(cfg, family, hf_config, read, out, tokenizer=tokenizer, dtype=out_dtype,
+                 progress=tracker, tensor_dtype=tensor_dtype)  # fmt: skip
+    except ValueError as e:
+        if not unreadable(e):
+            raise
+        read_failed(manager, step, run_dir, "params", e)
     return family.architecture, cfg
 
 

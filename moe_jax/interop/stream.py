@@ -187,35 +187,46 @@ class ImportPlan:
         """{path: jax.Array} for each param `shardings` names (path -> Sharding), laid out so;
         each process builds only the shards its devices hold, and a large stacked parameter
         one layer at a time."""
-        arrays = {}
-        for path in sorted(shardings):
-            sharding, shape = shardings[path], self.shapes[path]
-            shard = sharding.shard_shape(shape)
-            per_shard = math.prod(shard) * self.dtypes[path].itemsize
-            if self.stacked(path) and shape[0] > 1 and per_shard > STACK_PIECE_BYTES:
-                arrays[path] = self._by_layer(path, sharding)
-            else:
-                # A host buffer lives until its copy to the device has run, and dispatch does
-                # not wait for that: unwaited, a loaded host holds every tensor in flight.
-                arrays[path] = jax.make_array_from_callback(
-                    shape, sharding, lambda idx, p=path: self.fill(p, idx)
-                ).block_until_ready()
-            if progress is not None:
-                progress.add(self.nbytes(path))
-        return arrays
+        return to_devices(shardings, self.shapes, self.dtypes, self.stacked, self.fill, progress)
 
-    def _by_layer(self, path: tuple, sharding) -> jax.Array:
-        shape, dtype = self.shapes[path], self.dtypes[path]
-        layer_sharding = _drop_leading_axis(sharding, len(shape))
-        stack = _zeros(shape, jnp.dtype(dtype), sharding)
-        for b in range(shape[0]):
-            layer = jax.make_array_from_callback(
-                shape[1:],
-                layer_sharding,
-                lambda idx, b=b: self.fill(path, (slice(b, b + 1), *idx))[0],
-            )
-            stack = _put_layer(stack, layer, b).block_until_ready()  # one layer in flight
-        return stack
+
+def to_devices(
+    shardings: dict, shapes: dict, dtypes: dict, stacked: Callable[[tuple], bool],
+    fill: Callable[[tuple, tuple], np.ndarray], progress: Progress | None = None,
+) -> dict:  # fmt: skip
+    """{path: jax.Array} of `shapes[path]`, `dtypes[path]` for each param `shardings` names
+    (path -> Sharding), its values `fill(path, index)`, one parameter in turn: each process
+    builds only the shards its devices hold, and a large `stacked` parameter one layer at a
+    time. Used wherever weights are read onto devices (an HF directory, a run's checkpoint),
+    so that the host holds one parameter's (or layer's) values at a time, not the model's."""
+    arrays = {}
+    for path in sorted(shardings):
+        sharding, shape = shardings[path], shapes[path]
+        per_shard = math.prod(sharding.shard_shape(shape)) * dtypes[path].itemsize
+        if stacked(path) and shape[0] > 1 and per_shard > STACK_PIECE_BYTES:
+            arrays[path] = _by_layer(shape, dtypes[path], sharding, lambda i, p=path: fill(p, i))
+        else:
+            # A host buffer lives until its copy to the device has run, and dispatch does
+            # not wait for that: unwaited, a loaded host holds every tensor in flight.
+            arrays[path] = jax.make_array_from_callback(
+                shape, sharding, lambda idx, p=path: fill(p, idx)
+            ).block_until_ready()
+        if progress is not None:
+            progress.add(math.prod(shape) * dtypes[path].itemsize)
+    return arrays
+
+
+def _by_layer(shape: tuple, dtype, sharding, fill: Callable) -> jax.Array:
+    layer_sharding = _drop_leading_axis(sharding, len(shape))
+    stack = _zeros(shape, jnp.dtype(dtype), sharding)
+    for b in range(shape[0]):
+        layer = jax.make_array_from_callback(
+            shape[1:],
+            layer_sharding,
+            lambda idx, b=b: fill((slice(b, b + 1), *idx))[0],
+        )
+        stack = _put_layer(stack, layer, b).block_until_ready()  # one layer in flight
+    return stack
 
 
 def _dtype_of(path: tuple, seen: set, dtype: str) -> np.dtype:

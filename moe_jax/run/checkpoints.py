@@ -26,6 +26,7 @@ import shutil
 import time
 import warnings
 from pathlib import Path
+from typing import NoReturn
 
 import grain
 import jax
@@ -128,16 +129,23 @@ def restore(manager: ocp.CheckpointManager, step: int, run_dir: Path, **items):
         try:
             restored[name] = manager.restore(step, args=ocp.args.Composite(**{name: args}))[name]
         except Exception as e:
-            _quiet_orphaned_tasks()
-            raise_stop_in(e)  # a stop during the read (Orbax wraps it) is no damage
-            if _being_removed(run_dir, step):
-                raise CheckpointRemoved(
-                    f"checkpoint {step} in '{run_dir}' was removed while reading it (a run "
-                    "training there keeps only its newest checkpoint.keep checkpoints); read "
-                    "again for the newest, or name a step it keeps"
-                ) from None
-            raise RunError(_damaged(manager, step, run_dir, name, e)) from None
+            read_failed(manager, step, run_dir, name, e)
     return ocp.args.Composite(**restored)
+
+
+def read_failed(manager, step: int, run_dir: Path, item: str, e: Exception) -> NoReturn:
+    """Raise what reading `item` of checkpoint `step` failing with `e` is: the stop that
+    landed in it, the checkpoint removed meanwhile (CheckpointRemoved), or else damage
+    (RunError naming what cannot be read, and the earlier checkpoint to read instead)."""
+    _quiet_orphaned_tasks()
+    raise_stop_in(e)  # a stop during the read (Orbax wraps it) is no damage
+    if _being_removed(run_dir, step):
+        raise CheckpointRemoved(
+            f"checkpoint {step} in '{run_dir}' was removed while reading it (a run "
+            "training there keeps only its newest checkpoint.keep checkpoints); read "
+            "again for the newest, or name a step it keeps"
+        ) from None
+    raise RunError(_damaged(manager, step, run_dir, item, e)) from None
 
 
 def _being_removed(run_dir: Path, step: int, wait_s: float = 2.0) -> bool:
@@ -170,10 +178,12 @@ class _OrphanedTasks(logging.Filter):
         return not str(record.msg).startswith("Task exception was never retrieved")
 
 
-# TensorStore's errors start with a status (NOT_FOUND, DATA_LOSS, ...) and quote the key it
-# failed on in the item's database: an array's metadata or one of its chunks, e.g.
-# "embed.embedding.value/.zarray" or "head.value/0.1".
-_ARRAY_ERROR = re.compile(r'^([A-Z_]+): .*?"([^"/]+)/(?:\.zarray|zarr\.json|[\d.]+)"', re.S)
+# TensorStore's errors start with a status (NOT_FOUND, DATA_LOSS, ...) and quote what it failed
+# on, an array's metadata or a chunk: a key of OCDBT's database ("embed.embedding.value/.zarray",
+# "head.value/0.1"), or a file path ending so (a plain zarr array's: an import's).
+_ARRAY_ERROR = re.compile(
+    r'^([A-Z_]+): .*?"(?:[^"]*/)?([^"/]+)/(?:\.zarray|zarr\.json|[\d.]+)"', re.S
+)
 
 
 def _damaged(manager: ocp.CheckpointManager, step: int, run_dir: Path, item: str, e) -> str:

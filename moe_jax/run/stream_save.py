@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from collections.abc import Callable
 from pathlib import Path
 
@@ -163,6 +164,9 @@ class CheckpointArrays:
         self.item = step_dir / PARAMS_DIR
         metadata = json.loads((self.item / "_METADATA").read_text())
         self.ocdbt, self.zarr3 = metadata.get("use_ocdbt", True), metadata.get("use_zarr3", False)
+        # Every chunk was written (even one equal to the fill value): a missing one is damage,
+        # not zeros, as Orbax's restore reads it.
+        self.whole = metadata.get("store_array_data_equal_to_fill_value", False)
         self.names = {p: ".".join(n) for p, n in orbax_names(params_abstract).items()}
         self.shapes = {p: tuple(v.shape) for p, v in nnx.to_flat_state(params_abstract)}
         self._open: dict[tuple, ts.TensorStore] = {}
@@ -176,6 +180,7 @@ class CheckpointArrays:
             else:
                 spec = {"kvstore": {"driver": "file", "path": str(self.item / name)}}
             spec["driver"] = "zarr3" if self.zarr3 else "zarr"
+            spec["fill_missing_data_reads"] = not self.whole
             self._open[path] = ts.open(spec, open=True, read=True).result()
         return self._open[path]
 
@@ -184,3 +189,9 @@ class CheckpointArrays:
 
     def read(self, path: tuple, index: tuple) -> np.ndarray:
         return self.array(path)[index].read().result()
+
+
+def unreadable(e: BaseException) -> bool:
+    """Whether `e` is TensorStore's failure to read an array (a missing or truncated file):
+    a ValueError whose text starts with its status (NOT_FOUND: ..., DATA_LOSS: ...)."""
+    return isinstance(e, ValueError) and re.match(r"[A-Z_]+: ", str(e)) is not None
