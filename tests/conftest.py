@@ -137,12 +137,15 @@ def pytest_xdist_make_scheduler(config, log):
     of a module that share a module-scoped fixture (a trained run, a saved checkpoint) land on
     both workers and each builds it (measured: test_train.py's runs, ~12 s of CPU, twice).
     Such a module goes to one worker whole; every other test is still a unit of its own, and
-    the units are queued longest first (`longest_first`). Another --dist mode is left alone."""
+    the units are queued longest first (`longest_first`) where legs.json has their seconds.
+    Another --dist mode is left alone."""
     if config.getvalue("dist") != "load":
         return None
     from xdist.scheduler import LoadScopeScheduling
 
-    config.option.loadscopereorder = False  # keep the workers' order: longest first
+    if json.loads(LEGS.read_text(encoding="utf-8")).get("seconds"):
+        config.option.loadscopereorder = False  # keep the workers' order: longest first
+    # else xdist's own order, the units with most tests first (its long modules, early)
 
     class ModulesWithSharedFixtures(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
