@@ -358,8 +358,9 @@ def test_cli_needs_no_platform_setting():
 
 def test_cli_reports_json_and_refuses_what_does_not_fit():
     """The command line around compile_step (the compiles are the tests above; the train step
-    through the CLI: tests/test_benchmarks.py's aot_figures): README's decode command on 2
-    layers (a dense and a MoE one), a refusal on 1: tiny.yaml's 4 would only cost compiling."""
+    through the CLI: tests/test_benchmarks.py's aot_figures): docs/accelerators.md's decode
+    command on 2 layers (a dense and a MoE one), a refusal on 1: tiny.yaml's 4 would only cost
+    compiling."""
     argv = ["configs/tiny.yaml", "--topology", "v5e-4", "--step", "decode", "mesh.data=4"]
     ok = _cli(*argv, "sample.batch_size=8", "model.n_layers=2")
     assert ok.returncode == 0, ok.stderr

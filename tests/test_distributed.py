@@ -143,15 +143,15 @@ def _free_port() -> int:
 
 
 def start_two_processes(run_dir, *overrides) -> list[subprocess.Popen]:
-    """README.md's two `train.py ... mesh.num_processes=2` commands (2 processes x 2 CPU
+    """docs/scaling.md's two `train.py ... mesh.num_processes=2` commands (2 processes x 2 CPU
     devices, gloo collectives, one data=2 x expert=2 mesh), started as its shell starts them,
-    on a free port, with this file's model, `overrides` and `run_dir` appended: the README's
+    on a free port, with this file's model, `overrides` and `run_dir` appended: the page's
     own commands are the ones that must train like one process (its other commands run in
     tests/test_readme_commands.py)."""
     port = _free_port()
     procs = []
     for cmd in [c for c in readme_commands() if c.kind == "processes"]:
-        env = os.environ | cmd.env  # the README's XLA_FLAGS: 2 devices per process
+        env = os.environ | cmd.env  # the page's XLA_FLAGS: 2 devices per process
         env["XLA_FLAGS"] += f" {FAST_COMPILE}"
         words = [COORDINATOR_PORT.sub(rf"\g<1>{port}", w) for w in cmd.words]
         args = [*words[2:], *TINY_BASE, *ARCH, *overrides, f"run_dir={run_dir}"]
@@ -169,7 +169,7 @@ def start_two_processes(run_dir, *overrides) -> list[subprocess.Popen]:
 
 
 def test_two_processes_train_together_like_one(tmp_path, straight_run):
-    """README.md's 2 processes x 2 CPU devices (gloo collectives) form one data=2 x expert=2
+    """docs/scaling.md's 2 processes x 2 CPU devices (gloo collectives) form one data=2 x expert=2
     mesh, and train as one process does."""
     multi = tmp_path / "multi"
     procs = start_two_processes(multi)

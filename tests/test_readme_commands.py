@@ -1,12 +1,15 @@
-"""Every command in README.md works as written, so that the README stays true.
+"""Every command in README.md and docs/*.md works as written, so that the documentation stays
+true.
 
-The commands are read from README.md itself (no second copy here): each line of its ```bash
-blocks (comments dropped, `\\` continuations joined, split at `&&`) and each inline code span
-that starts with `python `. They run in a temporary directory (holding a link to configs/),
-in README order, so that later commands find the runs that earlier ones wrote (sample.py and
-quantize use the default run, export the RoPE run ...).
+The commands are read from the pages themselves (no second copy here), README.md first and then
+the docs pages in PAGES' order: each line of their ```bash blocks (comments dropped, `\\`
+continuations joined, split at `&&`) and each inline code span that starts with `python `, a
+page's blocks before its spans. They run in a temporary directory (holding a link to configs/),
+in that order, so that later commands find the runs that earlier ones wrote (sample.py and
+quantize use the default run of README.md's `python train.py`, export the RoPE run ...):
+PAGES is fixed here, not globbed, and must name every page under docs/.
 
-What runs, and how, to fit the budget (measured: ~45 s of CPU time for the whole file):
+What runs, and how, to fit the budget (measured: ~45 s of CPU time for all of them):
 - train.py, sample.py and the `python -m moe_jax.*` tools (summary, plot, quantize, interop,
   prepare, eval: the harness offline, on the repository's local task; profile)
   run for real, in this process through `runpy` (no interpreter start-up per command, and one
@@ -17,18 +20,20 @@ What runs, and how, to fit the budget (measured: ~45 s of CPU time for the whole
   must log its last step: one that resumed another's finished run would train nothing.
 - The two-process commands (`mesh.num_processes=2`, one of them in the background) run for
   real in tests/test_distributed.py, as two processes with 2 CPU devices each, on a free port
-  instead of the README's, and must train as one process does.
+  instead of the page's, and must train as one process does.
 - `python -m moe_jax.aot` compiles full-size models for minutes (tests/test_aot.py covers
   compiling): its command line is parsed, its config loaded with the overrides and its
   topology name checked to be one it knows.
 - The "real cluster" line (`mesh.distributed=true`) needs a cluster: its config is loaded.
-- `HF_DIR` (a placeholder) is the Hugging Face directory the README's own export line
+- `HF_DIR` (a placeholder) is the Hugging Face directory the export line of docs/hf.md
   writes; the commands that name it run last.
 - `curl` downloads, and tests never do: the file it would fetch is copied from LOCAL_COPIES,
   or stood in for by README.md's own text where this machine has no copy.
 - Not run: the install lines (`python3[.N] -m venv`, `. .venv/bin/activate`, `pip`) and the
   test suite's own lines (`ruff`, `pytest`).
 A command this file does not know how to run fails `test_every_readme_command_is_known`.
+Every relative link of these pages must point at a file (and a heading) that exists:
+`test_readme_and_docs_links_resolve`.
 """
 
 from __future__ import annotations
@@ -51,12 +56,32 @@ from tests.helpers import TINY_BASE
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
-FAST_TRAIN = [  # 3 steps of a smaller model: the README's architecture costs the compiles
+PAGES = (  # the order the commands run in: each page's commands may use the runs earlier ones wrote
+    "README.md",  # the first command: `python train.py` (runs/tiny), then sample.py
+    "docs/install.md",
+    "docs/quickstart.md",  # sample.py and plot on runs/tiny
+    "docs/configuration.md",
+    "docs/data.md",  # the download, then the token store made from it
+    "docs/checkpoints.md",
+    "docs/scaling.md",  # the 8-device run, then sampling it
+    "docs/accelerators.md",
+    "docs/serving.md",
+    "docs/hf.md",  # the RoPE run and its export (HF_DIR), which the HF_DIR commands read
+    "docs/finetuning.md",
+    "docs/eval.md",
+    "docs/quantization.md",  # quantize runs/tiny, then sample the copy
+    "docs/observability.md",  # the profiled run, then its profile
+    "docs/speed.md",
+    "docs/errors.md",
+    "docs/architecture.md",
+    "docs/testing.md",
+)
+FAST_TRAIN = [  # 3 steps of a smaller model: the documented architecture costs the compiles
     *TINY_BASE,
     "model.n_layers=1",
     "moe.interleave_step=1",  # the one layer a MoE one
     "train.steps=3",
-    "train.batch_size=8",  # divides over the README's 8-device and 2 x 2 meshes
+    "train.batch_size=8",  # divides over docs/scaling.md's 8-device and 2 x 2 meshes
     "train.seq_len=32",
     "train.eval_every=3",
     "train.eval_batches=1",
@@ -71,7 +96,7 @@ SHAKESPEARE_URL = (
     "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
 )
 LOCAL_COPIES = {SHAKESPEARE_URL: ROOT.parent / "shared/data/tinyshakespeare.txt"}
-TOOLS = (  # as the README runs them: `python -m` names (plot, profile, summary: kept names)
+TOOLS = (  # as the pages run them: `python -m` names (plot, profile, summary: kept names)
     "moe_jax.summary",
     "moe_jax.plot",
     "moe_jax.quantize",
@@ -135,8 +160,8 @@ def _shell_line(line: str, exported: dict[str, str]) -> list[Command]:
     return commands
 
 
-def readme_commands() -> list[Command]:
-    text = README.read_text(encoding="utf-8")
+def page_commands(text: str) -> list[Command]:
+    """One page's commands: its ```bash blocks' lines, then its `python ...` code spans."""
     commands = []
     for block in re.findall(r"^```bash\n(.*?)^```", text, re.S | re.M):
         exported = {}
@@ -147,11 +172,49 @@ def readme_commands() -> list[Command]:
     return commands
 
 
+def readme_commands() -> list[Command]:
+    """The commands of README.md and the docs pages, in PAGES' order."""
+    return [c for page in PAGES for c in page_commands((ROOT / page).read_text(encoding="utf-8"))]
+
+
+def test_pages_name_every_docs_page():
+    """A page missing from PAGES would have its commands untested."""
+    docs = {p.relative_to(ROOT).as_posix() for p in (ROOT / "docs").rglob("*.md")}
+    assert len(set(PAGES)) == len(PAGES)
+    assert set(PAGES) == {"README.md"} | docs
+
+
+def _anchor(heading: str) -> str:
+    """GitHub's anchor of a heading: lower case, punctuation dropped, spaces to hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def test_readme_and_docs_links_resolve():
+    """Every relative link `[text](target)` of README.md and the docs pages names an existing
+    file, and a `#anchor` one of that page's headings."""
+    broken = []
+    for page in PAGES:
+        path = ROOT / page
+        text = re.sub(r"^```.*?^```", "", path.read_text(encoding="utf-8"), flags=re.S | re.M)
+        for target in re.findall(r"\]\(([^)\s]+)\)", text):
+            if re.match(r"[a-z]+:", target):  # https:, mailto: ...
+                continue
+            file, _, anchor = target.partition("#")
+            linked = (path.parent / file).resolve() if file else path
+            if not linked.exists():
+                broken.append(f"{page}: {target}")
+            elif anchor and linked.suffix == ".md":
+                heads = re.findall(r"^#+ (.*)$", linked.read_text(encoding="utf-8"), re.M)
+                if anchor not in map(_anchor, heads):
+                    broken.append(f"{page}: {target} (no such heading)")
+    assert not broken, f"links to nothing: {broken}"
+
+
 def test_every_readme_command_is_known():
     commands = readme_commands()
     unknown = [str(c) for c in commands if c.kind == "unknown"]
     assert not unknown, f"tests/test_readme_commands.py cannot run these yet: {unknown}"
-    assert "python train.py" in map(str, commands)  # the parse finds the README's commands
+    assert "python train.py" in map(str, commands)  # the parse finds README.md's commands
 
 
 def _train_config(cmd: Command, monkeypatch) -> Config:
@@ -231,9 +294,9 @@ def test_readme_commands_run(tmp_path, monkeypatch, capsys):
             monkeypatch.setenv(name, value)
         offline()
     done = set()
-    # stable: README order, those naming HF_DIR (also as `init_from=HF_DIR`) after the export
+    # stable: PAGES' order, those naming HF_DIR (also as `init_from=HF_DIR`) after the export
     for cmd in sorted(todo, key=lambda c: any(w.endswith("HF_DIR") for w in c.words)):
-        if str(cmd) in done:  # the same command again (the README repeats `python train.py`)
+        if str(cmd) in done:  # the same command again (`python train.py` is repeated)
             continue
         done.add(str(cmd))
         if cmd.kind == "download":
@@ -248,7 +311,7 @@ def test_readme_commands_run(tmp_path, monkeypatch, capsys):
 
 def test_readme_two_process_commands_start_process_0_in_the_background():
     """They run for real in tests/test_distributed.py (`start_two_processes`), which trains
-    them against one process: here, only that the README's shell starts both at once."""
+    them against one process: here, only that docs/scaling.md's shell starts both at once."""
     commands = [c for c in readme_commands() if c.kind == "processes"]
     assert [c.background for c in commands] == [True, False]
     assert [w for c in commands for w in c.words if w.startswith("mesh.process_id=")] == [

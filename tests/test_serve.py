@@ -342,7 +342,7 @@ def test_metrics_answer_while_a_step_holds_the_engine(server):
 
 def test_the_command_finishes_its_requests_on_sigterm_then_stops_with_143(server):
     """`python -m moe_jax.serve RUN`: serves; SIGTERM during a streamed request lets it end
-    (uvicorn's graceful shutdown), then the process stops as every command does (README):
+    (uvicorn's graceful shutdown), then the process stops as every command does (docs/errors.md):
     `error: stopped by SIGTERM`, exit 143."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -131,7 +131,7 @@ def serve(args, sock: socket.socket, uvicorn, create_app) -> int:
     )
     # uvicorn shuts down gracefully on SIGINT / SIGTERM, then raises the signal again for the
     # handler it found installed: this one notes it, for the stop to end the command after
-    # the drain as every command's stop does (README: one line, 128 + the signal's number).
+    # the drain as every command's stop does (docs/errors.md: one line, 128 + the signal's number).
     stopped_by = []
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda signum, frame: stopped_by.append(signum))
