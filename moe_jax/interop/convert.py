@@ -26,7 +26,17 @@ import numpy as np
 from flax import nnx
 
 from moe_jax.config import Config, ConfigError, validate
-from moe_jax.interop import deepseek, fp8, glm4_moe, gpt_oss, llama, llama4, mixtral, qwen3
+from moe_jax.interop import (
+    deepseek,
+    fp8,
+    glm4_moe,
+    gpt_oss,
+    llama,
+    llama4,
+    mixtral,
+    qwen3,
+    qwen3_next,
+)
 from moe_jax.interop.common import Family, HFConfig, top_maps
 from moe_jax.interop.safetensors_io import INDEX_FILE, InteropError, ShardWriter, TensorReader
 from moe_jax.interop.stream import ImportPlan, Progress
@@ -43,6 +53,8 @@ FAMILIES: dict[str, Family] = {
         gpt_oss.FAMILY,
         deepseek.FAMILY,
         glm4_moe.FAMILY,
+        qwen3_next.NEXT,
+        qwen3_next.QWEN35,
         llama.FAMILY,
         qwen3.DENSE,
     )
@@ -222,8 +234,9 @@ def open_hf(
     plan = ImportPlan(reader, prefix, _placements(cfg, family), shapes, dtype, not allow_nonfinite)
     plan.run_checks()
     ignored = {prefix + "lm_head.weight"} if cfg.model.tie_embeddings else set()
+    skipped = dropped + tuple(prefix + p for p in family.ignored)
     unused = plan.unused(
-        lambda n: n in ignored or n.endswith(_IGNORED_SUFFIXES) or n.startswith(dropped)
+        lambda n: n in ignored or n.endswith(_IGNORED_SUFFIXES) or n.startswith(skipped)
     )
     if unused:
         raise InteropError(
