@@ -1,10 +1,11 @@
 """Hybrid stacks (attention.linear=gated_deltanet: Qwen3-Next / Qwen3.5's layout) in the
 `Transformer`: linear layers beside gated full attention in the layer scan's blocks, packed
-rows, the decode cache, and the config's refusals. Their parity with transformers is
-tests/test_interop_qwen3_next.py's; the layer's own is tests/test_gated_deltanet.py's.
+rows, the decode cache (the model's, and the jitted sampler's), and the config's refusals.
+Their parity with transformers is tests/test_interop_qwen3_next.py's; the layer's own is
+tests/test_gated_deltanet.py's.
 
 One tiny model (4 layers of period 2: linear, full; 2 stacked blocks) compiled once per
-program for the module: the training forward, prefill and one decode step.
+program for the module: the training forward, prefill, one decode step and the sampler.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import pytest
 from flax import nnx
 
 from moe_jax.config import ConfigError
+from moe_jax.inference.sampling import Sampler
 from moe_jax.model import Transformer
 from tests.helpers import forward_cached, tiny_config
 
@@ -138,6 +140,29 @@ def test_prefill_then_decode_equals_the_full_forward(model):
         got, _, cache = forward_cached(m, tok, jnp.asarray(at_B[:, None], jnp.int32), cache)
         want = full[np.arange(B), at_B]
         np.testing.assert_allclose(np.asarray(got)[:, 0], want, rtol=0, atol=2e-5)
+
+
+def test_sampler_greedy_tokens_equal_a_full_recompute_at_every_step(model):
+    """The jitted sampler (prefill of the right-padded prompt bucket in the chunked form,
+    then its decode loop through the linear layers' states and the KV caches) against the
+    full forward of each prompt and its continuation: every sampled token is the argmax of
+    the full forward's logits at its step. Prompts of 67 (over a chunk) and 40 tokens."""
+    cfg, m = model
+    rng = np.random.default_rng(4)
+    prompts = [rng.integers(0, 64, n).tolist() for n in (PROMPT, 40)]
+    n_new = T - PROMPT
+    out = Sampler(m).generate(prompts, n_new, temperature=0.0).sequences()
+    tokens, segments = np.zeros((B, T), np.int32), np.zeros((B, T), np.int32)
+    for b, (p, new) in enumerate(zip(prompts, out, strict=True)):
+        assert len(new) == n_new
+        tokens[b, : len(p) + n_new] = p + list(new)
+        segments[b, : len(p) + n_new] = 1
+    positions = np.tile(np.arange(T, dtype=np.int32), (B, 1))
+    full = np.asarray(_forward(m, *(jnp.asarray(x) for x in (tokens, positions, segments))))
+    for b, p in enumerate(prompts):
+        # the token sampled at step i is the argmax after position len(p) - 1 + i
+        want = full[b, len(p) - 1 : len(p) - 1 + n_new].argmax(-1)
+        np.testing.assert_array_equal(np.array(out[b]), want, err_msg=f"row {b}")
 
 
 def test_scanned_blocks_equal_unrolled(model):
