@@ -25,7 +25,8 @@ transformers = pytest.importorskip(
     "transformers", reason="interop tests need transformers (the `interop` extra)"
 )
 
-from moe_jax.interop import load_hf, save_hf  # noqa: E402
+from moe_jax.interop import config_from_hf, load_hf, save_hf  # noqa: E402
+from moe_jax.summary.counts import param_counts  # noqa: E402
 from tests.helpers import forward_cached  # noqa: E402
 from tests.test_interop import assert_same_params  # noqa: E402
 
@@ -157,6 +158,21 @@ def test_imported_config_is_the_hybrid_stack(case):
     assert kinds == model.config.layer_types
     moe = [cfg.is_moe(i) for i in range(4)]
     assert moe == ([False, True] * 2 if name == "qwen3_next" else [True] * 4)
+
+
+@pytest.mark.parametrize("name", list(SPECS))
+def test_full_size_configs_count_the_parameters_transformers_counts(name, tmp_path):
+    """The config classes' defaults are the releases' shapes (Qwen3-Next-80B-A3B,
+    Qwen3.5-35B-A3B): the config imported from their config.json counts the parameters
+    transformers' model has (built on the meta device: shapes only)."""
+    model_cls, config_cls, _ = SPECS[name]
+    config = getattr(transformers, config_cls)()
+    config.save_pretrained(tmp_path)
+    with torch.device("meta"):
+        model = getattr(transformers, model_cls)(config)
+    want = sum(p.numel() for p in model.parameters())
+    assert want > 3e10  # the full size: 35B, 80B
+    assert param_counts(config_from_hf(tmp_path))[0] == want
 
 
 def test_imported_logits_match_transformers(case):
