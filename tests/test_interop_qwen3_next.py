@@ -1,6 +1,9 @@
 """Qwen3-Next and Qwen3.5-MoE (`moe_jax/interop/qwen3_next.py`) against `transformers`
 (torch CPU, float32, eager attention, its torch fallbacks for the delta rule and the
-convolution): imported logits, greedy decoding through our cache, and the export round trip.
+convolution): imported logits, the export round trip, Qwen3.5's multimodal checkpoint as its
+text model, and the full-size parameter counts. Decoding from the cache equals the full
+forward in tests/test_hybrid.py (the model's cache and the jitted sampler's), so with the
+logits here it equals transformers' too; that is not run a third time here.
 
 Tiny random models (every weight redrawn, so a swapped or transposed tensor cannot hide
 behind ones and zeros) with what each family can do: Qwen3-Next with dense and MoE layers
@@ -15,6 +18,7 @@ tests/test_gated_deltanet.py).
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -26,8 +30,8 @@ transformers = pytest.importorskip(
 )
 
 from moe_jax.interop import config_from_hf, load_hf, save_hf  # noqa: E402
+from moe_jax.interop.safetensors_io import TensorReader  # noqa: E402
 from moe_jax.summary.counts import param_counts  # noqa: E402
-from tests.helpers import forward_cached  # noqa: E402
 from tests.test_interop import assert_same_params  # noqa: E402
 
 TOL = 1e-4
@@ -87,6 +91,11 @@ def _hf_model(name: str, seed: int = 0):
     config._attn_implementation = "eager"
     torch.manual_seed(seed)
     model = getattr(transformers, model_cls)(config).eval()
+    _redraw_torch(model, seed)
+    return model
+
+
+def _redraw_torch(model, seed: int) -> None:
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for pname, p in model.named_parameters():
@@ -95,7 +104,6 @@ def _hf_model(name: str, seed: int = 0):
                 p.copy_(torch.empty(p.shape).uniform_(0.01, 1, generator=g).log())
             else:
                 p.copy_(1.0 + noise if pname.endswith("linear_attn.norm.weight") else noise)
-    return model
 
 
 @pytest.fixture(scope="module", params=list(SPECS))
@@ -122,7 +130,10 @@ def _redrawn(model, seed: int):
             value = value + 1.0
         elif path[-1] == "A_log":
             value = np.log(rng.uniform(0.01, 1, var.shape))
-        flat.append((path, var.copy(jnp.asarray(value, var[...].dtype))))
+        # placed as the imported array is (committed to its device): another placement
+        # would compile `_forward` anew
+        array = jax.device_put(np.asarray(value, var[...].dtype), var[...].sharding)
+        flat.append((path, var.copy(array)))
     return nnx.merge(graphdef, nnx.from_flat_state(flat))
 
 
@@ -160,6 +171,33 @@ def test_imported_config_is_the_hybrid_stack(case):
     assert moe == ([False, True] * 2 if name == "qwen3_next" else [True] * 4)
 
 
+@pytest.mark.parametrize("case", ["qwen3_5_moe"], indirect=True)
+def test_released_multimodal_qwen35_imports_its_text_model(case, tmp_path):
+    """Qwen3.5 as released, `Qwen3_5MoeForConditionalGeneration` (a one-block vision
+    tower beside the text model, its tensors under `model.language_model.`): the import is
+    the text model, the vision tower skipped, and its logits on text are transformers'."""
+    name, _, cfg, _ = case
+    kwargs = SPECS[name][2]
+    vision = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=64)
+    config = transformers.Qwen3_5MoeConfig(
+        text_config=COMMON | kwargs, vision_config=vision, tie_word_embeddings=True
+    )
+    torch.manual_seed(3)
+    model = transformers.Qwen3_5MoeForConditionalGeneration(config).eval()
+    _redraw_torch(model, seed=3)
+    model.save_pretrained(tmp_path)
+    names = TensorReader(tmp_path).names()
+    assert any(n.startswith("model.language_model.layers.") for n in names)
+    assert any(n.startswith("model.visual.") for n in names)
+    imported, ours = load_hf(tmp_path)
+    assert imported == cfg  # the text model's config, as the text-only checkpoint's
+    tokens, mask = _padded_batch(4)
+    with torch.no_grad():  # no padding: the multimodal model counts its positions from 0
+        want = model(torch.from_numpy(tokens)).logits.numpy()
+    got = _our_logits(ours, tokens, np.ones_like(mask))
+    np.testing.assert_allclose(got, want, rtol=0, atol=TOL)
+
+
 @pytest.mark.parametrize("name", list(SPECS))
 def test_full_size_configs_count_the_parameters_transformers_counts(name, tmp_path):
     """The config classes' defaults are the releases' shapes (Qwen3-Next-80B-A3B,
@@ -185,29 +223,6 @@ def test_imported_logits_match_transformers(case):
     real = mask.astype(bool)
     assert np.std(want[real]) > 0.3  # O(1) logits, so 1e-4 is tight
     np.testing.assert_allclose(got[real], want[real], rtol=0, atol=TOL)
-
-
-# One family: the decode path is the same code for both (they differ in their tensors only).
-@pytest.mark.parametrize("case", ["qwen3_5_moe"], indirect=True)
-def test_greedy_decoding_through_the_cache_matches_transformers(case):
-    """A 66-token prompt prefilled (chunked) into our cache, then 6 tokens decoded one at a
-    time (the linear layers' recurrence beside the full layers' KV cache), against
-    transformers' `generate` with its own cache."""
-    _, model, _, ours = case
-    prompt, n_new = np.random.default_rng(1).integers(0, V, (1, 66)), 6
-    with torch.no_grad():
-        want = model.generate(
-            torch.from_numpy(prompt), max_new_tokens=n_new, min_new_tokens=n_new, do_sample=False
-        ).numpy()[:, prompt.shape[1] :]
-    cache = ours.init_cache(1, prompt.shape[1] + n_new)
-    positions = jnp.arange(prompt.shape[1], dtype=jnp.int32)[None]
-    logits, _, cache = forward_cached(ours, jnp.asarray(prompt, jnp.int32), positions, cache)
-    got = [int(jnp.argmax(logits[0, -1]))]
-    for t in range(prompt.shape[1], prompt.shape[1] + n_new - 1):
-        step = jnp.full((1, 1), got[-1], jnp.int32)
-        logits, _, cache = forward_cached(ours, step, jnp.full((1, 1), t, jnp.int32), cache)
-        got.append(int(jnp.argmax(logits[0, -1])))
-    np.testing.assert_array_equal(np.array([got]), want)
 
 
 def test_export_round_trip(case, tmp_path):

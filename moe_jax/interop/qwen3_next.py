@@ -16,8 +16,11 @@ scaled by sigmoid(x . shared_expert_gate) (`moe.shared_expert_gate`). They diffe
   renormalised;
 - RoPE: Qwen3.5's is multimodal (`mrope_section`), which for text, every section at the
   token's position, is the plain RoPE of the text positions.
-Their multi-token prediction layers (`mtp.*`, `mtp_num_hidden_layers`) are not imported yet:
-an import skips those tensors unread.
+Qwen3.5 as released (`Qwen3_5MoeForConditionalGeneration`) imports as its text model: the
+`text_config`, the tensors under `model.language_model.` read as `model.`, the vision tower
+(`model.visual.*`) skipped; export writes `Qwen3_5MoeForCausalLM`, which transformers loads
+alone. Their multi-token prediction layers (`mtp.*`, `mtp_num_hidden_layers`) are not
+imported yet: an import skips those tensors unread.
 """
 
 from __future__ import annotations
@@ -52,6 +55,9 @@ from moe_jax.model.linear_attention import gdn_sizes
 
 NEXT_ARCH = "Qwen3NextForCausalLM"
 QWEN35_ARCH = "Qwen3_5MoeForCausalLM"
+# Qwen3.5 as released: import only, its text model (`text_config`; the vision tower skipped)
+MULTIMODAL_ARCH = "Qwen3_5MoeForConditionalGeneration"
+_LANGUAGE_MODEL = "model.language_model."
 PARTIAL_ROTARY_DEFAULT = 0.25  # both config classes' default
 LINEAR, FULL = "linear_attention", "full_attention"
 
@@ -97,6 +103,22 @@ QWEN35_DEFAULTS = _SHARED_DEFAULTS | {
 
 
 # ----------------------------------------------------------------------------- config.json
+
+
+def text_values(values: dict) -> dict:
+    """A multimodal config.json's text model as `Qwen3_5MoeForCausalLM`'s config.json: its
+    `text_config`, with the top level's `tie_word_embeddings` (the multimodal model ties its
+    head by that one)."""
+    text = dict(values.get("text_config") or {})
+    return text | {"tie_word_embeddings": values.get("tie_word_embeddings", False)}
+
+
+def text_name(stored: str) -> str:
+    """A multimodal checkpoint's tensor name as the text model's (`model.language_model.X`
+    -> `model.X`; `lm_head`, `mtp.*` and `model.visual.*` as they are)."""
+    if stored.startswith(_LANGUAGE_MODEL):
+        return "model." + stored[len(_LANGUAGE_MODEL) :]
+    return stored
 
 
 def _full_attention_interval(hf: HFConfig) -> int:
@@ -378,5 +400,5 @@ QWEN35 = Family(
     qwen35_to_config,
     qwen35_from_config,
     _layer_maps("qwen3_5_moe"),
-    ignored=("mtp.",),
+    ignored=("mtp.", "model.visual."),  # the multimodal checkpoint's vision tower too
 )
