@@ -24,6 +24,16 @@ ROPE_STYLES = ("half", "interleaved")
 QK_NORMS = ("none", "rms", "l2")
 ROPE_SCALINGS = ("none", "linear", "llama3", "yarn")
 ATTENTION_KINDS = ("gqa", "mla")
+# The linear-attention layers a hybrid stack interleaves with full attention: none | the
+# gated DeltaNet of Qwen3-Next and Qwen3.5 (moe_jax/model/gated_deltanet.py)
+LINEAR_KINDS = ("none", "gated_deltanet")
+# Its sizes (attention.linear_*), with Qwen3-Next-80B-A3B's values
+LINEAR_SIZES = {
+    "linear_key_heads": 16,
+    "linear_value_heads": 32,
+    "linear_key_dim": 128,
+    "linear_value_dim": 128,
+}
 # The sizes of multi-head latent attention (attention.kind=mla) and DeepSeek-V3's values
 MLA_SIZES = {
     "kv_lora_rank": 512,
@@ -81,6 +91,10 @@ class ModelConfig:
     remat_save: str = ""
     remat_offload: str = ""
     init_std: float = 0.02
+    # Norm weights stored centred at zero and applied as (1 + w) (Qwen3-Next, Qwen3.5: every
+    # RMSNorm of the stack, QK-norms included, but not the linear layers' gated output norm);
+    # false: applied as w, initialised to ones
+    zero_centered_norm: bool = False
     # Width of precomputed image embeddings the model accepts (`model(tokens, images=...,
     # image_mask=...)`, projected to d_model); 0 = text only, no projection parameter.
     vision: int = 0
@@ -163,8 +177,22 @@ class AttentionConfig:
     chunk_size: int = 0  # chunked local attention on RoPE layers; 0 = off
     sliding_window: int = 0  # attend to the last `sliding_window` positions; 0 = off
     # with sliding_window: every full_attention_interval-th layer attends to the whole
-    # context instead (gpt-oss: 2, layers 1, 3, ...); 0 = the window on every layer
+    # context instead (gpt-oss: 2, layers 1, 3, ...); 0 = the window on every layer.
+    # With attention.linear: every full_attention_interval-th layer is full attention, the
+    # others linear (Qwen3-Next, Qwen3.5: 4, layers 3, 7, ...); 0 = every layer linear
     full_attention_interval: int = 0
+    # Linear-attention layers in place of attention (LINEAR_KINDS; hybrid stacks): their key
+    # and value heads (value heads a multiple of key heads), head widths and the causal
+    # convolution's kernel; the full-attention layers keep the fields above
+    linear: str = "none"
+    linear_key_heads: int = 0
+    linear_value_heads: int = 0
+    linear_key_dim: int = 0
+    linear_value_dim: int = 0
+    linear_conv_kernel: int = 4
+    # The output gate of Qwen3-Next's attention: the q projection also makes a gate per head
+    # and dim, and the attention's output is multiplied by sigmoid(gate) before wo
+    output_gate: bool = False
     sinks: bool = False  # a learned sink logit per query head in each softmax (gpt-oss)
     qkv_bias: bool = False
     o_bias: bool = False
@@ -203,10 +231,14 @@ class AttentionConfig:
         else:
             self._check_gqa()
         non_negative(self, "attention", ["nope_interval", "full_attention_interval"])
+        one_of(self.linear, LINEAR_KINDS, "attention.linear")
+        if self.linear != "none":
+            self._check_linear()
         require(
-            self.full_attention_interval == 0 or self.sliding_window > 0,
-            "attention.full_attention_interval picks the layers without the sliding window; "
-            "set attention.sliding_window too, or full_attention_interval=0",
+            self.full_attention_interval == 0 or self.sliding_window > 0 or self.linear != "none",
+            "attention.full_attention_interval picks the layers without the sliding window (or "
+            "the full-attention layers among linear ones); set attention.sliding_window or "
+            "attention.linear too, or full_attention_interval=0",
         )
         require(
             self.chunk_size >= 0,
@@ -226,6 +258,33 @@ class AttentionConfig:
                 scaling.high_freq_factor >= scaling.low_freq_factor,
                 "attention.rope_scaling.high_freq_factor must be >= low_freq_factor",
             )
+
+    def _check_linear(self) -> None:
+        """What linear-attention layers need, and what they do not combine with."""
+        for name, qwen3_next in LINEAR_SIZES.items():
+            value = getattr(self, name)
+            require(
+                value > 0,
+                f"attention.linear={self.linear} needs attention.{name} > 0 (Qwen3-Next: "
+                f"{qwen3_next}), got {value}",
+            )
+        require(
+            self.linear_value_heads % self.linear_key_heads == 0,
+            f"attention.linear_value_heads ({self.linear_value_heads}) must be a multiple of "
+            f"attention.linear_key_heads ({self.linear_key_heads}): each key head serves a "
+            "whole group of value heads",
+        )
+        require(
+            self.linear_conv_kernel >= 1,
+            f"attention.linear_conv_kernel must be >= 1 (Qwen3-Next: 4), got "
+            f"{self.linear_conv_kernel}",
+        )
+        require(
+            self.kind == "gqa" and self.sliding_window == 0,
+            "attention.linear interleaves linear layers with full grouped-query attention "
+            "(attention.full_attention_interval picks those): set attention.kind=gqa and "
+            "attention.sliding_window=0",
+        )
 
     def _check_gqa(self) -> None:
         require(
@@ -266,6 +325,7 @@ class AttentionConfig:
             "partial_rotary_factor": (self.partial_rotary_factor != 1, "1 (mla rotates its "
                                       "qk_rope_head_dim dims)"),
             "o_bias": (self.o_bias, "false"),
+            "output_gate": (self.output_gate, "false"),
         }  # fmt: skip
         for name, (is_set, fix) in unsupported.items():
             value = getattr(self, name)
@@ -290,6 +350,9 @@ class MoEConfig:
     # so the router then learns from the aux losses only)
     route_scale: str = "output"  # output (Mixtral/Qwen) | input (Llama 4: scales expert input)
     shared_expert_hidden: int = 0  # 0 = no shared expert
+    # The shared expert's output times sigmoid(x . w_gate), a learned scalar gate per token
+    # (Qwen3-Next, Qwen3.5: shared_expert_gate); false: added as it is
+    shared_expert_gate: bool = False
     router_bias: bool = False
     expert_bias: bool = False
     # DeepSeek-V3's routing (moe_jax/model/routing.py). Group-limited: the experts in n_group
@@ -377,6 +440,11 @@ class MoEConfig:
             )
             positive(self, "moe", ["expert_hidden"])
             non_negative(self, "moe", ["shared_expert_hidden"])
+            require(
+                not self.shared_expert_gate or self.shared_expert_hidden > 0,
+                "moe.shared_expert_gate gates the shared expert, and moe.shared_expert_hidden=0 "
+                "leaves none; set moe.shared_expert_hidden or shared_expert_gate=false",
+            )
         non_negative(self, "moe", ["lb_loss_weight", "z_loss_weight", "swiglu_limit"])
         non_negative(self, "moe", ["bias_update_rate", "seq_aux_loss_weight", "first_dense_layers"])
         positive(self, "moe", ["n_group", "topk_group", "routed_scaling_factor"])

@@ -71,6 +71,13 @@ class Config:
         n = a.full_attention_interval
         return a.sliding_window > 0 and not (n > 0 and (layer + 1) % n == 0)
 
+    def is_linear(self, layer: int) -> bool:
+        """Whether `layer` is a linear-attention layer (attention.linear: all but every
+        full_attention_interval-th layer)."""
+        a = self.attention
+        n = a.full_attention_interval
+        return a.linear != "none" and not (n > 0 and (layer + 1) % n == 0)
+
     def is_moe(self, layer: int) -> bool:
         e = self.moe
         return (
@@ -81,7 +88,7 @@ class Config:
 
     @property
     def layer_period(self) -> int:
-        """Smallest block of layers whose (RoPE, window, MoE) pattern repeats."""
+        """Smallest block of layers whose (RoPE, window or linear, MoE) pattern repeats."""
         a = self.attention
         intervals = (a.nope_interval, a.full_attention_interval, self.moe.interleave_step)
         return math.lcm(*(max(n, 1) for n in intervals))

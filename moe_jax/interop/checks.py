@@ -41,7 +41,17 @@ def check_llama_style(
         check_no_gpt_oss_parts(cfg, u, full_attention_interval)
 
 
+def check_no_hybrid_parts(cfg: Config, u: Unsupported) -> None:
+    """What of Qwen3-Next / Qwen3.5 (`qwen3_next.py`) the other families lack."""
+    a = cfg.attention
+    u.check(a.linear == "none", "linear-attention layers (attention.linear) are not supported")
+    u.check(not a.output_gate, "the attention output gate (attention.output_gate) is not supported")
+    u.check(not cfg.model.zero_centered_norm, "zero-centred norms are not supported")
+    u.check(not cfg.moe.shared_expert_gate, "a gated shared expert is not supported")
+
+
 def check_full_rotary(cfg: Config, u: Unsupported) -> None:
+    check_no_hybrid_parts(cfg, u)
     u.check(
         cfg.attention.kind == "gqa" and cfg.attention.partial_rotary_factor == 1,
         "partial rotary (attention.partial_rotary_factor) and latent attention (attention.kind"

@@ -408,6 +408,9 @@ class Family:
     # `head` for the copies of the main model's that the layer stores). None: the family has
     # none.
     mtp_maps: Callable[[Config, int], list[TensorMap]] | None = None
+    # Name prefixes of tensors a checkpoint of the family may hold that an import skips
+    # unread (Qwen3-Next's `mtp.` layers, which the model does not hold yet)
+    ignored: tuple[str, ...] = ()
 
 
 def check_hf_basics(hf: HFConfig) -> None:

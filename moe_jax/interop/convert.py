@@ -26,7 +26,17 @@ import numpy as np
 from flax import nnx
 
 from moe_jax.config import Config, ConfigError, validate
-from moe_jax.interop import deepseek, fp8, glm4_moe, gpt_oss, llama, llama4, mixtral, qwen3
+from moe_jax.interop import (
+    deepseek,
+    fp8,
+    glm4_moe,
+    gpt_oss,
+    llama,
+    llama4,
+    mixtral,
+    qwen3,
+    qwen3_next,
+)
 from moe_jax.interop.common import Family, HFConfig, top_maps
 from moe_jax.interop.safetensors_io import INDEX_FILE, InteropError, ShardWriter, TensorReader
 from moe_jax.interop.stream import ImportPlan, Progress
@@ -43,6 +53,8 @@ FAMILIES: dict[str, Family] = {
         gpt_oss.FAMILY,
         deepseek.FAMILY,
         glm4_moe.FAMILY,
+        qwen3_next.NEXT,
+        qwen3_next.QWEN35,
         llama.FAMILY,
         qwen3.DENSE,
     )
@@ -77,12 +89,24 @@ def read_hf_config(directory: str | Path) -> tuple[Family, HFConfig, str]:
     if arch == llama4.MULTIMODAL_ARCH:  # the text model of a multimodal Llama 4 checkpoint
         values, arch = values.get("text_config") or {}, llama4.ARCH
         prefix = llama4.MULTIMODAL_PREFIX
+    if arch == qwen3_next.MULTIMODAL_ARCH:  # Qwen3.5's (tensor names: `_reader`)
+        values, arch = qwen3_next.text_values(values), qwen3_next.QWEN35_ARCH
     if arch not in FAMILIES:
-        supported = ", ".join([*FAMILIES, llama4.MULTIMODAL_ARCH])
+        supported = ", ".join([*FAMILIES, llama4.MULTIMODAL_ARCH, qwen3_next.MULTIMODAL_ARCH])
         raise InteropError(f"unsupported architecture '{arch}' in '{path}'; supported: {supported}")
     _check_quantization(values.get("quantization_config"), arch, path)
     family = FAMILIES[arch]
     return family, HFConfig(values, family.defaults, arch), prefix
+
+
+def _reader(directory: str | Path) -> TensorReader:
+    """The checkpoint's tensors, a multimodal Qwen3.5's under its text model's names (its
+    config.json already read by `read_hf_config`)."""
+    values = json.loads((Path(directory) / "config.json").read_text(encoding="utf-8"))
+    architectures = values.get("architectures") or []
+    arch = architectures if isinstance(architectures, str) else (architectures or [None])[0]
+    rename = qwen3_next.text_name if arch == qwen3_next.MULTIMODAL_ARCH else None
+    return TensorReader(directory, rename)
 
 
 def _check_quantization(quant, arch: str, path: Path) -> None:
@@ -122,7 +146,7 @@ def config_from_hf(
     family, hf, prefix = read_hf_config(directory)
     cfg, d = _our_config(family, hf, directory, base), Path(directory)
     weights = (d / INDEX_FILE).is_file() or any(d.glob("*.safetensors"))
-    return _imported_mtp(cfg, TensorReader(d).names() if weights else None, prefix, mtp)[0]
+    return _imported_mtp(cfg, _reader(d).names() if weights else None, prefix, mtp)[0]
 
 
 def _imported_mtp(
@@ -215,15 +239,16 @@ def open_hf(
     tensors' dtype). Raises `InteropError` as `load_hf`."""
     family, hf, prefix = read_hf_config(directory)
     cfg = _our_config(family, hf, directory, base)
-    reader = TensorReader(directory)
+    reader = _reader(directory)
     cfg, dropped = _imported_mtp(cfg, reader.names(), prefix, mtp)
     _, variables = _abstract_params(cfg)
     shapes = {p: tuple(v.shape) for p, v in variables.items()}
     plan = ImportPlan(reader, prefix, _placements(cfg, family), shapes, dtype, not allow_nonfinite)
     plan.run_checks()
     ignored = {prefix + "lm_head.weight"} if cfg.model.tie_embeddings else set()
+    skipped = dropped + tuple(prefix + p for p in family.ignored)
     unused = plan.unused(
-        lambda n: n in ignored or n.endswith(_IGNORED_SUFFIXES) or n.startswith(dropped)
+        lambda n: n in ignored or n.endswith(_IGNORED_SUFFIXES) or n.startswith(skipped)
     )
     if unused:
         raise InteropError(

@@ -44,7 +44,7 @@ from collections.abc import Callable
 import numpy as np
 
 from moe_jax.config import AttentionConfig, Config, MoEConfig
-from moe_jax.interop.checks import Unsupported, check_no_gpt_oss_parts
+from moe_jax.interop.checks import Unsupported, check_no_gpt_oss_parts, check_no_hybrid_parts
 from moe_jax.interop.common import (
     Family,
     HFConfig,
@@ -152,6 +152,7 @@ def check_deepseek_moe(cfg: Config, u: Unsupported) -> None:
     )
     u.check(not e.router_bias and not e.expert_bias, "router/expert biases are not supported")
     check_no_gpt_oss_parts(cfg, u)
+    check_no_hybrid_parts(cfg, u)
 
 
 def deepseek_moe_to_hf(cfg: Config) -> dict:

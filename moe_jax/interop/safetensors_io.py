@@ -17,6 +17,7 @@ import json
 import math
 import shutil
 import struct
+from collections.abc import Callable
 from pathlib import Path
 
 import ml_dtypes
@@ -57,7 +58,9 @@ class TensorReader:
     does not match its shape and dtype): `InteropError` naming the file and the tensor,
     before anything is converted or written."""
 
-    def __init__(self, directory: str | Path):
+    def __init__(self, directory: str | Path, rename: Callable[[str], str] | None = None):
+        """`rename`: the name each stored tensor is read by (a multimodal checkpoint's text
+        model under the names of its text-only architecture)."""
         self.directory = Path(directory)
         self._headers: dict[Path, tuple[int, dict]] = {}  # data start, JSON header
         index = self.directory / INDEX_FILE
@@ -84,6 +87,9 @@ class TensorReader:
             self._file_of = {}
             for f in files:
                 self._file_of.update(dict.fromkeys(self._header(f)[1], f))
+        rename = rename or (lambda name: name)
+        self._stored = {rename(name): name for name in self._file_of}
+        self._file_of = {rename(name): f for name, f in self._file_of.items()}
 
     def names(self) -> list[str]:
         return sorted(self._file_of)
@@ -153,7 +159,7 @@ class TensorReader:
         return self._file_of[name]
 
     def _info(self, name: str) -> dict:
-        return self._header(self._file(name))[1][name]
+        return self._header(self._file(name))[1][self._stored[name]]
 
     def _header(self, path: Path) -> tuple[int, dict]:
         if path not in self._headers:

@@ -186,9 +186,12 @@ class Attention(nnx.Module):
             self.v_bias = param(rngs, zeros, (K, hd), ("kv_heads", "head_dim"))
         if a.o_bias:
             self.o_bias = param(rngs, zeros, (D,), ("embed",))
+        if a.output_gate:  # Qwen3-Next: the doubled q projection's second half
+            self.wg = param(rngs, init, (D, H, hd), ("embed", "heads", "head_dim"))
         if a.qk_norm == "rms":
-            self.q_norm = RMSNorm(hd, cfg.model.norm_eps, rngs=rngs)
-            self.k_norm = RMSNorm(hd, cfg.model.norm_eps, rngs=rngs)
+            centred = cfg.model.zero_centered_norm
+            self.q_norm = RMSNorm(hd, cfg.model.norm_eps, rngs=rngs, zero_centered=centred)
+            self.k_norm = RMSNorm(hd, cfg.model.norm_eps, rngs=rngs, zero_centered=centred)
         if a.sinks:
             self.sinks = param(rngs, zeros, (H,), ("heads",))
         lora.attach(self, cfg, "attention", rngs)
@@ -239,6 +242,8 @@ class Attention(nnx.Module):
             out_BTHD = self._self_attention(q_BTHD, k_BTKD, v_BTKD, positions_BT, segments_BT)
         else:
             out_BTHD, cache = self._cached(q_BTHD, k_BTKD, v_BTKD, positions_BT, cache)
+        if hasattr(self, "wg"):  # the output gate: each head's output dims scaled by their own
+            out_BTHD = out_BTHD * jax.nn.sigmoid(self._project(x_BTD, "g"))
         y_BTD = weight_gather.einsum("bthk,hkd->btd", out_BTHD, self.wo, self.dtype)
         y_BTD = y_BTD + lora.delta(self, "wo", out_BTHD, "bthk,hkd->btd", self.dtype)
         if hasattr(self, "o_bias"):

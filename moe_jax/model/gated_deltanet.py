@@ -43,6 +43,10 @@ from moe_jax.sharding import param
 CHUNK = 64
 # The L2 norm's epsilon on q and k: fixed in the reference (fla's), not the config's rms eps.
 L2_EPS = 1e-6
+# The log decay put on a document's first token of a packed row: exp of it is 0 in float32
+# and float64 alike, so the state the previous document left is wiped, yet it is finite, so
+# no sum of decays becomes inf - inf and no gradient NaN.
+RESET_G = -1e4
 
 
 @dataclasses.dataclass(frozen=True)
@@ -222,10 +226,11 @@ def chunked_rule(q_BTNK, k_BTNK, v_BTHV, g_BTH, beta_BTH, state_BHKV=None, chunk
 # ----------------------------------------------------------------------------- the layer
 
 
-def causal_conv(x_BTC, w_CW, window_BCW=None):
+def causal_conv(x_BTC, w_CW, window_BCW=None, taps_BTW=None):
     """Depthwise causal convolution over time (the reference's `conv1d`, padded on the left
     with the previous W - 1 inputs: `window_BCW`, zeros at a sequence's start), in float32
-    at least (the reference's: in its weights' dtype).
+    at least (the reference's: in its weights' dtype). `taps_BTW` (bool): which of token t's
+    W inputs (the oldest first) it reads, the others taken as zeros (`document_taps`).
     Returns the outputs [B, T, C] and the last W - 1 inputs [B, C, W - 1], the next window."""
     B, T, C = x_BTC.shape
     W = w_CW.shape[-1]
@@ -234,8 +239,41 @@ def causal_conv(x_BTC, w_CW, window_BCW=None):
     x_BSC = jnp.concatenate([window_BCW.swapaxes(1, 2).astype(x_BTC.dtype), x_BTC], axis=1)
     dt = _rule_dtype(x_BTC)
     xf_BSC, wf_CW = x_BSC.astype(dt), w_CW.astype(dt)
-    y_BTC = sum(xf_BSC[:, j : j + T] * wf_CW[:, j] for j in range(W))
+    tap = lambda j: xf_BSC[:, j : j + T] * wf_CW[:, j]
+    if taps_BTW is None:
+        y_BTC = sum(tap(j) for j in range(W))
+    else:
+        y_BTC = sum(jnp.where(taps_BTW[:, :, j, None], tap(j), 0.0) for j in range(W))
     return y_BTC, x_BSC[:, T:].swapaxes(1, 2)
+
+
+def _kept_window(x_BTC, window_BCW, valid_BT) -> jax.Array:
+    """[B, C, W - 1]: the last W - 1 valid inputs of the window then x (oldest first), where
+    padding may sit anywhere (the sampler's prompts are padded on the right)."""
+    B, T, C = x_BTC.shape
+    W1 = window_BCW.shape[-1]
+    x_BSC = jnp.concatenate([window_BCW.swapaxes(1, 2).astype(x_BTC.dtype), x_BTC], axis=1)
+    valid_BS = jnp.concatenate([jnp.ones((B, W1), bool), valid_BT], axis=1)
+    rank_BS = jnp.cumsum(valid_BS, axis=1)  # valid inputs up to and including s
+    # slot j takes the valid input of rank total - (W - 2) + j (the window's are valid: >= 1)
+    want_BJ = rank_BS[:, -1:] - (W1 - 1) + jnp.arange(W1)
+    hit_BJS = valid_BS[:, None, :] & (rank_BS[:, None, :] == want_BJ[:, :, None])
+    index_BJ = jnp.argmax(hit_BJS, axis=-1)
+    return jnp.take_along_axis(x_BSC, index_BJ[..., None], axis=1).swapaxes(1, 2)
+
+
+def document_taps(segments_BT, W: int) -> jax.Array:
+    """[B, T, W] bool: whether token t's convolution input j (token t - (W - 1) + j) is of
+    its own document, for packed rows (documents contiguous, numbered in `segments_BT`)."""
+    T = segments_BT.shape[1]
+    padded_BS = jnp.pad(segments_BT, ((0, 0), (W - 1, 0)), constant_values=-1)
+    return jnp.stack([padded_BS[:, j : j + T] == segments_BT for j in range(W)], axis=-1)
+
+
+def document_starts(segments_BT) -> jax.Array:
+    """[B, T] bool: a token whose document differs from the previous token's (not the
+    row's first: the state is empty there anyway)."""
+    return jnp.pad(segments_BT[:, 1:] != segments_BT[:, :-1], ((0, 0), (1, 0)))
 
 
 def l2_normalize(x: jax.Array, eps: float = L2_EPS) -> jax.Array:
@@ -292,11 +330,14 @@ class GatedDeltaNet(nnx.Module):
     def _project(self, x_BTD, name: str, spec: str) -> jax.Array:
         return weight_gather.einsum(spec, x_BTD, getattr(self, name), self.dtype)
 
-    def _streams(self, x_BTD, window_BCW, mask_BT):
+    def _streams(self, x_BTD, window_BCW, mask_BT, segments_BT=None):
         """The rule's inputs from x: q, k, v through the convolution and SiLU, q and k
         L2-normalised (q also by 1/sqrt(K)), the decay g and the write strength beta; the
         gate z; the convolution's next window. A masked token (0 in `mask_BT`) enters as
-        zeros, as the reference's padding does: from a zero state it then writes nothing."""
+        zeros, as the reference's padding does, and leaves the state and the window as they
+        were (no decay, no write), so prompts may be padded on either side.
+        `segments_BT` (packed rows): no document reads another's inputs through the
+        convolution, and each document's first token wipes the state (`RESET_G`)."""
         s = self.sizes
         B, T, _ = x_BTD.shape
         if mask_BT is not None:
@@ -304,7 +345,13 @@ class GatedDeltaNet(nnx.Module):
         q = self._project(x_BTD, "wq", "btd,dnk->btnk").reshape(B, T, -1)
         k = self._project(x_BTD, "wk", "btd,dnk->btnk").reshape(B, T, -1)
         v = self._project(x_BTD, "wv", "btd,dhv->bthv").reshape(B, T, -1)
-        y_BTC, window_BCW = causal_conv(jnp.concatenate([q, k, v], -1), self.conv[...], window_BCW)
+        taps = None if segments_BT is None else document_taps(segments_BT, s.conv_kernel)
+        qkv_BTC = jnp.concatenate([q, k, v], -1)
+        if window_BCW is None:  # a sequence's start: zeros before it
+            window_BCW = jnp.zeros((B, s.conv_channels, s.conv_kernel - 1), qkv_BTC.dtype)
+        y_BTC, next_BCW = causal_conv(qkv_BTC, self.conv[...], window_BCW, taps)
+        if mask_BT is not None:  # the window the real tokens leave, padding skipped
+            next_BCW = _kept_window(qkv_BTC, window_BCW, mask_BT != 0)
         y_BTC = jax.nn.silu(y_BTC).astype(self.dtype)
         NK = s.n_key_heads * s.key_dim
         q_BTNK = y_BTC[..., :NK].reshape(B, T, s.n_key_heads, s.key_dim)
@@ -316,24 +363,32 @@ class GatedDeltaNet(nnx.Module):
         a_BTH = self._project(x_BTD, "wa", "btd,dh->bth")
         a_BTH = a_BTH.astype(_rule_dtype(a_BTH))
         g_BTH = -jnp.exp(self.A_log[...]) * jax.nn.softplus(a_BTH + self.dt_bias[...])
+        if segments_BT is not None:
+            g_BTH = jnp.where(document_starts(segments_BT)[..., None], RESET_G, g_BTH)
+        if mask_BT is not None:  # padding neither decays nor writes the state
+            keep_BT1 = (mask_BT != 0)[..., None]
+            g_BTH, beta_BTH = jnp.where(keep_BT1, g_BTH, 0.0), jnp.where(keep_BT1, beta_BTH, 0.0)
         z_BTHV = self._project(x_BTD, "wz", "btd,dhv->bthv")
-        return (q_BTNK, k_BTNK, v_BTHV, g_BTH, beta_BTH), z_BTHV, window_BCW
+        return (q_BTNK, k_BTNK, v_BTHV, g_BTH, beta_BTH), z_BTHV, next_BCW
 
     def _out(self, o_BTHV, z_BTHV) -> jax.Array:
         y_BTHV = gated_rms_norm(o_BTHV, z_BTHV, self.norm_scale[...], self.sizes.eps, self.dtype)
         return self._project(y_BTHV, "wo", "bthv,hvd->btd")
 
-    def __call__(self, x_BTD: jax.Array, mask_BT: jax.Array | None = None) -> jax.Array:
-        """The training form: the sequence from a zero state, in chunks."""
-        return self.prefill(x_BTD, None, mask_BT)[0]
+    def __call__(self, x_BTD: jax.Array, mask_BT=None, segments_BT=None) -> jax.Array:
+        """The training form: the sequence from a zero state, in chunks. `segments_BT`:
+        packed rows' document ids (0: padding, masked), each document on its own."""
+        if segments_BT is not None:
+            valid_BT = segments_BT != 0
+            mask_BT = valid_BT if mask_BT is None else valid_BT & (mask_BT != 0)
+        return self.prefill(x_BTD, None, mask_BT, segments_BT)[0]
 
     @scoped(ATTENTION)  # the layer stands in for attention: profiles count it there
-    def prefill(self, x_BTD, state: GDNState | None = None, mask_BT=None):
+    def prefill(self, x_BTD, state: GDNState | None = None, mask_BT=None, segments_BT=None):
         """The chunked form from `state` (None: a sequence's start): the outputs and the state
-        after the call's last token. Prompts go left-padded (masked): a padding token after
-        the prompt would still decay the state."""
+        after the call's last real token (`mask_BT`: 0 marks padding, on either side)."""
         window_BCW, S_BHKV = (None, None) if state is None else state
-        rule_in, z_BTHV, window_BCW = self._streams(x_BTD, window_BCW, mask_BT)
+        rule_in, z_BTHV, window_BCW = self._streams(x_BTD, window_BCW, mask_BT, segments_BT)
         o_BTHV, S_BHKV = chunked_rule(*rule_in, S_BHKV)
         return self._out(o_BTHV, z_BTHV), GDNState(window_BCW, S_BHKV)
 
@@ -388,13 +443,27 @@ def _unstack(w_OD: np.ndarray, streams: str, groups: int, s: GDNSizes) -> dict:
     }
 
 
+def split_projection(w_OD, streams: str, grouped: bool, sizes: GDNSizes) -> dict:
+    """One stacked transformers projection (an `HF_INPUTS` entry's weight [out, D]) as our
+    weights of its `streams` (`{"wq": [D, N, K], ...}`)."""
+    groups = sizes.n_key_heads if grouped else 1
+    return _unstack(np.asarray(w_OD), streams, groups, sizes)
+
+
+def join_projection(weights: dict, streams: str, grouped: bool, sizes: GDNSizes) -> np.ndarray:
+    """The inverse of `split_projection`: the stacked [out, D] weight of our `streams`."""
+    D = sizes.d_model
+    groups = sizes.n_key_heads if grouped else 1
+    rows = [np.asarray(weights[f"w{c}"]).reshape(D, -1).T for c in streams]
+    return np.concatenate([r.reshape(groups, -1, D) for r in rows], axis=1).reshape(-1, D)
+
+
 def from_hf(tensors: dict, sizes: GDNSizes) -> dict[str, np.ndarray]:
     """Our weights (by attribute name) from one transformers linear-attention layer's
     (`{"in_proj_qkvz.weight": ..., "conv1d.weight": ...}`, numpy), either layout."""
     out = {}
     for name, streams, grouped in HF_INPUTS[hf_layout(tensors)]:
-        groups = sizes.n_key_heads if grouped else 1
-        out |= _unstack(np.asarray(tensors[f"{name}.weight"]), streams, groups, sizes)
+        out |= split_projection(tensors[f"{name}.weight"], streams, grouped, sizes)
     H, V = sizes.n_value_heads, sizes.value_dim
     out["conv"] = np.asarray(tensors["conv1d.weight"])[:, 0, :]  # [C, 1, W]: depthwise
     out["dt_bias"] = np.asarray(tensors["dt_bias"])
@@ -410,10 +479,7 @@ def to_hf(weights: dict, sizes: GDNSizes, layout: str) -> dict[str, np.ndarray]:
     D = sizes.d_model
     out = {}
     for name, streams, grouped in HF_INPUTS[layout]:
-        groups = sizes.n_key_heads if grouped else 1
-        rows = [np.asarray(weights[f"w{c}"]).reshape(D, -1).T for c in streams]
-        stacked = np.concatenate([r.reshape(groups, -1, D) for r in rows], axis=1)
-        out[f"{name}.weight"] = stacked.reshape(-1, D)
+        out[f"{name}.weight"] = join_projection(weights, streams, grouped, sizes)
     out["conv1d.weight"] = np.asarray(weights["conv"])[:, None, :]
     out["dt_bias"] = np.asarray(weights["dt_bias"])
     out["A_log"] = np.asarray(weights["A_log"])

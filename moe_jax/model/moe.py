@@ -45,7 +45,7 @@ from flax import nnx
 
 from moe_jax import backends
 from moe_jax.config import Config
-from moe_jax.model import lora
+from moe_jax.model import lora, weight_gather
 from moe_jax.model.exchange import expert_parallel
 from moe_jax.model.experts import (
     GROUPED_IMPLS,
@@ -96,6 +96,9 @@ class MoE(nnx.Module):
         if m.shared_expert_hidden > 0:
             self.shared = SwiGLU(D, m.shared_expert_hidden, cfg, rngs=rngs)
             lora.attach(self.shared, cfg, "shared", rngs)
+        if m.shared_expert_gate:  # Qwen3-Next's: a scalar gate per token on the shared expert
+            init = nnx.initializers.normal(cfg.model.init_std)
+            self.shared_gate = param(rngs, init, (D, 1), ("embed", None))
 
     def router_logits(self, x_BTD: jax.Array) -> jax.Array:
         logits = x_BTD.astype(jnp.float32) @ self.router[...]
@@ -135,8 +138,16 @@ class MoE(nnx.Module):
             stats["experts"] = experts_BTK
         if hasattr(self, "shared"):
             with jax.named_scope(SHARED_EXPERT):
-                y_BTD = y_BTD + self.shared(x_BTD)
+                y_BTD = y_BTD + self._shared(x_BTD)
         return y_BTD.astype(x_BTD.dtype), stats
+
+    def _shared(self, x_BTD: jax.Array) -> jax.Array:
+        """The shared expert's output, times sigmoid(x . w_gate) with moe.shared_expert_gate."""
+        y_BTD = self.shared(x_BTD)
+        if hasattr(self, "shared_gate"):
+            gate = weight_gather.einsum("btd,do->bto", x_BTD, self.shared_gate, self.dtype)
+            y_BTD = y_BTD * jax.nn.sigmoid(gate)
+        return y_BTD
 
     def _local(self, x_BTD: jax.Array, n_groups: int, valid_BT, replay_BTK) -> tuple:
         B, T, D = x_BTD.shape

@@ -17,11 +17,20 @@ def rms_norm(x: jax.Array, eps: float) -> jax.Array:
 
 
 class RMSNorm(nnx.Module):
-    def __init__(self, dim: int, eps: float, *, rngs: nnx.Rngs):
+    """`zero_centered` (model.zero_centered_norm, Qwen3-Next's): the weight is stored centred
+    at zero and applied as (1 + w), so it starts at zeros and weight decay pulls it toward
+    the identity rather than toward zero; otherwise applied as w, starting at ones."""
+
+    def __init__(self, dim: int, eps: float, *, rngs: nnx.Rngs, zero_centered: bool = False):
         self.eps = eps
-        self.scale = param(rngs, nnx.initializers.ones, (dim,), (None,))
+        self.zero_centered = zero_centered
+        init = nnx.initializers.zeros if zero_centered else nnx.initializers.ones
+        self.scale = param(rngs, init, (dim,), (None,))
 
     def __call__(self, x: jax.Array) -> jax.Array:
         x32 = x.astype(jnp.float32)
         y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        return (y * self.scale[...]).astype(x.dtype)
+        scale = self.scale[...]
+        # (1 + w) in float32, as the reference computes it, before the cast back
+        scale = 1.0 + scale.astype(jnp.float32) if self.zero_centered else scale
+        return (y * scale).astype(x.dtype)

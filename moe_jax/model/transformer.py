@@ -59,7 +59,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from moe_jax import backends
 from moe_jax.config import Config, check_lora_targets
-from moe_jax.model import in_turn, lora, weight_gather
+from moe_jax.model import in_turn, linear_attention, lora, weight_gather
 from moe_jax.model.attention import Attention
 from moe_jax.model.int8 import QuantizedParam, after
 from moe_jax.model.kv_cache import KVCache
@@ -89,10 +89,16 @@ class DecoderLayer(nnx.Module):
         # (Unrolled, model.scan_layers=false, no layer applies it, as the blocks do not.)
         on = standalone and m.scan_layers
         self.remat = (m.remat, m.remat_saved, offload) if on else ("none", (), ())
-        self.attn_norm = RMSNorm(D, eps, rngs=rngs)
-        kind = MLAttention if cfg.attention.kind == "mla" else Attention
-        self.attn = kind(cfg, layer, rngs=rngs)
-        self.ffn_norm = RMSNorm(D, eps, rngs=rngs)
+        centred = m.zero_centered_norm
+        self.attn_norm = RMSNorm(D, eps, rngs=rngs, zero_centered=centred)
+        # A hybrid stack's linear layers hold a Gated DeltaNet where the others hold attention
+        self.is_linear = cfg.is_linear(layer)
+        if self.is_linear:
+            self.attn = linear_attention.linear_layer(cfg, rngs=rngs)
+        else:
+            kind = MLAttention if cfg.attention.kind == "mla" else Attention
+            self.attn = kind(cfg, layer, rngs=rngs)
+        self.ffn_norm = RMSNorm(D, eps, rngs=rngs, zero_centered=centred)
         self.is_moe = cfg.is_moe(layer)
         if self.is_moe:
             self.ffn = MoE(cfg, rngs=rngs)
@@ -129,7 +135,11 @@ class DecoderLayer(nnx.Module):
         # (sharding.at_block_boundary), rather than left to the partitioner's propagation.
         x_BTD = checkpoint_name(at_block_boundary(x_BTD), "layer_input")
         layer = after(x_BTD, self)  # int8 weights are dequantised in this layer's turn
-        h, cache = layer.attn(layer.attn_norm(x_BTD), positions_BT, cache, segments_BT)
+        h_BTD = layer.attn_norm(x_BTD)
+        if self.is_linear:
+            h, cache = linear_attention.mix(layer.attn, h_BTD, positions_BT, cache, segments_BT)
+        else:
+            h, cache = layer.attn(h_BTD, positions_BT, cache, segments_BT)
         x_BTD = x_BTD + h
         if self.is_moe:
             valid_BT = None if segments_BT is None else segments_BT != 0
@@ -186,7 +196,9 @@ class Transformer(nnx.Module):
         self.tail = nnx.List([alone(cfg, k + j) for j in range(n_tail)])
         if k:  # moe.first_dense_layers: dense layers before the pattern (DeepSeek-V3's 3)
             self.prefix = nnx.List([alone(cfg, i) for i in range(k)])
-        self.final_norm = RMSNorm(m.d_model, m.norm_eps, rngs=rngs)
+        self.final_norm = RMSNorm(
+            m.d_model, m.norm_eps, rngs=rngs, zero_centered=m.zero_centered_norm
+        )
         if not m.tie_embeddings:
             self.head = param(rngs, init, (m.d_model, m.vocab_size), ("embed", "vocab"))
         if m.vision:
@@ -207,12 +219,16 @@ class Transformer(nnx.Module):
         and "prefix" [...] for moe.first_dense_layers.
         A sliding-window layer whose window is shorter keeps a ring of the window only, with
         each slot's position ("pos", -1: empty; see `attention`). An MLA layer keeps its
-        latent instead of k and v ({"latent"}, see `mla`). With `mtp`, "mtp": one per MTP
-        layer (model.mtp_depth), for `speculative` (the main forward passes it through)."""
+        latent instead of k and v ({"latent"}, see `mla`), a linear-attention layer its
+        convolution window and state ({"conv", "state"}, see `linear_attention`). With
+        `mtp`, "mtp": one per MTP layer (model.mtp_depth), for `speculative` (the main
+        forward passes it through)."""
         cfg = self.cfg
         dtype = dtype or self.dtype
 
         def zeros(j: int, lead=()) -> dict:  # layer j's (or any layer's of its pattern)
+            if cfg.is_linear(j):  # a window and a state, whatever max_len
+                return linear_attention.zeros_cache(cfg, (*lead, batch_size), dtype)
             if cfg.attention.kind == "mla":
                 return latent_cache(cfg, (*lead, batch_size, max_len), dtype)
             window = cfg.attention.sliding_window if cfg.uses_window(j) else 0

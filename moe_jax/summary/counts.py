@@ -66,7 +66,7 @@ def _component(names: Sequence[str]) -> str:
         return "vision_proj"
     if "experts" in names:
         return "routed_experts"
-    if "shared" in names:
+    if "shared" in names or names[-1] == "shared_gate":  # its gate (moe.shared_expert_gate)
         return "shared_experts"
     if names[-1].startswith("router") or names[-1] == "correction_bias":
         return "router"

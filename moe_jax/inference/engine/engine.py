@@ -150,6 +150,12 @@ class Engine:
         `draft_depth` of them drafting (default: sample.draft_depth, else all). `record`:
         keep each request's experts and tempered log-probs (`recording.py`)."""
         cfg = sampler.cfg
+        if cfg.attention.linear != "none":  # a state per layer, not pages of keys
+            raise EngineError(
+                f"the engine's paged cache holds keys and values, not the state of linear-"
+                f"attention layers (attention.linear={cfg.attention.linear}: Qwen3-Next, "
+                "Qwen3.5); sample these models with the Sampler (sample.py) instead"
+            )
         sizes = dict(max_slots=max_slots, page_size=page_size, n_pages=n_pages, chunk=chunk,
                      max_queue=max_queue)  # fmt: skip
         if problem := size_problem(sizes):
