@@ -82,6 +82,19 @@ def test_split_sequences_equal_the_unsplit_run(unsplit, mesh):
     assert_same(loss_and_grads(*mesh), unsplit)
 
 
+def test_layout_holds_chunks_i_and_2n_1_i_and_balances_causal_work():
+    from moe_jax.model.context_parallel import from_layout, layout_order, row_order, to_layout
+
+    order = layout_order(16, 2)  # 4 chunks of 4: shard 0 holds 0 and 3, shard 1 holds 1 and 2
+    assert order.tolist() == [0, 1, 2, 3, 12, 13, 14, 15, 4, 5, 6, 7, 8, 9, 10, 11]
+    x = jnp.arange(2 * 48).reshape(2, 48)
+    np.testing.assert_array_equal(from_layout(to_layout(x, 3), 3), x)
+    np.testing.assert_array_equal(row_order(to_layout(x, 3), 3), x)  # the gathered keys' fix
+    # each shard's queries see the same number of keys under a causal mask
+    seen = [int(np.sum(shard + 1)) for shard in layout_order(64, 4).reshape(4, 16)]
+    assert len(set(seen)) == 1, seen
+
+
 def test_activations_are_split_over_context_at_every_layer_boundary():
     """sharding.at_block_boundary pins each layer's input and output to rows over the batch
     axes and the sequence over `context`."""
