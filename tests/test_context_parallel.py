@@ -30,6 +30,7 @@ MODEL = [
     "attention.sliding_window=6",  # shorter than a shard's 8 tokens (context 4)
     "attention.full_attention_interval=2",  # layer 2 attends the whole document
     "moe.capacity_factor=0",  # dropless: a context shard routes as its own group
+    "model.init_std=0.3",  # sharp attention: a wrong key, position or scale shows
 ]
 
 
@@ -77,9 +78,62 @@ def assert_same(got, want):
         np.testing.assert_allclose(g, w, **TOL, err_msg=jax.tree_util.keystr(path))
 
 
-@pytest.mark.parametrize("mesh", [["mesh.data=2", "mesh.context=4"]], ids=["data2_context4"])
+SPLITS = {
+    "data2_context4": ["mesh.data=2", "mesh.context=4"],
+    "context8": ["mesh.context=8"],  # 2-token chunks: the window spans 3 of them
+    "fsdp2_expert2_context2": ["mesh.fsdp=2", "mesh.expert=2", "mesh.context=2"],
+    "context4_tensor2": ["mesh.context=4", "mesh.tensor=2"],
+}
+
+
+@pytest.mark.parametrize("mesh", list(SPLITS.values()), ids=list(SPLITS))
 def test_split_sequences_equal_the_unsplit_run(unsplit, mesh):
     assert_same(loss_and_grads(*mesh), unsplit)
+
+
+# Llama 4's chunked attention (chunks of positions cutting across the layout's chunks), a
+# NoPE layer with temperature tuning, and gpt-oss's sinks, on a mesh of its own.
+CHUNKED_SINKS = [
+    "attention.sliding_window=0",
+    "attention.full_attention_interval=0",
+    "attention.chunk_size=12",
+    "attention.nope_interval=2",
+    "attention.temperature_tuning=true",
+    "attention.sinks=true",
+]
+
+
+def test_chunked_attention_nope_and_sinks_split_equal_the_unsplit_run():
+    got = loss_and_grads(*CHUNKED_SINKS, "mesh.data=2", "mesh.context=4")
+    assert_same(got, loss_and_grads(*CHUNKED_SINKS))
+    sinks = [g for p, g in jax.tree_util.tree_flatten_with_path(got[1])[0] if "sinks" in str(p)]
+    assert sinks and all(np.abs(g).max() > 0 for g in sinks)  # the sinks' gradient reached
+
+
+# MLA gathers its latent and shared rope key, each shard expanding every head's k and v.
+MLA = [
+    "attention.kind=mla",
+    "attention.qk_norm=none",
+    "attention.sliding_window=0",
+    "attention.full_attention_interval=0",
+    "attention.kv_lora_rank=16",
+    "attention.qk_nope_head_dim=8",
+    "attention.qk_rope_head_dim=8",
+    "attention.v_head_dim=6",
+]
+
+
+@pytest.mark.parametrize(
+    "q_lora, mesh",
+    [(12, ["mesh.data=2", "mesh.context=4"]), (0, ["mesh.context=4", "mesh.tensor=2"])],
+    ids=["q_lora_data2_context4", "context4_tensor2"],
+)
+def test_mla_split_equals_the_unsplit_run(q_lora, mesh):
+    over = [*MLA, f"attention.q_lora_rank={q_lora}"]
+    got = loss_and_grads(*over, *mesh)
+    assert_same(got, loss_and_grads(*over))
+    up = [g for p, g in jax.tree_util.tree_flatten_with_path(got[1])[0] if "wk_b" in str(p)]
+    assert up and all(np.abs(g).max() > 0 for g in up)  # W_uk's gradient, from every shard
 
 
 def test_layout_holds_chunks_i_and_2n_1_i_and_balances_causal_work():
@@ -93,6 +147,19 @@ def test_layout_holds_chunks_i_and_2n_1_i_and_balances_causal_work():
     # each shard's queries see the same number of keys under a causal mask
     seen = [int(np.sum(shard + 1)) for shard in layout_order(64, 4).reshape(4, 16)]
     assert len(set(seen)) == 1, seen
+
+
+def test_attention_gathers_keys_values_positions_and_segments_over_context():
+    """The split run's attention is the all-gather strategy's map, not XLA's partitioning of
+    the unsplit path: per layer 4 all_gathers over `context` (k, v, positions, segments)."""
+    cfg = tiny_config(*MODEL, "mesh.data=2", "mesh.context=4")
+    mesh = make_mesh(cfg)
+    graphdef, state = init_state(cfg, make_optimizer(cfg.train), mesh=mesh)
+    batch = {k: jnp.asarray(v) for k, v in packed_batch().items()}
+    with jax.set_mesh(mesh):
+        text = str(jax.make_jaxpr(lambda p: loss_fn(p, graphdef, batch, 0.0))(state["params"]))
+    gathers = re.findall(r"all_gather\[[^\]]*axis_name=\(?'?context", text)
+    assert len(gathers) == 4 * cfg.model.n_layers, len(gathers)
 
 
 def test_activations_are_split_over_context_at_every_layer_boundary():

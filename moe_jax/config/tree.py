@@ -157,7 +157,6 @@ def check_context(cfg: Config, n: int, inference: bool = False) -> None:
          "statistic)", "moe.seq_aux_loss_weight=0"),
         (cfg.model.vision > 0, "model.vision > 0 (images placed by order in the row)",
          "model.vision=0"),
-        (a.kind != "gqa", f"attention.kind={a.kind}", "attention.kind=gqa"),
         (a.impl not in ("auto", "blocked"), f"attention.impl={a.impl} (the context axis "
          "runs its own XLA attention)", "attention.impl=auto"),
     ]  # fmt: skip

@@ -43,7 +43,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from moe_jax import backends
 from moe_jax.config import Config
-from moe_jax.model import attention_kernels, lora, weight_gather
+from moe_jax.model import attention_kernels, context_parallel, lora, weight_gather
 from moe_jax.model.attention_core import ATTENTION_OUT, attention_mask, block_attention
 from moe_jax.model.kv_cache import KVCache, check_cache_inputs, ring_keys, write_cache, write_ring
 from moe_jax.model.norm import RMSNorm, rms_norm
@@ -211,7 +211,12 @@ class Attention(nnx.Module):
         return checkpoint_name(y_BTD, "out_proj"), cache
 
     def _self_attention(self, q_BTHD, k_BTKD, v_BTKD, positions_BT, segments_BT) -> jax.Array:
-        """Attention over the call's own tokens by the kernel chosen for the target backend."""
+        """Attention over the call's own tokens by the kernel chosen for the target backend,
+        or across the shards of a context axis (`context_parallel`)."""
+        if context_parallel.active(q_BTHD.shape[1]):
+            masks = dict(window=self.window, chunk_size=self.chunk_size, sinks_KG=self._sinks_KG())
+            args = (q_BTHD, k_BTKD, v_BTKD, positions_BT, segments_BT)
+            return context_parallel.self_attention(*args, scale=self.head_dim**-0.5, **masks)
         impl = backends.choose(
             "attention",
             self.impl,

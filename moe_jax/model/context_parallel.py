@@ -10,6 +10,18 @@ permutation of the tokens, their targets, positions, segments and loss weights a
 leaves a mean loss unchanged), so the layers' per-token work (norms, MLP, MoE, the head and
 the loss) never needs to know; only attention does, for which token index ("order": the
 causal mask and the window are by index in the row, see attention.py) each slot holds.
+
+Attention, mesh.context_strategy=all_gather: inside `jax.shard_map`, each shard gathers the
+keys, values, positions and segments of its row from the other shards (`all_gather` over
+`context`, whose transpose sends the keys' gradients back as one reduce-scatter), puts them
+back in row order, and attends its two query chunks with `block_attention`: chunk i against
+the first half of the keys only (it sees nothing later), chunk 2N-1-i against all of them,
+each masked by index, window, chunk of positions and document as attention.py's blocked path
+masks. So 3/4 of the full [T, T] logits are computed per row, in [C, T/2] and [C, T] pieces.
+GQA gathers its K/V heads (`self_attention`); MLA gathers its normed latent and the shared
+rope key, [R + dr] a token, and expands every head's keys and values from them on each
+shard (`latent_attention`: the expansion is repeated N times, the gathered bytes are H (dn +
+dr + dv) / (R + dr) times fewer, 4.3x for DeepSeek-V3).
 """
 
 from __future__ import annotations
@@ -19,7 +31,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from moe_jax.sharding import CONTEXT_AXIS, context_size, split_batch_axes
+from moe_jax.model.attention_core import attention_mask, block_attention
+from moe_jax.sharding import BATCH_AXES, CONTEXT_AXIS, context_size, split_batch_axes
 
 
 def layout_order(T: int, N: int) -> np.ndarray:
@@ -67,6 +80,96 @@ def default_positions(B: int, T: int) -> jax.Array:
     return jnp.broadcast_to(jnp.asarray(pos_T), (B, T))
 
 
+def active(T: int) -> bool:
+    """Whether self-attention over `T` tokens runs split over a context axis (a mesh with
+    context > 1 whose layout cuts T)."""
+    N = context_size()
+    return N > 1 and T % (2 * N) == 0
+
+
+def _split_axes(mesh, B: int, H: int, K: int):
+    """-> (the spec entry of the batch axes that split B rows, of the head axis): heads over
+    `tensor` where it divides the query and key/value heads (the config checks it does)."""
+    axes, n = [], 1
+    for ax in BATCH_AXES:
+        if mesh.shape[ax] > 1 and B % (n * mesh.shape[ax]) == 0:
+            axes.append(ax)
+            n *= mesh.shape[ax]
+    tp = mesh.shape.get("tensor", 1)
+    heads = "tensor" if tp > 1 and K % tp == 0 and H % tp == 0 else None
+    return tuple(axes) or None, heads
+
+
+def _map(local, mesh, batch, heads, args: list[tuple]):
+    """`local` over the mesh on `args`, (array or None, its PartitionSpec) pairs, those
+    None left out; the output [B, T, H, hv] split like the queries."""
+    present = [(a, spec) for a, spec in args if a is not None]
+    out = P(batch, CONTEXT_AXIS, heads, None)
+    return jax.shard_map(
+        local, mesh=mesh, in_specs=tuple(spec for _, spec in present), out_specs=out
+    )(*(a for a, _ in present))
+
+
+def _varying(a, batch):
+    """`a` (the same on every shard of the batch axes and `context`: the sinks, MLA's
+    up-projections) cast varying over them, so that its gradient is summed over them by the
+    cast's transpose."""
+    axes = (*(batch or ()), CONTEXT_AXIS)
+    return jax.lax.pcast(a, axes, to="varying")
+
+
+def self_attention(
+    q_BTHD, k_BTKD, v_BTKD, pos_BT, seg_BT=None, *, scale, window=0, chunk_size=0, sinks_KG=None
+) -> jax.Array:
+    """Causal self-attention of the layout's tokens split over the active mesh's `context`
+    axis, as `attention.blocked_self_attention` computes it for the same tokens in row order
+    (q scaled by `scale`; the masks and sinks as it takes them): K/V heads gathered."""
+    mesh = jax.sharding.get_abstract_mesh()
+    N = context_size(mesh)
+    batch, heads = _split_axes(mesh, q_BTHD.shape[0], q_BTHD.shape[2], k_BTKD.shape[2])
+    x, ids = P(batch, CONTEXT_AXIS, heads, None), P(batch, CONTEXT_AXIS)
+
+    def local(q_bTHD, k_bTKD, v_bTKD, pos_bT, *rest):
+        seg_bT = rest[0] if seg_BT is not None else None
+        sinks = None if sinks_KG is None else _varying(rest[-1], batch)
+        keys = gather_rows(N, k_bTKD, v_bTKD, pos_bT, seg_bT)
+        masks = dict(window=window, chunk_size=chunk_size, sinks_KG=sinks)
+        return two_chunks(N, q_bTHD * scale, pos_bT, seg_bT, *keys, **masks)
+
+    args = [(q_BTHD, x), (k_BTKD, x), (v_BTKD, x), (pos_BT, ids), (seg_BT, ids)]
+    return _map(local, mesh, batch, heads, [*args, (sinks_KG, P(heads))])
+
+
+def latent_attention(
+    q_BTHQ, c_BTR, k_pe_BT1P, wk_RHN, wv_RHV, pos_BT, seg_BT=None, *, scale
+) -> jax.Array:
+    """MLA's expanded self-attention (mla.py) split over the active mesh's `context` axis:
+    the normed latent `c_BTR` and the rotated shared key `k_pe_BT1P` gathered, each head's
+    k = [c W_uk | k_pe] and v = c W_uv made from them on every shard. `q_BTHQ`: [q_nope |
+    q_pe]; `wk_RHN`, `wv_RHV`: the up-projections in the compute dtype."""
+    mesh = jax.sharding.get_abstract_mesh()
+    N = context_size(mesh)
+    H = q_BTHQ.shape[2]
+    batch, heads = _split_axes(mesh, q_BTHQ.shape[0], H, H)
+
+    def local(q_bTHQ, c_bTR, k_pe_bT1P, wk_RhN, wv_RhV, pos_bT, *rest):
+        seg_bT = rest[0] if rest else None
+        c_bSR, k_pe_bS1P, kpos_bS, kseg_bS = gather_rows(N, c_bTR, k_pe_bT1P, pos_bT, seg_bT)
+        wk_RhN, wv_RhV = _varying(wk_RhN, batch), _varying(wv_RhV, batch)
+        k_nope_bShN = jnp.einsum("bsr,rhn->bshn", c_bSR, wk_RhN)
+        v_bShV = jnp.einsum("bsr,rhv->bshv", c_bSR, wv_RhV)
+        k_pe_bShP = jnp.broadcast_to(k_pe_bS1P, (*k_nope_bShN.shape[:3], k_pe_bS1P.shape[-1]))
+        k_bShQ = jnp.concatenate([k_nope_bShN, k_pe_bShP], axis=-1)
+        keys = (k_bShQ, v_bShV, kpos_bS, kseg_bS)
+        return two_chunks(N, q_bTHQ * scale, pos_bT, seg_bT, *keys)
+
+    w, ids = P(None, heads, None), P(batch, CONTEXT_AXIS)
+    args = [(q_BTHQ, P(batch, CONTEXT_AXIS, heads, None)), (c_BTR, P(batch, CONTEXT_AXIS, None)),
+            (k_pe_BT1P, P(batch, CONTEXT_AXIS, None, None)), (wk_RHN, w), (wv_RHV, w),
+            (pos_BT, ids), (seg_BT, ids)]  # fmt: skip
+    return _map(local, mesh, batch, heads, args)
+
+
 def row_order(a_bS: jax.Array, N: int) -> jax.Array:
     """Gathered [b, S, ...] in shard order (shard i: chunks i, 2N-1-i) -> in row order: the
     first chunks of the shards in order, then their second chunks in reverse."""
@@ -75,3 +178,42 @@ def row_order(a_bS: jax.Array, N: int) -> jax.Array:
     a = a_bS.reshape(b, N, 2, C, *a_bS.shape[2:])
     first, second = a[:, :, 0], jnp.flip(a[:, :, 1], axis=1)
     return jnp.concatenate([first, second], axis=1).reshape(a_bS.shape)
+
+
+def gather_rows(N: int, *a_bT):
+    """Each [b, T/N, ...] shard of the rows (None passes) gathered over `context` into the
+    whole rows [b, T, ...], in row order."""
+    gather = lambda a: jax.lax.all_gather(a, CONTEXT_AXIS, axis=1, tiled=True)
+    return tuple(None if a is None else row_order(gather(a), N) for a in a_bT)
+
+
+def two_chunks(N, q_bTHD, pos_bT, seg_bT, k_bSKD, v_bSKD, kpos_bS, kseg_bS, *, window=0,
+               chunk_size=0, sinks_KG=None):  # fmt: skip
+    """One shard's 2C queries (scaled; chunks i and 2N-1-i of the row, i its index on
+    `context`) against its whole row's keys in row order, by `block_attention`."""
+    b, T2, H, hd = q_bTHD.shape
+    K, hv, C, S = k_bSKD.shape[2], v_bSKD.shape[-1], T2 // 2, k_bSKD.shape[1]
+    i = jax.lax.axis_index(CONTEXT_AXIS)
+    heads_first = lambda a: a.transpose(0, 2, 1, 3)  # [b, S, K, d] -> [b, K, S, d]
+    outs = []
+    # The shard's first chunk (row chunk i < N) sees only the first half of the row.
+    for half, chunk, n_keys in ((0, i, S // 2), (1, 2 * N - 1 - i, S)):
+        rows = slice(half * C, (half + 1) * C)
+        q_bKMD = q_bTHD[:, rows].reshape(b, C, K, H // K, hd).transpose(0, 2, 3, 1, 4)
+        mask_bCS = attention_mask(
+            pos_bT[:, rows],
+            kpos_bS[:, :n_keys],
+            chunk_size=chunk_size,
+            window=window,
+            order=(chunk * C + jnp.arange(C), jnp.arange(n_keys)),
+            segments=None if seg_bT is None else (seg_bT[:, rows], kseg_bS[:, :n_keys]),
+        )
+        out_bKMD = block_attention(
+            q_bKMD.reshape(b, K, -1, hd),
+            heads_first(k_bSKD[:, :n_keys]),
+            heads_first(v_bSKD[:, :n_keys]),
+            mask_bCS,
+            sinks_KG,
+        )
+        outs.append(out_bKMD.reshape(b, K, H // K, C, hv).transpose(0, 3, 1, 2, 4))
+    return jnp.concatenate(outs, axis=1).reshape(b, T2, H, hv)
