@@ -92,8 +92,10 @@ def test_split_sequences_equal_the_unsplit_run(unsplit, mesh):
 
 
 # Llama 4's chunked attention (chunks of positions cutting across the layout's chunks), a
-# NoPE layer with temperature tuning, and gpt-oss's sinks, on a mesh of its own.
+# NoPE layer with temperature tuning, and gpt-oss's sinks, on a mesh of its own; dense
+# layers (the MoE layer under the axis is the tests' above), to compile less.
 CHUNKED_SINKS = [
+    "moe.n_experts=0",
     "attention.sliding_window=0",
     "attention.full_attention_interval=0",
     "attention.chunk_size=12",
@@ -103,15 +105,29 @@ CHUNKED_SINKS = [
 ]
 
 
-def test_chunked_attention_nope_and_sinks_split_equal_the_unsplit_run():
-    got = loss_and_grads(*CHUNKED_SINKS, "mesh.data=2", "mesh.context=4")
-    assert_same(got, loss_and_grads(*CHUNKED_SINKS))
+@pytest.fixture(scope="module")
+def chunked_unsplit():
+    return loss_and_grads(*CHUNKED_SINKS)
+
+
+@pytest.mark.parametrize("strategy", ["all_gather", "ring"])
+def test_chunked_attention_nope_and_sinks_split_equal_the_unsplit_run(chunked_unsplit, strategy):
+    split = ["mesh.data=2", "mesh.context=4", f"mesh.context_strategy={strategy}"]
+    got = loss_and_grads(*CHUNKED_SINKS, *split)
+    assert_same(got, chunked_unsplit)
     sinks = [g for p, g in jax.tree_util.tree_flatten_with_path(got[1])[0] if "sinks" in str(p)]
     assert sinks and all(np.abs(g).max() > 0 for g in sinks)  # the sinks' gradient reached
 
 
+def test_ring_equals_the_unsplit_run(unsplit):
+    """K/V blocks round the ring, the causal blocks that see nothing skipped, merged by
+    log-sum-exp: the window, both documents' kinds of boundary and the MoE as above."""
+    assert_same(loss_and_grads(*SPLITS["data2_context4"], "mesh.context_strategy=ring"), unsplit)
+
+
 # MLA gathers its latent and shared rope key, each shard expanding every head's k and v.
 MLA = [
+    "moe.n_experts=0",
     "attention.kind=mla",
     "attention.qk_norm=none",
     "attention.sliding_window=0",
@@ -120,20 +136,28 @@ MLA = [
     "attention.qk_nope_head_dim=8",
     "attention.qk_rope_head_dim=8",
     "attention.v_head_dim=6",
+    "attention.q_lora_rank=12",
 ]
 
 
+@pytest.fixture(scope="module")
+def mla_unsplit():
+    return loss_and_grads(*MLA)
+
+
 @pytest.mark.parametrize(
-    "q_lora, mesh",
-    [(12, ["mesh.data=2", "mesh.context=4"]), (0, ["mesh.context=4", "mesh.tensor=2"])],
-    ids=["q_lora_data2_context4", "context4_tensor2"],
+    "strategy, mesh",
+    [("all_gather", SPLITS["context4_tensor2"]), ("ring", SPLITS["data2_context4"])],
+    ids=["all_gather_context4_tensor2", "ring_data2_context4"],
 )
-def test_mla_split_equals_the_unsplit_run(q_lora, mesh):
-    over = [*MLA, f"attention.q_lora_rank={q_lora}"]
-    got = loss_and_grads(*over, *mesh)
-    assert_same(got, loss_and_grads(*over))
+def test_mla_split_equals_the_unsplit_run(mla_unsplit, strategy, mesh):
+    """With q-LoRA: the query's projection is per token, and what the axis changes (the
+    latent's gather, the expansion, the masks) is the same without it (both query forms
+    are checked against transformers in tests/test_mla.py)."""
+    got = loss_and_grads(*MLA, *mesh, f"mesh.context_strategy={strategy}")
+    assert_same(got, mla_unsplit)
     up = [g for p, g in jax.tree_util.tree_flatten_with_path(got[1])[0] if "wk_b" in str(p)]
-    assert up and all(np.abs(g).max() > 0 for g in up)  # W_uk's gradient, from every shard
+    assert up and all(np.abs(g).max() > 0 for g in up)  # W_uk's gradient, every shard's
 
 
 def test_layout_holds_chunks_i_and_2n_1_i_and_balances_causal_work():
@@ -149,34 +173,21 @@ def test_layout_holds_chunks_i_and_2n_1_i_and_balances_causal_work():
     assert len(set(seen)) == 1, seen
 
 
-def test_attention_gathers_keys_values_positions_and_segments_over_context():
-    """The split run's attention is the all-gather strategy's map, not XLA's partitioning of
-    the unsplit path: per layer 4 all_gathers over `context` (k, v, positions, segments)."""
-    cfg = tiny_config(*MODEL, "mesh.data=2", "mesh.context=4")
+@pytest.mark.parametrize("strategy", ["all_gather", "ring"])
+def test_attention_moves_keys_values_positions_and_segments_over_context(strategy):
+    """The split run's attention is the strategy's map, not XLA's partitioning of the
+    unsplit path: per layer 4 all_gathers over `context` (k, v, positions, segments), or
+    for the ring 3 ppermutes of each (N - 1 steps at context 4) and no gather."""
+    cfg = tiny_config(*MODEL, *SPLITS["data2_context4"], f"mesh.context_strategy={strategy}")
     mesh = make_mesh(cfg)
     graphdef, state = init_state(cfg, make_optimizer(cfg.train), mesh=mesh)
     batch = {k: jnp.asarray(v) for k, v in packed_batch().items()}
     with jax.set_mesh(mesh):
         text = str(jax.make_jaxpr(lambda p: loss_fn(p, graphdef, batch, 0.0))(state["params"]))
     gathers = re.findall(r"all_gather\[[^\]]*axis_name=\(?'?context", text)
-    assert len(gathers) == 4 * cfg.model.n_layers, len(gathers)
-
-
-def test_activations_are_split_over_context_at_every_layer_boundary():
-    """sharding.at_block_boundary pins each layer's input and output to rows over the batch
-    axes and the sequence over `context`."""
-    from flax import nnx
-
-    from moe_jax.model import Transformer
-    from moe_jax.sharding import create_sharded
-
-    cfg = tiny_config(*MODEL, "mesh.data=2", "mesh.context=4")
-    mesh = make_mesh(cfg)
-    model = create_sharded(lambda: Transformer(cfg, rngs=nnx.Rngs(0)), mesh)
-    with jax.set_mesh(mesh):
-        text = str(jax.make_jaxpr(lambda t: model(t)[0])(jnp.zeros((B, T), jnp.int32)))
-    found = re.findall(r"sharding_constraint\[[^\]]*?P\('data', 'context'\)", text)
-    assert len(found) == 2 * cfg.model.n_layers
+    permutes = re.findall(r"ppermute\[[^\]]*axis_name=\(?'?context", text)
+    want = (4, 0) if strategy == "all_gather" else (0, 12)
+    assert (len(gathers), len(permutes)) == tuple(n * cfg.model.n_layers for n in want)
 
 
 @pytest.mark.parametrize(
@@ -185,6 +196,7 @@ def test_activations_are_split_over_context_at_every_layer_boundary():
         (["train.seq_len=36"], r"train.seq_len \(36\) must be divisible by 2 x mesh.context"),
         (["model.mtp_depth=1"], r"mesh.context=4 does not support model.mtp_depth"),
         (["attention.impl=splash"], r"does not support attention.impl=splash"),
+        (["eval.tasks=hellaswag"], r"does not support eval.tasks"),
     ],
 )
 def test_unsupported_combinations_are_refused_in_one_line(overrides, message):

@@ -30,7 +30,7 @@ OBJECTIVES = (
 # The axes a mesh.* size names, outermost first: `context` (sequence shards) sits beside
 # `tensor`, inside the batch axes, as its collectives move activations every layer.
 MESH_AXES = ("data", "fsdp", "expert", "context", "tensor")
-CONTEXT_STRATEGIES = ("all_gather",)  # mesh.context_strategy (model/context_parallel.py)
+CONTEXT_STRATEGIES = ("all_gather", "ring")  # mesh.context_strategy (model/context_parallel.py)
 # train.trackers (moe_jax/observe/trackers.py); "jsonl" is always on, and may be named
 TRACKERS = ("jsonl", "tensorboard", "wandb", "mlflow")
 # Logits divided by the temperature stay finite in float32 (|logit| < 1e30) inside this range.
@@ -312,7 +312,8 @@ class MeshConfig:
     # stack, in the load-balanced causal layout (moe_jax/model/context_parallel.py).
     context: int = 1
     tensor: int = 1
-    # How attention sees the other shards' keys: all_gather (each shard gathers K/V).
+    # How attention sees the other shards' keys: all_gather (each shard gathers K/V) | ring
+    # (K/V blocks passed round the axis, one step per shard, merged by log-sum-exp).
     context_strategy: str = "all_gather"
     # Multi-slice (TPU slices, or GPU hosts, joined by the data-center network): the data axis
     # spans `slices` slices, each holding data/slices of it; the other axes stay in a slice.

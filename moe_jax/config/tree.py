@@ -159,6 +159,8 @@ def check_context(cfg: Config, n: int, inference: bool = False) -> None:
          "model.vision=0"),
         (a.impl not in ("auto", "blocked"), f"attention.impl={a.impl} (the context axis "
          "runs its own XLA attention)", "attention.impl=auto"),
+        (bool(cfg.eval.tasks.strip()), "eval.tasks (the harness scores rows on the training "
+         "mesh in row order, not the axis's layout)", "eval.tasks=''"),
     ]  # fmt: skip
     for bad, what, fix in unsupported:
         require(

@@ -140,6 +140,7 @@ class Attention(nnx.Module):
         self.chunk_size = a.chunk_size if self.use_rope else 0  # NoPE layers attend globally
         self.window = a.sliding_window if cfg.uses_window(layer) else 0
         self.impl = a.impl  # resolved for the target backend when traced (`backends.choose`)
+        self.context_strategy = cfg.mesh.context_strategy  # under a context axis
 
         self.wq = param(rngs, init, (D, H, hd), ("embed", "heads", "head_dim"))
         self.wk = param(rngs, init, (D, K, hd), ("embed", "kv_heads", "head_dim"))
@@ -216,7 +217,9 @@ class Attention(nnx.Module):
         if context_parallel.active(q_BTHD.shape[1]):
             masks = dict(window=self.window, chunk_size=self.chunk_size, sinks_KG=self._sinks_KG())
             args = (q_BTHD, k_BTKD, v_BTKD, positions_BT, segments_BT)
-            return context_parallel.self_attention(*args, scale=self.head_dim**-0.5, **masks)
+            return context_parallel.self_attention(
+                *args, scale=self.head_dim**-0.5, strategy=self.context_strategy, **masks
+            )
         impl = backends.choose(
             "attention",
             self.impl,

@@ -119,11 +119,22 @@ def _varying(a, batch):
 
 
 def self_attention(
-    q_BTHD, k_BTKD, v_BTKD, pos_BT, seg_BT=None, *, scale, window=0, chunk_size=0, sinks_KG=None
+    q_BTHD,
+    k_BTKD,
+    v_BTKD,
+    pos_BT,
+    seg_BT=None,
+    *,
+    scale,
+    window=0,
+    chunk_size=0,
+    sinks_KG=None,
+    strategy="all_gather",
 ) -> jax.Array:
     """Causal self-attention of the layout's tokens split over the active mesh's `context`
     axis, as `attention.blocked_self_attention` computes it for the same tokens in row order
-    (q scaled by `scale`; the masks and sinks as it takes them): K/V heads gathered."""
+    (q scaled by `scale`; the masks and sinks as it takes them): K/V heads gathered, or
+    passed round the ring (`strategy`, mesh.context_strategy)."""
     mesh = jax.sharding.get_abstract_mesh()
     N = context_size(mesh)
     batch, heads = _split_axes(mesh, q_BTHD.shape[0], q_BTHD.shape[2], k_BTKD.shape[2])
@@ -132,8 +143,11 @@ def self_attention(
     def local(q_bTHD, k_bTKD, v_bTKD, pos_bT, *rest):
         seg_bT = rest[0] if seg_BT is not None else None
         sinks = None if sinks_KG is None else _varying(rest[-1], batch)
-        keys = gather_rows(N, k_bTKD, v_bTKD, pos_bT, seg_bT)
         masks = dict(window=window, chunk_size=chunk_size, sinks_KG=sinks)
+        if strategy == "ring":
+            same = lambda kv: kv
+            return ring(N, q_bTHD * scale, pos_bT, seg_bT, (k_bTKD, v_bTKD), same, **masks)
+        keys = gather_rows(N, k_bTKD, v_bTKD, pos_bT, seg_bT)
         return two_chunks(N, q_bTHD * scale, pos_bT, seg_bT, *keys, **masks)
 
     args = [(q_BTHD, x), (k_BTKD, x), (v_BTKD, x), (pos_BT, ids), (seg_BT, ids)]
@@ -141,12 +155,13 @@ def self_attention(
 
 
 def latent_attention(
-    q_BTHQ, c_BTR, k_pe_BT1P, wk_RHN, wv_RHV, pos_BT, seg_BT=None, *, scale
+    q_BTHQ, c_BTR, k_pe_BT1P, wk_RHN, wv_RHV, pos_BT, seg_BT=None, *, scale, strategy="all_gather"
 ) -> jax.Array:
     """MLA's expanded self-attention (mla.py) split over the active mesh's `context` axis:
     the normed latent `c_BTR` and the rotated shared key `k_pe_BT1P` gathered, each head's
     k = [c W_uk | k_pe] and v = c W_uv made from them on every shard. `q_BTHQ`: [q_nope |
-    q_pe]; `wk_RHN`, `wv_RHV`: the up-projections in the compute dtype."""
+    q_pe]; `wk_RHN`, `wv_RHV`: the up-projections in the compute dtype. With the ring
+    (`strategy`) the latent travels instead, each block expanded where it arrives."""
     mesh = jax.sharding.get_abstract_mesh()
     N = context_size(mesh)
     H = q_BTHQ.shape[2]
@@ -154,14 +169,20 @@ def latent_attention(
 
     def local(q_bTHQ, c_bTR, k_pe_bT1P, wk_RhN, wv_RhV, pos_bT, *rest):
         seg_bT = rest[0] if rest else None
-        c_bSR, k_pe_bS1P, kpos_bS, kseg_bS = gather_rows(N, c_bTR, k_pe_bT1P, pos_bT, seg_bT)
         wk_RhN, wv_RhV = _varying(wk_RhN, batch), _varying(wv_RhV, batch)
-        k_nope_bShN = jnp.einsum("bsr,rhn->bshn", c_bSR, wk_RhN)
-        v_bShV = jnp.einsum("bsr,rhv->bshv", c_bSR, wv_RhV)
-        k_pe_bShP = jnp.broadcast_to(k_pe_bS1P, (*k_nope_bShN.shape[:3], k_pe_bS1P.shape[-1]))
-        k_bShQ = jnp.concatenate([k_nope_bShN, k_pe_bShP], axis=-1)
-        keys = (k_bShQ, v_bShV, kpos_bS, kseg_bS)
-        return two_chunks(N, q_bTHQ * scale, pos_bT, seg_bT, *keys)
+
+        def expand(latent):  # ([b, S, R], [b, S, 1, P]) -> every head's k and v
+            c_bSR, k_pe_bS1P = latent
+            k_nope_bShN = jnp.einsum("bsr,rhn->bshn", c_bSR, wk_RhN)
+            v_bShV = jnp.einsum("bsr,rhv->bshv", c_bSR, wv_RhV)
+            k_pe_bShP = jnp.broadcast_to(k_pe_bS1P, (*k_nope_bShN.shape[:3], k_pe_bS1P.shape[-1]))
+            return jnp.concatenate([k_nope_bShN, k_pe_bShP], axis=-1), v_bShV
+
+        if strategy == "ring":
+            return ring(N, q_bTHQ * scale, pos_bT, seg_bT, (c_bTR, k_pe_bT1P), expand)
+        c_bSR, k_pe_bS1P, kpos_bS, kseg_bS = gather_rows(N, c_bTR, k_pe_bT1P, pos_bT, seg_bT)
+        k_bShQ, v_bShV = expand((c_bSR, k_pe_bS1P))
+        return two_chunks(N, q_bTHQ * scale, pos_bT, seg_bT, k_bShQ, v_bShV, kpos_bS, kseg_bS)
 
     w, ids = P(None, heads, None), P(batch, CONTEXT_AXIS)
     args = [(q_BTHQ, P(batch, CONTEXT_AXIS, heads, None)), (c_BTR, P(batch, CONTEXT_AXIS, None)),
@@ -217,3 +238,91 @@ def two_chunks(N, q_bTHD, pos_bT, seg_bT, k_bSKD, v_bSKD, kpos_bS, kseg_bS, *, w
         )
         outs.append(out_bKMD.reshape(b, K, H // K, C, hv).transpose(0, 3, 1, 2, 4))
     return jnp.concatenate(outs, axis=1).reshape(b, T2, H, hv)
+
+
+def ring(N, q_bTHD, pos_bT, seg_bT, sources: tuple, expand, *, window=0, chunk_size=0,
+         sinks_KG=None):  # fmt: skip
+    """One shard's 2C queries (scaled) against its row's keys, mesh.context_strategy=ring:
+    the key `sources` (with their positions and segments) of each shard in turn, passed one
+    step round the axis by `ppermute` while the current block is attended; `expand(sources)
+    -> (k_bSKD, v_bSKD)` makes a block's keys and values. The blocks' partial softmaxes are
+    merged by their log-sum-exps. The causal blocks that see nothing are skipped: a block
+    from an earlier shard j < i is seen by both query chunks in its first chunk only (its
+    second, 2N-1-j, lies after both), one from a later shard only by the second query chunk."""
+    i = jax.lax.axis_index(CONTEXT_AXIS)
+    C = q_bTHD.shape[1] // 2
+    masks = dict(window=window, chunk_size=chunk_size)
+    q_idx = _slots(i, C, N)
+    ring_perm = [(j, (j + 1) % N) for j in range(N)]
+    block = (sources, pos_bT, seg_bT)
+    parts = []
+    for step in range(N):
+        j = (i - step) % N  # the shard whose keys this one holds at this step
+        srcs, kpos_bS, kseg_bS = block
+        k_bSKD, v_bSKD = expand(srcs)
+        keys = dict(k=k_bSKD, v=v_bSKD, pos=kpos_bS, seg=kseg_bS, idx=_slots(j, C, N))
+        queries = dict(q=q_bTHD, pos=pos_bT, seg=seg_bT, idx=q_idx)
+        if step == 0:  # its own keys, causal within
+            parts.append(_partial(queries, keys, **masks))
+        else:
+            parts.append(
+                jax.lax.cond(
+                    j < i,
+                    lambda qs, ks: _partial(qs, _rows(ks, 0, C), **masks),
+                    lambda qs, ks: _second_chunk_only(qs, ks, C, masks),
+                    queries,
+                    keys,
+                )
+            )
+        if step < N - 1:  # the next block is on its way while this one is attended
+            block = jax.tree.map(lambda a: jax.lax.ppermute(a, CONTEXT_AXIS, ring_perm), block)
+    return _merge(parts, sinks_KG).astype(q_bTHD.dtype)
+
+
+def _slots(shard, C: int, N: int) -> jax.Array:
+    """int32 [2C]: the row indices of `shard`'s slots (chunk shard, then 2N-1-shard)."""
+    arange = jnp.arange(C)
+    return jnp.concatenate([shard * C + arange, (2 * N - 1 - shard) * C + arange])
+
+
+def _rows(d: dict, lo: int, hi: int) -> dict:
+    """The [lo, hi) slots of every per-token array of a query or key dict."""
+    return {k: None if a is None else a[:, lo:hi] if k != "idx" else a[lo:hi]
+            for k, a in d.items()}  # fmt: skip
+
+
+def _second_chunk_only(qs: dict, ks: dict, C: int, masks: dict):
+    """A later shard's block: only the second query chunk sees it; the first chunk's rows
+    get nothing (a log-sum-exp of float32's min, weighted 0 by the merge)."""
+    out_bCHV, lse_bCH = _partial(_rows(qs, C, 2 * C), ks, **masks)
+    none_out, none_lse = out_bCHV * 0, lse_bCH * 0 + jnp.finfo(jnp.float32).min
+    return (jnp.concatenate([none_out, out_bCHV], 1), jnp.concatenate([none_lse, lse_bCH], 1))
+
+
+def _partial(qs: dict, ks: dict, *, window: int, chunk_size: int):
+    """Softmax attention of the queries to one block's keys: (out float32 [b, T, H, hv]
+    normalised over the block, the rows' log-sum-exp [b, T, H]). Autodiff's backward."""
+    q_bTHD, k_bSKD, v_bSKD = qs["q"], ks["k"], ks["v"]
+    b, T, H, hd = q_bTHD.shape
+    K = k_bSKD.shape[2]
+    segments = None if qs["seg"] is None else (qs["seg"], ks["seg"])
+    mask_bTS = attention_mask(qs["pos"], ks["pos"], order=(qs["idx"], ks["idx"]),
+                              segments=segments, window=window, chunk_size=chunk_size)  # fmt: skip
+    q_bTKGD = q_bTHD.reshape(b, T, K, H // K, hd)
+    logits = jnp.einsum("btkgd,bskd->bkgts", q_bTKGD, k_bSKD, preferred_element_type=jnp.float32)
+    logits = jnp.where(mask_bTS[:, None, None], logits, jnp.finfo(jnp.float32).min)
+    lse_bKGT = jax.nn.logsumexp(logits, axis=-1)
+    probs = jnp.exp(logits - lse_bKGT[..., None]).astype(v_bSKD.dtype)
+    out = jnp.einsum("bkgts,bskd->btkgd", probs, v_bSKD, preferred_element_type=jnp.float32)
+    return out.reshape(b, T, H, -1), lse_bKGT.transpose(0, 3, 1, 2).reshape(b, T, H)
+
+
+def _merge(parts: list, sinks_KG=None) -> jax.Array:
+    """The blocks' (out, lse) merged into the softmax over all their keys (and the sinks,
+    a logit per head in every row's denominator)."""
+    lse_nbTH = jnp.stack([lse for _, lse in parts])
+    total_bTH = jax.nn.logsumexp(lse_nbTH, axis=0)
+    if sinks_KG is not None:
+        total_bTH = jnp.logaddexp(total_bTH, sinks_KG.reshape(-1).astype(jnp.float32))
+    weights = jnp.exp(lse_nbTH - total_bTH)
+    return sum(w[..., None] * out for w, (out, _) in zip(weights, parts, strict=True))

@@ -88,6 +88,7 @@ class MLAttention(nnx.Module):
         self.rope_scale = rope_attention_factor(a.rope_scaling)  # YaRN's, on q_pe and k_pe
         self.scale = (N + P) ** -0.5 * rope_softmax_factor(a.rope_scaling)
         self.impl = a.impl  # resolved for the target backend when traced (`backends.choose`)
+        self.context_strategy = cfg.mesh.context_strategy  # under a context axis
 
         heads = ("latent", "heads", "head_dim")  # the latent dim split over fsdp (ZeRO)
         if rank_q > 0:
@@ -161,7 +162,9 @@ class MLAttention(nnx.Module):
             q_BTHQ = jnp.concatenate([q_nope_BTHN, q_pe_BTHP], axis=-1)
             w_uk, w_uv = self._w(self.wk_b, c_BTR), self._w(self.wv_b, c_BTR)
             args = (q_BTHQ, c_BTR, k_pe_BT1P, w_uk, w_uv, positions_BT, segments_BT)
-            return context_parallel.latent_attention(*args, scale=self.scale)
+            return context_parallel.latent_attention(
+                *args, scale=self.scale, strategy=self.context_strategy
+            )
         k_nope_BTHN = jnp.einsum("btr,rhn->bthn", c_BTR, self._w(self.wk_b, c_BTR))
         v_BTHV = jnp.einsum("btr,rhv->bthv", c_BTR, self._w(self.wv_b, c_BTR))
         k_pe_BTHP = jnp.broadcast_to(k_pe_BT1P, (B, T, H, P))
