@@ -6,6 +6,7 @@ layer, dropless so no routing group can drop differently), one packed batch whos
 end inside and across the shards, compiled once per mesh.
 """
 
+import contextlib
 import re
 
 import jax
@@ -15,7 +16,7 @@ import pytest
 
 from moe_jax.config import ConfigError
 from moe_jax.sharding import make_mesh
-from moe_jax.train.step import init_state, loss_fn, make_optimizer
+from moe_jax.train.step import compute_grads, init_state, loss_fn, make_optimizer
 from tests.helpers import tiny_config
 
 B, T = 4, 32  # 4 rows over data 2; 32 tokens = 8 chunks of 4 at context 4
@@ -31,6 +32,8 @@ MODEL = [
     "attention.full_attention_interval=2",  # layer 2 attends the whole document
     "moe.capacity_factor=0",  # dropless: a context shard routes as its own group
     "model.init_std=0.3",  # sharp attention: a wrong key, position or scale shows
+    "model.scan_layers=true",  # the layers scanned and rematerialised: the backward
+    "model.remat=full",  # runs each layer's collectives again
 ]
 
 
@@ -57,13 +60,11 @@ def loss_and_grads(*overrides: str):
     mesh = make_mesh(cfg) if any(o.startswith("mesh.") for o in overrides) else None
     graphdef, state = init_state(cfg, tx, mesh=mesh)
     batch = {k: jnp.asarray(v) for k, v in packed_batch().items()}
-    run = jax.jit(jax.value_and_grad(loss_fn, has_aux=True), static_argnums=(1, 3))
-    if mesh is None:
-        (loss, _), grads = run(state["params"], graphdef, batch, 0.0)
-    else:
-        with jax.set_mesh(mesh):
-            (loss, _), grads = run(state["params"], graphdef, batch, 0.0)
-    return float(loss), jax.tree.map(np.asarray, grads)
+    # the train step's own gradient: its micro-batch split, then loss_fn's layout
+    run = jax.jit(lambda params: compute_grads(params, graphdef, batch, cfg.train))
+    with jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext():
+        grads, metrics = run(state["params"])
+    return float(metrics["loss"]), jax.tree.map(np.asarray, grads)
 
 
 @pytest.fixture(scope="module")
