@@ -55,6 +55,8 @@ def packed_batch() -> dict:
 
 
 def loss_and_grads(*overrides: str):
+    """(loss, gradients) of the packed batch; on a mesh, its compiled program is also checked
+    to gather no whole-sequence activation (`assert_no_sequence_gather`)."""
     cfg = tiny_config(*MODEL, *overrides)
     tx = make_optimizer(cfg.train)
     mesh = make_mesh(cfg) if any(o.startswith("mesh.") for o in overrides) else None
@@ -63,8 +65,22 @@ def loss_and_grads(*overrides: str):
     # the train step's own gradient: its micro-batch split, then loss_fn's layout
     run = jax.jit(lambda params: compute_grads(params, graphdef, batch, cfg.train))
     with jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext():
-        grads, metrics = run(state["params"])
+        compiled = run.lower(state["params"]).compile()
+        grads, metrics = compiled(state["params"])
+    if mesh is not None:
+        assert_no_sequence_gather(compiled.as_text(), cfg.model.d_model)
     return float(metrics["loss"]), jax.tree.map(np.asarray, grads)
+
+
+def assert_no_sequence_gather(hlo: str, D: int) -> None:
+    """No all-gather in the program makes an activation [.., T, .., D] whole: only what the
+    strategy names travels (K/V heads, MLA's latent, positions and segments), no [b, T, D]
+    (the dense MLP's [B*T, D] rows once gathered the sequence to merge B and T)."""
+    for line in re.findall(r"^\s*%[\w.\-]+ = (.*?) all-gather(?:-start)?\(", hlo, re.M):
+        for dims in re.findall(r"\w+\[([\d,]*)\]", line):
+            shape = tuple(int(d) for d in dims.split(",") if d)
+            whole = len(shape) >= 3 and shape[-1] == D and T in shape[:-1]
+            assert not whole, f"an activation gathered whole: {line[:120]}"
 
 
 @pytest.fixture(scope="module")
