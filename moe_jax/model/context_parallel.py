@@ -17,11 +17,22 @@ keys, values, positions and segments of its row from the other shards (`all_gath
 back in row order, and attends its two query chunks with `block_attention`: chunk i against
 the first half of the keys only (it sees nothing later), chunk 2N-1-i against all of them,
 each masked by index, window, chunk of positions and document as attention.py's blocked path
-masks. So 3/4 of the full [T, T] logits are computed per row, in [C, T/2] and [C, T] pieces.
+masks. So 3/4 of the full [T, T] logits are computed per row, in [C, T/2] and [C, T] pieces,
+each whole at once: right for the tests' lengths, not for 128k tokens, where a chunk needs
+key blocks of its own (an online-softmax merge, as the ring's) or the fused kernels on the
+gathered keys; neither is built yet, nor the window's shortcut (a window shorter than a
+shard needs only the neighbouring shard's keys, and all of them are gathered).
 GQA gathers its K/V heads (`self_attention`); MLA gathers its normed latent and the shared
 rope key, [R + dr] a token, and expands every head's keys and values from them on each
 shard (`latent_attention`: the expansion is repeated N times, the gathered bytes are H (dn +
-dr + dv) / (R + dr) times fewer, 4.3x for DeepSeek-V3).
+dr + dv) / (R + dr) times fewer than the expanded keys and values: 71x for DeepSeek-V3).
+
+Attention, mesh.context_strategy=ring (`ring`): no shard holds the whole row's keys; the
+key blocks (GQA's K/V, MLA's latent) go round the axis by `ppermute`, N steps, each shard
+attending the block it holds (the next one's transfer free to overlap it), merged by their
+rows' log-sum-exps. A block the causal order hides from a query chunk is not computed, so
+every step after the first costs each shard the same [2C x C] logits. Its backward is
+autodiff's (each step's probabilities kept), not `block_attention`'s recomputation.
 """
 
 from __future__ import annotations
@@ -244,7 +255,7 @@ def ring(N, q_bTHD, pos_bT, seg_bT, sources: tuple, expand, *, window=0, chunk_s
          sinks_KG=None):  # fmt: skip
     """One shard's 2C queries (scaled) against its row's keys, mesh.context_strategy=ring:
     the key `sources` (with their positions and segments) of each shard in turn, passed one
-    step round the axis by `ppermute` while the current block is attended; `expand(sources)
+    step round the axis by `ppermute`, one block attended per step; `expand(sources)
     -> (k_bSKD, v_bSKD)` makes a block's keys and values. The blocks' partial softmaxes are
     merged by their log-sum-exps. The causal blocks that see nothing are skipped: a block
     from an earlier shard j < i is seen by both query chunks in its first chunk only (its
@@ -274,7 +285,9 @@ def ring(N, q_bTHD, pos_bT, seg_bT, sources: tuple, expand, *, window=0, chunk_s
                     keys,
                 )
             )
-        if step < N - 1:  # the next block is on its way while this one is attended
+        # The next block, sent with no dependence on this step's attention, so that XLA's
+        # asynchronous collective-permute can run under it (not measured yet).
+        if step < N - 1:
             block = jax.tree.map(lambda a: jax.lax.ppermute(a, CONTEXT_AXIS, ring_perm), block)
     return _merge(parts, sinks_KG).astype(q_bTHD.dtype)
 
