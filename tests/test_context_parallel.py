@@ -1,9 +1,10 @@
 """Context parallelism (mesh.context, moe_jax/model/context_parallel.py) on 8 simulated CPU
 devices: the loss and gradients of a split sequence equal the unsplit run's, float32, 2e-5.
 
-One tiny model (2 layers: a sliding-window GQA layer with QK-norm and a full-attention MoE
-layer, dropless so no routing group can drop differently), one packed batch whose documents
-end inside and across the shards, compiled once per mesh.
+One tiny model (2 layers: a GQA layer with QK-norm, a window shorter than a shard, chunks and
+sinks, then a NoPE MoE layer attending whole documents, dropless so that no routing group
+can drop differently), one packed batch whose documents end inside and across the shards,
+compiled once per mesh; MLA's layers once more.
 """
 
 import contextlib
@@ -26,10 +27,16 @@ MODEL = [
     "model.max_seq_len=64",
     f"train.seq_len={T}",
     f"train.batch_size={B}",
-    "attention.nope_interval=0",
     "attention.qk_norm=rms",
-    "attention.sliding_window=6",  # shorter than a shard's 8 tokens (context 4)
-    "attention.full_attention_interval=2",  # layer 2 attends the whole document
+    # layer 1: RoPE, a window shorter than a shard's 8 tokens (context 4) inside Llama 4's
+    # chunks of 12 positions (their edges cut across the layout's chunks); layer 2: NoPE
+    # with temperature tuning, attending the whole document; gpt-oss's sinks in both
+    "attention.sliding_window=6",
+    "attention.chunk_size=12",
+    "attention.full_attention_interval=2",
+    "attention.nope_interval=2",
+    "attention.temperature_tuning=true",
+    "attention.sinks=true",
     "moe.capacity_factor=0",  # dropless: a context shard routes as its own group
     "model.init_std=0.3",  # sharp attention: a wrong key, position or scale shows
     "model.scan_layers=true",  # the layers scanned and rematerialised: the backward
@@ -105,41 +112,21 @@ SPLITS = {
 
 @pytest.mark.parametrize("mesh", list(SPLITS.values()), ids=list(SPLITS))
 def test_split_sequences_equal_the_unsplit_run(unsplit, mesh):
-    assert_same(loss_and_grads(*mesh), unsplit)
-
-
-# Llama 4's chunked attention (chunks of positions cutting across the layout's chunks), a
-# NoPE layer with temperature tuning, and gpt-oss's sinks, on a mesh of its own; dense
-# layers (the MoE layer under the axis is the tests' above), to compile less.
-CHUNKED_SINKS = [
-    "moe.n_experts=0",
-    "attention.sliding_window=0",
-    "attention.full_attention_interval=0",
-    "attention.chunk_size=12",
-    "attention.nope_interval=2",
-    "attention.temperature_tuning=true",
-    "attention.sinks=true",
-]
-
-
-@pytest.fixture(scope="module")
-def chunked_unsplit():
-    return loss_and_grads(*CHUNKED_SINKS)
-
-
-@pytest.mark.parametrize("strategy", ["all_gather", "ring"])
-def test_chunked_attention_nope_and_sinks_split_equal_the_unsplit_run(chunked_unsplit, strategy):
-    split = ["mesh.data=2", "mesh.context=4", f"mesh.context_strategy={strategy}"]
-    got = loss_and_grads(*CHUNKED_SINKS, *split)
-    assert_same(got, chunked_unsplit)
+    got = loss_and_grads(*mesh)
+    assert_same(got, unsplit)
     sinks = [g for p, g in jax.tree_util.tree_flatten_with_path(got[1])[0] if "sinks" in str(p)]
     assert sinks and all(np.abs(g).max() > 0 for g in sinks)  # the sinks' gradient reached
 
 
+# Two steps round a ring of 2 (fewer to compile than 4): shard 0's second block comes from
+# a later shard, shard 1's from an earlier one, so both of the skips' branches run.
+RING_SPLIT = ["mesh.data=4", "mesh.context=2"]
+
+
 def test_ring_equals_the_unsplit_run(unsplit):
     """K/V blocks round the ring, the causal blocks that see nothing skipped, merged by
-    log-sum-exp: the window, both documents' kinds of boundary and the MoE as above."""
-    assert_same(loss_and_grads(*SPLITS["data2_context4"], "mesh.context_strategy=ring"), unsplit)
+    log-sum-exp with the sinks: the same masks, documents and MoE layer as above."""
+    assert_same(loss_and_grads(*RING_SPLIT, "mesh.context_strategy=ring"), unsplit)
 
 
 # MLA gathers its latent and shared rope key, each shard expanding every head's k and v.
@@ -149,6 +136,9 @@ MLA = [
     "attention.qk_norm=none",
     "attention.sliding_window=0",
     "attention.full_attention_interval=0",
+    "attention.chunk_size=0",
+    "attention.nope_interval=0",
+    "attention.sinks=false",
     "attention.kv_lora_rank=16",
     "attention.qk_nope_head_dim=8",
     "attention.qk_rope_head_dim=8",
@@ -164,8 +154,8 @@ def mla_unsplit():
 
 @pytest.mark.parametrize(
     "strategy, mesh",
-    [("all_gather", SPLITS["context4_tensor2"]), ("ring", SPLITS["data2_context4"])],
-    ids=["all_gather_context4_tensor2", "ring_data2_context4"],
+    [("all_gather", SPLITS["context4_tensor2"]), ("ring", RING_SPLIT)],
+    ids=["all_gather_context4_tensor2", "ring_data4_context2"],
 )
 def test_mla_split_equals_the_unsplit_run(mla_unsplit, strategy, mesh):
     """With q-LoRA: the query's projection is per token, and what the axis changes (the
