@@ -3,6 +3,10 @@
 Every parameter is created with a tuple of *logical* axis names (`("embed", "mlp")`); the table
 below says which mesh axis (`data`, `fsdp`, `expert`, `tensor`) shards each logical axis, as
 fixed in DESIGN.md. Each logical name appears once (NNX rules are last-write-wins).
+
+The `context` axis splits no parameter: it splits the sequence dim of the activations
+(`at_block_boundary`, the expert-parallel map, context-parallel attention), so every weight
+is replicated over it and its gradient summed over it, as over `data`.
 """
 
 from __future__ import annotations
@@ -18,10 +22,11 @@ from jax.experimental import mesh_utils
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from moe_jax.config import MESH_AXES, Config, ConfigError
+from moe_jax.config import MESH_AXES, Config, ConfigError, check_context
 from moe_jax.process_setup import drop_gloo_noise
 
 BATCH_AXES = ("data", "fsdp", "expert")  # the batch is split over all of these
+CONTEXT_AXIS = "context"  # the sequence of every row is split over this one
 
 LOGICAL_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     ("batch", ("data", "fsdp", "expert")),
@@ -68,7 +73,7 @@ def rollout_mesh(mesh: Mesh) -> Mesh:
     (`exchange.mesh_axes`)."""
     assert tuple(mesh.axis_names) == MESH_AXES, mesh.axis_names
     s = mesh.shape
-    devices = mesh.devices.reshape(s["data"] * s["fsdp"], 1, s["expert"], s["tensor"])
+    devices = mesh.devices.reshape(s["data"] * s["fsdp"], 1, s["expert"], s["context"], s["tensor"])
     return Mesh(devices, MESH_AXES, axis_types=mesh.axis_types)
 
 
@@ -110,9 +115,12 @@ def mesh_shape(cfg: Config, n_devices: int, inference: bool = False) -> dict[str
         shape = " x ".join(f"{ax}={v}" for ax, v in sizes.items())
         raise ConfigError(
             f"mesh {shape} has {total} devices but {n_devices} are available; "
-            "make the product of mesh.data/fsdp/expert/tensor equal the device count (or use -1)"
+            "make the product of mesh.data/fsdp/expert/context/tensor equal the device count "
+            "(or use -1)"
         )
     _check_divisible(cfg, sizes, inference)
+    if sizes["context"] > 1:
+        check_context(cfg, sizes["context"], inference)
     return sizes
 
 
@@ -191,7 +199,7 @@ def make_mesh(cfg: Config, devices: list | None = None, inference: bool = False)
             per_slice = (sizes["data"] // slices, *shape[1:])
             array = mesh_utils.create_hybrid_device_mesh(
                 per_slice,
-                (slices, 1, 1, 1),
+                (slices,) + (1,) * (len(shape) - 1),
                 devices,
                 # GPUs (and CPUs) name no slices: each host (process) is one
                 process_is_granule=len({getattr(d, "slice_index", 0) for d in devices}) == 1,
@@ -219,7 +227,7 @@ def _mesh_error(cfg: Config, sizes: dict[str, int], e: Exception) -> ConfigError
         return ConfigError(
             f"mesh {shape} cannot span mesh.slices={cfg.mesh.slices} ({detail[:200]}); the "
             "devices must come in that many equal slices (or hosts), each holding "
-            "mesh.data/slices x fsdp x expert x tensor of them"
+            "mesh.data/slices x fsdp x expert x context x tensor of them"
         )
     return ConfigError(f"mesh {shape} cannot be laid out over the devices: {detail[:300]}")
 
@@ -268,15 +276,31 @@ def split_batch_axes(mesh) -> tuple[str, ...]:
     return tuple(ax for ax in BATCH_AXES if mesh.shape[ax] > 1)
 
 
+def context_size(mesh=None) -> int:
+    """How many shards the `context` axis of `mesh` (default: the active one) cuts every
+    sequence into; 1 without a mesh or such an axis."""
+    mesh = mesh if mesh is not None else jax.sharding.get_abstract_mesh()
+    return 1 if mesh.empty else dict(mesh.shape).get(CONTEXT_AXIS, 1)
+
+
+def seq_axis(mesh, T: int) -> str | None:
+    """The mesh axis that splits a sequence dim of length `T`: `context` where it is > 1 and
+    divides T (a decode step's one token is not split), else None."""
+    n = context_size(mesh)
+    return CONTEXT_AXIS if n > 1 and T % n == 0 else None
+
+
 def at_block_boundary(x_B: jax.Array) -> jax.Array:
-    """`x_B` [B, ...] laid out as between two decoder layers under the mesh set by
-    `jax.set_mesh`: rows over the batch axes, the rest whole on each device. Left to the
-    partitioner otherwise: no mesh, or a batch the batch axes do not divide (one sequence
-    decoding runs replicated, see moe.MoE)."""
+    """`x_B` [B, T, ...] laid out as between two decoder layers under the mesh set by
+    `jax.set_mesh`: rows over the batch axes, the sequence over `context` (when > 1), the
+    rest whole on each device. Left to the partitioner otherwise: no mesh, or a batch the
+    batch axes do not divide (one sequence decoding runs replicated, see moe.MoE)."""
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty or x_B.shape[0] % n_batch_shards(mesh):
         return x_B
-    return jax.lax.with_sharding_constraint(x_B, P(split_batch_axes(mesh) or None))
+    seq = seq_axis(mesh, x_B.shape[1]) if x_B.ndim > 1 else None
+    spec = P(split_batch_axes(mesh) or None, *((seq,) if seq else ()))
+    return jax.lax.with_sharding_constraint(x_B, spec)
 
 
 def batch_sharding(mesh: Mesh) -> NamedSharding:

@@ -291,7 +291,7 @@ def test_meshes_that_split_torus_axes_or_span_slices():
     with pytest.raises(ConfigError, match="mesh.split_physical_axes=true"):
         make_mesh(tiny_config(*split), list(topo.devices))
     mesh = make_mesh(tiny_config(*split, "mesh.split_physical_axes=true"), list(topo.devices))
-    assert dict(mesh.shape) == {"data": 1, "fsdp": 8, "expert": 8, "tensor": 1}
+    assert dict(mesh.shape) == {"data": 1, "fsdp": 8, "expert": 8, "context": 1, "tensor": 1}
     assert {d.id for d in mesh.devices.flat} == {d.id for d in topo.devices}
 
     # two v5p-8 slices: the data axis crosses them, everything else stays inside one

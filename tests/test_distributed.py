@@ -176,7 +176,10 @@ def test_two_processes_train_together_like_one(tmp_path, straight_run):
     outs = [p.communicate(timeout=240)[0] for p in procs]
     for p, out in zip(procs, outs, strict=True):
         assert p.returncode == 0, out[-3000:]
-    assert "'data': 2, 'fsdp': 1, 'expert': 2, 'tensor': 1} over 4 devices, 2 process" in outs[0]
+    assert (
+        "'data': 2, 'fsdp': 1, 'expert': 2, 'context': 1, 'tensor': 1} over 4 devices, 2 process"
+        in outs[0]
+    )
     assert_same_run(multi, straight_run)
     # One host: MFU is against its peak once, as both processes' devices share its cores.
     (info,) = [r for r in read_metrics(multi) if r["kind"] == "info"]
@@ -288,6 +291,6 @@ def test_a_torus_mesh_whose_hosts_hold_scattered_rows_splits_the_batch():
 
     from moe_jax.sharding import MESH_AXES, check_batch_split
 
-    order = np.array(jax.devices())[[0, 4, 1, 5, 2, 6, 3, 7]].reshape(1, 8, 1, 1)
+    order = np.array(jax.devices())[[0, 4, 1, 5, 2, 6, 3, 7]].reshape(1, 8, 1, 1, 1)
     mesh = Mesh(order, MESH_AXES)
     check_batch_split(mesh, 8, process_of=lambda d: d.id // 4, n_processes=2)

@@ -109,7 +109,10 @@ def test_the_sbatch_script_trains_two_tasks_as_one_mesh(tmp_path):
     )
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]
-    assert "'data': 2, 'fsdp': 1, 'expert': 2, 'tensor': 1} over 4 devices, 2 process" in out
+    assert (
+        "'data': 2, 'fsdp': 1, 'expert': 2, 'context': 1, 'tensor': 1} over 4 devices, 2 process"
+        in out
+    )
     assert "step 2/2 | loss" in out and "[process 1/2] step 2/2" in out
     assert (run / "checkpoints" / "2").is_dir()
     steps = (tmp_path / "srun.log").read_text().splitlines()

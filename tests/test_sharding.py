@@ -206,7 +206,7 @@ def test_mesh_validation_messages():
     with pytest.raises(ConfigError, match=r"micro-batch .* \(4\) must be divisible"):
         make_mesh(tiny_config("mesh.data=8", "train.batch_size=4"))
     mesh = make_mesh(tiny_config("mesh.data=-1", "mesh.expert=2"))
-    assert dict(mesh.shape) == {"data": 4, "fsdp": 1, "expert": 2, "tensor": 1}
+    assert dict(mesh.shape) == {"data": 4, "fsdp": 1, "expert": 2, "context": 1, "tensor": 1}
     # ZeRO splits a dim over two axes at once: each alone divides it, their product does not
     with pytest.raises(
         ConfigError,

@@ -43,3 +43,14 @@ def test_expert_weights_are_gathered_over_fsdp_only_and_data_sums_the_shards():
     assert got["reduce-scatter"] == whole
     # shards: the rest over 4 devices, the experts over 4 too (2 experts x 2 fsdp)
     assert got["all-reduce"] == (rest // 4 + experts // 4) * 4 + norms * 4
+
+
+def test_a_context_axis_all_reduces_every_weight_gradient_over_its_shards():
+    """fsdp 4 x context 2: the fsdp-split weights as at fsdp alone (gathered, reduce-scattered
+    over fsdp), and then every gradient shard summed over the 2 sequence shards, which
+    split no weight: the gathered ones' in bf16, the norms' in float32."""
+    cfg = tiny_config("train.batch_size=16")
+    total = param_breakdown(cfg).total
+    norms, rest = total["norms"], sum(total.values()) - total["norms"]
+    got = weight_collectives(cfg, {**MESH, "fsdp": 4, "context": 2}, "bfloat16")
+    assert got["all-reduce"] == norms * 4 + rest // 4 * 2

@@ -13,7 +13,8 @@ all-gather makes, the whole array a reduce-scatter takes), for every parameter:
   needs the weight again and a gather is not kept; the embedding and the head are outside
   the layers), and its gradient reduce-scattered once, in the compute dtype;
 - summed over the batch axes that split nothing of it (`data`, or every batch axis for a
-  replicated weight: the norms): its gradient shard all-reduced, in float32 where nothing is
+  replicated weight: the norms) and over `context` (sequence shards): its gradient shard
+  all-reduced, in float32 where nothing is
   gathered (the partitioner sums the float32 gradient), else in the compute dtype.
 Each micro-batch of `train.grad_accum` gathers again. Tokens' all-to-alls, the loss's and
 the router's statistics and the optimizer's own reductions (the gradient norm) are not
@@ -30,7 +31,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from moe_jax.config import Config
-from moe_jax.sharding import BATCH_AXES, logical_to_spec
+from moe_jax.sharding import BATCH_AXES, CONTEXT_AXIS, logical_to_spec
 
 
 def weight_collectives(cfg: Config, mesh_shape: dict[str, int], compute_dtype) -> dict[str, int]:
@@ -57,7 +58,9 @@ def weight_collectives(cfg: Config, mesh_shape: dict[str, int], compute_dtype) -
                 # a device computes with its own experts only, and with a shard of `tensor`
                 if ax in BATCH_AXES and name != "expert":
                     gathered *= mesh_shape[ax]
+        # (`context` splits the tokens and no weight: every gradient is summed over it too)
         replicas = math.prod(mesh_shape[ax] for ax in BATCH_AXES if ax not in split_by)
+        replicas *= mesh_shape.get(CONTEXT_AXIS, 1)
         if gathered > 1:
             whole = local * gathered * itemsize
             out["all-gather"] += whole * passes

@@ -52,9 +52,10 @@ from moe_jax.config.run import (
     TrainConfig,
     sampling_problem,
 )
-from moe_jax.config.tree import Config, check_lora_targets, lora_groups, validate
+from moe_jax.config.tree import Config, check_context, check_lora_targets, lora_groups, validate
 
 __all__ = [
+    "check_context",
     "check_lora_targets",
     "lora_groups",
     "DEFAULT_WARMUP_STEPS",

@@ -27,7 +27,10 @@ OBJECTIVES = (
     "dpo",
     "grpo",
 )  # train.objective (train/step.py, posttrain/dpo.py, posttrain/rl/grpo.py)
-MESH_AXES = ("data", "fsdp", "expert", "tensor")  # the axes a mesh.* size names
+# The axes a mesh.* size names, outermost first: `context` (sequence shards) sits beside
+# `tensor`, inside the batch axes, as its collectives move activations every layer.
+MESH_AXES = ("data", "fsdp", "expert", "context", "tensor")
+CONTEXT_STRATEGIES = ("all_gather", "ring")  # mesh.context_strategy (model/context_parallel.py)
 # train.trackers (moe_jax/observe/trackers.py); "jsonl" is always on, and may be named
 TRACKERS = ("jsonl", "tensorboard", "wandb", "mlflow")
 # Logits divided by the temperature stay finite in float32 (|logit| < 1e30) inside this range.
@@ -305,7 +308,13 @@ class MeshConfig:
     data: int = 1
     fsdp: int = 1
     expert: int = 1
+    # Context parallelism: every sequence split into `context` shards through the whole layer
+    # stack, in the load-balanced causal layout (moe_jax/model/context_parallel.py).
+    context: int = 1
     tensor: int = 1
+    # How attention sees the other shards' keys: all_gather (each shard gathers K/V) | ring
+    # (K/V blocks passed round the axis, one step per shard, merged by log-sum-exp).
+    context_strategy: str = "all_gather"
     # Multi-slice (TPU slices, or GPU hosts, joined by the data-center network): the data axis
     # spans `slices` slices, each holding data/slices of it; the other axes stay in a slice.
     slices: int = 1
@@ -331,6 +340,7 @@ class MeshConfig:
 
     def check(self) -> None:
         one_of(self.weight_gather, WEIGHT_GATHERS, "mesh.weight_gather")
+        one_of(self.context_strategy, CONTEXT_STRATEGIES, "mesh.context_strategy")
         require(
             self.gather_group >= -1,
             f"mesh.gather_group must be -1 (auto), 0 (whole axes) or a group size, got "

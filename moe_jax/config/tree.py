@@ -138,6 +138,44 @@ def _check_across_sections(cfg: Config) -> None:
     )
     _check_objective(cfg)
     _check_lora_targets(cfg)
+    if cfg.mesh.context > 1:  # -1 is checked once resolved (sharding.mesh_shape)
+        check_context(cfg, cfg.mesh.context)
+
+
+def check_context(cfg: Config, n: int, inference: bool = False) -> None:
+    """What a context axis of `n` shards (model/context_parallel.py) runs today; the rest is
+    refused by name, before anything is compiled or written."""
+    a, t = cfg.attention, cfg.train
+    require(
+        not inference,
+        f"mesh.context={n} splits training sequences; the sampler's prefill under a context "
+        "axis is not supported yet: sample with mesh.context=1",
+    )
+    require(
+        t.seq_len % (2 * n) == 0,
+        f"train.seq_len ({t.seq_len}) must be divisible by 2 x mesh.context ({2 * n}): the "
+        "load-balanced layout cuts every sequence into that many equal chunks",
+    )
+    unsupported = [
+        (t.objective != "lm", f"train.objective={t.objective}", "train.objective=lm"),
+        (cfg.model.mtp_depth > 0, "model.mtp_depth > 0 (its loss shifts tokens along the "
+         "sequence)", "model.mtp_depth=0"),
+        (cfg.moe.seq_aux_loss_weight > 0, "moe.seq_aux_loss_weight > 0 (a per-sequence "
+         "statistic)", "moe.seq_aux_loss_weight=0"),
+        (cfg.model.vision > 0, "model.vision > 0 (images placed by order in the row)",
+         "model.vision=0"),
+        (a.linear != "none", f"attention.linear={a.linear} (its recurrent state would pass "
+         "between the shards)", "attention.linear=none"),
+        (a.impl not in ("auto", "blocked"), f"attention.impl={a.impl} (the context axis "
+         "runs its own XLA attention)", "attention.impl=auto"),
+        (bool(cfg.eval.tasks.strip()), "eval.tasks (the harness scores rows on the training "
+         "mesh in row order, not the axis's layout)", "eval.tasks=''"),
+    ]  # fmt: skip
+    for bad, what, fix in unsupported:
+        require(
+            not bad,
+            f"mesh.context={n} does not support {what} yet; set {fix} or mesh.context=1",
+        )
 
 
 def lora_groups(cfg: Config) -> tuple[str, ...]:

@@ -35,13 +35,16 @@ from moe_jax.model.routing import (
     to_buffers,
 )
 from moe_jax.named_scopes import COMBINE, DISPATCH, scoped
-from moe_jax.sharding import split_batch_axes
+from moe_jax.sharding import seq_axis, split_batch_axes
 
 
 class Axes(NamedTuple):
     """The mesh as the expert-parallel map sees it. Experts split over `expert`, the hidden
     dim over `tensor`; each named (ex, tp, fs) only when > 1, so replication stays inferable.
-    `batch_axes`: the axes that split the tokens (none when `replicated`)."""
+    `batch_axes`: the axes that split the tokens' rows (none when `replicated`); `seq`: the
+    axis that splits their sequence (`context`, or None): a context shard's tokens route
+    as one more group, the exchange taking them as more rows. `data_axes`: the token axes
+    over which the weights are the same (replicated), their gradient summed over them."""
 
     ep: int
     ex: str | None
@@ -50,10 +53,18 @@ class Axes(NamedTuple):
     batch_axes: tuple
     data_axes: tuple
     replicated: bool
+    seq: str | None = None
+
+    @property
+    def token_axes(self) -> tuple:
+        """Every axis that splits the tokens: the statistics are summed over these."""
+        return self.batch_axes + ((self.seq,) if self.seq else ())
 
 
-def mesh_axes(mesh, replicated: bool) -> Axes:
+def mesh_axes(mesh, replicated: bool, T: int = 1) -> Axes:
+    """`T`: the tokens' sequence length, split over `context` where that divides it."""
     ep = mesh.shape["expert"]
+    seq = None if replicated else seq_axis(mesh, T)
     # Only axes that split the batch are named. A size-1 axis named in the batch spec would
     # still make JAX sum the weights' gradient over it, and XLA:CPU runs that one-device
     # all-reduce as a full copy of each layer's expert gradients (0.1 s a step at medium
@@ -64,8 +75,10 @@ def mesh_axes(mesh, replicated: bool) -> Axes:
         tp="tensor" if mesh.shape["tensor"] > 1 else None,
         fs="fsdp" if mesh.shape["fsdp"] > 1 else None,
         batch_axes=() if replicated else split_batch_axes(mesh),
-        data_axes=("data",) if mesh.shape["data"] > 1 and not replicated else (),
+        data_axes=(("data",) if mesh.shape["data"] > 1 and not replicated else ())
+        + ((seq,) if seq else ()),
         replicated=replicated,
+        seq=seq,
     )
 
 
@@ -104,7 +117,7 @@ def expert_parallel(
     experts every token took [B, T, K]). `router`: route_group's router arguments by name,
     the same on every device. `replay_BTK`: recorded experts to reuse (`routing.route`).
     `replicated`: a batch the batch axes do not split (see `own_experts`)."""
-    ax = mesh_axes(mesh, replicated)
+    ax = mesh_axes(mesh, replicated, x_BTD.shape[1])
     specs = expert_specs(ax)
     step = functools.partial(
         _shard_step,
@@ -116,14 +129,16 @@ def expert_parallel(
         fs_plan=weight_gather.steps((ax.fs,), mesh) if ax.fs else (),  # mesh.gather_group's steps
         ragged=backends.exchange(impl, cfg.exchange) == "ragged",
     )
-    x_spec = P(ax.batch_axes or None, None, None)
+    x_spec = P(ax.batch_axes or None, ax.seq, None)
     # the optional per-token inputs, split like the tokens
     rows = {k: a for k, a in (("valid_bT", valid_BT), ("replay_bTK", replay_BTK)) if a is not None}
+    row_spec = lambda a: P(ax.batch_axes or None, ax.seq, *(None,) * (a.ndim - 2))
+    row_specs = {k: row_spec(a) for k, a in rows.items()}
     return jax.shard_map(
         step,
         mesh=mesh,
         in_specs=(x_spec, {n: P() for n in router}, {n: specs[n][0] for n in weights})
-        + ({k: P(ax.batch_axes or None, *(None,) * (a.ndim - 1)) for k, a in rows.items()},),
+        + (row_specs,),
         out_specs=(x_spec, P(), x_spec),
     )(x_BTD, router, weights, rows)
 
@@ -198,7 +213,7 @@ def _shard_step(x_bTD, router, w, rows, *, cfg, dtype, impl, ax, specs, fs_plan,
             y_bTD = jax.lax.psum(y_bTD, ax.tp)
     # "rounds" is the same everywhere already; "overflow" sums over the owners.
     sums = r.sums | {k: v for k, v in exchanged.items() if k == "overflow"}
-    sums = jax.lax.psum(sums, ax.batch_axes) if ax.batch_axes else sums
+    sums = jax.lax.psum(sums, ax.token_axes) if ax.token_axes else sums
     return y_bTD, sums | {k: v for k, v in exchanged.items() if k == "rounds"}, r.experts
 
 

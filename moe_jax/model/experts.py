@@ -24,7 +24,7 @@ from moe_jax.model.grouped import grouped_buffers
 from moe_jax.model.routing import scale_inputs, sum_choices
 from moe_jax.model.row_buckets import swiglu_filled
 from moe_jax.named_scopes import EXPERTS, scoped
-from moe_jax.sharding import param
+from moe_jax.sharding import param, seq_axis
 
 EXPERT_PARAMS = ("w_gate", "w_up", "w_down", "gate_bias", "up_bias", "down_bias")
 MAP_MIN_CAPACITY = 128  # expert buffers of at least this many slots run one expert at a time
@@ -48,12 +48,16 @@ class SwiGLU(nnx.Module):
     def __call__(self, x_BTD: jax.Array) -> jax.Array:
         # As rows [B*T, D]: on [B, T, D] XLA:CPU fused the SwiGLU backward's elementwise ops
         # into slow transposing copies for the weight gradients (contracted over both B and T),
-        # and the layer's forward + backward took twice as long.
-        x_ND = x_BTD.reshape(-1, x_BTD.shape[-1])
+        # and the layer's forward + backward took twice as long. Not under a context axis:
+        # rows over the batch axes and a sequence split over `context` do not merge into
+        # one split dim, and the partitioner gathered the whole sequence to merge them.
+        split_seq = x_BTD.ndim == 3 and seq_axis(None, x_BTD.shape[1]) is not None
+        rows = "bt" if split_seq else "n"
+        x_ND = x_BTD if split_seq else x_BTD.reshape(-1, x_BTD.shape[-1])
         # (each matmul's weight gathered by mesh.weight_gather, see weight_gather.einsum)
-        gate_NF = self._matmul("w_gate", x_ND, "nd,df->nf")
-        up_NF = self._matmul("w_up", x_ND, "nd,df->nf")
-        y_ND = self._matmul("w_down", jax.nn.silu(gate_NF) * up_NF, "nf,fd->nd")
+        gate_NF = self._matmul("w_gate", x_ND, f"{rows}d,df->{rows}f")
+        up_NF = self._matmul("w_up", x_ND, f"{rows}d,df->{rows}f")
+        y_ND = self._matmul("w_down", jax.nn.silu(gate_NF) * up_NF, f"{rows}f,fd->{rows}d")
         return y_ND.reshape(*x_BTD.shape[:-1], -1)
 
     def _matmul(self, name: str, x, subscripts: str) -> jax.Array:

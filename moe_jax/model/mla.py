@@ -46,7 +46,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from moe_jax import backends
 from moe_jax.config import Config
-from moe_jax.model import attention_kernels, in_turn, lora, weight_gather
+from moe_jax.model import attention_kernels, context_parallel, in_turn, lora, weight_gather
 from moe_jax.model.attention import (
     ATTENTION_OUT,
     attend,
@@ -88,6 +88,7 @@ class MLAttention(nnx.Module):
         self.rope_scale = rope_attention_factor(a.rope_scaling)  # YaRN's, on q_pe and k_pe
         self.scale = (N + P) ** -0.5 * rope_softmax_factor(a.rope_scaling)
         self.impl = a.impl  # resolved for the target backend when traced (`backends.choose`)
+        self.context_strategy = cfg.mesh.context_strategy  # under a context axis
 
         heads = ("latent", "heads", "head_dim")  # the latent dim split over fsdp (ZeRO)
         if rank_q > 0:
@@ -154,8 +155,16 @@ class MLAttention(nnx.Module):
         return checkpoint_name(y_BTD, "out_proj"), cache
 
     def _expanded(self, q_nope_BTHN, q_pe_BTHP, c_BTR, k_pe_BT1P, positions_BT, segments_BT):
-        """Self-attention over the call's tokens with every head's keys and values expanded."""
+        """Self-attention over the call's tokens with every head's keys and values expanded
+        (under a context axis from the latent each shard gathers: `context_parallel`)."""
         B, T, H, P = q_pe_BTHP.shape
+        if context_parallel.active(T):
+            q_BTHQ = jnp.concatenate([q_nope_BTHN, q_pe_BTHP], axis=-1)
+            w_uk, w_uv = self._w(self.wk_b, c_BTR), self._w(self.wv_b, c_BTR)
+            args = (q_BTHQ, c_BTR, k_pe_BT1P, w_uk, w_uv, positions_BT, segments_BT)
+            return context_parallel.latent_attention(
+                *args, scale=self.scale, strategy=self.context_strategy
+            )
         k_nope_BTHN = jnp.einsum("btr,rhn->bthn", c_BTR, self._w(self.wk_b, c_BTR))
         v_BTHV = jnp.einsum("btr,rhv->bthv", c_BTR, self._w(self.wv_b, c_BTR))
         k_pe_BTHP = jnp.broadcast_to(k_pe_BT1P, (B, T, H, P))

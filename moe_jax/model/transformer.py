@@ -59,7 +59,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from moe_jax import backends
 from moe_jax.config import Config, check_lora_targets
-from moe_jax.model import in_turn, linear_attention, lora, weight_gather
+from moe_jax.model import context_parallel, in_turn, linear_attention, lora, weight_gather
 from moe_jax.model.attention import Attention
 from moe_jax.model.int8 import QuantizedParam, after
 from moe_jax.model.kv_cache import KVCache
@@ -268,7 +268,7 @@ class Transformer(nnx.Module):
         B, T = tokens_BT.shape
         replay = self._replays(routes)
         if positions is None:
-            positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+            positions = context_parallel.default_positions(B, T)  # under a context axis: its layout
         x_BTD = weight_gather.lookup(tokens_BT, self.embed.embedding, self.dtype)
         if images is not None or image_mask is not None:
             x_BTD = self._insert_images(x_BTD, images, image_mask)

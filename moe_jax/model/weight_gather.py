@@ -39,7 +39,7 @@ from jax.sharding import PartitionSpec as P
 
 from moe_jax import backends
 from moe_jax.model import in_turn
-from moe_jax.sharding import logical_to_spec, n_batch_shards, split_batch_axes
+from moe_jax.sharding import context_size, logical_to_spec, n_batch_shards, split_batch_axes
 
 # (gather by steps, the largest group one collective spans: 0 = whole axes)
 _mode: contextvars.ContextVar[tuple[bool, int]] = contextvars.ContextVar(
@@ -117,9 +117,12 @@ def gather_leading(w, plan, dim: int):
 
 def _steps_mesh(x_B):
     """The mesh to gather by steps on, or None where the partitioner gathers: not tracing
-    the train step, no mesh, or rows `x_B` [B, ...] the batch axes do not divide."""
+    the train step, no mesh, or rows `x_B` [B, ...] the batch axes do not divide. Under a
+    context axis too: the steps' maps take whole rows, and would gather the sequence."""
     mesh = jax.sharding.get_abstract_mesh()
     if not _mode.get()[0] or mesh.empty or x_B.shape[0] % n_batch_shards(mesh):
+        return None
+    if context_size(mesh) > 1:
         return None
     return mesh
 

@@ -57,7 +57,7 @@ from jax.sharding import PartitionSpec as P
 
 from moe_jax import backends
 from moe_jax.config import Config, TrainConfig
-from moe_jax.model import Transformer, lora, weight_gather
+from moe_jax.model import Transformer, context_parallel, lora, weight_gather
 from moe_jax.model.balancing import update_correction_bias
 from moe_jax.model.loss import Batch, head_statistics, split_batch, target_statistics
 from moe_jax.model.mtp import MTP_LAYER_STATS, mtp_hidden, with_mtp_stats
@@ -264,6 +264,9 @@ def loss_fn(
     ("n_targets"), the aux statistics, and with model.mtp_depth those of `mtp_loss`."""
     model = nnx.merge(graphdef, params)
     inputs, targets_BT, weights_BT = split_batch(batch)
+    # Under a context axis: every token of the row moved to its shard's slot, which changes
+    # no sum below (model/context_parallel.py)
+    inputs, targets_BT, weights_BT = context_parallel.layout_inputs(inputs, targets_BT, weights_BT)
     x_BTD, aux = model(
         inputs["tokens"],
         positions=inputs.get("positions"),
