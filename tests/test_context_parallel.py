@@ -206,6 +206,7 @@ def test_attention_moves_keys_values_positions_and_segments_over_context(strateg
         (["eval.tasks=hellaswag"], r"does not support eval.tasks"),
         (  # a hybrid stack (tests/test_hybrid.py's sizes): its state would cross the shards
             ["attention.linear=gated_deltanet", "attention.full_attention_interval=2"]
+            + ["attention.sliding_window=0"]  # the hybrid's full layers: plain GQA
             + [f"attention.linear_{k}=4" for k in ("key_heads", "value_heads")]
             + [f"attention.linear_{k}=8" for k in ("key_dim", "value_dim")],
             r"does not support attention.linear=gated_deltanet",
