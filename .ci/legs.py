@@ -80,7 +80,9 @@ def read_costs(log: str, tests) -> tuple[dict[str, float], dict[str, float]]:
 
 
 def needs_an_extra(test: str, sources: dict) -> bool:
-    """The test (or its module, at import) imports a package the newest leg lacks."""
+    """The test (or its module, at import) imports a package the newest leg lacks: in its own
+    body, in a fixture or module function it uses (followed through their own), or at the
+    module's top; and the commands' parametrised cases whose command needs one."""
     path = test.split("::")[0]
     if path not in sources:
         text = (ROOT / path).read_text(encoding="utf-8")
@@ -93,12 +95,25 @@ def needs_an_extra(test: str, sources: dict) -> bool:
         segment = ast.get_source_segment(text, node) or ""
         if "importorskip" in segment and names.search(segment):
             return True
-    name = test.split("::")[1].split("[")[0]
-    for node in ast.walk(tree):
-        if isinstance(node, ast.FunctionDef) and node.name == name:
-            return bool(names.search(ast.get_source_segment(text, node) or ""))
     # test_chaos / test_help parametrised over the commands: serve and the harness need extras
-    return "serve" in test or "harness" in test
+    if re.search(r"\[(python -m moe_jax\.)?(serve|harness)\b", test):
+        return True
+    functions = {n.name: n for n in tree.body if isinstance(n, ast.FunctionDef)}
+    todo, seen = [test.split("::")[1].split("[")[0]], set()
+    while todo:  # the test, then the module's fixtures and functions it reaches
+        node = functions.get(todo.pop())
+        if node is None or node.name in seen:
+            continue
+        seen.add(node.name)
+        if names.search(ast.get_source_segment(text, node) or ""):
+            return True
+        todo += [a.arg for a in node.args.args]
+        todo += [
+            c.func.id
+            for c in ast.walk(node)
+            if isinstance(c, ast.Call | ast.Name) and isinstance(getattr(c, "func", None), ast.Name)
+        ]
+    return False
 
 
 class Leg:
