@@ -64,7 +64,7 @@ from moe_jax.inference.engine.draft_programs import DraftPrograms
 from moe_jax.inference.engine.pages import PagePool
 from moe_jax.inference.engine.programs import Batch, Picked, PickMode, Programs, table_width
 from moe_jax.inference.engine.recording import Recorder, generate_recorded
-from moe_jax.inference.engine.sizes import size_problem
+from moe_jax.inference.engine.sizes import model_problem, size_problem
 from moe_jax.inference.engine.speculation import Speculation, draft_depth_of
 from moe_jax.inference.sampling import Generation
 
@@ -150,15 +150,9 @@ class Engine:
         `draft_depth` of them drafting (default: sample.draft_depth, else all). `record`:
         keep each request's experts and tempered log-probs (`recording.py`)."""
         cfg = sampler.cfg
-        if cfg.attention.linear != "none":  # a state per layer, not pages of keys
-            raise EngineError(
-                f"the engine's paged cache holds keys and values, not the state of linear-"
-                f"attention layers (attention.linear={cfg.attention.linear}: Qwen3-Next, "
-                "Qwen3.5); sample these models with the Sampler (sample.py) instead"
-            )
         sizes = dict(max_slots=max_slots, page_size=page_size, n_pages=n_pages, chunk=chunk,
                      max_queue=max_queue)  # fmt: skip
-        if problem := size_problem(sizes):
+        if problem := model_problem(cfg) or size_problem(sizes):
             raise EngineError(problem)
         if record and speculative:
             raise EngineError("the speculative engine does not record routes; drop speculative")

@@ -1,5 +1,6 @@
-"""The sizes an engine runs with, checked before anything is built: the engine's own
-constructor and the server's flags (before the model loads) ask the same `size_problem`."""
+"""What an engine runs, checked before anything is built: the sizes (the engine's own
+constructor and the server's flags, before the model loads, ask the same `size_problem`) and
+the model (`model_problem`)."""
 
 # The least value of each size an engine runs with (its keyword): a page size of 0 divides
 # by zero, a chunk of 0 never prefills a token, a queue of 0 refuses every request.
@@ -12,4 +13,15 @@ def size_problem(sizes: dict, spell=lambda name: name) -> str | None:
     for name, value in sizes.items():
         if value is not None and value < SIZE_LEAST[name]:
             return f"{spell(name)} must be >= {SIZE_LEAST[name]}, got {value}"
+    return None
+
+
+def model_problem(cfg) -> str | None:
+    """Why the engine cannot serve the model of `cfg` (a Config), or None."""
+    if cfg.attention.linear != "none":  # a state per layer, not pages of keys
+        return (
+            f"the engine's paged cache holds keys and values, not the state of linear-"
+            f"attention layers (attention.linear={cfg.attention.linear}: Qwen3-Next, "
+            "Qwen3.5); sample these models with the Sampler (sample.py) instead"
+        )
     return None
