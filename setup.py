@@ -1,5 +1,5 @@
 """The one build step pyproject.toml cannot say: the wheel carries the clone's configs/ as
-package data, moe_jax/configs/ (found by name: moe_jax/cli/configs.py). Everything else about
+package data, moe_jax/configs/ (found by name: moe_jax/config/shipped.py). Everything else about
 the package is in pyproject.toml. An editable install copies nothing: the clone's configs/ is
 read where it lies."""
 

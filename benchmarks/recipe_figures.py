@@ -44,7 +44,7 @@ def recipe_names() -> list[str]:
 
 
 def run_recipe(name: str, layers: int | None, extra: list[str]) -> dict:
-    from moe_jax.cli.configs import config_path
+    from moe_jax.config.shipped import config_path
 
     path = config_path(name)
     topology = recipe_topology(path)

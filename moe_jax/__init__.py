@@ -15,7 +15,8 @@ function), so any layer can be read and tested without those above it:
             engine, loading a run for inference)
     jobs    posttrain/ (LoRA, DPO, RL), eval/, train/ (the loop and its step), serve/
     tools   aot/, prepare, quantize, plot, profile (the last two: doors of observe/'s
-            commands) and cli/ (train.py and sample.py)
+            commands) and cli/ (the `moe-jax` command, train.py and sample.py); __main__
+            (`python -m moe_jax`, the same command)
 """
 
 import os
@@ -32,16 +33,17 @@ LAYERS = (
     ("run",),
     ("interop", "summary", "observe", "inference"),
     ("posttrain", "eval", "train", "serve"),
-    ("aot", "prepare", "quantize", "plot", "profile", "cli"),
+    ("aot", "prepare", "quantize", "plot", "profile", "cli", "__main__"),
 )
 
 # jax is imported here, without the CUDA plugin's no-driver lines, for every entry point
 # (`python -m moe_jax.X`, the benchmarks, notebooks, the tests) but the commands that check
 # their input first, the import taking seconds, and then call import_jax() themselves when
 # they need jax: train.py and sample.py (`DEFER_JAX_IMPORT = True` above their first moe_jax
-# import says so), their console scripts (known by name: the wrapper is pip's) and the
-# modules of moe_jax.cli run with `python -m` (known by the interpreter's own arguments).
-DEFERRING_SCRIPTS = ("moe-jax-train", "moe-jax-sample")
+# import says so), the console scripts (known by name: the wrapper is pip's) and the modules of
+# moe_jax.cli run with `python -m`, or moe_jax itself (known by the interpreter's arguments).
+# `moe-jax` imports jax for the subcommands that do not defer it (moe_jax/cli/main.py).
+DEFERRING_SCRIPTS = ("moe-jax", "moe-jax-train", "moe-jax-sample")
 
 
 def _run_module() -> str:
@@ -63,6 +65,7 @@ def _defers_jax() -> bool:
         getattr(sys.modules.get("__main__"), "DEFER_JAX_IMPORT", False)
         or script in DEFERRING_SCRIPTS
         or _run_module().startswith("moe_jax.cli.")
+        or _run_module() == "moe_jax"  # `python -m moe_jax`: the `moe-jax` command
     )
 
 

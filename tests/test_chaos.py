@@ -81,9 +81,12 @@ def test_every_command_goes_through_the_door():
     # `python -m` names kept for commands that moved (moe_jax.plot -> observe.plot): each
     # runs the main of a command listed here
     reached = {module for module, block in modules.items() if not block}  # console scripts
+    from moe_jax.cli.main import SUBCOMMANDS
+
     for module in modules.keys() - reached:
         main = importlib.import_module(module).main if module not in COMMANDS.values() else None
-        assert main is None or main.__module__ in COMMANDS.values(), f"{module} runs {main}"
+        dispatcher = main is not None and main.__module__ == "moe_jax.cli.main"  # `moe-jax`
+        assert main is None or dispatcher or main.__module__ in COMMANDS.values(), module
         reached.add(module if main is None else main.__module__)
     # and every command is run by one (the restructure left `python -m moe_jax.quantize`
     # without its block: it exited 0 having done nothing)
@@ -95,6 +98,11 @@ def test_every_command_goes_through_the_door():
             continue
         main = importlib.import_module(module).main
         assert getattr(main, "door", False), f"{module}.main does not go through the door"
+    # `moe-jax SUBCOMMAND` runs one of these doors, each subcommand that of its own command
+    mains = {importlib.import_module(m).main for m in COMMANDS.values() if m in sys.modules}
+    for name, sub in SUBCOMMANDS.items():
+        if sub.module in sys.modules or not NEEDS.get(name):
+            assert importlib.import_module(sub.module).main in mains, name
     for script in ("train.py", "sample.py"):  # the clone's scripts run the same mains
         assert "from moe_jax.cli." in (ROOT / script).read_text()
 

@@ -19,6 +19,7 @@ from moe_jax.config import (
     config_to_yaml,
     load_config,
 )
+from moe_jax.config.shipped import names as shipped_names
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "configs" / "tiny.yaml"
@@ -39,21 +40,22 @@ def load_error(overrides: list[str], path: Path | str = TINY) -> str:
 def test_unknown_key_suggests_the_closest_name():
     msg = load_error(["model.n_layrs=2"])
     assert msg == (
-        "unknown config key 'model.n_layrs' in override 'model.n_layrs=2'; did you mean 'n_layers'?"
+        "unknown config key 'model.n_layrs' in override 'model.n_layrs=2'; "
+        "did you mean 'model.n_layers'?"
     )
 
 
 def test_unknown_nested_key_suggests_the_closest_name():
     msg = load_error(["attention.rope_scaling.facter=2"])
     assert "unknown config key 'attention.rope_scaling.facter'" in msg
-    assert msg.endswith("did you mean 'factor'?")
+    assert msg.endswith("did you mean 'attention.rope_scaling.factor'?")
 
 
 def test_unknown_key_in_yaml_file_names_the_file(tmp_path):
     path = tmp_path / "typo.yaml"
     path.write_text("model:\n  d_modle: 64\n")
     msg = load_error([], path)
-    assert msg == f"unknown config key 'model.d_modle' in {path}; did you mean 'd_model'?"
+    assert msg == f"unknown config key 'model.d_modle' in {path}; did you mean 'model.d_model'?"
 
 
 def test_unknown_section_suggests_the_closest_section():
@@ -65,6 +67,16 @@ def test_unknown_top_level_key_lists_the_valid_keys():
     msg = load_error(["zzz=1"])
     assert msg.startswith("unknown config key 'zzz'")
     assert "valid keys: model, attention, moe, data, train, mesh, checkpoint, sample" in msg
+
+
+def test_a_key_without_its_section_or_in_the_wrong_one_is_named_in_full():
+    """The hint is a key one can paste: `stpes=3` and `model.lr=1` both point at their key."""
+    assert load_error(["stpes=3"]).endswith("did you mean 'train.steps'?")
+    assert load_error(["model.warmup_step=3"]).endswith("did you mean 'train.warmup_steps'?")
+    # a long section's keys are one command away rather than a 30-key line
+    assert load_error(["train.zzzq=1"]).endswith(
+        "its section's keys: moe-jax train --help-config train"
+    )
 
 
 @pytest.mark.parametrize(
@@ -443,12 +455,12 @@ def run_summary(*args: str) -> subprocess.CompletedProcess:
         (
             ["configs/tiny.yaml", "model.n_layrs=2"],
             "error: unknown config key 'model.n_layrs' in override 'model.n_layrs=2'; "
-            "did you mean 'n_layers'?",
+            "did you mean 'model.n_layers'?",
         ),
-        (
+        (  # summary takes a shipped config's name as train does: neither is named
             ["configs/no_such.yaml"],
-            "error: config file 'configs/no_such.yaml' does not exist; "
-            "pass a YAML file from configs/",
+            "error: config 'configs/no_such.yaml' is neither a file nor a shipped config; "
+            f"shipped: {', '.join(shipped_names())}",
         ),
         (
             ["configs/tiny.yaml", "data.path=,,"],

@@ -261,9 +261,8 @@ def test_init_from_trains_with_the_family_s_defaults_as_the_import_does(case):
     1.25) resolves the family's training keys as the import of the directory does: no Switch
     loss (the correction bias balances), dropless; a key the user sets stands in both. The
     config resolution only: nothing trains."""
-    from moe_jax.cli.configs import config_path
-    from moe_jax.cli.train import config_argv
     from moe_jax.config import cli_given_keys
+    from moe_jax.config.shipped import config_argv, config_path
     from moe_jax.interop.__main__ import _import_config
     from moe_jax.train.console import moe_line
     from moe_jax.train.init_from import with_source_architecture

@@ -1,6 +1,7 @@
 """The package as a user installs it: a wheel built from this checkout and installed into a
-fresh virtual environment outside it gives `moe-jax-train` and `moe-jax-sample`, which train
-and sample from any directory, with the configs shipped in the wheel found by name.
+fresh virtual environment outside it gives `moe-jax` (and the older `moe-jax-train` and
+`moe-jax-sample`), which train and sample from any directory, with the configs shipped in the
+wheel found by name.
 
 Offline: the wheel is built with the setuptools installed here (pip's build isolation only
 where there is none, from the index pip is configured with), and the new environment gets
@@ -89,6 +90,7 @@ def test_the_wheel_trains_and_samples_outside_the_clone(tmp_path):
         scripts = z.read(entry_points).decode()
     shipped = {"moe_jax/configs/tiny.yaml", "moe_jax/configs/recipes/mixtral_8x7b_v5p128.yaml"}
     assert shipped <= files
+    assert "moe-jax = moe_jax.cli.main:script" in scripts
     assert "moe-jax-train = moe_jax.cli.train:script" in scripts
     assert "moe-jax-sample = moe_jax.cli.sample:script" in scripts
     assert not any(n.startswith(("tests/", "benchmarks/")) for n in files)
@@ -105,14 +107,24 @@ def test_the_wheel_trains_and_samples_outside_the_clone(tmp_path):
     where = run(bin_python, "-c", "import moe_jax; print(moe_jax.__file__)")
     assert where.stdout.startswith(str(tmp_path / "venv")), where.stdout + where.stderr
 
-    train = run(str(bin_dir / "moe-jax-train"), "tiny", *TINY_RUN, "run_dir=run")
+    moe_jax = str(bin_dir / "moe-jax")
+    train = run(moe_jax, "train", "tiny", *TINY_RUN, "run_dir=run")
     assert train.returncode == 0, train.stdout[-2000:] + train.stderr[-2000:]
     assert "step 2/2 | loss" in train.stdout
     assert (work / "run" / "checkpoints" / "2").is_dir()
 
-    sample = run(str(bin_dir / "moe-jax-sample"), "--run", "run", "--prompt", "def ")
+    sample = run(moe_jax, "sample", "run", "--prompt", "def ")
     assert sample.returncode == 0, sample.stderr[-2000:]
     assert sample.stdout.startswith("def ")
+    again = run(str(bin_dir / "moe-jax-sample"), "--run", "run", "--prompt", "def ")
+    assert again.stdout == sample.stdout  # the older script: the same command
+
+    # Every command finds the wheel's configs by name; the key reference reads the wheel's
+    # schema.
+    summary = run(moe_jax, "summary", "mixtral_8x7b")
+    assert summary.returncode == 0 and summary.stdout.startswith("32 layers"), summary.stderr
+    keys = run(moe_jax, "train", "--help-config", "moe")
+    assert keys.returncode == 0 and "moe.n_experts (int) = 4" in keys.stdout, keys.stderr
 
     # A recipe by name, read from the wheel: its config loads (and a bad key is one line).
     recipe = run(str(bin_dir / "moe-jax-train"), "recipes/mixtral_8x7b_v5p128", "train.steps=0")

@@ -75,6 +75,7 @@ PAGES = (  # the order the commands run in: each page's commands may use the run
     "docs/errors.md",
     "docs/architecture.md",
     "docs/testing.md",
+    "docs/reference/config.md",
 )
 FAST_TRAIN = [  # 3 steps of a smaller model: the documented architecture costs the compiles
     *TINY_BASE,
@@ -119,6 +120,12 @@ class Command:
         return shlex.join(self.words)
 
     @property
+    def trains(self) -> bool:
+        """A `python train.py` command that trains (not one that prints its help)."""
+        help_ = any(w.startswith("--help") or w == "-h" for w in self.words)
+        return self.words[:2] == ["python", "train.py"] and not help_
+
+    @property
     def kind(self) -> str:
         """How this file runs it (see the module doc)."""
         w = self.words
@@ -155,9 +162,21 @@ def _shell_line(line: str, exported: dict[str, str]) -> list[Command]:
         if words[:1] == ["export"]:
             exported.update(word.split("=", 1) for word in words[1:])
         elif words:
-            commands.append(Command(words, env, background=token == "&"))
+            commands.append(Command(_spelled_as_python(words), env, background=token == "&"))
         words = []
     return commands
+
+
+def _spelled_as_python(words: list[str]) -> list[str]:
+    """`moe-jax SUBCOMMAND ...` as the clone spells the same command (moe_jax/cli/main.py runs
+    the same mains; tests/test_cli_main.py checks that it does): `python train.py ...`,
+    `python sample.py ...`, `python -m moe_jax.SUBCOMMAND ...`."""
+    if words[0] != "moe-jax" or len(words) < 2:
+        return words
+    sub, rest = words[1], words[2:]
+    if sub in ("train", "sample"):
+        return ["python", f"{sub}.py", *rest]
+    return ["python", "-m", f"moe_jax.{sub}", *rest]
 
 
 def page_commands(text: str) -> list[Command]:
@@ -230,7 +249,7 @@ def test_each_readme_training_has_its_own_run_dir(monkeypatch):
     where that run is finished; the processes of one multi-process run share theirs."""
     runs = {}
     for cmd in readme_commands():
-        if cmd.words[:2] == ["python", "train.py"]:
+        if cmd.trains:
             one_run = re.sub(r" mesh\.process_id=\d+", "", str(cmd))
             runs.setdefault(_train_config(cmd, monkeypatch).run_dir, set()).add(one_run)
     shared = {run: cmds for run, cmds in runs.items() if len(cmds) > 1}
@@ -256,7 +275,7 @@ def _run_in_process(cmd: Command, hf_dir: str, monkeypatch) -> int:
         assert devices, f"`{cmd}`: this file cannot apply {name}={value} in-process"
         assert int(devices[1]) == jax.device_count(), f"`{cmd}` asks for {value}"
     words = [w.removesuffix("HF_DIR") + hf_dir if w.endswith("HF_DIR") else w for w in cmd.words]
-    if words[1] == "train.py":
+    if cmd.trains:
         words += FAST_TRAIN
     elif words[1] == "sample.py" and "--help" not in words:
         words += FAST_SAMPLE
@@ -305,7 +324,7 @@ def test_readme_commands_run(tmp_path, monkeypatch, capsys):
         code = _run_in_process(cmd, hf_dir, monkeypatch)
         out = capsys.readouterr()
         assert code == 0, f"`{cmd}` exited {code}:\n{out.out[-2000:]}\n{out.err[-2000:]}"
-        if cmd.words[1] == "train.py":  # trained, rather than found a finished run to resume
+        if cmd.trains:  # trained, rather than found a finished run to resume
             assert LAST_STEP in out.out, f"`{cmd}` trained no steps:\n{out.out[-2000:]}"
 
 

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from moe_jax.cli.configs import config_path, names
 from moe_jax.config import load_config
+from moe_jax.config.shipped import config_path, names
 from moe_jax.sharding import BATCH_AXES, mesh_shape
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -47,6 +47,7 @@ import time
 from collections.abc import Sequence
 
 from moe_jax.aot.report import GIB, format_report
+from moe_jax.config.shipped import config_argv, config_path
 from moe_jax.run.door import command
 
 MAX_ROWS_PER_SHARD = 1 << 16  # --max-batch stops doubling here
@@ -363,7 +364,9 @@ def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, str | None, lis
         "CPU and report per-device memory, FLOPs and collectives.",
         epilog="Exit status: 0 compiles and fits, 1 does not fit, 2 bad input.",
     )
-    p.add_argument("config", nargs="?", help="YAML config (default configs/tiny.yaml)")
+    p.add_argument(
+        "config", nargs="?", help="a YAML file or a shipped config's name (default: tiny)"
+    )
     p.add_argument("overrides", nargs="*", help="section.key=value config overrides")
     p.add_argument("--topology", required=True, help="e.g. v5p-128, v6e-256, h100:8x8")
     p.add_argument("--step", choices=("train", "decode"), default="train")
@@ -382,9 +385,9 @@ def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, str | None, lis
     p.add_argument("--verbose", action="store_true", help="pass the compilers' own logs through")
     args = p.parse_intermixed_args(argv)
     items = ([args.config] if args.config else []) + list(args.overrides)
-    path = "configs/tiny.yaml"
+    path = str(config_path("tiny"))
     if items and "=" not in items[0]:
-        path = items.pop(0)
+        path, *items = config_argv(items)
     return args, path, items
 
 

@@ -1,12 +1,14 @@
 """Generate text from a trained run.
 
-    moe-jax-sample --run runs/tiny                                # latest checkpoint
-    moe-jax-sample --run runs/tiny --prompt "def " --max-new-tokens 300 --temperature 0.7
-    moe-jax-sample --run runs/tiny --prompt-file prompt.txt --num-samples 4 --top-k 40 --seed 1
-    moe-jax-sample --run runs/imported --chat --prompt "Hi!"    # through the chat template
-    moe-jax-sample --run runs/tiny sample.weights=int8          # int8 weights
-    moe-jax-sample --run runs/mixtral mesh.expert=2 model.dtype=bfloat16   # over 2 devices
+    moe-jax sample runs/tiny                                # latest checkpoint
+    moe-jax sample runs/tiny --prompt "def " --max-new-tokens 300 --temperature 0.7
+    moe-jax sample runs/tiny --prompt-file prompt.txt --num-samples 4 --top-k 40 --seed 1
+    moe-jax sample runs/imported --chat --prompt "Hi!"    # through the chat template
+    moe-jax sample runs/tiny sample.weights=int8          # int8 weights
+    moe-jax sample runs/mixtral mesh.expert=2 model.dtype=bfloat16   # over 2 devices
 
+(`moe-jax-sample` and `python sample.py` are the same command; `--run RUN` is the same as the
+positional RUN.)
 Defaults for the sampling flags come from the run's saved config (its `sample` section), with
 `section.key=value` overrides of the mesh, the compute dtype and the sample section (as
 train.py takes them). A mesh of more than one device restores each weight straight onto its
@@ -52,11 +54,13 @@ class FlagError(MoeJaxError, ValueError):
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(
+        prog="moe-jax sample",
+        usage="%(prog)s RUN [section.key=value ...] [flags]",
         description=__doc__.strip().splitlines()[0],
         epilog="Sampling flags left out take the run's config values (sample.*).",
     )
     p.add_argument(
-        "--run", required=True, help="run directory written by train.py, or a Hugging Face one"
+        "--run", help="the run directory (as the positional RUN; a Hugging Face one works too)"
     )
     p.add_argument("--step", type=int, help="checkpoint step (default: the latest)")
     src = p.add_mutually_exclusive_group()
@@ -84,10 +88,16 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         "overrides",
         nargs="*",
         metavar="section.key=value",
-        help="mesh.*, model.dtype and sample.* overrides of the run's config, e.g. "
-        f"mesh.expert=2 sample.weights=int8 (sample.weights: {' | '.join(WEIGHT_KINDS)})",
+        help="RUN (a run directory written by train, or a Hugging Face one), then mesh.*, "
+        "model.dtype and sample.* overrides of the run's config, e.g. mesh.expert=2 "
+        f"sample.weights=int8 (sample.weights: {' | '.join(WEIGHT_KINDS)})",
     )
-    return p.parse_args(argv)
+    args = p.parse_intermixed_args(argv)
+    if args.run is None and args.overrides and "=" not in args.overrides[0]:
+        args.run = args.overrides.pop(0)
+    if args.run is None:
+        p.error("no run directory given: moe-jax sample RUN (or --run RUN)")
+    return args
 
 
 def checked_prompt(args: argparse.Namespace) -> str | None:

@@ -22,9 +22,8 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from moe_jax.cli.configs import config_path
-from moe_jax.cli.train import config_argv
 from moe_jax.config import Config, cli_config
+from moe_jax.config.shipped import config_argv, config_path
 from moe_jax.run.door import command, say
 
 USAGE = (

@@ -1,13 +1,15 @@
 """Train a Mixture-of-Experts language model.
 
-    moe-jax-train                                     # the tiny config on the embedded corpus
-    moe-jax-train tiny train.steps=100 moe.top_k=1 moe.renormalize=false
-    moe-jax-train recipes/mixtral_8x7b_v5p128 run_dir=/nfs/runs/mixtral   # a shipped config by name
-    moe-jax-train my_exp.yaml run_dir=runs/exp1 data.path=shakespeare.txt data.tokenizer=char
+    moe-jax train                                     # the tiny config on the embedded corpus
+    moe-jax train tiny train.steps=100 moe.top_k=1 moe.renormalize=false
+    moe-jax train recipes/mixtral_8x7b_v5p128 run_dir=/nfs/runs/mixtral   # a shipped config by name
+    moe-jax train my_exp.yaml run_dir=runs/exp1 data.path=shakespeare.txt data.tokenizer=char
+    moe-jax train --help-config [SECTION]             # every config key: type, default, meaning
 
-(`python train.py ...` in a clone is the same command.) The first argument, unless it is a
-section.key=value override, names the config: a YAML file, or a config shipped with moe_jax
-by its name under configs/ (tiny, mixtral_8x7b, recipes/..., without .yaml); a file wins.
+(`moe-jax-train ...` and `python train.py ...` in a clone are the same command.) The first
+argument, unless it is a section.key=value override, names the config: a YAML file, or a
+config shipped with moe_jax by its name under configs/ (tiny, mixtral_8x7b, recipes/...,
+without .yaml); a file wins.
 
 A run directory that already holds checkpoints is resumed from the latest one, or from an
 earlier one with `train.resume_step=N` (e.g. when the latest is damaged; the checkpoints after N
@@ -24,24 +26,29 @@ from __future__ import annotations
 import sys
 from collections.abc import Sequence
 
-from moe_jax.cli.configs import config_path
 from moe_jax.config import ConfigError, cli_config, cli_given_keys
+from moe_jax.config.shipped import config_argv, config_path
 from moe_jax.process_setup import import_jax, reexec_with_hugepages
 from moe_jax.run.door import command
 
-USAGE = "usage: moe-jax-train [CONFIG] [section.key=value ...]   (or: python train.py ...)"
+USAGE = (
+    "usage: moe-jax train [CONFIG] [section.key=value ...]   (or: python train.py ...)\n"
+    "       moe-jax train --help-config [SECTION | --markdown]"
+)
 
 
-def config_argv(argv: Sequence[str]) -> list[str]:
-    """argv with its config name, if it starts with one, made the config file's path; an
-    unknown name is a ConfigError, as a bad config is."""
-    args = list(argv)
-    if args and "=" not in args[0]:
-        try:
-            args[0] = str(config_path(args[0]))
-        except FileNotFoundError as e:
-            raise ConfigError(str(e)) from None
-    return args
+def help_config(args: list[str]) -> int:
+    """`--help-config [SECTION]`: the config keys as text; `--help-config --markdown`: as
+    docs/reference/config.md holds them."""
+    from moe_jax.config import reference
+
+    if args == ["--markdown"]:
+        print(reference.markdown(), end="")
+    elif len(args) <= 1:
+        print(reference.text(args[0] if args else None), end="")
+    else:
+        raise ConfigError("--help-config takes one section at most, e.g. --help-config train")
+    return 0
 
 
 @command
@@ -50,6 +57,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if argv and argv[0] in ("-h", "--help"):
         print(__doc__.strip() + "\n\n" + USAGE)
         return 0
+    if argv and argv[0] == "--help-config":
+        return help_config(argv[1:])
     args = config_argv(argv)
     cfg = cli_config(args, default_path=config_path("tiny"))
     # Only now jax and what imports it (seconds): a bad config has failed before that.

@@ -18,10 +18,24 @@ from moe_jax.config.checks import ConfigError
 from moe_jax.config.tree import Config, validate
 
 
-def _suggest(key: str, parent: object) -> str:
+def _suggest(key: str, parent_path: str, parent: object) -> str:
+    """The hint after an unknown key: the closest key of its section, else the closest key of
+    any section (a key given in the wrong section, or without one), by its full dotted name."""
+    prefix = f"{parent_path}." if parent_path else ""
     names = [f.name for f in fields(parent)] if is_dataclass(parent) else []
     close = difflib.get_close_matches(key, names, n=1)
-    return f"; did you mean '{close[0]}'?" if close else f"; valid keys: {', '.join(names)}"
+    if close:
+        return f"; did you mean '{prefix}{close[0]}'?"
+    from moe_jax.config.reference import keys
+
+    leaves = {k.name.rpartition(".")[2]: k.name for k in keys()}  # last part -> dotted
+    close = difflib.get_close_matches(key, leaves, n=1)
+    if close:
+        return f"; did you mean '{leaves[close[0]]}'?"
+    if len(names) > 16:  # a long section: its listing, with types and defaults, is one command
+        return f"; its section's keys: moe-jax train --help-config {parent_path}"
+    listed = ", ".join(prefix + n for n in names)
+    return f"; valid keys: {listed} (every key: moe-jax train --help-config)"
 
 
 def _node_at(path: str) -> object:
@@ -38,7 +52,7 @@ def _explain(err: OmegaConfBaseException, source: str) -> ConfigError:
     full_key = getattr(err, "full_key", None) or ""
     if isinstance(err, ConfigKeyError) and full_key:
         parent, _, key = full_key.rpartition(".")
-        hint = _suggest(key, _node_at(parent))
+        hint = _suggest(key, parent, _node_at(parent))
         return ConfigError(f"unknown config key '{full_key}' in {source}{hint}")
     first_line = str(err).splitlines()[0]
     where = f" for '{full_key}'" if full_key else ""

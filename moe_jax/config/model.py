@@ -50,30 +50,30 @@ class RopeScalingConfig:
     # none | linear (positions divided by factor) | llama3 (Llama-3/4 frequency-band scaling)
     # | yarn (YaRN, arXiv:2309.00071: gpt-oss, DeepSeek-V3, Qwen long context)
     type: str = "none"
-    factor: float = 8.0
+    factor: float = 8.0  # the context's scaling factor (linear, llama3, yarn)
     low_freq_factor: float = 1.0  # llama3
     high_freq_factor: float = 4.0  # llama3
     original_max_position: int = 8192  # llama3, yarn
     # yarn: the band of rotations (in turns over the original context) ramped from
     # interpolated to kept as they are
     beta_fast: float = 32.0
-    beta_slow: float = 1.0
+    beta_slow: float = 1.0  # yarn: the band's other end (see beta_fast)
     truncate: bool = True  # yarn: round the band's ends to whole dims (gpt-oss: false)
     # yarn: q and k are scaled by attention_factor (0 = 0.1 ln(factor) + 1, or from mscale
     # and mscale_all_dim when set: DeepSeek's ratio of the two)
     attention_factor: float = 0.0
-    mscale: float = 0.0
-    mscale_all_dim: float = 0.0
+    mscale: float = 0.0  # yarn: DeepSeek's mscale (see attention_factor)
+    mscale_all_dim: float = 0.0  # yarn: DeepSeek's mscale_all_dim (see attention_factor)
 
 
 @dataclass(frozen=True)
 class ModelConfig:
-    vocab_size: int = 256
-    d_model: int = 128
-    n_layers: int = 4
+    vocab_size: int = 256  # token ids 0 .. vocab_size - 1 (the tokenizer's size or more)
+    d_model: int = 128  # the residual stream's width
+    n_layers: int = 4  # decoder layers
     ffn_hidden: int = 512  # hidden width of the dense SwiGLU layers
-    norm_eps: float = 1e-5
-    tie_embeddings: bool = False
+    norm_eps: float = 1e-5  # RMSNorm's epsilon
+    tie_embeddings: bool = False  # the output head shares the token embedding's weights
     max_seq_len: int = 2048  # longest context the model (and its KV cache) is used with
     # compute dtype; params are always float32. auto: float32 on CPU, bfloat16 on GPU and TPU
     # (moe_jax/backends.py)
@@ -89,8 +89,8 @@ class ModelConfig:
     # back for the backward (TPU/GPU; moe_jax/model/remat.py). MaxText's v6e recipe:
     # remat=full remat_offload=layer_input,qkv_proj,out_proj.
     remat_save: str = ""
-    remat_offload: str = ""
-    init_std: float = 0.02
+    remat_offload: str = ""  # see remat_save
+    init_std: float = 0.02  # standard deviation of the weights' normal initialisation
     # Norm weights stored centred at zero and applied as (1 + w) (Qwen3-Next, Qwen3.5: every
     # RMSNorm of the stack, QK-norms included, but not the linear layers' gated output norm);
     # false: applied as w, initialised to ones
@@ -159,10 +159,10 @@ def _names(value: str) -> tuple[str, ...]:
 
 @dataclass(frozen=True)
 class AttentionConfig:
-    n_heads: int = 4
-    n_kv_heads: int = 2
+    n_heads: int = 4  # query heads
+    n_kv_heads: int = 2  # key / value heads (GQA; divides n_heads; 1 = MQA)
     head_dim: int | None = None  # None: d_model // n_heads
-    rope_theta: float = 10000.0
+    rope_theta: float = 10000.0  # RoPE's base
     # half: rotate split halves (Llama/Mixtral/Qwen); interleaved: rotate pairs (Llama 4)
     rope_style: str = "half"
     rope_scaling: RopeScalingConfig = field(default_factory=RopeScalingConfig)
@@ -172,8 +172,8 @@ class AttentionConfig:
     partial_rotary_factor: float = 1.0
     nope_interval: int = 0  # every nope_interval-th layer has no RoPE; 0 = none
     temperature_tuning: bool = False  # Llama 4 attention temperature on NoPE layers
-    floor_scale: float = 8192.0
-    attn_scale: float = 0.1
+    floor_scale: float = 8192.0  # temperature_tuning: positions per step of the scale
+    attn_scale: float = 0.1  # temperature_tuning: the scale's slope
     chunk_size: int = 0  # chunked local attention on RoPE layers; 0 = off
     sliding_window: int = 0  # attend to the last `sliding_window` positions; 0 = off
     # with sliding_window: every full_attention_interval-th layer attends to the whole
@@ -185,17 +185,17 @@ class AttentionConfig:
     # and value heads (value heads a multiple of key heads), head widths and the causal
     # convolution's kernel; the full-attention layers keep the fields above
     linear: str = "none"
-    linear_key_heads: int = 0
-    linear_value_heads: int = 0
-    linear_key_dim: int = 0
-    linear_value_dim: int = 0
-    linear_conv_kernel: int = 4
+    linear_key_heads: int = 0  # see linear
+    linear_value_heads: int = 0  # see linear
+    linear_key_dim: int = 0  # see linear
+    linear_value_dim: int = 0  # see linear
+    linear_conv_kernel: int = 4  # see linear
     # The output gate of Qwen3-Next's attention: the q projection also makes a gate per head
     # and dim, and the attention's output is multiplied by sigmoid(gate) before wo
     output_gate: bool = False
     sinks: bool = False  # a learned sink logit per query head in each softmax (gpt-oss)
-    qkv_bias: bool = False
-    o_bias: bool = False
+    qkv_bias: bool = False  # biases on the q, k and v projections (Qwen2, gpt-oss)
+    o_bias: bool = False  # a bias on the output projection (gpt-oss)
     # Kernel (moe_jax/backends.py): auto (the backend's own) | blocked (blocked softmax with a
     # hand-written backward, XLA:CPU's) | cudnn (GPU fused attention) | splash (TPU Pallas)
     impl: str = "auto"
@@ -339,27 +339,28 @@ class AttentionConfig:
 
 @dataclass(frozen=True)
 class MoEConfig:
-    n_experts: int = 4
-    top_k: int = 2
-    expert_hidden: int = 256
+    n_experts: int = 4  # routed experts per MoE layer
+    top_k: int = 2  # experts each token is routed to
+    expert_hidden: int = 256  # each expert's SwiGLU hidden width
     interleave_step: int = 1  # MoE on every interleave_step-th layer, dense SwiGLU elsewhere
     # The three routing switches are independent: Llama 4 is score=sigmoid, renormalize=false,
     # route_scale=input (configs/llama4_scout_17b_16e.yaml); sigmoid alone keeps the others.
     score: str = "softmax"  # softmax | sigmoid
-    renormalize: bool = True  # renormalise the top-k weights to sum to 1 (top-1: always 1,
-    # so the router then learns from the aux losses only)
+    # renormalise the top-k weights to sum to 1 (top-1: always 1, so the router then learns
+    # from the aux losses only)
+    renormalize: bool = True
     route_scale: str = "output"  # output (Mixtral/Qwen) | input (Llama 4: scales expert input)
     shared_expert_hidden: int = 0  # 0 = no shared expert
     # The shared expert's output times sigmoid(x . w_gate), a learned scalar gate per token
     # (Qwen3-Next, Qwen3.5: shared_expert_gate); false: added as it is
     shared_expert_gate: bool = False
-    router_bias: bool = False
-    expert_bias: bool = False
+    router_bias: bool = False  # a bias on the router's logits (gpt-oss)
+    expert_bias: bool = False  # biases in the experts' projections (gpt-oss)
     # DeepSeek-V3's routing (moe_jax/model/routing.py). Group-limited: the experts in n_group
     # equal groups, each token choosing among the topk_group groups with the best sum of
     # their top-2 scores only (n_group 1: off).
     n_group: int = 1
-    topk_group: int = 1
+    topk_group: int = 1  # see n_group
     # A per-expert bias added to the scores to choose the top-k only, never to the weights
     # (`correction_bias`, HF's e_score_correction_bias), trained without a gradient: after
     # each step it moves by bias_update_rate * sign(mean load - load), auxiliary-loss-free
@@ -367,7 +368,7 @@ class MoEConfig:
     # switched on balances). 0 freezes the bias: training then needs a balance loss
     # (`check_training`). Without a correction bias the rate is unused.
     correction_bias: bool = False
-    bias_update_rate: float = 0.001
+    bias_update_rate: float = 0.001  # see correction_bias
     routed_scaling_factor: float = 1.0  # the routed experts' weights times this (V3: 2.5)
     # The first this many layers dense (HF first_k_dense_replace; DeepSeek-V3: 3).
     first_dense_layers: int = 0
@@ -379,10 +380,10 @@ class MoEConfig:
     # above and up on both sides at this limit, h = gate * sigmoid(alpha gate) * (up + 1);
     # 0: plain SwiGLU
     swiglu_limit: float = 0.0
-    swiglu_alpha: float = 1.702
+    swiglu_alpha: float = 1.702  # see swiglu_limit
     capacity_factor: float = 1.25  # <= 0: no token is ever dropped
-    lb_loss_weight: float = 0.01
-    z_loss_weight: float = 1e-3
+    lb_loss_weight: float = 0.01  # Switch load-balance loss, averaged over the MoE layers
+    z_loss_weight: float = 1e-3  # router z-loss mean(logsumexp(logits)^2), averaged likewise
     # Expert kernel (moe_jax/backends.py): auto (the backend's own) | buckets (capacity buffers,
     # filled rows by lax.switch: XLA:CPU's) | batched (every buffer slot in one batched matmul:
     # GPU's) | ragged (rows sorted by expert, jax.lax.ragged_dot) | megablox (TPU Pallas

@@ -26,7 +26,7 @@ class RLConfig:
     temperature: float = 1.0  # the sampler's; the trainer's log-probs are of logits / it
     # The clipped ratio's range [1 - clip_eps, 1 + clip_eps_high] (clip_eps_high 0: clip_eps)
     clip_eps: float = 0.2
-    clip_eps_high: float = 0.0
+    clip_eps_high: float = 0.0  # see clip_eps
     level: str = "token"  # token: GRPO's per-token ratio | sequence: GSPO's per-sequence one
     # Advantages (r - group mean) / (group std + 1e-4) (TRL's); false: r - group mean only
     scale_rewards: bool = True
@@ -41,7 +41,7 @@ class RLConfig:
     # the LR schedule advances once a batch. 1 and 1: one update a batch (the ratio is 1 but
     # for the sampler / trainer mismatch).
     epochs: int = 1
-    minibatches: int = 1
+    minibatches: int = 1  # see epochs
     # Rollout routing replay: the training forward reuses the experts every token took in the
     # sampler (moe_jax/model/routing.py `route`); the router's weights at them still learn.
     routing_replay: bool = True

@@ -65,7 +65,7 @@ class DataConfig:
     # byte | char | PATH: a directory with tokenizer.json (Hugging Face) or tokenizer.model
     # (SentencePiece), or such a file; a run keeps a copy of its files (RUN_DIR/tokenizer/)
     tokenizer: str = "byte"
-    val_fraction: float = 0.1
+    val_fraction: float = 0.1  # the corpus's tail held out for validation
     num_workers: int = 0  # Grain prefetch threads; 0 = batches are cut in the main thread
     embedded_max_bytes: int = 4_000_000  # cap on the embedded (stdlib sources) corpus
     # Prepared datasets (`python -m moe_jax.prepare`; data.path=DIR trains on one) mixed by
@@ -154,30 +154,30 @@ class DataConfig:
 
 @dataclass(frozen=True)
 class TrainConfig:
-    steps: int = 600
-    batch_size: int = 16
-    seq_len: int = 128
+    steps: int = 600  # optimizer steps of the run (the LR schedule's length)
+    batch_size: int = 16  # sequences a step (over every device and micro-batch)
+    seq_len: int = 128  # tokens a training sequence
     grad_accum: int = 1  # micro-batches per step; batch_size must divide by it
-    lr: float = 3e-3
+    lr: float = 3e-3  # the peak learning rate, reached after the warmup
     # The LR after warmup (moe_jax/train/step.py: lr_schedule): cosine | linear decay to
     # min_lr_ratio * lr at train.steps, or wsd (warmup-stable-decay: lr held, then a linear
     # decay over the last decay_fraction of the steps)
     schedule: str = "cosine"
     decay_fraction: float = 0.2  # wsd's decay phase, a fraction of train.steps
-    min_lr_ratio: float = 0.1
+    min_lr_ratio: float = 0.1  # the schedule's end: min_lr_ratio * lr
     # Steps of linear warmup to lr; None: DEFAULT_WARMUP_STEPS, at most a tenth of the run
     # (see `warmup`), so that any train.steps works and a short run is not mostly warmup
     warmup_steps: int | None = None
-    weight_decay: float = 0.1
-    decay_embeddings: bool = False
-    b1: float = 0.9
-    b2: float = 0.95
-    eps: float = 1e-8
+    weight_decay: float = 0.1  # AdamW's decoupled decay of matrices (never norms or biases)
+    decay_embeddings: bool = False  # decay the token embedding too
+    b1: float = 0.9  # Adam's first-moment decay
+    b2: float = 0.95  # Adam's second-moment decay
+    eps: float = 1e-8  # Adam's epsilon
     clip_norm: float = 1.0  # gradient clipping by global norm; 0 = off
     # dtype the Adam moments are stored in (float32 | bfloat16); the update is computed in
     # float32 either way. bfloat16 saves 4 of the 12 bytes per parameter of the train state.
     moments_dtype: str = "float32"
-    logit_z_loss: float = 0.0
+    logit_z_loss: float = 0.0  # weight of mean(logsumexp(output logits)^2) in the loss; 0 = off
     # Weight (lambda) of the multi-token prediction loss, lambda / model.mtp_depth times the
     # sum of the MTP depths' cross-entropies (moe_jax/model/mtp.py); DeepSeek-V3: 0.3 for its
     # first 10T tokens, then 0.1. Unused with model.mtp_depth=0.
@@ -187,9 +187,9 @@ class TrainConfig:
     # divide train.seq_len. 0 = all positions at once; -1 = auto (moe_jax/backends.py: 0 on
     # CPU, up to 1024 on GPU / TPU).
     loss_chunk: int = -1
-    eval_every: int = 100
-    eval_batches: int = 8
-    log_every: int = 10
+    eval_every: int = 100  # steps between validation losses (and one at the end)
+    eval_batches: int = 8  # validation batches each time
+    log_every: int = 10  # steps between metric lines (metrics.jsonl, trackers)
     peak_flops: float = 0.0  # FLOP/s of one device (one host on CPU) for MFU; 0 = measure
     # Where the metrics go besides RUN_DIR/metrics.jsonl (always written; observe/trackers.py):
     # tensorboard (RUN_DIR/tb) | wandb (its run id kept in RUN_DIR, so a resume continues the
@@ -201,7 +201,7 @@ class TrainConfig:
     # RUN_DIR/profile (observe/profile.py: TensorBoard, Perfetto, python -m moe_jax.profile);
     # profile_steps 0 = off
     profile_start: int = 5
-    profile_steps: int = 0
+    profile_steps: int = 0  # see profile_start
     # Without a terminal (SLURM, nohup) a progress line every this many seconds instead of
     # the bar (step, elapsed, ETA, device memory)
     progress_every_s: float = 60.0
@@ -219,7 +219,7 @@ class TrainConfig:
     # log-ratios, as TRL's) | simpo (SimPO, TRL's CPOTrainer loss_type=simpo with
     # cpo_alpha=0: per-token log-probs, no reference, margin train.simpo_gamma)
     dpo_loss: str = "sigmoid"
-    simpo_gamma: float = 0.5
+    simpo_gamma: float = 0.5  # see dpo_loss
 
     @property
     def decay_steps(self) -> int:
@@ -305,13 +305,15 @@ class TrainConfig:
 
 @dataclass(frozen=True)
 class MeshConfig:
+    # The mesh's axes: devices along each (their product: every device; -1 on one axis: the
+    # rest). data: batch replicas; fsdp: batch and params' embed dim; expert: batch and experts
     data: int = 1
-    fsdp: int = 1
-    expert: int = 1
+    fsdp: int = 1  # see data
+    expert: int = 1  # see data
     # Context parallelism: every sequence split into `context` shards through the whole layer
     # stack, in the load-balanced causal layout (moe_jax/model/context_parallel.py).
     context: int = 1
-    tensor: int = 1
+    tensor: int = 1  # heads and MLP hidden dims split over it
     # How attention sees the other shards' keys: all_gather (each shard gathers K/V) | ring
     # (K/V blocks passed round the axis, one step per shard, merged by log-sum-exp).
     context_strategy: str = "all_gather"
@@ -334,9 +336,9 @@ class MeshConfig:
     # multi-host (jax.distributed): on with `distributed` or when a coordinator / more than one
     # process is given; unset fields come from JAX_COORDINATOR_ADDRESS or the cluster's env
     distributed: bool = False
-    coordinator_address: str = ""
-    num_processes: int = 0
-    process_id: int = -1
+    coordinator_address: str = ""  # host:port of process 0; "": from the environment
+    num_processes: int = 0  # 0: from the environment
+    process_id: int = -1  # -1: from the environment
 
     def check(self) -> None:
         one_of(self.weight_gather, WEIGHT_GATHERS, "mesh.weight_gather")
@@ -368,9 +370,9 @@ class MeshConfig:
 
 @dataclass(frozen=True)
 class CheckpointConfig:
-    every: int = 200
-    keep: int = 3
-    async_save: bool = True
+    every: int = 200  # steps between checkpoints (and one at the last step)
+    keep: int = 3  # the newest this many checkpoints are kept
+    async_save: bool = True  # write in the background while training goes on
     # A Hugging Face copy (RUN_DIR/hf/step_S: config.json, safetensors, tokenizer) of every
     # export_hf-th save and of the last step, in the run's compute dtype; 0 = none
     # (moe_jax/train/hf_exports.py)
@@ -386,16 +388,16 @@ class CheckpointConfig:
 
 @dataclass(frozen=True)
 class SampleConfig:
-    prompt: str = "\n"
-    max_new_tokens: int = 200
-    temperature: float = 0.8
+    prompt: str = "\n"  # the prompt when none is given
+    max_new_tokens: int = 200  # tokens generated per sample
+    temperature: float = 0.8  # 0 = greedy
     top_k: int = 0  # 0 = off
     top_p: float = 1.0  # 1.0 = off
-    seed: int = 0
+    seed: int = 0  # the sampling key's seed: same seed, same text
     # Rows and prompt length of a batch: sample.py's --num-samples sets batch_size (its prompt
     # sets the length); `moe_jax.aot.command --step decode` compiles for both.
     batch_size: int = 1
-    prompt_len: int = 128
+    prompt_len: int = 128  # see batch_size
     # Form of the weights when sampling (moe_jax/inference/weights.py): auto (bfloat16 if
     # model.dtype is bfloat16, else float32: no result changes) | float32 | bfloat16 |
     # int8 (per channel) | mxfp4 (the routed experts in MXFP4, the rest bfloat16: gpt-oss as
@@ -407,7 +409,7 @@ class SampleConfig:
     # one forward; the text has the plain sampler's distribution (greedy: its text, token for
     # token), in fewer steps.
     speculative: bool = False
-    draft_depth: int | None = None
+    draft_depth: int | None = None  # see speculative
 
     def check(self) -> None:
         values = {name: getattr(self, name) for name, _, _ in SAMPLING_RANGES}

@@ -37,8 +37,8 @@ class Config:
     eval: EvalConfig = field(default_factory=EvalConfig)
     lora: LoRAConfig = field(default_factory=LoRAConfig)
     rl: RLConfig = field(default_factory=RLConfig)  # train.objective=grpo (moe_jax/posttrain/rl/)
-    run_dir: str = "runs/tiny"
-    seed: int = 0
+    run_dir: str = "runs/tiny"  # checkpoints, metrics, config; resumed when it has some
+    seed: int = 0  # of the params' initialisation and the data order
     # Start a new run from the params of another run directory (trained, or imported with
     # `moe_jax.interop import`): its latest checkpoint, or init_step; a fresh optimizer state,
     # data position and step 0. The source is only read. Its architecture (model, attention,

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from flax import nnx
 
 from moe_jax.config import Config, cli_config
+from moe_jax.config.shipped import config_argv
 from moe_jax.run.door import command, say
 
 COMPONENTS = (
@@ -277,7 +278,10 @@ def format_summary(cfg: Config, seq_len: int | None = None) -> str:
     return "\n".join(lines)
 
 
-USAGE = "usage: python -m moe_jax.summary CONFIG.yaml [section.key=value ...]"
+USAGE = (
+    "usage: moe-jax summary CONFIG [section.key=value ...]   (CONFIG: a YAML file or a shipped "
+    "config's name, e.g. mixtral_8x7b; or python -m moe_jax.summary ...)"
+)
 
 
 @command
@@ -288,6 +292,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     if not args or "=" in args[0]:
         return say(f"no config file given; {USAGE}")
-    cfg = cli_config(args, default_path=None)
+    cfg = cli_config(config_argv(args), default_path=None)
     print(format_summary(cfg))
     return 0

@@ -12,9 +12,12 @@ name: a file of one's own is never shadowed by a shipped one.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
-PACKAGE = Path(__file__).resolve().parent.parent  # moe_jax/
+from moe_jax.config.checks import ConfigError
+
+PACKAGE = Path(__file__).resolve().parent.parent  # moe_jax/ (this file: moe_jax/config/shipped.py)
 # The wheel's copy first: in an installed wheel PACKAGE.parent is site-packages, whose
 # `configs/` (if some other distribution left one there) is none of ours.
 SEARCH = (PACKAGE / "configs", PACKAGE.parent / "configs")
@@ -51,3 +54,15 @@ def config_path(name: str) -> Path:
     raise FileNotFoundError(
         f"config '{name}' is neither a file nor a shipped config; shipped: {', '.join(names())}"
     )
+
+
+def config_argv(argv: Sequence[str]) -> list[str]:
+    """argv with its config name, if it starts with one, made the config file's path; an
+    unknown name is a ConfigError, as a bad config is."""
+    args = list(argv)
+    if args and "=" not in args[0]:
+        try:
+            args[0] = str(config_path(args[0]))
+        except FileNotFoundError as e:
+            raise ConfigError(str(e)) from None
+    return args
