@@ -129,3 +129,10 @@ def test_help_config_refuses_an_unknown_section(capsys):
     assert train(["--help-config", "trian"]) == 2
     err = capsys.readouterr().err
     assert "no config section 'trian'" in err and "train" in err
+
+
+def test_the_serve_extra_hint_is_the_clone_s_own_pip_command():
+    """Run from a clone (or its editable install) the hint installs into the clone."""
+    from moe_jax.serve.__main__ import install_hint
+
+    assert install_hint("serve") == f"pip install -e '{ROOT}[serve]'"

@@ -9,9 +9,11 @@ Budget: ~20 s on 2 CPU cores.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -38,6 +40,7 @@ from moe_jax.inference.engine import Engine  # noqa: E402
 from moe_jax.inference.load import load_sampler  # noqa: E402
 from moe_jax.run.checkpoints import Checkpointer  # noqa: E402
 from moe_jax.serve.app import create_app  # noqa: E402
+from moe_jax.serve.worker import Worker, stats_line  # noqa: E402
 from moe_jax.tokenizer import load_tokenizer  # noqa: E402
 from moe_jax.train.step import init_state, make_optimizer  # noqa: E402
 from tests.helpers import forward, tiny_config  # noqa: E402
@@ -347,7 +350,7 @@ def test_the_command_finishes_its_requests_on_sigterm_then_stops_with_143(server
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    cmd = [sys.executable, "-m", "moe_jax.serve", str(server[4]), "--port", str(port),
+    cmd = [sys.executable, "-m", "moe_jax", "serve", str(server[4]), "--port", str(port),
            "--max-slots", "2", "--page-size", "16"]  # fmt: skip
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=os.environ)
     base = f"http://127.0.0.1:{port}"
@@ -372,6 +375,9 @@ def test_the_command_finishes_its_requests_on_sigterm_then_stops_with_143(server
         assert proc.wait(60) == 143
         out = proc.stdout.read().decode()
         assert out.endswith("error: stopped by SIGTERM\n") and "Traceback" not in out, out
+        # compiled before it listened (/health answered after), then a line for the request
+        assert out.index("compiled the first request's programs in ") < out.index("serving '")
+        assert re.search(r"^request \d+: \d+ prompt \+ 8 generated tokens \(length\), ", out, re.M)
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -436,3 +442,40 @@ def test_speculation_through_the_server_gives_the_same_text_and_counts_its_draft
     assert main([str(server[4]), "--speculative"]) == 2
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and "model.mtp_depth=0" in err, err
+
+
+def test_the_worker_logs_each_request_and_the_stats_while_it_works(server):
+    """A line per finished request (its tokens, time to the first and in all) and the
+    periodic stats line, here due after every step (`stats_every_s` tiny); a worker of its own
+    on an engine of its own (the same compiled programs as the fixture's)."""
+    engine = Engine(server[2], max_slots=4, page_size=16, chunk=16, max_queue=64,
+                    vocab_size=server[3].vocab_size)  # fmt: skip
+    lines = []
+    worker = Worker(engine, lines.append, stats_every_s=1e-9)
+    worker.start()
+
+    async def one():
+        from moe_jax.inference.engine import SamplingParams
+
+        rid, queue = worker.submit([5, 6, 7], SamplingParams(max_tokens=4))
+        while (await queue.get()).finish_reason is None:
+            pass
+        return rid
+
+    try:
+        rid = asyncio.run(one())
+    finally:
+        worker.stop()
+    (done,) = [ln for ln in lines if ln.startswith("request ")]
+    assert re.fullmatch(
+        rf"request {rid}: 3 prompt \+ 4 generated tokens \(length\), first token \d+\.\d\d s, "
+        r"\d+\.\d\d s in all",
+        done,
+    )
+    stats = [ln for ln in lines if ln.startswith("stats: ")]
+    assert stats and all("KV pages " in ln and "running " in ln for ln in stats)
+    gauges = {"pages": 64, "pages_in_use": 16, "running": 2, "queue": 1}
+    assert stats_line(30, 10, 2.0, gauges) == (
+        "stats: prompt 15.0 tokens/s, generation 5.0 tokens/s; running 2, waiting 1; "
+        "KV pages 16/64 (25.0%)"
+    )

@@ -4,7 +4,13 @@ graceful shutdown: no new connections, requests in flight finish within
 --shutdown-timeout seconds), then stop as every command does: `error: stopped by SIGTERM`,
 exit 143 (130 for SIGINT). `--speculative` (or the override sample.speculative=true, as
 sample.py takes it) decodes by speculation with the model's MTP layers (`--draft-depth` or
-sample.draft_depth of them drafting)."""
+sample.draft_depth of them drafting).
+
+Before it listens it compiles what a first request runs (a one-row prefill and decode, greedy
+and sampled): /health answers once that is done, and the first request does not wait for a
+compile. While serving it prints a line per finished request and, every --log-stats-every
+seconds that saw work, the throughput, the running and waiting requests and the KV pages
+in use (vLLM's periodic line)."""
 
 from __future__ import annotations
 
@@ -23,7 +29,11 @@ SIZE_FLAGS = {"max_slots": "--max-slots", "page_size": "--page-size", "n_pages":
 
 
 def parse_args(argv):
-    p = argparse.ArgumentParser(prog="python -m moe_jax.serve", description=__doc__)
+    p = argparse.ArgumentParser(
+        prog="moe-jax serve",
+        description=__doc__,
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
     p.add_argument("run", help="a run directory (or a Hugging Face model directory)")
     p.add_argument("overrides", nargs="*", help="config overrides as sample.py takes them")
     p.add_argument("--host", default="127.0.0.1")
@@ -40,6 +50,9 @@ def parse_args(argv):
     p.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")
     p.add_argument("--model-name", default=None, help="the model's id (default: the dir name)")
     p.add_argument("--shutdown-timeout", type=float, default=30.0)
+    p.add_argument(
+        "--log-stats-every", type=float, default=10.0, help="seconds between stats lines; 0: none"
+    )
     return p.parse_args(argv)
 
 
@@ -55,6 +68,8 @@ def check_flags(args) -> str | None:
         return f"--port must be in 0..65535 (0: any free port), got {args.port}"
     if args.shutdown_timeout < 0:
         return f"--shutdown-timeout must be >= 0, got {args.shutdown_timeout}"
+    if args.log_stats_every < 0:
+        return f"--log-stats-every must be >= 0 (0: no stats lines), got {args.log_stats_every}"
     return None
 
 
@@ -76,6 +91,15 @@ def listen(host: str, port: int) -> socket.socket | str:
         sock.close()
         return f"cannot listen on {where}: {e.strerror or e}; give another --host or --port"
     return sock
+
+
+def install_hint(extra: str) -> str:
+    """The pip command that adds `extra` to moe_jax as it is installed here: in a clone (an
+    editable install, or run from the clone) the clone's own, else the package's."""
+    clone = Path(__file__).resolve().parents[2]
+    if (clone / "pyproject.toml").is_file() and (clone / "moe_jax").is_dir():
+        return f"pip install -e '{clone}[{extra}]'"
+    return f"pip install 'moe_jax[{extra}]'"
 
 
 def engine_for(args, cfg, sampler, tokenizer):
@@ -103,7 +127,7 @@ def main(argv=None) -> int:
 
         from moe_jax.serve.app import create_app
     except ImportError as e:
-        return say(f"the server needs the serve extra (pip install 'moe_jax[serve]'): {e}")
+        return say(f"the server needs the serve extra ({install_hint('serve')}): {e}")
     if problem := check_flags(args):
         return say(problem)
     sock = listen(args.host, args.port)
@@ -120,8 +144,12 @@ def serve(args, sock: socket.socket, uvicorn, create_app) -> int:
     # Until uvicorn serves, a signal stops the command as any other (moe_jax.run.door).
     cfg, sampler, tokenizer = load_sampler(args.run, args.overrides, args.step)
     engine = engine_for(args, cfg, sampler, tokenizer)
+    from moe_jax.serve.worker import warm_up
+
+    print(f"compiled the first request's programs in {warm_up(engine):.1f} s", flush=True)
     name = args.model_name or Path(args.run).resolve().name
-    app = create_app(engine, tokenizer, name)
+    log = lambda line: print(line, flush=True)  # noqa: E731
+    app = create_app(engine, tokenizer, name, log, args.log_stats_every)
     config = uvicorn.Config(
         app,
         host=args.host,

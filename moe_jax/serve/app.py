@@ -28,12 +28,13 @@ from moe_jax.serve.worker import Worker
 RETRY_AFTER_S = 1
 
 
-def create_app(engine: Engine, tokenizer, model_name: str):
-    """The FastAPI app serving `engine` (its worker thread runs while the app does)."""
+def create_app(engine: Engine, tokenizer, model_name: str, log=None, stats_every_s: float = 0.0):
+    """The FastAPI app serving `engine` (its worker thread runs while the app does); `log`
+    takes a line per finished request and a stats line every `stats_every_s` (Worker)."""
     from fastapi import FastAPI, Request
     from fastapi.responses import PlainTextResponse, StreamingResponse
 
-    worker = Worker(engine)
+    worker = Worker(engine, log, stats_every_s)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from moe_jax.inference.engine import Engine, Event, SamplingParams
@@ -55,9 +56,58 @@ class Stats:
     itl: Histogram = field(default_factory=Histogram)  # between a request's tokens
 
 
+@dataclass
+class Timing:
+    """One request's, for its log line."""
+
+    submitted: float
+    prompt_tokens: int
+    first: float | None = None  # when its first token came
+    generated: int = 0
+
+
+def request_line(rid: int, t: Timing, finish_reason: str, now: float) -> str:
+    total = now - t.submitted
+    first = f"first token {t.first - t.submitted:.2f} s, " if t.first is not None else ""
+    return (
+        f"request {rid}: {t.prompt_tokens} prompt + {t.generated} generated tokens "
+        f"({finish_reason}), {first}{total:.2f} s in all"
+    )
+
+
+def stats_line(prompt_tokens: int, generated: int, seconds: float, gauges: dict) -> str:
+    """vLLM's periodic line: the tokens since the last one per second, the slots and the KV."""
+    pages, used = gauges["pages"], gauges["pages_in_use"]
+    return (
+        f"stats: prompt {prompt_tokens / seconds:.1f} tokens/s, generation "
+        f"{generated / seconds:.1f} tokens/s; running {gauges['running']}, waiting "
+        f"{gauges['queue']}; KV pages {used}/{pages} ({100 * used / max(pages, 1):.1f}%)"
+    )
+
+
+def warm_up(engine: Engine, token: int = 0) -> float:
+    """Compile the programs a first request runs, greedy and sampled (a one-row prefill, then
+    decode), before the server says it is ready -> the seconds it took. Other batch sizes
+    and filters (top-k / top-p) compile when first used."""
+    start = time.perf_counter()
+    for temperature in (0.0, 1.0):
+        engine.generate([[token]], SamplingParams(max_tokens=2, temperature=temperature))
+    return time.perf_counter() - start
+
+
 class Worker:
-    def __init__(self, engine: Engine):
+    def __init__(
+        self,
+        engine: Engine,
+        log: Callable[[str], None] | None = None,
+        stats_every_s: float = 0.0,
+    ):
+        """`log`: where a line per finished request and, every `stats_every_s` seconds that
+        saw work (0: never), a stats line go; None: nowhere."""
         self.engine = engine
+        self.log, self.stats_every_s = log, stats_every_s
+        self._timings: dict[int, Timing] = {}
+        self._logged = (time.perf_counter(), 0, 0)  # when, prompt and generated tokens then
         self.lock = threading.Lock()
         self.wake = threading.Event()
         self.stats = Stats()
@@ -84,6 +134,7 @@ class Worker:
             rid = self.engine.submit(prompt, params)
             self._listeners[rid] = (asyncio.get_running_loop(), queue)
             self._last[rid] = time.perf_counter()
+            self._timings[rid] = Timing(self._last[rid], len(prompt))
             self.stats.prompt_tokens += len(prompt)
             self._gauges = self._read_gauges()
         self.wake.set()
@@ -95,6 +146,7 @@ class Worker:
             self.engine.cancel(rid)
             self._listeners.pop(rid, None)
             self._last.pop(rid, None)
+            self._timings.pop(rid, None)
             self._started.discard(rid)
             self._gauges = self._read_gauges()
 
@@ -125,12 +177,27 @@ class Worker:
                 if busy:
                     events = self._step()
                     self._gauges = self._read_gauges()
+            self._log_stats()
             if not busy:
                 self.wake.wait(0.05)
                 self.wake.clear()
                 continue
             for event in events:
                 self._deliver(event)
+
+    def _log_stats(self) -> None:
+        """The stats line, if one is due and there was work since the last."""
+        if self.log is None or self.stats_every_s <= 0:
+            return
+        now = time.perf_counter()
+        when, prompt, generated = self._logged
+        if now - when < self.stats_every_s:
+            return
+        new = (self.stats.prompt_tokens - prompt, self.stats.generated_tokens - generated)
+        gauges = self._gauges
+        if any(new) or gauges["running"] or gauges["queue"]:
+            self.log(stats_line(*new, now - when, gauges))
+        self._logged = (now, self.stats.prompt_tokens, self.stats.generated_tokens)
 
     def _step(self) -> list[Event | tuple[int, Exception]]:
         try:
@@ -140,10 +207,18 @@ class Worker:
             failed = [(rid, e) for rid in list(self._listeners)]
             for rid, _ in failed:
                 self.engine.cancel(rid)
+                self._timings.pop(rid, None)
             return failed
         self.stats.generated_tokens += len(events)
         now = time.perf_counter()
         for e in events:
+            if (timing := self._timings.get(e.rid)) is not None:
+                timing.first = now if timing.first is None else timing.first
+                timing.generated += 1
+                if e.finish_reason is not None:
+                    del self._timings[e.rid]
+                    if self.log is not None:
+                        self.log(request_line(e.rid, timing, e.finish_reason, now))
             if e.rid in self._last:
                 latency = now - self._last[e.rid]
                 first = e.rid not in self._started
