@@ -59,7 +59,7 @@ from moe_jax.data.token_store import (
     store_dtype,
     tokenizer_hash,
 )
-from moe_jax.run.door import command, writes
+from moe_jax.run.door import HelpFormatter, command, writes
 from moe_jax.run.output import (
     new_output,
     pid_alive,
@@ -303,7 +303,8 @@ def make_tokenizer(
 @command
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(
-        prog="python -m moe_jax.prepare",
+        prog="moe-jax prepare",
+        formatter_class=HelpFormatter,
         description="Tokenize text, JSONL and Parquet files into a prepared dataset directory "
         "that `train.py data.path=DIR` trains on.",
     )

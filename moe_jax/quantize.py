@@ -29,7 +29,7 @@ from moe_jax.model.int8 import (
     quantize_tensor,
 )
 from moe_jax.run.checkpoints import write_inference_run
-from moe_jax.run.door import command, writes
+from moe_jax.run.door import HelpFormatter, command, writes
 
 __all__ = [
     "QUANTIZATIONS",
@@ -93,7 +93,8 @@ def quantize_run(
 @command
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(
-        prog="python -m moe_jax.quantize",
+        prog="moe-jax quantize",
+        formatter_class=HelpFormatter,
         description="Write a quantised copy of a run's checkpoint as a new run directory: int8 "
         "weights, or MXFP4 experts (--mode).",
     )

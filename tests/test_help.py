@@ -27,13 +27,13 @@ ROOT = Path(__file__).resolve().parents[1]
 # command -> the module whose main(argv) it runs
 ARGPARSE_COMMANDS = {
     "sample.py": "moe_jax.cli.sample",
-    "python -m moe_jax.aot": "moe_jax.aot.command",
-    "python -m moe_jax.plot": "moe_jax.observe.plot",
-    "python -m moe_jax.prepare": "moe_jax.prepare",
-    "python -m moe_jax.quantize": "moe_jax.quantize",
-    "python -m moe_jax.eval": "moe_jax.eval.__main__",
-    "python -m moe_jax.interop": "moe_jax.interop.__main__",
-    "python -m moe_jax.serve": "moe_jax.serve.__main__",
+    "moe-jax aot": "moe_jax.aot.command",
+    "moe-jax plot": "moe_jax.observe.plot",
+    "moe-jax prepare": "moe_jax.prepare",
+    "moe-jax quantize": "moe_jax.quantize",
+    "moe-jax eval": "moe_jax.eval.__main__",
+    "moe-jax interop": "moe_jax.interop.__main__",
+    "moe-jax serve": "moe_jax.serve.__main__",
 }
 PIPE_LIST = re.compile(r"[\w.-]+(?:[ \t]*\|[ \t]*[\w.-]+)+")
 
@@ -166,7 +166,7 @@ def test_the_check_finds_the_help_texts_issue_51_named():
     "argv, first_line",
     [
         (["train.py", "--help"], "Train a Mixture-of-Experts language model."),
-        (["-m", "moe_jax.summary", "--help"], "usage: python -m moe_jax.summary"),
+        (["-m", "moe_jax.summary", "--help"], "usage: moe-jax summary"),
         (["-m", "moe_jax.cli.shared_storage", "--help"], "usage: python -m moe_jax.cli"),
     ],
 )

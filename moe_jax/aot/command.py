@@ -48,7 +48,7 @@ from collections.abc import Sequence
 
 from moe_jax.aot.report import GIB, format_report
 from moe_jax.config.shipped import config_argv, config_path
-from moe_jax.run.door import command
+from moe_jax.run.door import HelpFormatter, command
 
 MAX_ROWS_PER_SHARD = 1 << 16  # --max-batch stops doubling here
 
@@ -359,7 +359,8 @@ def _rows(cfg, step, k, n_shards):
 
 def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, str | None, list[str]]:
     p = argparse.ArgumentParser(
-        prog="python -m moe_jax.aot",
+        prog="moe-jax aot",
+        formatter_class=HelpFormatter,
         description="Compile the train or decode step for a TPU slice or GPU cluster on this "
         "CPU and report per-device memory, FLOPs and collectives.",
         epilog="Exit status: 0 compiles and fits, 1 does not fit, 2 bad input.",

@@ -37,7 +37,7 @@ from moe_jax.config import SAMPLING_RANGES, sampling_problem
 from moe_jax.config.run import WEIGHT_KINDS
 from moe_jax.errors import MoeJaxError
 from moe_jax.process_setup import import_jax, reexec_with_hugepages
-from moe_jax.run.door import command
+from moe_jax.run.door import HelpFormatter, command
 
 SEPARATOR = "\n" + "-" * 40 + "\n"
 # The counting flags' ranges, (argparse dest, test, requirement), checked before jax is imported;
@@ -55,6 +55,7 @@ class FlagError(MoeJaxError, ValueError):
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="moe-jax sample",
+        formatter_class=HelpFormatter,
         usage="%(prog)s RUN [section.key=value ...] [flags]",
         description=__doc__.strip().splitlines()[0],
         epilog="Sampling flags left out take the run's config values (sample.*).",

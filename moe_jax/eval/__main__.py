@@ -21,14 +21,16 @@ import json
 import sys
 from pathlib import Path
 
-from moe_jax.run.door import command, writes
+from moe_jax.run.door import HelpFormatter, command, writes
 
 COUNT_FLAGS = {"limit": 1, "batch_size": 1, "num_fewshot": 0, "step": 0, "bootstrap_iters": 0}
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     summary = " ".join(__doc__.split("\n\n")[0].split())  # the first paragraph, whole
-    p = argparse.ArgumentParser(prog="python -m moe_jax.eval", description=summary)
+    p = argparse.ArgumentParser(
+        prog="moe-jax eval", description=summary, formatter_class=HelpFormatter
+    )
     p.add_argument("run_dir", help="run directory written by train.py (or imported)")
     p.add_argument("--tasks", required=True, help="harness task names, comma-separated")
     p.add_argument("--num-fewshot", type=int, help="few-shot examples (default: each task's)")

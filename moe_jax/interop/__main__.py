@@ -71,7 +71,7 @@ from moe_jax.interop.export import export_run as stream_export
 from moe_jax.interop.safetensors_io import InteropError
 from moe_jax.interop.stream import ImportPlan, Progress
 from moe_jax.model import Transformer
-from moe_jax.run.door import command, writes
+from moe_jax.run.door import HelpFormatter, command, writes
 from moe_jax.run.layout import TOKENIZER_DIR
 from moe_jax.run.policy import RESUMABLE_CHANGES
 from moe_jax.run.stream_save import write_params_run
@@ -171,13 +171,14 @@ def _stderr(line: str) -> None:
 @command
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m moe_jax.interop",
+        prog="moe-jax interop",
         description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        formatter_class=HelpFormatter,
     )
     sub = parser.add_subparsers(dest="command", required=True)
     imp = sub.add_parser(
         "import",
+        formatter_class=HelpFormatter,
         help="HF checkpoint directory -> moe_jax run directory",
         usage="%(prog)s HF_DIR --out RUN_DIR [--dtype D] [--allow-nonfinite] [CONFIG.yaml] "
         "[section.key=value ...]",
@@ -195,7 +196,11 @@ def main(argv: list[str]) -> int:
         action="store_true",
         help="import tensors holding NaN or inf as they are (refused by default)",
     )
-    exp = sub.add_parser("export", help="moe_jax run directory -> HF checkpoint directory")
+    exp = sub.add_parser(
+        "export",
+        help="moe_jax run directory -> HF checkpoint directory",
+        formatter_class=HelpFormatter,
+    )
     exp.add_argument("run_dir", type=Path)
     exp.add_argument("--out", type=Path, required=True, help="new HF model directory")
     exp.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")
@@ -206,7 +211,11 @@ def main(argv: list[str]) -> int:
         default=None,
         help="the tensors' dtype (default: the run's params', e.g. bf16 for a bf16 import)",
     )
-    ada = sub.add_parser("export-adapter", help="LoRA run directory -> PEFT adapter directory")
+    ada = sub.add_parser(
+        "export-adapter",
+        help="LoRA run directory -> PEFT adapter directory",
+        formatter_class=HelpFormatter,
+    )
     ada.add_argument("run_dir", type=Path)
     ada.add_argument("--out", type=Path, required=True, help="new adapter directory")
     ada.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")

@@ -31,7 +31,7 @@ import numpy as np  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
 
 from moe_jax.observe.writers import METRICS_FILE, read_metrics  # noqa: E402
-from moe_jax.run.door import command  # noqa: E402
+from moe_jax.run.door import HelpFormatter, command  # noqa: E402
 from moe_jax.run.layout import RunError  # noqa: E402
 from moe_jax.run.output import check_place, new_file  # noqa: E402
 
@@ -199,7 +199,7 @@ def downstream_figure(records: list[dict]) -> Figure | None:
 @command
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m moe_jax.plot", description=__doc__.split("\n")[0]
+        prog="moe-jax plot", description=__doc__.split("\n")[0], formatter_class=HelpFormatter
     )
     parser.add_argument("run_dir")
     parser.add_argument("--out", help="directory for the PNG files (default: RUN_DIR)")

@@ -23,6 +23,7 @@ The commands keep no lists of the errors they turn into a line: a new error type
 
 from __future__ import annotations
 
+import argparse
 import contextvars
 import functools
 import sys
@@ -90,3 +91,16 @@ def command(body: Callable[..., int | None]) -> Callable[..., int]:
 
     main.door = True  # tests/test_chaos.py finds every command's main marked
     return main
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Every command's --help: the description as written, and each option's default where it
+    has one worth saying (not None, not a switch's False, not already in its help)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        default = action.default
+        shown = default not in (None, False, argparse.SUPPRESS) and "default" not in text
+        if shown and action.option_strings and action.nargs != 0:
+            return f"{text} (default: %(default)s)"
+        return text

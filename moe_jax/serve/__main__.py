@@ -20,7 +20,7 @@ import socket
 import sys
 from pathlib import Path
 
-from moe_jax.run.door import command, say
+from moe_jax.run.door import HelpFormatter, command, say
 from moe_jax.run.output import stop_exception
 
 # Engine keyword -> its flag, for the engine's own size checks (`size_problem`).
@@ -32,7 +32,7 @@ def parse_args(argv):
     p = argparse.ArgumentParser(
         prog="moe-jax serve",
         description=__doc__,
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=HelpFormatter,
     )
     p.add_argument("run", help="a run directory (or a Hugging Face model directory)")
     p.add_argument("overrides", nargs="*", help="config overrides as sample.py takes them")
