@@ -27,6 +27,7 @@ from moe_jax.quantize import quantize_run
 from moe_jax.run.checkpoints import keep_tokenizer_files
 from moe_jax.run.layout import RunError
 from moe_jax.tokenizer import (
+    CharTokenizer,
     DataError,
     HFTokenizer,
     SentencePieceTokenizer,
@@ -233,8 +234,15 @@ def test_chat_template_sources_in_transformers_order(bpe, tmp_path):
     (tmp_path / "chat_template.json").unlink()
     with pytest.raises(DataError, match="has no chat template"):
         load_tokenizer(str(tmp_path)).apply_chat_template([{"role": "user", "content": "hi"}])
-    with pytest.raises(DataError, match="the byte tokenizer has no chat template"):
-        load_tokenizer("byte").apply_chat_template([])
+    # the built-in tokenizers' plain-text template: a turn a line, the reply after "assistant: "
+    turns = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    for kind in ("byte", CharTokenizer("abcdefghijklmnopqrstuvwxyzBH.: \n")):
+        tok = load_tokenizer(kind) if isinstance(kind, str) else kind
+        assert tok.apply_chat_template(turns) == "system: Be brief.\nuser: Hi\nassistant: "
+        done = [*turns, {"role": "assistant", "content": "Hello"}]
+        text = tok.apply_chat_template(done, add_generation_prompt=False)
+        assert text == "system: Be brief.\nuser: Hi\nassistant: Hello\n"
+        assert tok.decode(tok.encode(text)) == text
 
 
 SAMPLE = runpy.run_path(str(ROOT / "sample.py"))
@@ -409,3 +417,24 @@ def test_train_py_refuses_a_bad_tokenizer_before_writing(bpe, tmp_path, capsys, 
         err = capsys.readouterr().err
         assert err.startswith("error: ") and err.count("\n") == 1 and message in err, err
         assert not run.exists()
+
+
+@pytest.mark.parametrize("kind", ["byte", "char"])
+def test_builtin_tokenizers_export_as_files_transformers_loads_alike(kind, tmp_path):
+    """An exported byte- or char-tokenized model leaves with a tokenizer.json and its chat
+    template: transformers' tokenizer encodes, decodes and renders chats as ours does."""
+    transformers = pytest.importorskip("transformers", reason="the interop extra")
+    from moe_jax.tokenizer.as_hf import hf_files
+
+    text = "héllo wörld\n  x 日本: \x00\xff" if kind == "byte" else "the cat: sat\n\n on  a mat"
+    tok = load_tokenizer("byte") if kind == "byte" else CharTokenizer.from_text(text + "usera")
+    for name, data in hf_files(tok).items():
+        (tmp_path / name).write_bytes(data)
+    theirs = transformers.AutoTokenizer.from_pretrained(tmp_path)
+    ids = theirs.encode(text, add_special_tokens=False)
+    assert ids == tok.encode(text).tolist()
+    assert theirs.decode(ids) == tok.decode(ids) == text
+    assert theirs.decode(ids[:3]) == tok.decode(ids[:3])  # a cut character: U+FFFD alike
+    turns = [{"role": "user", "content": "a cat"}]
+    rendered = theirs.apply_chat_template(turns, tokenize=False, add_generation_prompt=True)
+    assert rendered == tok.apply_chat_template(turns)

@@ -43,6 +43,7 @@ from moe_jax.interop.stream import ImportPlan, Progress
 from moe_jax.model import Transformer
 from moe_jax.run.output import new_output
 from moe_jax.tokenizer import Tokenizer
+from moe_jax.tokenizer.as_hf import hf_files
 
 FAMILIES: dict[str, Family] = {
     f.architecture: f
@@ -306,13 +307,19 @@ def pick_family(cfg: Config, architecture: str | None = None) -> tuple[Family, d
             raise InteropError(f"unknown architecture '{architecture}'; choose one of {supported}")
         family = FAMILIES[architecture]
         return family, family.from_config(cfg)
-    reasons = []
-    for family in FAMILIES.values():
+    reasons = {}
+    for arch, family in FAMILIES.items():
         try:
             return family, family.from_config(cfg)
         except InteropError as e:
-            reasons.append(str(e))
-    raise InteropError("no Hugging Face architecture fits this config: " + " | ".join(reasons))
+            reasons[arch] = str(e).split(": ", 1)[-1]  # past "cannot write ARCH: "
+    # The family this config misses by the fewest settings, and those: a run trained with them
+    # exports (`--arch ARCH` says what another family needs).
+    closest = min(reasons, key=lambda arch: reasons[arch].count("; "))
+    raise InteropError(
+        f"no Hugging Face architecture fits this config; the closest is {closest}: "
+        f"{reasons[closest]} (a run trained so exports; --arch ARCH lists another's terms)"
+    )
 
 
 def save_hf(
@@ -391,5 +398,6 @@ def write_hf(
                     progress.add(math.prod(tensor.shape) * out_dtype.itemsize)
         writer.close()
         (tmp / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
-        for fname, data in (tokenizer.files if tokenizer is not None else {}).items():
+        # the run's tokenizer files; the built-in byte / char tokenizers as a tokenizer.json
+        for fname, data in (hf_files(tokenizer) if tokenizer is not None else {}).items():
             (tmp / fname).write_bytes(data)

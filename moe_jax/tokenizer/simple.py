@@ -14,23 +14,33 @@ class DataError(MoeJaxError, ValueError):
     """Unusable input data; the message names the problem and the fix."""
 
 
+# The built-in tokenizers' chat template: plain text, a turn a line ("user: Hi"), the reply
+# after "assistant: ", so that a chat request or chat SFT rows work on the default model. No
+# special tokens (these tokenizers have none): a reply ends at max_tokens, or at a stop string.
+# Only letters, ":", " " and newlines: a char tokenizer's alphabet may lack anything else.
+BUILTIN_CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ m['role'] + ': ' + m['content'] + '\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ 'assistant: ' }}{% endif %}"
+)
+
+
 class _Builtin:
-    """What the built-in tokenizers lack next to the file tokenizers: special tokens, a chat
-    template and files (`add_special_tokens` is accepted for the same calls, and adds none)."""
+    """What the built-in tokenizers lack next to the file tokenizers: special tokens and files
+    (`add_special_tokens` is accepted for the same calls, and adds none); their chat template
+    is BUILTIN_CHAT_TEMPLATE."""
 
     bos_id: int | None = None
     eos_id: int | None = None
-    chat_template: str | None = None
+    chat_template: str = BUILTIN_CHAT_TEMPLATE
     files: dict[str, bytes] = {}  # nothing to keep beside the checkpoint meta (never mutated)
 
     def encode_batch(self, texts: Sequence[str], add_special_tokens: bool = False):
         return [self.encode(t) for t in texts]
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        raise DataError(
-            f"the {self.kind} tokenizer has no chat template; use a Hugging Face tokenizer "
-            "that has one (data.tokenizer=PATH), or prompt with plain text"
-        )
+        from moe_jax.tokenizer.chat import render  # chat.py imports this module
+
+        return render(self.chat_template, messages, add_generation_prompt, {})
 
 
 class ByteTokenizer(_Builtin):
