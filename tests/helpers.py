@@ -12,6 +12,10 @@ from moe_jax.config import Config, load_config
 
 # A very small model on top of configs/tiny.yaml (also usable as CLI overrides).
 TINY_BASE = [
+    # The tests' tiny model keeps a NoPE layer with temperature tuning (configs/tiny.yaml had
+    # them until the default had to export): every path through it stays exercised.
+    "attention.nope_interval=4",
+    "attention.temperature_tuning=true",
     "model.d_model=32",
     "model.ffn_hidden=48",
     "attention.n_heads=4",

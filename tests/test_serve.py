@@ -479,3 +479,15 @@ def test_the_worker_logs_each_request_and_the_stats_while_it_works(server):
         "stats: prompt 15.0 tokens/s, generation 5.0 tokens/s; running 2, waiting 1; "
         "KV pages 16/64 (25.0%)"
     )
+
+
+def test_a_chat_on_a_byte_tokenized_run_renders_the_built_in_template():
+    """The default model (byte tokenizer, no template of its own) answers
+    /v1/chat/completions: the conversation rendered as the built-in plain-text turns."""
+    from moe_jax.serve.requests import parse
+    from moe_jax.tokenizer import load_tokenizer
+
+    byte = load_tokenizer("byte")
+    body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}
+    job = parse(body, byte, "tiny", chat=True, max_len=64)
+    assert byte.decode(job.prompt) == "user: Hi\nassistant: "
