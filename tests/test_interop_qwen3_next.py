@@ -18,6 +18,8 @@ tests/test_gated_deltanet.py).
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -29,6 +31,8 @@ transformers = pytest.importorskip(
     "transformers", reason="interop tests need transformers (the `interop` extra)"
 )
 
+from moe_jax.config import load_config  # noqa: E402
+from moe_jax.config.shipped import config_path  # noqa: E402
 from moe_jax.interop import config_from_hf, load_hf, save_hf  # noqa: E402
 from moe_jax.interop.safetensors_io import TensorReader  # noqa: E402
 from moe_jax.summary.counts import param_counts  # noqa: E402
@@ -55,6 +59,7 @@ COMMON = dict(
     eos_token_id=None,
     pad_token_id=None,
 )
+SHIPPED = {"qwen3_next": "qwen3_next_80b_a3b", "qwen3_5_moe": "qwen3_5_35b_a3b"}  # configs/
 SPECS = {
     "qwen3_next": (
         "Qwen3NextForCausalLM",
@@ -210,7 +215,15 @@ def test_full_size_configs_count_the_parameters_transformers_counts(name, tmp_pa
         model = getattr(transformers, model_cls)(config)
     want = sum(p.numel() for p in model.parameters())
     assert want > 3e10  # the full size: 35B, 80B
-    assert param_counts(config_from_hf(tmp_path))[0] == want
+    imported = config_from_hf(tmp_path)
+    assert param_counts(imported)[0] == want
+    # the shipped shape config is that config (in bf16, a shape config's compute dtype)
+    shipped = load_config(config_path(SHIPPED[name]))
+    for section in ("model", "attention", "moe"):
+        want_section = getattr(imported, section)
+        if section == "model":
+            want_section = dataclasses.replace(want_section, dtype="bfloat16")
+        assert getattr(shipped, section) == want_section, section
 
 
 def test_imported_logits_match_transformers(case):

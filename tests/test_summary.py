@@ -18,6 +18,7 @@ from moe_jax.model import Transformer
 from moe_jax.summary.counts import (
     COMPONENTS,
     attention_flops_per_token,
+    decode_flops,
     format_summary,
     kv_cache_bytes,
     param_breakdown,
@@ -220,3 +221,32 @@ def test_kv_cache_bytes_count_rings_and_equal_init_cache():
     allocated = sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(cache))
     assert allocated == kv_cache_bytes(cfg, 64)[0]
     assert kv_cache_bytes(cfg, 64)[0] < kv_cache_bytes(cfg, 64)[1]
+    # A hybrid stack: its linear layers hold a convolution window and a float32 state
+    from tests.helpers import tiny_config
+    from tests.test_hybrid import HYBRID
+
+    cfg = tiny_config(*HYBRID)
+    model = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
+    cache = jax.eval_shape(lambda: model.init_cache(1, 64, jnp.bfloat16))
+    allocated = sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(cache))
+    assert allocated == kv_cache_bytes(cfg, 64)[0]
+
+
+def test_a_hybrid_s_linear_layers_count_their_recurrence_not_softmax_attention():
+    """Qwen3.5-35B-A3B by hand: 10 of its 40 layers are softmax attention (16 heads x
+    (256 + 256) per key), 30 gated DeltaNet layers a recurrence of 6 x 32 heads x 128 x 128
+    FLOPs a token forward (x 3 with the backward); its KV cache: 10 layers of 2 x 2 kv heads x
+    256 in bf16 a token, and per linear layer a 3-wide window of 8192 channels and a float32
+    state of 32 x 128 x 128."""
+    cfg = load_config(CONFIGS / "qwen3_5_35b_a3b.yaml")
+    recurrence = 6 * 32 * 128 * 128
+    softmax = 6 * 16 * 512 * 4096 * 10 // 2
+    assert attention_flops_per_token(cfg, 4096) == softmax + 3 * 30 * recurrence
+    held, _ = kv_cache_bytes(cfg, 32768)
+    assert held == 10 * 32768 * 2 * 2 * 256 * 2 + 30 * (8192 * 3 * 2 + 32 * 128 * 128 * 4)
+    # decoding: the softmax layers over the keys so far, the recurrence once a token
+    prompt, new = 16, 5
+    keys = prompt * prompt + 4 * prompt + 4 * 5 // 2
+    matmul = 2 * param_breakdown(cfg).active_matmul * (prompt + 4)
+    attention = 2 * 10 * 16 * 512 * keys + 30 * recurrence * (prompt + 4)
+    assert decode_flops(cfg, 1, prompt, new) == matmul + attention

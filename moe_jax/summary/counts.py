@@ -28,6 +28,7 @@ from flax import nnx
 
 from moe_jax.config import Config, cli_config
 from moe_jax.config.shipped import config_argv
+from moe_jax.model.linear_attention import gdn_sizes
 from moe_jax.run.door import command, say
 
 COMPONENTS = (
@@ -162,8 +163,23 @@ def attention_keys(cfg: Config, layer: int, seq_len: int) -> float:
     return seq_len
 
 
+def linear_layers(cfg: Config) -> int:
+    """The main layers that are linear attention (attention.linear: a hybrid stack's)."""
+    return sum(cfg.is_linear(j) for j in range(cfg.model.n_layers))
+
+
+def linear_flops_per_token(cfg: Config) -> int:
+    """Forward FLOPs a token costs one linear-attention layer beyond its projections: the gated
+    delta rule's recurrence, per value head reading the state out (q S), S^T k and the rank-1
+    update, 2 x key_dim x value_dim each. The chunked form computes the same state with more
+    work inside a chunk; the count is the rule's, as attention's is the causal half."""
+    a = cfg.attention
+    return 6 * a.linear_value_heads * a.linear_key_dim * a.linear_value_dim
+
+
 def attention_flops_per_token(cfg: Config, seq_len: int, causal: bool = True) -> int:
-    """QK^T and AV matmuls, forward + backward, in the main layers and the MTP layers.
+    """QK^T and AV matmuls, forward + backward, in the main layers and the MTP layers; a
+    hybrid stack's linear layers their recurrence's (`linear_flops_per_token`, x 3).
 
     causal (the convention of the peers' published MFU: MaxText's
     `calculate_tflops_training_per_device` halves attention "due to causal mask", citing
@@ -171,12 +187,14 @@ def attention_flops_per_token(cfg: Config, seq_len: int, causal: bool = True) ->
     every layer over all `seq_len` keys, the count moe_jax's figures used before 2026-11-27
     (reported beside the causal one where they differ)."""
     per_key = 6 * cfg.attention.n_heads * sum(attention_dims(cfg))
-    layers = cfg.model.n_layers + cfg.model.mtp_depth
+    n_linear = linear_layers(cfg)
+    recurrent = 3 * n_linear * linear_flops_per_token(cfg) if n_linear else 0
+    softmax = [j for j in range(cfg.model.n_layers) if not cfg.is_linear(j)]
     if not causal:
-        return per_key * layers * seq_len
-    keys = sum(attention_keys(cfg, j, seq_len) for j in range(cfg.model.n_layers))
+        return per_key * (len(softmax) + cfg.model.mtp_depth) * seq_len + recurrent
+    keys = sum(attention_keys(cfg, j, seq_len) for j in softmax)
     keys += cfg.model.mtp_depth * seq_len  # the MTP layers attend globally
-    return int(per_key * keys / 2)
+    return int(per_key * keys / 2) + recurrent
 
 
 def train_flops_per_token(cfg: Config, seq_len: int | None = None, causal: bool = True) -> int:
@@ -199,18 +217,23 @@ def decode_flops(cfg: Config, batch: int, prompt_len: int, new_tokens: int) -> i
     `2 * N` for the matmuls, plus QK^T and AV forward (4 * n_layers * n_heads * head_dim per
     key; MLA's absorbed form: its `attention_dims`): over all `prompt_len` keys in the prefill
     (the training convention), over the keys written so far in decode."""
-    per_key = 2 * cfg.model.n_layers * cfg.attention.n_heads * sum(attention_dims(cfg, True))
+    n_linear = linear_layers(cfg)  # a hybrid's linear layers: their recurrence, a token each
+    softmax = cfg.model.n_layers - n_linear
+    per_key = 2 * softmax * cfg.attention.n_heads * sum(attention_dims(cfg, True))
     fed = new_tokens - 1
     tokens = prompt_len + fed
     keys = prompt_len * prompt_len + fed * prompt_len + fed * (fed + 1) // 2
-    return batch * (2 * param_breakdown(cfg).active_matmul * tokens + per_key * keys)
+    recurrent = n_linear * linear_flops_per_token(cfg) * tokens if n_linear else 0
+    return batch * (2 * param_breakdown(cfg).active_matmul * tokens + per_key * keys + recurrent)
 
 
 def kv_cache_bytes(cfg: Config, context: int, dtype_bytes: int = 2) -> tuple[int, int]:
     """(bytes, bytes if every layer cached the whole context) of one sequence's KV cache at
     `context` tokens, as `Transformer.init_cache` lays it out: a sliding-window layer keeps a
     ring of its window only (and an int32 position per slot); an MLA layer its latent and
-    shared RoPE key, kv_lora_rank + qk_rope_head_dim values a token for all heads."""
+    shared RoPE key, kv_lora_rank + qk_rope_head_dim values a token for all heads; a linear-
+    attention layer (a hybrid's) its convolution window, in the cache's dtype, and its float32
+    state, whatever the context."""
     a = cfg.attention
     per_slot = 2 * a.n_kv_heads * cfg.head_dim * dtype_bytes  # k and v
     if a.kind == "mla":
@@ -218,6 +241,11 @@ def kv_cache_bytes(cfg: Config, context: int, dtype_bytes: int = 2) -> tuple[int
     full = cfg.model.n_layers * context * per_slot
     held = 0
     for layer in range(cfg.model.n_layers):
+        if cfg.is_linear(layer):
+            g = gdn_sizes(cfg)
+            held += g.conv_channels * (g.conv_kernel - 1) * dtype_bytes
+            held += g.n_value_heads * g.key_dim * g.value_dim * 4
+            continue
         window = a.sliding_window if cfg.uses_window(layer) else 0
         ring = 0 < window < context
         held += (window * (per_slot + 4)) if ring else context * per_slot
