@@ -366,8 +366,10 @@ def test_bad_input_exits_2_and_writes_nothing(source, tmp_path, capsys):
     sft = lambda name, form="prompt_completion": [f"data.path={f[name]}", f"data.sft={form}"]
     at = lambda name, line: f"data file '{f[name]}' line {line}"
     cases = [
-        ([*base, "moe.top_k=1"], "is a run of another architecture (moe.top_k: 2 -> 1); start"),
-        ([f"run_dir={new}", f"init_from={src}"], "model.n_layers: 2 -> 4; model.vocab_size"),
+        ([*base, "moe.top_k=1"], "is a run of another architecture (moe.top_k: 2 -> 1); the"),
+        # the default config (tiny's 4 layers) takes the source's 2, but not one given
+        ([f"run_dir={new}", f"init_from={src}", "model.n_layers=4"], "(model.n_layers: 2 -> 4)"),
+        ([base[0], f"init_from={src}"], "is the saved config of init_from's run, whose"),
         ([*base[:2], f"init_from={tmp_path / 'none'}"], "init_from: run directory '"),
         ([*base[:2], f"init_from={tmp_path / 'empty_run'}"], "init_from: no checkpoint in"),
         ([*base, "init_step=5"], "init_from: no checkpoint for step 5"),
