@@ -248,9 +248,12 @@ def objective_figure(records: list[dict]) -> Figure | None:
     return fig
 
 
-def optimizer_figure(records: list[dict]) -> Figure:
-    """The learning rate, the gradient norm and the throughput over training."""
+def optimizer_figure(records: list[dict]) -> Figure | None:
+    """The learning rate, the gradient norm and the throughput over training; None where no
+    train record holds one of them (records written by hand)."""
     train = [r for r in records if r["kind"] == "train"]
+    if not any(r.get(name) is not None for r in train for name, _, _ in OPTIMIZER_PANELS):
+        return None
     fig, axes = plt.subplots(len(OPTIMIZER_PANELS), 1, figsize=(8, 7), sharex=True)
     for ax, (name, title, log) in zip(axes, OPTIMIZER_PANELS, strict=True):
         _series(ax, train, [name], "-")
