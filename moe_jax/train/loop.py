@@ -6,7 +6,7 @@
 The loop: every `log_every` steps a metrics record (means over the window: loss, CE, aux
 losses, LR, grad norm, tokens/s, MFU, per-MoE-layer expert load and dropped fraction) goes to
 RUN_DIR/metrics.jsonl, TensorBoard and the console; every `eval_every` steps (and at the end)
-the validation loss and perplexity, and with `eval.tasks` the harness tasks' metrics every
+the validation metrics (`evaluation`: the objective's), and with `eval.tasks` the tasks' every
 `eval.every` steps (moe_jax/eval/in_training.py); every `checkpoint.every` steps (and at the
 end) an async checkpoint. SIGTERM / Ctrl-C: checkpoint after the current step and return. A
 non-finite loss or gradient norm stops training before anything is saved from it (checked for
@@ -169,6 +169,17 @@ def _checked_mesh(cfg: Config, log) -> jax.sharding.Mesh:
     return mesh
 
 
+def _read_data(cfg: Config, resume, source, log):
+    """-> (cfg, the run's data, read with the resumed run's or the source's tokenizer);
+    with train.epochs, cfg's train.steps counted from the data's rows."""
+    data = load_run_data(cfg, resume.tokenizer if resume else source.tokenizer if source else None)
+    log_data(cfg, data, resume, log)
+    if (epochs := cfg.train.epochs) is not None:
+        cfg = with_epochs(cfg, data.rows_per_epoch, data.row_unit)
+        log(epochs_line(cfg, data, epochs))
+    return cfg, data
+
+
 def train(
     cfg: Config, *, stop_at: int | None = None, given: Collection[str] | None = None
 ) -> TrainResult:
@@ -182,18 +193,14 @@ def train(
     TrainingError (divergence) or SaveError (a checkpoint could not be written).
     """
     log = logger()
-    # init_from=HF_DIR: its architecture, tokenizer and family's run-time keys
+    # init_from (a run or HF_DIR): its architecture and tokenizer; HF_DIR's run-time keys
     cfg = with_source_architecture(cfg, given)
     cfg.moe.check_training()  # before anything is read or written
     hf_exports.check(cfg)  # checkpoint.export_hf: the model has a Hugging Face form
     resume = inspect_run(cfg)  # read-only; refuses an incompatible run dir
     # init_from: the run a new one starts from (read-only; None when run_dir resumes its own)
     source = init_source(cfg, resume.step if resume else None, log)
-    data = load_run_data(cfg, resume.tokenizer if resume else source.tokenizer if source else None)
-    log_data(cfg, data, resume, log)
-    if (epochs := cfg.train.epochs) is not None:  # now that the rows are counted
-        cfg = with_epochs(cfg, data.rows_per_epoch, data.row_unit)
-        log(epochs_line(cfg, data, epochs))
+    cfg, data = _read_data(cfg, resume, source, log)
     if (line := moe_line(cfg)) is not None:
         log(line)
     tasks = TaskEval.start(cfg, data.tokenizer)  # eval.tasks checked before anything is written
