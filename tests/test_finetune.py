@@ -422,10 +422,14 @@ def test_a_finetune_from_the_default_config_is_sized_in_epochs(source, tmp_path,
     byte vocabulary give way to the source's architecture and tokenizer, tiny's train.steps
     to the epochs; the data line counts them (ceil(3 x windows / batch) steps), the source is
     evaluated at step 0, the run ends at that step with its closing line, and its saved
-    config holds the steps, not the epochs (reading it back is no config setting both)."""
+    config holds the steps, not the epochs (reading it back is no config setting both).
+    The same command once the source is gone: the run's own architecture, nothing to do."""
+    import shutil
+
     from moe_jax.config import config_from_yaml
 
-    src, before, _ = source
+    src = tmp_path / "src"  # a copy, to delete
+    shutil.copytree(source[0], src)
     main = runpy.run_path(str(ROOT / "train.py"))["main"]
     jsonl = write_jsonl(tmp_path / "sft.jsonl", PAIRS * 2)
     new = tmp_path / "new"
@@ -448,4 +452,8 @@ def test_a_finetune_from_the_default_config_is_sized_in_epochs(source, tmp_path,
     assert f"done: step {steps} in {new / 'checkpoints' / str(steps)}; val_loss " in out
     saved = config_from_yaml((new / "config.yaml").read_text())
     assert (saved.train.steps, saved.train.epochs, saved.model.n_layers) == (steps, None, 2)
-    assert snapshot(src) == before
+    shutil.rmtree(src)
+    assert main(argv) == 0
+    assert (
+        f"is already at step {steps} (asked for {steps}); nothing to do" in capsys.readouterr().out
+    )

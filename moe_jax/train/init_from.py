@@ -62,11 +62,16 @@ def with_source_architecture(cfg: Config, given: Collection[str] | None = None) 
         return cfg
     if is_hf_dir(cfg.init_from):
         return with_hf_architecture(cfg.init_from, cfg, mtp=cfg.model.mtp_depth > 0, given=given)
-    try:
-        saved = read_run_meta(cfg.init_from, cfg.init_step)["config"]
-    except RunError:  # init_source names what is wrong with the source
-        return cfg
-    return with_run_architecture(saved, cfg, given)
+    # The source's; else, where run_dir resumes its own checkpoints (init_from ignored), the
+    # run's, which it took from the source (that may be gone since); else init_source names
+    # what is wrong with the source.
+    for run, step in ((cfg.init_from, cfg.init_step), (cfg.run_dir, None)):
+        try:
+            saved = read_run_meta(run, step)["config"]
+        except RunError:
+            continue
+        return with_run_architecture(saved, cfg, given)
+    return cfg
 
 
 def with_run_architecture(saved: Config, cfg: Config, given: Collection[str] | None) -> Config:
