@@ -11,6 +11,7 @@ both sides; 1e-6 relative.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -356,3 +357,51 @@ def test_message_pairs_count_their_answer_turns_only(tmp_path):
         assert decode(tokens) == whole
         assert decode(tokens[mask == 1]) == whole[len(start) :]
         assert answer in decode(tokens[mask == 1]) and "Mango" not in decode(tokens[mask == 1])
+
+
+def test_held_out_pairs_metrics_equal_a_direct_computation(tmp_path):
+    """The trainer's DPO eval (train/evaluation.py: the validation pairs in batches as
+    training reads them, `dpo.eval_sums`): 5 held-out pairs in 2 batches of 4, 3 of them
+    padding that count nothing; loss, reward accuracy and margin (means over the pairs) and
+    the chosen answers' cross-entropy equal those of each pair's log-probs taken from the
+    model's whole logits with its adapters on (policy) and off (reference), in float64."""
+    from flax import nnx
+
+    from moe_jax.model import Transformer
+    from moe_jax.model import lora as adapters
+    from moe_jax.train.evaluation import Validation
+    from tests.test_lora import draw_b
+
+    cfg = pairs_config(write_jsonl(tmp_path / "p.jsonl", by_case(10)), "data.val_fraction=0.5")
+    data = load_preference(cfg)
+    assert len(data.val) == 5 and cfg.train.batch_size == 4
+    model = Transformer(cfg, rngs=nnx.Rngs(0))
+    draw_b(model)  # the policy is not its reference
+    params = nnx.state(model, nnx.Param)
+    val = Validation(cfg, nnx.graphdef(model), data, lambda b: jax.tree.map(jnp.asarray, b))
+    assert len(val.pairs) == 2
+    record, line = val.run({"params": params, "opt_state": ()}, 7)
+
+    rows = pairs_batch(data.val, data.length)  # [5, 2, T+1]: chosen, rejected
+    tokens = np.asarray(rows["tokens"]).reshape(10, -1)
+    mask = np.asarray(rows["loss_mask"]).reshape(10, -1)[:, 1:]
+
+    def logps(off: bool) -> np.ndarray:  # each answer's summed log-prob, float64: [10]
+        with adapters.off() if off else contextlib.nullcontext():
+            logits = np.asarray(model(jnp.asarray(tokens[:, :-1]))[0], np.float64)
+        logp = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
+        return (np.take_along_axis(logp, tokens[:, 1:, None], -1)[..., 0] * mask).sum(1)
+
+    policy, reference = logps(off=False), logps(off=True)
+    margin = BETA * ((policy - reference)[0::2] - (policy - reference)[1::2])
+    assert np.all(np.abs(margin) > 1e-3)
+    want = {
+        "val_dpo_loss": np.mean(np.logaddexp(0, -margin)),
+        "val_reward_accuracy": np.mean(margin > 0),
+        "val_reward_margin": np.mean(margin),
+        "val_ce_chosen": -policy[0::2].sum() / mask[0::2].sum(),
+    }
+    assert 0 < want["val_reward_accuracy"] < 1  # neither all nor none: the padding would show
+    for k, v in want.items():
+        np.testing.assert_allclose(record[k], v, rtol=2e-5, atol=1e-6, err_msg=k)
+    assert "unigram" not in line and "reward accuracy" in line

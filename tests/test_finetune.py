@@ -19,6 +19,7 @@ persistent compilation cache), one sampling program; 29 s measured on 2 busy cor
 from __future__ import annotations
 
 import json
+import math
 import re
 import runpy
 from pathlib import Path
@@ -366,8 +367,9 @@ def test_bad_input_exits_2_and_writes_nothing(source, tmp_path, capsys):
     sft = lambda name, form="prompt_completion": [f"data.path={f[name]}", f"data.sft={form}"]
     at = lambda name, line: f"data file '{f[name]}' line {line}"
     cases = [
-        ([*base, "moe.top_k=1"], "is a run of another architecture (moe.top_k: 2 -> 1); start"),
-        ([f"run_dir={new}", f"init_from={src}"], "model.n_layers: 2 -> 4; model.vocab_size"),
+        ([*base, "moe.top_k=1"], "is a run of another architecture (moe.top_k: 2 -> 1); the"),
+        # the default config (tiny's 4 layers) takes the source's 2, but not one given
+        ([f"run_dir={new}", f"init_from={src}", "model.n_layers=4"], "(model.n_layers: 2 -> 4)"),
         ([*base[:2], f"init_from={tmp_path / 'none'}"], "init_from: run directory '"),
         ([*base[:2], f"init_from={tmp_path / 'empty_run'}"], "init_from: no checkpoint in"),
         ([*base, "init_step=5"], "init_from: no checkpoint for step 5"),
@@ -413,3 +415,45 @@ def test_bad_input_exits_2_and_writes_nothing(source, tmp_path, capsys):
 def test_config_refuses_bad_finetuning_keys(overrides, message):
     with pytest.raises(ConfigError, match=re.escape(message)):
         load_config("configs/tiny.yaml", overrides)
+
+
+def test_a_finetune_from_the_default_config_is_sized_in_epochs(source, tmp_path, capsys):
+    """`train.py init_from=SRC train.epochs=3 ...` with no config named: tiny's 4 layers and
+    byte vocabulary give way to the source's architecture and tokenizer, tiny's train.steps
+    to the epochs; the data line counts them (ceil(3 x windows / batch) steps), the source is
+    evaluated at step 0, the run ends at that step with its closing line, and its saved
+    config holds the steps, not the epochs (reading it back is no config setting both).
+    The same command once the source is gone: the run's own architecture, nothing to do."""
+    import shutil
+
+    from moe_jax.config import config_from_yaml
+
+    src = tmp_path / "src"  # a copy, to delete
+    shutil.copytree(source[0], src)
+    main = runpy.run_path(str(ROOT / "train.py"))["main"]
+    jsonl = write_jsonl(tmp_path / "sft.jsonl", PAIRS * 2)
+    new = tmp_path / "new"
+    argv = [f"init_from={src}", f"run_dir={new}", f"data.path={jsonl}",
+            "data.sft=prompt_completion", "train.epochs=3", "train.batch_size=2",
+            "train.seq_len=32", "train.eval_batches=1", "train.peak_flops=1e11",
+            "train.log_every=1", "train.trackers=[]", "data.val_fraction=0.2"]  # fmt: skip
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    windows = load_run_data(
+        load_config(new / "config.yaml"), load_tokenizer(str(src / "tokenizer"))
+    )
+    steps = math.ceil(3 * windows.rows_per_epoch / 2)
+    assert windows.rows_per_epoch >= 2 and steps >= 3
+    assert (
+        f"data: {windows.rows_per_epoch} train windows, 3 epochs: {steps} steps of 2 windows" in out
+    )
+    assert "eval step 0: val loss" in out and "(unigram baseline" in out
+    assert f"step {steps}/{steps} |" in out
+    assert f"done: step {steps} in {new / 'checkpoints' / str(steps)}; val_loss " in out
+    saved = config_from_yaml((new / "config.yaml").read_text())
+    assert (saved.train.steps, saved.train.epochs, saved.model.n_layers) == (steps, None, 2)
+    shutil.rmtree(src)
+    assert main(argv) == 0
+    assert (
+        f"is already at step {steps} (asked for {steps}); nothing to do" in capsys.readouterr().out
+    )

@@ -230,3 +230,28 @@ def test_a_grpo_run_stopped_and_resumed_equals_an_uninterrupted_one(tmp_path, mo
         assert r["completion_len"] > 0
     assert trains[-1]["kl"] > 1e-4  # the policy leaves its reference
     assert max(r["clip_frac"] for r in trains) > 0  # later updates' ratios leave the range
+
+
+@pytest.mark.parametrize("eval_batches, want", [(8, 10.0), (1, 9.5)])
+def test_the_held_out_reward_is_the_validation_prompts_mean(tmp_path, eval_batches, want):
+    """Rollouts.held_out (GRPO's eval: train/evaluation.py): rl.group_size completions of
+    each validation prompt (12 prompts, 9 train: prompts 9, 10, 11), drawn batch_size = 2
+    prompts at a time, as a step's (the last batch filled with a repeat, left out of the
+    mean), at most train.eval_batches batches, all from the run's seed. A stand-in draw
+    rewards prompt i's completions with i."""
+    from moe_jax.data.prompts import load_prompts
+    from moe_jax.posttrain.rl.collect import Rollouts
+
+    path = write_jsonl(tmp_path / "p.jsonl", sums(12))
+    cfg = grpo_config(path, f"train.eval_batches={eval_batches}", "seed=5")
+    data = load_prompts(cfg)
+    assert (data.n_train, len(data.ids), cfg.rl.group_size) == (9, 12, 4)
+    rollouts, calls = Rollouts(cfg, None, data), []
+
+    def draw(params, index, seed):
+        calls.append((list(index), seed))
+        return None, None, np.repeat(np.asarray(index, np.float64), cfg.rl.group_size)
+
+    rollouts._draw = draw
+    assert rollouts.held_out({"params": None}) == want
+    assert calls == [([9, 10], 5), ([11, 11], 5)][:eval_batches]

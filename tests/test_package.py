@@ -88,7 +88,8 @@ def test_the_wheel_trains_and_samples_outside_the_clone(tmp_path):
         files = set(z.namelist())
         (entry_points,) = [n for n in files if n.endswith(".dist-info/entry_points.txt")]
         scripts = z.read(entry_points).decode()
-    shipped = {"moe_jax/configs/tiny.yaml", "moe_jax/configs/recipes/mixtral_8x7b_v5p128.yaml"}
+    shipped = {"moe_jax/configs/tiny.yaml", "moe_jax/configs/recipes/mixtral_8x7b_v5p128.yaml",
+               "moe_jax/configs/finetune/dpo.yaml"}  # fmt: skip
     assert shipped <= files
     assert "moe-jax = moe_jax.cli.main:script" in scripts
     assert "moe-jax-train = moe_jax.cli.train:script" in scripts

@@ -6,7 +6,15 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from moe_jax.observe.plot import dropped_figure, expert_load_figure, loss_figure, main
+from moe_jax.observe.plot import (
+    OBJECTIVE_PANELS,
+    dropped_figure,
+    expert_load_figure,
+    loss_figure,
+    main,
+    objective_figure,
+    optimizer_figure,
+)
 from moe_jax.observe.writers import MetricsWriter
 
 STEPS = [10, 20, 30]
@@ -26,6 +34,9 @@ def records(moe: bool = True) -> list[dict]:
             "ce": ce,
             "dropped_frac": dropped if moe else [],
             "expert_load": load.tolist() if moe else [],
+            "lr": 1e-3 * step,
+            "grad_norm": 2.0 / step,
+            "tokens_per_s": None if step == STEPS[0] else 1e3 * step,  # the compiling window
         }
         for step, ce, aux, dropped, load in zip(STEPS, CE, AUX, DROPPED_SL, LOAD_SLE, strict=True)
     ]
@@ -71,7 +82,7 @@ def test_the_cli_writes_one_png_per_figure(tmp_path, capsys, moe):
             writer.write(r)
     out = tmp_path / "plots"
     assert main([str(tmp_path), "--out", str(out)]) == 0
-    names = ["loss.png", "expert_load.png", "dropped.png"] if moe else ["loss.png"]
+    names = ["loss.png", "optimizer.png", *(["expert_load.png", "dropped.png"] if moe else [])]
     assert capsys.readouterr().out.split() == [str(out / n) for n in names]
     assert sorted(p.name for p in out.iterdir()) == sorted(names)
     for name in names:
@@ -99,3 +110,47 @@ def test_a_record_without_a_field_it_draws_is_one_line(tmp_path, capsys, kind, f
     assert err.startswith("error: ") and err.count("\n") == 1, err
     assert "record of step" in err and f"has no '{field}'" in err, err
     assert not out.exists()
+
+
+def dpo_records() -> list[dict]:
+    """A DPO run's records: its loss is DPO's (about ln 2), far from its cross-entropy."""
+    info, *train, evals = records()
+    info = info | {"objective": "dpo"}
+    keys = [k for _, names, _ in OBJECTIVE_PANELS["dpo"] for k in names]
+    val_keys = [k for _, _, names in OBJECTIVE_PANELS["dpo"] for k in names]
+    train = [
+        r | {"loss": 0.69 + aux, "aux_loss": aux} | {k: 0.1 * i for k in keys}
+        for i, (r, aux) in enumerate(zip(train, AUX, strict=True))
+    ]
+    evals = evals | {"val_ce_chosen": 1.4} | {k: 0.5 for k in val_keys}
+    return [info, *train, evals]
+
+
+def test_each_objective_draws_its_own_series_and_aux_loss():
+    """DPO: the reward_* / dpo_loss series (train and held-out) on objective.png, the MoE aux
+    loss itself under the loss (loss - ce would be DPO's loss less the cross-entropy), no
+    unigram baseline, the held-out chosen cross-entropy; lm: no objective figure. Every
+    run: the learning rate, the gradient norm and tokens/s (the compiling window's None
+    left out)."""
+    dpo = dpo_records()
+    fig = objective_figure(dpo)
+    drawn = [set(lines(ax)) for ax in fig.axes]
+    assert drawn == [
+        {"dpo_loss", "val_dpo_loss"},
+        {"reward_accuracy", "val_reward_accuracy"},
+        {"reward_chosen", "reward_rejected", "reward_margin", "val_reward_margin"},
+    ]
+    assert lines(fig.axes[1])["val_reward_accuracy"] == ([30], [0.5])
+    ax, ax_aux = loss_figure(dpo).axes
+    assert set(lines(ax)) == {"train cross-entropy", "validation loss",
+                              "validation chosen cross-entropy"}  # fmt: skip
+    ((label, (steps, aux)),) = lines(ax_aux).items()
+    assert label == "MoE aux loss" and steps == STEPS
+    np.testing.assert_allclose(aux, AUX, rtol=1e-12)
+    assert objective_figure(records()) is None
+    grpo = [dpo[0] | {"objective": "grpo"}, *records()[1:]]
+    grpo[1] |= {"reward_mean": 0.25, "kl": 0.01}
+    assert [set(lines(ax)) for ax in objective_figure(grpo).axes] == [{"reward_mean"}, {"kl"}]
+    shown = [lines(ax) for ax in optimizer_figure(dpo).axes]
+    assert [list(s) for s in shown] == [["lr"], ["grad_norm"], ["tokens_per_s"]]
+    assert shown[2]["tokens_per_s"] == (STEPS[1:], [2e4, 3e4])

@@ -14,7 +14,8 @@ What runs, and how, to fit the budget (measured: ~45 s of CPU time for all of th
   prepare, eval: the harness offline, on the repository's local task; profile)
   run for real, in this process through `runpy` (no interpreter start-up per command, and one
   compile serves the commands that share a program): train.py with FAST_TRAIN appended (3
-  steps of a smaller model), sample.py with FAST_SAMPLE. An `XLA_FLAGS=...device_count=N`
+  steps of a smaller model; a shipped fine-tune config's with FAST_FINETUNE too), sample.py
+  with FAST_SAMPLE. An `XLA_FLAGS=...device_count=N`
   prefix is checked against this process's devices (conftest's 8) instead of being applied,
   and MOE_JAX_HUGEPAGES=0 keeps the CLIs from restarting this process. Each train.py command
   must log its last step: one that resumed another's finished run would train nothing.
@@ -51,6 +52,7 @@ import jax
 
 from moe_jax.aot import command as aot
 from moe_jax.aot.topology import TopologyError, get_topology
+from moe_jax.cli.train import config_argv
 from moe_jax.config import Config, load_config
 from tests.helpers import TINY_BASE
 
@@ -83,6 +85,7 @@ FAST_TRAIN = [  # 3 steps of a smaller model: the documented architecture costs 
     *[w for w in TINY_BASE if not w.startswith(("attention.nope", "attention.temperature"))],
     "model.n_layers=1",
     "moe.interleave_step=1",  # the one layer a MoE one
+    "train.epochs=null",  # a fine-tune config's length in epochs gives way to the 3 steps
     "train.steps=3",
     "train.batch_size=8",  # divides over docs/scaling.md's 8-device and 2 x 2 meshes
     "train.seq_len=32",
@@ -93,6 +96,9 @@ FAST_TRAIN = [  # 3 steps of a smaller model: the documented architecture costs 
     "checkpoint.every=3",
     "data.embedded_max_bytes=200000",
 ]
+# A shipped fine-tune config (configs/finetune/): windows that hold its example rows, and a
+# GRPO step's rollouts cut short
+FAST_FINETUNE = ["train.seq_len=96", "rl.group_size=2", "rl.max_new_tokens=4"]
 LAST_STEP = "step 3/3 |"  # what a train.py run with FAST_TRAIN logs last
 FAST_SAMPLE = ["--max-new-tokens", "8"]
 SHAKESPEARE_URL = (
@@ -242,7 +248,7 @@ def test_every_readme_command_is_known():
 def _train_config(cmd: Command, monkeypatch) -> Config:
     """The config a `python train.py [CONFIG.yaml] [key=value ...]` command trains."""
     monkeypatch.chdir(ROOT)
-    args = cmd.words[2:]
+    args = config_argv(cmd.words[2:])  # a shipped config by name (finetune/dpo) as train.py
     path = args.pop(0) if args and "=" not in args[0] else "configs/tiny.yaml"
     return load_config(path, args)
 
@@ -280,6 +286,8 @@ def _run_in_process(cmd: Command, hf_dir: str, monkeypatch) -> int:
     words = [w.removesuffix("HF_DIR") + hf_dir if w.endswith("HF_DIR") else w for w in cmd.words]
     if cmd.trains:
         words += FAST_TRAIN
+        if len(words) > 2 and words[2].startswith("finetune/"):
+            words += FAST_FINETUNE
     elif words[1] == "sample.py" and "--help" not in words:
         words += FAST_SAMPLE
     if words[1] == "-m":

@@ -30,6 +30,7 @@ from moe_jax.model import Transformer
 from moe_jax.observe.plot import main as plot_main
 from moe_jax.observe.writers import read_metrics
 from moe_jax.run.policy import inspect_run
+from moe_jax.train import evaluation
 from moe_jax.train import loop as trainer
 from moe_jax.train.loop import TrainingError, train
 from moe_jax.train.step import (
@@ -329,7 +330,7 @@ def test_eval_is_the_cross_entropy_on_evenly_spaced_validation_windows(runs):
 
 def test_plots_and_tensorboard_files_are_written(runs, tmp_path):
     assert plot_main([str(runs["straight"]), "--out", str(tmp_path)]) == 0
-    for name in ("loss.png", "expert_load.png"):
+    for name in ("loss.png", "optimizer.png", "expert_load.png"):
         assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert plot_main([str(tmp_path / "nothing")]) == 2
     (events,) = (runs["straight"] / "tb").glob("events.out.tfevents.*")
@@ -404,7 +405,7 @@ def test_throughput_and_mfu_follow_the_step_clock(tmp_path, monkeypatch, capsys)
     monkeypatch.setattr(trainer, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
     monkeypatch.setattr(trainer, "_wait_for_steps", paying(trainer._wait_for_steps))
     monkeypatch.setattr(Checkpointer, "save", paying(Checkpointer.save))
-    real_step, real_eval = trainer.make_train_step, trainer.make_eval_step
+    real_step, real_eval = trainer.make_train_step, evaluation.make_eval_step
 
     def queued(*args):
         step_fn = real_step(*args)
@@ -416,7 +417,7 @@ def test_throughput_and_mfu_follow_the_step_clock(tmp_path, monkeypatch, capsys)
         return step
 
     monkeypatch.setattr(trainer, "make_train_step", queued)
-    monkeypatch.setattr(trainer, "make_eval_step", lambda *a: paying(real_eval(*a)))
+    monkeypatch.setattr(evaluation, "make_eval_step", lambda *a: paying(real_eval(*a)))
     over = ["train.log_every=4", "train.eval_every=3", "checkpoint.every=3", "moe.top_k=1"]
     cfg = _cfg(tmp_path / "run", *over)
     train(cfg, stop_at=8)

@@ -3,13 +3,15 @@
     moe-jax train                                     # the tiny config on the embedded corpus
     moe-jax train tiny train.steps=100 moe.top_k=1 moe.renormalize=false
     moe-jax train recipes/mixtral_8x7b_v5p128 run_dir=/nfs/runs/mixtral   # a shipped config by name
+    moe-jax train finetune/dpo init_from=runs/tiny data.path=pairs.jsonl  # a fine-tune recipe
     moe-jax train my_exp.yaml run_dir=runs/exp1 data.path=shakespeare.txt data.tokenizer=char
     moe-jax train --help-config [SECTION]             # every config key: type, default, meaning
 
 (`moe-jax-train ...` and `python train.py ...` in a clone are the same command.) The first
 argument, unless it is a section.key=value override, names the config: a YAML file, or a
 config shipped with moe_jax by its name under configs/ (tiny, mixtral_8x7b, recipes/...,
-without .yaml); a file wins.
+finetune/sft|lora|dpo|grpo, without .yaml); a file wins. A fine-tune's takes init_from's
+architecture and trains train.epochs passes over its data.
 
 A run directory that already holds checkpoints is resumed from the latest one, or from an
 earlier one with `train.resume_step=N` (e.g. when the latest is damaged; the checkpoints after N

@@ -59,9 +59,14 @@ def _explain(err: OmegaConfBaseException, source: str) -> ConfigError:
     return ConfigError(f"bad config value{where} in {source}: {first_line}")
 
 
-def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -> Config:
-    """Schema defaults <- YAML file at `path` <- `key.sub=value` overrides, then validated."""
+def load_config(
+    path: str | Path | None = None, overrides: Sequence[str] = (), *, default_file: bool = False
+) -> Config:
+    """Schema defaults <- YAML file at `path` <- `key.sub=value` overrides, then validated.
+    `default_file`: `path` is the CLI's default config, which the user did not name: its
+    train.steps then gives way to a train.epochs of the overrides (`_one_length`)."""
     cfg = OmegaConf.structured(Config)
+    file_cfg = None
     if path is not None:
         path = Path(path)
         if not path.exists():
@@ -78,10 +83,70 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -
         if not isinstance(file_cfg, type(OmegaConf.create({}))):
             raise ConfigError(f"config file '{path}' must hold a mapping of sections")
         try:
-            cfg = OmegaConf.merge(cfg, file_cfg)
+            cfg = OmegaConf.merge(cfg, file_cfg)  # file_cfg kept: which keys the file sets
         except OmegaConfBaseException as e:
             raise _explain(e, str(path)) from None
-    return _validated(_merge_overrides(cfg, overrides))
+    cfg = _merge_overrides(cfg, overrides)
+    _one_length(cfg, None if default_file else file_cfg, path, overrides)
+    if path is not None and _is_source_config(path, OmegaConf.select(cfg, "init_from")):
+        cfg = _without_run_keys(cfg, overrides, path)
+    return _validated(cfg)
+
+
+# What belongs to one run, not to its model or its training recipe: a run's saved config
+# holds them, and a new run started from that file (init_from) must not carry them over.
+PER_RUN_KEYS = ("run_dir", "init_step", "train.resume_step", "train.profile_start",
+                "train.profile_steps", "train.trackers", "train.tracker_project",
+                "train.tracker_uri", "checkpoint.export_hf")  # fmt: skip
+RUN_CONFIG_FILE = "config.yaml"  # a run directory's saved config (run/layout.py CONFIG_FILE)
+
+
+def _is_source_config(path: Path, init_from: str | None) -> bool:
+    """Whether `path` is the saved config of the run `init_from` names."""
+    return (
+        init_from is not None
+        and path.name == RUN_CONFIG_FILE
+        and path.resolve().parent == Path(init_from).resolve()
+    )
+
+
+def _without_run_keys(cfg, overrides: Sequence[str], path: Path):
+    """`cfg` read from a source run's own config: its PER_RUN_KEYS the defaults again, but
+    those the overrides set; run_dir must be one of those (the file's is the source's)."""
+    given = {item.partition("=")[0] for item in overrides}
+    if "run_dir" not in given:
+        raise ConfigError(
+            f"{path} is the saved config of init_from's run, whose run_dir is that run's own; "
+            "name the new run's directory with run_dir=NEW"
+        )
+    defaults = OmegaConf.to_container(OmegaConf.structured(Config))
+    again = OmegaConf.create()
+    for key in PER_RUN_KEYS:
+        if key not in given:
+            section, _, name = key.rpartition(".")
+            value = defaults[section][name] if section else defaults[name]
+            OmegaConf.update(again, key, value, force_add=True)
+    return OmegaConf.merge(cfg, again)
+
+
+def _one_length(cfg, file_cfg, path, overrides: Sequence[str]) -> None:
+    """A run's length is train.steps or train.epochs: ConfigError, naming where each was
+    set, when the named file (`file_cfg`; None: none, or the unnamed default, whose steps
+    the epochs replace) or the overrides set both."""
+    epochs = OmegaConf.select(cfg, "train.epochs")
+    if epochs is None:
+        return
+    said = [f"{i.partition('=')[2]} on the command line" for i in overrides
+            if i.partition("=")[0] == "train.steps"]  # fmt: skip
+    in_file = None if file_cfg is None else OmegaConf.select(file_cfg, "train.steps")
+    if in_file is not None and not said:
+        said = [f"{in_file} in {path}"]
+    if not said:
+        return
+    raise ConfigError(
+        f"train.steps ({said[-1]}) and train.epochs ({epochs:g}) are both set; a run's length "
+        "is one of them: drop train.steps, or set train.epochs=null to train for the steps"
+    )
 
 
 def _validated(cfg) -> Config:
@@ -190,11 +255,11 @@ def cli_given_keys(argv: Sequence[str]) -> frozenset[str]:
 def cli_config(argv: Sequence[str], default_path: str | Path | None) -> Config:
     """For the CLIs: `[CONFIG.yaml] [key=value ...]`; a bad config prints one line and exits 2."""
     args = list(argv)
-    path = default_path
-    if args and "=" not in args[0]:
+    path, named = default_path, bool(args and "=" not in args[0])
+    if named:
         path = args.pop(0)
     try:
-        return load_config(path, args)
+        return load_config(path, args, default_file=path == default_path and not named)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(2) from None

@@ -155,6 +155,11 @@ class DataConfig:
 @dataclass(frozen=True)
 class TrainConfig:
     steps: int = 600  # optimizer steps of the run (the LR schedule's length)
+    # Passes over a fine-tune's rows (data.sft: SFT windows, DPO pairs, GRPO prompts) instead
+    # of train.steps: the run takes ceil(epochs x rows / batch_size) steps, counted once the
+    # data is read (config/epochs.py; grad_accum splits a step's rows, it adds none). null:
+    # train.steps. A config that sets both is refused (config/loading.py).
+    epochs: float | None = None
     batch_size: int = 16  # sequences a step (over every device and micro-batch)
     seq_len: int = 128  # tokens a training sequence
     grad_accum: int = 1  # micro-batches per step; batch_size must divide by it
@@ -240,6 +245,10 @@ class TrainConfig:
         one_of(self.objective, OBJECTIVES, "train.objective")
         one_of(self.dpo_loss, DPO_LOSSES, "train.dpo_loss")
         positive(self, "train", ["dpo_beta"])
+        require(
+            self.epochs is None or (math.isfinite(self.epochs) and self.epochs > 0),
+            f"train.epochs must be positive (passes over the data) or null, got {self.epochs}",
+        )
         require(
             self.batch_size % self.grad_accum == 0,
             f"train.batch_size ({self.batch_size}) must be divisible by train.grad_accum "

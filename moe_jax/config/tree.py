@@ -42,9 +42,9 @@ class Config:
     # Start a new run from the params of another run directory (trained, or imported with
     # `moe_jax.interop import`): its latest checkpoint, or init_step; a fresh optimizer state,
     # data position and step 0. The source is only read. Its architecture (model, attention,
-    # moe, data.tokenizer) must be this config's: start from its config, `train.py
-    # SRC/config.yaml init_from=SRC run_dir=NEW ...`. Its tokenizer is the new run's. Ignored
-    # once run_dir has checkpoints of its own (it resumes them).
+    # moe, data.tokenizer) is the new run's (train/init_from.py), as is its tokenizer: e.g.
+    # `train.py finetune/sft init_from=SRC run_dir=NEW data.path=...`. Ignored once run_dir
+    # has checkpoints of its own (it resumes them).
     init_from: str | None = None
     init_step: int | None = None  # the source's checkpoint to start from; None: its latest
 
@@ -135,6 +135,12 @@ def _check_across_sections(cfg: Config) -> None:
     require(
         cfg.init_from is None or cfg.init_from.strip() != "",
         "init_from is empty; name the run directory to start from, or set it to null",
+    )
+    require(
+        cfg.train.epochs is None or cfg.data.sft != "none",
+        "train.epochs counts passes over fine-tuning rows (data.sft: SFT examples, DPO pairs, "
+        "GRPO prompts); a text corpus or token store trains for train.steps: set "
+        "train.epochs=null",
     )
     _check_objective(cfg)
     _check_lora_targets(cfg)

@@ -115,6 +115,12 @@ class PreferenceData:
     description: str
     fingerprint: str
 
+    row_unit = "pairs"  # what an epoch (train.epochs) passes over: one pair a batch row
+
+    @property
+    def rows_per_epoch(self) -> int:
+        return len(self.train)
+
     @property
     def n_train_tokens(self) -> int:
         return sum(len(t) for pair in self.train for t, _ in pair)
@@ -153,6 +159,21 @@ class PreferenceData:
              for k in empty}
             for i in range(t.eval_batches)
         ]  # fmt: skip
+
+    def eval_pairs(self, cfg: Config, process_index: int = 0, process_count: int = 1):
+        """The validation pairs as batches of train.batch_size pairs (as training reads them;
+        at most eval_batches of them), the last one filled with empty pairs, which count
+        nothing: DPO's held-out loss, reward accuracy and margin (`posttrain.dpo.eval_sums`)."""
+        t = cfg.train
+        n = min(math.ceil(len(self.val) / t.batch_size), t.eval_batches) * t.batch_size
+        rows = [pair_rows(p, self.length) for p in self.val[:n]]
+        empty = {k: np.zeros_like(a) for k, a in rows[0].items()}
+        rows += [empty] * (n - len(rows))
+        mine = local_rows(t.batch_size, process_index, process_count)
+        return [
+            {k: np.stack([r[k] for r in rows[i : i + t.batch_size][mine]]) for k in empty}
+            for i in range(0, n, t.batch_size)
+        ]
 
 
 def load_preference(cfg: Config, tokenizer: Tokenizer | None = None) -> PreferenceData:

@@ -91,6 +91,12 @@ class PromptData:
     description: str
     fingerprint: str
 
+    row_unit = "prompts"  # what an epoch (train.epochs) passes over: a prompt a batch row
+
+    @property
+    def rows_per_epoch(self) -> int:
+        return self.n_train
+
     @property
     def n_train_tokens(self) -> int:
         return sum(len(t) for t in self.ids[: self.n_train])

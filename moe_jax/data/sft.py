@@ -257,6 +257,13 @@ class SFTData:
     description: str
     fingerprint: str
 
+    # what an epoch (train.epochs) passes over: a packed window (several examples) a row
+    row_unit = "windows"
+
+    @property
+    def rows_per_epoch(self) -> int:
+        return len(self.train)
+
     @property
     def n_train_tokens(self) -> int:
         return len(self.train.tokens)

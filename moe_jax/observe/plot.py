@@ -3,10 +3,14 @@
     python -m moe_jax.plot RUN_DIR [--out DIR]
 
 writes into DIR (default: RUN_DIR)
-    loss.png         train cross-entropy, validation loss and the validation unigram baseline;
-                     below, on its own scale, the rest of the train loss (loss - cross-entropy:
-                     the router's aux losses and the logit z-loss), which is too small to tell
-                     the two loss curves apart on one axis
+    loss.png         train cross-entropy, validation loss and (train.objective=lm) the
+                     validation unigram baseline, (dpo) the held-out chosen answers'
+                     cross-entropy; below, on its own scale, the rest of the train loss
+                     (lm: loss - cross-entropy, the router's aux losses and the logit z-loss;
+                     dpo, grpo: the MoE aux loss, as their loss is not cross-entropy)
+    objective.png    dpo and grpo: the objective's series, train and held-out (reward_*,
+                     dpo_loss, kl, clip_frac: OBJECTIVE_PANELS)
+    optimizer.png    the learning rate, the gradient norm and tokens/s
     expert_load.png  per MoE layer, the fraction of top-k assignments each expert received over
                      training (a balanced router is a flat 1/E)
     dropped.png      per MoE layer, the percentage of top-k assignments dropped by capacity
@@ -63,6 +67,23 @@ def _moe_layer_names(records: list[dict], n_layers: int) -> list[str]:
     return [f"layer {i + 1}" for i in ids]
 
 
+def objective(records: list[dict]) -> str:
+    """The run's train.objective, as its last info record says (lm for a run of a version
+    that did not say)."""
+    infos = [r for r in records if r["kind"] == "info"]
+    return infos[-1].get("objective", "lm") if infos else "lm"
+
+
+def aux_series(records: list[dict]) -> tuple[str, list[float]]:
+    """(label, values) of the train records' loss beside the cross-entropy. For lm it is
+    loss - cross-entropy (the router's aux losses, the logit z-loss, the weighted MTP loss);
+    for dpo and grpo the loss is another objective's, so the MoE aux loss is drawn itself."""
+    train = [r for r in records if r["kind"] == "train"]
+    if objective(records) == "lm":
+        return "train loss - cross-entropy", [r["loss"] - r["ce"] for r in train]
+    return "MoE aux loss", [r.get("aux_loss", np.nan) for r in train]
+
+
 def loss_figure(records: list[dict]) -> Figure:
     train = [r for r in records if r["kind"] == "train"]
     evals = [r for r in records if r["kind"] == "eval"]
@@ -81,7 +102,10 @@ def loss_figure(records: list[dict]) -> Figure:
             "o-",
             label="validation loss",
         )
-    if infos:
+    if evals and "val_ce_chosen" in evals[-1]:  # dpo: the chosen answers' own
+        points = [(r["step"], r["val_ce_chosen"]) for r in evals if "val_ce_chosen" in r]
+        ax.plot(*zip(*points, strict=True), "s--", label="validation chosen cross-entropy")
+    if infos and objective(records) == "lm":  # the baseline of a language model's text
         ax.axhline(
             infos[-1]["val_unigram_entropy"],
             color="gray",
@@ -91,8 +115,8 @@ def loss_figure(records: list[dict]) -> Figure:
     ax.set_ylabel("nats / token")
     ax.set_title("loss")
     ax.legend()
-    aux = [r["loss"] - r["ce"] for r in train]
-    ax_aux.plot(steps, aux, color="tab:red", lw=1, label="train loss - cross-entropy")
+    label, aux = aux_series(records)
+    ax_aux.plot(steps, aux, color="tab:red", lw=1, label=label)
     ax_aux.set_ylabel("aux losses")
     ax_aux.set_xlabel("step")
     ax_aux.legend()
@@ -175,6 +199,72 @@ def exchange_figure(records: list[dict]) -> Figure | None:
     return fig
 
 
+# Each objective's own panels: (title, train series, eval series), as metrics.jsonl names them
+# (posttrain/dpo.py, posttrain/rl/grpo.py; the eval ones train/evaluation.py's).
+OBJECTIVE_PANELS = {
+    "dpo": (
+        ("DPO loss", ("dpo_loss",), ("val_dpo_loss",)),
+        ("reward accuracy", ("reward_accuracy",), ("val_reward_accuracy",)),
+        ("implicit rewards", ("reward_chosen", "reward_rejected", "reward_margin"),
+         ("val_reward_margin",)),
+    ),
+    "grpo": (
+        ("reward", ("reward_mean", "reward_std"), ("val_reward_mean",)),
+        ("policy", ("kl", "clip_frac"), ()),
+    ),
+}  # fmt: skip
+# The optimizer's and the throughput's series, one panel each: (field, title, log scale)
+OPTIMIZER_PANELS = (
+    ("lr", "learning rate", True),
+    ("grad_norm", "gradient norm (before clipping)", True),
+    ("tokens_per_s", "tokens / s", False),
+)
+
+
+def _series(ax, records: list[dict], names, style: str) -> None:
+    """A line for each of `names` over the records that hold a number for it."""
+    for name in names:
+        points = [(r["step"], r[name]) for r in records if r.get(name) is not None]
+        if points:
+            ax.plot(*zip(*points, strict=True), style, lw=1, label=name)
+
+
+def objective_figure(records: list[dict]) -> Figure | None:
+    """A dpo or grpo run's own series (OBJECTIVE_PANELS), training's and held-out's, one
+    panel a quantity; None for lm (its loss is loss.png's)."""
+    panels = OBJECTIVE_PANELS.get(objective(records))
+    if panels is None:
+        return None
+    train = [r for r in records if r["kind"] == "train"]
+    evals = [r for r in records if r["kind"] == "eval"]
+    fig, axes = plt.subplots(len(panels), 1, figsize=(8, 2.6 * len(panels)), sharex=True)
+    for ax, (title, train_names, eval_names) in zip(axes, panels, strict=True):
+        _series(ax, train, train_names, "-")
+        _series(ax, evals, eval_names, "o--")
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+        ax.legend()
+    axes[-1].set_xlabel("step")
+    return fig
+
+
+def optimizer_figure(records: list[dict]) -> Figure | None:
+    """The learning rate, the gradient norm and the throughput over training; None where no
+    train record holds one of them (records written by hand)."""
+    train = [r for r in records if r["kind"] == "train"]
+    if not any(r.get(name) is not None for r in train for name, _, _ in OPTIMIZER_PANELS):
+        return None
+    fig, axes = plt.subplots(len(OPTIMIZER_PANELS), 1, figsize=(8, 7), sharex=True)
+    for ax, (name, title, log) in zip(axes, OPTIMIZER_PANELS, strict=True):
+        _series(ax, train, [name], "-")
+        if log and any(r.get(name) for r in train):
+            ax.set_yscale("log")
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+    axes[-1].set_xlabel("step")
+    return fig
+
+
 def downstream_figure(records: list[dict]) -> Figure | None:
     """One panel per harness task: its metrics ('<task>/<metric>') against the step."""
     evals = [r for r in records if r["kind"] == "downstream"]
@@ -225,6 +315,8 @@ def main(argv: list[str] | None = None) -> int:
     check_place(out, "--out")  # made when the first figure is drawn: a stop leaves nothing
     for name, make in (
         ("loss.png", loss_figure),
+        ("objective.png", objective_figure),
+        ("optimizer.png", optimizer_figure),
         ("expert_load.png", expert_load_figure),
         ("dropped.png", dropped_figure),
         ("exchange.png", exchange_figure),

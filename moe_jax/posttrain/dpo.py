@@ -40,11 +40,11 @@ from moe_jax.model.transformer import LAYER_FRACTIONS
 from moe_jax.posttrain import lora as lora_params
 
 
-def dpo_loss(
-    policy_c, policy_r, ref_c, ref_r, beta: float, kind="sigmoid", n_c=1.0, n_r=1.0, gamma=0.5
-) -> tuple[jax.Array, dict]:
-    """The mean loss `kind` (train.dpo_loss) of pairs' summed log-probs ([P] each; n_c, n_r:
-    each answer's counted tokens, for the per-token forms) and its metrics."""
+def pair_losses(policy_c, policy_r, ref_c, ref_r, beta: float, kind="sigmoid", n_c=1.0,
+                n_r=1.0, gamma=0.5) -> tuple[jax.Array, jax.Array, jax.Array]:  # fmt: skip
+    """Each pair's loss `kind` (train.dpo_loss) and implicit rewards ([P] each) of pairs'
+    summed log-probs ([P] each; n_c, n_r: each answer's counted tokens, for the per-token
+    forms)."""
     n_c, n_r = jnp.maximum(n_c, 1.0), jnp.maximum(n_r, 1.0)
     if kind == "simpo":  # no reference: beta times the per-token log-prob is the reward
         reward_c, reward_r = beta * policy_c / n_c, beta * policy_r / n_r
@@ -56,6 +56,16 @@ def dpo_loss(
             losses = (gap - 1 / (2 * beta)) ** 2
         else:
             losses = -jax.nn.log_sigmoid(reward_c - reward_r)
+    return losses, reward_c, reward_r
+
+
+def dpo_loss(
+    policy_c, policy_r, ref_c, ref_r, beta: float, kind="sigmoid", n_c=1.0, n_r=1.0, gamma=0.5
+) -> tuple[jax.Array, dict]:
+    """The mean loss `kind` over pairs (`pair_losses`' arguments) and its metrics."""
+    losses, reward_c, reward_r = pair_losses(
+        policy_c, policy_r, ref_c, ref_r, beta, kind, n_c, n_r, gamma
+    )
     loss = jnp.mean(losses)
     return loss, {
         "dpo_loss": loss,
@@ -84,22 +94,29 @@ def sequence_logps(model, rows: dict) -> tuple[jax.Array, dict, jax.Array, jax.A
     return jnp.sum(logp_BT, axis=1), aux, -jnp.sum(logp_BT), jnp.sum(weights_BT, axis=1)
 
 
-def loss_fn(trained, frozen, graphdef, batch: dict, beta: float, reference=None):
-    """-> (DPO loss + the MoE aux loss, metrics) of a batch of pairs ([P, 2, T+1] arrays,
-    chosen first). `reference`: the frozen params of a full fine-tune's reference, or None
-    for LoRA's base (the model with its adapters off). SimPO runs no reference forward."""
-    model = nnx.merge(graphdef, lora_params.join(trained, frozen))
-    t = model.cfg.train
+def pair_logps(model, graphdef, batch: dict, reference=None):
+    """(policy log-probs [2P], reference log-probs [2P] (no gradient), the MoE aux, the sum
+    of the counted targets' cross-entropies, each row's count [2P]) of a batch of pairs
+    ([P, 2, T+1] arrays, chosen first; rows c, r, c, r, ...). `reference`: the frozen params
+    of a full fine-tune's reference, or None for LoRA's base (the model with its adapters
+    off). SimPO runs no reference forward (its log-probs are 0)."""
     rows = {k: v.reshape(-1, v.shape[-1]) for k, v in batch.items()}  # [2P, T+1]: c, r, c, ...
     policy_R, aux, ce_sum, count_R = sequence_logps(model, rows)
-    if t.dpo_loss == "simpo":
+    if model.cfg.train.dpo_loss == "simpo":
         ref_R = jnp.zeros_like(policy_R)
     elif reference is None:
         with adapters.off():
             ref_R = sequence_logps(model, rows)[0]
     else:
         ref_R = sequence_logps(nnx.merge(graphdef, reference), rows)[0]
-    ref_R = jax.lax.stop_gradient(ref_R)
+    return policy_R, jax.lax.stop_gradient(ref_R), aux, ce_sum, count_R
+
+
+def loss_fn(trained, frozen, graphdef, batch: dict, beta: float, reference=None):
+    """-> (DPO loss + the MoE aux loss, metrics) of a batch of pairs (`pair_logps`)."""
+    model = nnx.merge(graphdef, lora_params.join(trained, frozen))
+    t = model.cfg.train
+    policy_R, ref_R, aux, ce_sum, count_R = pair_logps(model, graphdef, batch, reference)
     loss, metrics = dpo_loss(
         policy_R[0::2], policy_R[1::2], ref_R[0::2], ref_R[1::2], beta, t.dpo_loss,
         count_R[0::2], count_R[1::2], t.simpo_gamma,
@@ -121,3 +138,27 @@ def compute_grads(params, graphdef, batch: dict, cfg, reference=None) -> tuple:
     beta = cfg.train.dpo_beta
     (loss, metrics), grads = grad_fn(trained, frozen, graphdef, batch, beta, reference)
     return grads, metrics | {"loss": loss}
+
+
+def eval_sums(params, graphdef, batch: dict, reference=None) -> dict:
+    """Sums over a batch's pairs for the held-out metrics (pairs with an answer that counts
+    nothing, the padding of the last batch, left out): "pairs"; "dpo_loss",
+    "reward_accuracy" (pairs whose chosen reward is the larger) and "reward_margin" summed
+    over pairs; "ce_chosen" / "tokens_chosen": the chosen answers' cross-entropy and count."""
+    model = nnx.merge(graphdef, params)
+    t = model.cfg.train
+    policy_R, ref_R, _, _, count_R = pair_logps(model, graphdef, batch, reference)
+    losses, reward_c, reward_r = pair_losses(
+        policy_R[0::2], policy_R[1::2], ref_R[0::2], ref_R[1::2], t.dpo_beta, t.dpo_loss,
+        count_R[0::2], count_R[1::2], t.simpo_gamma,
+    )  # fmt: skip
+    real = (count_R[0::2] > 0) & (count_R[1::2] > 0)
+    total = lambda x: jnp.sum(jnp.where(real, x, 0.0))
+    return {
+        "pairs": jnp.sum(real.astype(jnp.float32)),
+        "dpo_loss": total(losses),
+        "reward_accuracy": total((reward_c > reward_r).astype(jnp.float32)),
+        "reward_margin": total(reward_c - reward_r),
+        "ce_chosen": total(-policy_R[0::2]),
+        "tokens_chosen": total(count_R[0::2]),
+    }

@@ -166,8 +166,7 @@ def check_compatible(
     if purpose == "start":
         raise RunError(
             f"init_from '{where}' is a run of another architecture ({'; '.join(diffs)}); "
-            f"start from its config: `train.py {where}/config.yaml init_from={where} "
-            "run_dir=NEW ...`"
+            "the new run takes the source's architecture: drop these overrides"
         )
     raise RunError(
         f"{', '.join(diffs)} differ(s) from the run's saved config; a run's architecture "

@@ -22,7 +22,7 @@ from jinja2 import nodes
 from jinja2.ext import Extension, loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from moe_jax.tokenizer.simple import DataError
+from moe_jax.tokenizer.data_error import DataError
 
 
 class _Generation(Extension):

@@ -1,5 +1,5 @@
 """The built-in tokenizers, which need no files: `byte` (UTF-8 bytes) and `char` (the sorted
-characters of a corpus); and DataError, the error of unusable input data."""
+characters of a corpus); and DataError (data_error.py), the error of unusable input data."""
 
 from __future__ import annotations
 
@@ -7,12 +7,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from moe_jax.errors import MoeJaxError
-
-
-class DataError(MoeJaxError, ValueError):
-    """Unusable input data; the message names the problem and the fix."""
-
+from moe_jax.tokenizer.data_error import DataError  # noqa: F401 (imported from here too)
 
 # The built-in tokenizers' chat template: plain text, a turn a line ("user: Hi"), the reply
 # after "assistant: ", so that a chat request or chat SFT rows work on the default model. No

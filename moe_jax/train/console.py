@@ -67,10 +67,13 @@ def log_data(cfg: Config, data, resume, log) -> None:
     that cannot learn."""
     t, unigram = cfg.train, data.val_unigram_entropy
     log(f"data: {data.description} (sha256 {data.fingerprint}), tokenizer {data.tokenizer.kind}")
-    log(
-        f"data: {data.n_train_tokens:,} train / {data.n_val_tokens:,} val tokens; validation "
-        f"unigram entropy {unigram:.3f} nats/token (the baseline a model must beat)"
-    )
+    baseline = ""  # a language model's baseline: DPO's and GRPO's losses are no such thing
+    if t.objective == "lm":
+        baseline = (
+            f"; validation unigram entropy {unigram:.3f} nats/token (the baseline a model "
+            "must beat)"
+        )
+    log(f"data: {data.n_train_tokens:,} train / {data.n_val_tokens:,} val tokens{baseline}")
     if resume and resume.fingerprint and resume.fingerprint != data.fingerprint:
         log(
             f"warning: the corpus differs from the one this run was trained on "
@@ -100,6 +103,15 @@ def log_data(cfg: Config, data, resume, log) -> None:
             "the router learns from the aux losses only; set moe.renormalize=false for "
             "Switch-style top-1 routing"
         )
+
+
+def epochs_line(cfg: Config, data, epochs: float) -> str:
+    """The data line of a run sized by train.epochs (`cfg` resolved: its train.steps)."""
+    t, unit = cfg.train, data.row_unit
+    return (
+        f"data: {data.rows_per_epoch:,} train {unit}, {epochs:g} epochs: {t.steps:,} steps of "
+        f"{t.batch_size} {unit}"
+    )
 
 
 class NullWriter:

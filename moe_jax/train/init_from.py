@@ -8,7 +8,9 @@ its params are restored straight onto the new run's mesh and shardings (fp32 mas
 weights), the optimizer state is new, the step 0, the data from its start. The source must
 have this config's architecture (every key `run.policy.incompatible_keys` compares; a
 `data.tokenizer` that names the same tokenizer files under another path counts as the same),
-and its tokenizer becomes the new run's. A run directory that has checkpoints of its own
+and its tokenizer becomes the new run's. The architecture is the source's own
+(`with_run_architecture`: a fine-tune's config names none), so only a key the user set to
+another value is refused. A run directory that has checkpoints of its own
 resumes them and ignores init_from, so rerunning the command after a stop goes on.
 
 init_from may name a Hugging Face model directory instead (`train.py init_from=HF_DIR`):
@@ -30,13 +32,13 @@ import jax
 import optax
 from flax import nnx
 
-from moe_jax.config import Config
+from moe_jax.config import Config, validate
 from moe_jax.inference.load import read_run_meta, restore_params
 from moe_jax.interop.as_run import is_hf_dir, with_hf_architecture
 from moe_jax.model.int8 import QUANTIZATIONS
 from moe_jax.posttrain import lora as lora_params
 from moe_jax.run.layout import RunError
-from moe_jax.run.policy import check_compatible
+from moe_jax.run.policy import ARCHITECTURE_SECTIONS, RESUMABLE_CHANGES, check_compatible
 from moe_jax.tokenizer import DataError, Tokenizer, load_tokenizer
 from moe_jax.train.state import make_state
 
@@ -54,10 +56,44 @@ def with_source_architecture(cfg: Config, given: Collection[str] | None = None) 
     with that checkpoint's architecture (config.json's) and its tokenizer files as
     `data.tokenizer` where it has them, its run-time keys (capacity factor, balancing,
     context...) what an import of it gives: the family's, but those the user set (`given`,
-    dotted keys: `config.cli_given_keys`; None: all of cfg's); else `cfg` itself."""
-    if cfg.init_from is None or not is_hf_dir(cfg.init_from):
+    dotted keys: `config.cli_given_keys`; None: all of cfg's); where it names a run, with
+    that run's (`with_run_architecture`); else `cfg` itself."""
+    if cfg.init_from is None:
         return cfg
-    return with_hf_architecture(cfg.init_from, cfg, mtp=cfg.model.mtp_depth > 0, given=given)
+    if is_hf_dir(cfg.init_from):
+        return with_hf_architecture(cfg.init_from, cfg, mtp=cfg.model.mtp_depth > 0, given=given)
+    # The source's; else, where run_dir resumes its own checkpoints (init_from ignored), the
+    # run's, which it took from the source (that may be gone since); else init_source names
+    # what is wrong with the source.
+    for run, step in ((cfg.init_from, cfg.init_step), (cfg.run_dir, None)):
+        try:
+            saved = read_run_meta(run, step)["config"]
+        except RunError:
+            continue
+        return with_run_architecture(saved, cfg, given)
+    return cfg
+
+
+def with_run_architecture(saved: Config, cfg: Config, given: Collection[str] | None) -> Config:
+    """`cfg` with the architecture (model, attention, moe) and data.tokenizer of a source
+    run's `saved` config, as `init_from=HF_DIR` takes a checkpoint's: a fine-tune names the
+    source, not its shape. A key the user set (`given`, dotted) stays `cfg`'s: a run-time one
+    (`RESUMABLE_CHANGES`: capacity factor, remat, dtype...) applies, another one is refused
+    by name when the source is checked (`init_source`). `given` None: all of cfg's run-time
+    keys, none of its architecture."""
+    keys = set(RESUMABLE_CHANGES) if given is None else set(given)
+    mine = lambda key: any(k == key or k.startswith(key + ".") for k in keys)
+    sections = {}
+    for section in ARCHITECTURE_SECTIONS:
+        own = getattr(cfg, section)
+        kept = {f.name: getattr(own, f.name) for f in dataclasses.fields(own)
+                if mine(f"{section}.{f.name}")}  # fmt: skip
+        sections[section] = dataclasses.replace(getattr(saved, section), **kept)
+    if not mine("data.tokenizer"):
+        sections["data"] = dataclasses.replace(cfg.data, tokenizer=saved.data.tokenizer)
+    out = dataclasses.replace(cfg, **sections)
+    validate(out)  # e.g. train.seq_len against the source's model.max_seq_len
+    return out
 
 
 def _same_tokenizer(spec: str, tokenizer: Tokenizer) -> bool:

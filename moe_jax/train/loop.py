@@ -6,7 +6,7 @@
 The loop: every `log_every` steps a metrics record (means over the window: loss, CE, aux
 losses, LR, grad norm, tokens/s, MFU, per-MoE-layer expert load and dropped fraction) goes to
 RUN_DIR/metrics.jsonl, TensorBoard and the console; every `eval_every` steps (and at the end)
-the validation loss and perplexity, and with `eval.tasks` the harness tasks' metrics every
+the validation metrics (`evaluation`: the objective's), and with `eval.tasks` the tasks' every
 `eval.every` steps (moe_jax/eval/in_training.py); every `checkpoint.every` steps (and at the
 end) an async checkpoint. SIGTERM / Ctrl-C: checkpoint after the current step and return. A
 non-finite loss or gradient norm stops training before anything is saved from it (checked for
@@ -29,6 +29,7 @@ from tqdm import tqdm
 
 from moe_jax import backends
 from moe_jax.config import Config
+from moe_jax.config.epochs import with_epochs
 from moe_jax.data import load_run_data
 from moe_jax.errors import MoeJaxError
 from moe_jax.eval.in_training import TaskEval
@@ -49,6 +50,7 @@ from moe_jax.train.console import (
     NullWriter,
     Progress,
     device_memory,
+    epochs_line,
     format_train,
     is_out_of_memory,
     log_data,
@@ -56,15 +58,11 @@ from moe_jax.train.console import (
     moe_line,
     out_of_memory_line,
 )
+from moe_jax.train.evaluation import Validation, closing_line
 from moe_jax.train.init_from import init_source, start_state, with_source_architecture
 from moe_jax.train.preflight import check_kernels
 from moe_jax.train.state import make_state
-from moe_jax.train.step import (
-    init_state,
-    make_eval_step,
-    make_optimizer,
-    make_train_step,
-)
+from moe_jax.train.step import init_state, make_optimizer, make_train_step
 
 
 class TrainingError(MoeJaxError, RuntimeError):
@@ -171,6 +169,17 @@ def _checked_mesh(cfg: Config, log) -> jax.sharding.Mesh:
     return mesh
 
 
+def _read_data(cfg: Config, resume, source, log):
+    """-> (cfg, the run's data, read with the resumed run's or the source's tokenizer);
+    with train.epochs, cfg's train.steps counted from the data's rows."""
+    data = load_run_data(cfg, resume.tokenizer if resume else source.tokenizer if source else None)
+    log_data(cfg, data, resume, log)
+    if (epochs := cfg.train.epochs) is not None:
+        cfg = with_epochs(cfg, data.rows_per_epoch, data.row_unit)
+        log(epochs_line(cfg, data, epochs))
+    return cfg, data
+
+
 def train(
     cfg: Config, *, stop_at: int | None = None, given: Collection[str] | None = None
 ) -> TrainResult:
@@ -184,15 +193,14 @@ def train(
     TrainingError (divergence) or SaveError (a checkpoint could not be written).
     """
     log = logger()
-    # init_from=HF_DIR: its architecture, tokenizer and family's run-time keys
+    # init_from (a run or HF_DIR): its architecture and tokenizer; HF_DIR's run-time keys
     cfg = with_source_architecture(cfg, given)
     cfg.moe.check_training()  # before anything is read or written
     hf_exports.check(cfg)  # checkpoint.export_hf: the model has a Hugging Face form
     resume = inspect_run(cfg)  # read-only; refuses an incompatible run dir
     # init_from: the run a new one starts from (read-only; None when run_dir resumes its own)
     source = init_source(cfg, resume.step if resume else None, log)
-    data = load_run_data(cfg, resume.tokenizer if resume else source.tokenizer if source else None)
-    log_data(cfg, data, resume, log)
+    cfg, data = _read_data(cfg, resume, source, log)
     if (line := moe_line(cfg)) is not None:
         log(line)
     tasks = TaskEval.start(cfg, data.tokenizer)  # eval.tasks checked before anything is written
@@ -297,7 +305,7 @@ class Training:
             return TrainResult(start, None, self.unigram, None)
         self._prepare(state, start)
         self.last_saved, self.saves = last_saved, 0
-        self.val_loss = None
+        self.val_loss, self.last_eval = None, None
         is_main = jax.process_index() == 0
         writer = NullWriter()
         if is_main:  # the trackers' runs begin (W&B's, MLflow's) before the first step
@@ -312,7 +320,13 @@ class Training:
         with GracefulStop() as stop, writer, bar, profiler:
             writer.write(self._info(start))
             try:
-                return self._steps(state, end, stop, writer, bar, profiler)
+                if start == 0 and cfg.init_from is not None:  # the source's own figures
+                    self._evaluate(state, 0, _Window(), writer)
+                result = self._steps(state, end, stop, writer, bar, profiler)
+                if result.stopped_by is None and result.step == t.steps:
+                    line = closing_line(cfg, result.step, self.last_eval)
+                    self.log(line, others=line)
+                return result
             except Exception as e:  # a device out of memory: one line, not XLA's traceback
                 if not is_out_of_memory(e):
                     raise
@@ -383,20 +397,15 @@ class Training:
             f"{self.flops_per_token / 1e6:.1f} MFLOP/token train; peak {self.peak / 1e9:.0f} "
             f"GFLOP/s ({peak_src})"
         )
-        self.val = [
-            _on_mesh(b, self.mesh)
-            for b in self.data.eval_batches(cfg, jax.process_index(), jax.process_count())
-        ]
         state_sharding = jax.tree.map(lambda a: a.sharding, state)
         self.train_step = make_train_step(cfg, self.graphdef, self.tx, state_sharding)
-        # Sums and counts: packed batches count different numbers of targets, so the
-        # validation loss is their total over the total count, not a mean of batch means.
-        self.eval_step = make_eval_step(self.graphdef, True)  # sums=True
         self.rollouts = None
         if cfg.train.objective == "grpo":  # the sampler and the rewards (moe_jax/posttrain/rl/)
             from moe_jax.posttrain.rl.collect import Rollouts
 
             self.rollouts = Rollouts(cfg, self.graphdef, self.data, self.mesh)
+        on_mesh = partial(_on_mesh, mesh=self.mesh)
+        self.validation = Validation(cfg, self.graphdef, self.data, on_mesh, self.rollouts)
         self.meta = {
             "config": cfg,
             "tokenizer": self.data.tokenizer,
@@ -413,6 +422,7 @@ class Training:
             "flops_per_token": self.flops_per_token,
             "peak_flops": self.peak,
             "compute_units": self.units,
+            "objective": self.cfg.train.objective,  # what the plots draw (observe/plot.py)
             "moe_layers": [i for i in range(self.cfg.model.n_layers) if self.cfg.is_moe(i)],
         }
 
@@ -450,19 +460,14 @@ class Training:
         window.restart()
 
     def _evaluate(self, state, step: int, window: _Window, writer) -> None:
-        """The validation loss (its time left out of the window's throughput)."""
+        """The validation metrics, the objective's own among them (`evaluation`; their time
+        left out of the window's throughput)."""
         _wait_for_steps(state)
         t0 = time.perf_counter()
-        ce_sum, count = np.sum(
-            jax.device_get([self.eval_step(state["params"], b) for b in self.val]), 0, np.float64
-        )
-        self.val_loss = float(ce_sum / max(count, 1.0))
-        ppl = math.exp(self.val_loss)
-        writer.write({"kind": "eval", "step": step, "val_loss": self.val_loss, "val_ppl": ppl})
-        self.log(
-            f"eval step {step}: val loss {self.val_loss:.4f}, ppl {ppl:.2f} "
-            f"(unigram baseline {self.unigram:.4f})"
-        )
+        self.last_eval, line = self.validation.run(state, step)
+        self.val_loss = self.last_eval["val_loss"]
+        writer.write(self.last_eval)
+        self.log(line)
         window.excluded += time.perf_counter() - t0
 
     def _evaluate_tasks(self, state, step: int, window: _Window, writer) -> None:

@@ -106,14 +106,39 @@ class Rollouts:
 
     def __call__(self, state, batch: dict, step: int) -> dict:
         """A batch of prompt indices -> the rollouts' rows (`grpo`'s module doc)."""
+        rl = self.cfg.rl
+        index = [int(i) for i in np.asarray(batch["index"])]
+        seed = (self.cfg.seed * 1_000_003 + step) % 2**31
+        prompts, gen, rewards = self._draw(state["params"], index, seed)
+        rows = rollout_rows(prompts, gen, self.width)
+        adv = group_advantages(rewards.reshape(-1, rl.group_size), rl.scale_rewards).reshape(-1)
+        rows["routes"] = np.ascontiguousarray(np.swapaxes(rows["routes"], 0, 1))  # rows first
+        return rows | {"adv": adv, "rewards": rewards.astype(np.float32)}
+
+    def held_out(self, state) -> float:
+        """The mean reward of rl.group_size completions of each validation prompt (at most
+        train.eval_batches x batch_size of them), drawn batch_size prompts at a time as a
+        step's are (the same program; the last batch filled with repeats, not counted), from
+        one seed at every eval, so that evals differ by their params alone."""
+        t, data, G = self.cfg.train, self.data, self.cfg.rl.group_size
+        val = list(range(data.n_train, len(data.ids)))[: t.eval_batches * t.batch_size]
+        rewards = []
+        for i in range(0, len(val), t.batch_size):
+            index = val[i : i + t.batch_size]
+            padded = index + [index[-1]] * (t.batch_size - len(index))
+            got = self._draw(state["params"], padded, seed=self.cfg.seed)[2]
+            rewards.append(got[: len(index) * G])
+        return float(np.mean(np.concatenate(rewards)))
+
+    def _draw(self, params, index: list[int], seed: int):
+        """(the prompts' rows, rl.group_size of each of `index`; the generation; each
+        completion's reward [R])."""
         cfg, rl, data, tok = self.cfg, self.cfg.rl, self.data, self.data.tokenizer
         G = rl.group_size
-        index = [int(i) for i in np.asarray(batch["index"])]
         prompts = [data.ids[i] for i in index for _ in range(G)]  # row r: prompt r // G
         eos = [] if tok.eos_id is None else [tok.eos_id]
-        seed = (cfg.seed * 1_000_003 + step) % 2**31
         vocab_size = min(tok.vocab_size, cfg.model.vocab_size)
-        sampler = self._sampler(state["params"])
+        sampler = self._sampler(params)
         if rl.rollout_engine:
             gen = engine_generation(
                 sampler, prompts, rl, seed=seed, stop_ids=eos, vocab_size=vocab_size,
@@ -125,7 +150,6 @@ class Rollouts:
                 stop_tokens=eos, vocab_size=vocab_size, record=True,
             )  # fmt: skip
         self._release()
-        rows = rollout_rows(prompts, gen, self.width)
         texts = []
         for seq in gen.sequences():
             texts.append(tok.decode(seq[:-1] if seq and seq[-1] in eos else seq))
@@ -134,6 +158,4 @@ class Rollouts:
         columns = {k: [r.get(k) for r in records] for k in names}
         prompt_texts = [prompt_text(r, tok) for r in records]
         rewards, _ = score(data.rewards, prompt_texts, texts, columns)
-        adv = group_advantages(rewards.reshape(-1, G), rl.scale_rewards).reshape(-1)
-        rows["routes"] = np.ascontiguousarray(np.swapaxes(rows["routes"], 0, 1))  # rows first
-        return rows | {"adv": adv, "rewards": rewards.astype(np.float32)}
+        return prompts, gen, rewards
