@@ -235,10 +235,10 @@ class MLAttention(nnx.Module):
         kernels take no mask of our own (the masked dense form: `sparse_attention.py`)."""
         impl = backends.choose("attention", self.impl, dtype=q_BTHQ.dtype, length=q_BTHQ.shape[1])
         if impl == "blocked" or keep_BTS is not None:  # takes a value head dim of its own
+            keep = {} if keep_BTS is None else {"keep_BTS": keep_BTS}
             return blocked_self_attention(
-                q_BTHQ, k_BTHQ, v_BTHV, positions_BT, segments_BT, scale=self.scale,
-                keep_BTS=keep_BTS,
-            )  # fmt: skip
+                q_BTHQ, k_BTHQ, v_BTHV, positions_BT, segments_BT, scale=self.scale, **keep
+            )
         # The fused kernels are called with one head dim for q, k and v: v (dv 128 under
         # dn + dr = 192 in DeepSeek-V3) is padded with zeros to it and those outputs dropped
         # (zeros padded to q and k would change no score). cuDNN >= 9.10 on Hopper takes
