@@ -20,6 +20,7 @@ Tolerance: 1e-4 absolute on logits of O(1) (the issue's); measured differences a
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import jax.numpy as jnp
 import numpy as np
@@ -31,6 +32,7 @@ transformers = pytest.importorskip(
     "transformers", reason="interop tests need transformers (the `interop` extra)"
 )
 
+from moe_jax.config import load_config  # noqa: E402
 from moe_jax.interop import InteropError, config_from_hf, load_hf, save_hf  # noqa: E402
 from moe_jax.summary.counts import param_counts  # noqa: E402
 from tests.test_interop import (  # noqa: E402
@@ -190,20 +192,42 @@ def test_round_trip_through_transformers(case, tmp_path):
     assert_same_params(back, fresh)
 
 
+# The shape configs and the release config.json keys their transformers config classes'
+# defaults lack (DeepSeek-V3.2's YaRN and its MTP layer; GLM-5's MTP layer)
+RELEASES = {
+    "deepseek_v32": ("deepseek_v32.yaml", dict(
+        num_nextn_predict_layers=1, max_position_embeddings=163840,
+        rope_parameters=dict(
+            rope_type="yarn", rope_theta=10000.0, factor=40.0, beta_fast=32.0, beta_slow=1.0,
+            mscale=1.0, mscale_all_dim=1.0, original_max_position_embeddings=4096,
+        ),
+    )),
+    "glm_moe_dsa": ("glm5.yaml", dict(num_nextn_predict_layers=1)),
+}  # fmt: skip
+
+
 @pytest.mark.parametrize("name", list(SPECS))
-def test_full_size_configs_count_the_parameters_transformers_counts(name, tmp_path):
-    """The config classes' defaults are the releases' shapes (DeepSeek-V3.2, GLM-5): the
-    config imported from their config.json counts transformers' parameters (built on the
-    meta device: shapes only) and its routers' correction biases (buffers there)."""
+def test_shape_configs_are_the_releases_and_count_transformers_parameters(name, tmp_path):
+    """configs/deepseek_v32.yaml and configs/glm5.yaml are the releases' config.json (the
+    config classes' defaults, which are the releases' shapes, and `RELEASES`) imported, and
+    count the parameters transformers' model of it has (built on the meta device: shapes
+    only), its routers' correction biases (buffers there) included, the MTP layer apart
+    (transformers builds none)."""
     model_cls, config_cls, _ = SPECS[name]
-    config = getattr(transformers, config_cls)()
+    path, release = RELEASES[name]
+    config = getattr(transformers, config_cls)(**release)
     config.save_pretrained(tmp_path)
     with torch.device("meta"):
         model = getattr(transformers, model_cls)(config)
     want = sum(p.numel() for p in model.parameters())
     want += sum(b.numel() for n, b in model.named_buffers() if n.endswith(BUFFER))
-    assert want > 6e11  # the full size: 685B, 744B
-    assert param_counts(config_from_hf(tmp_path))[0] == want
+    assert want > 6.5e11  # the full size: 671.9B (V3's 671B + 0.85B of indexers), 744B
+    shape = load_config(Path(__file__).resolve().parents[1] / "configs" / path)
+    assert param_counts(shape)[0] == want
+    imported = config_from_hf(tmp_path, base=shape)
+    assert (imported.model, imported.attention, imported.moe) == (
+        shape.model, shape.attention, shape.moe
+    )  # fmt: skip
 
 
 @pytest.mark.parametrize(
