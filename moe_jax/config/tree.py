@@ -149,6 +149,7 @@ def _check_across_sections(cfg: Config) -> None:
     _check_lora_targets(cfg)
     if a.index_topk > 0:
         _check_index_sharing(cfg)
+    _check_indexer_training(cfg)
     if cfg.mesh.context > 1:  # -1 is checked once resolved (sharding.mesh_shape)
         check_context(cfg, cfg.mesh.context)
 
@@ -206,6 +207,28 @@ def _check_index_sharing(cfg: Config) -> None:
         "model.mtp_depth > 0 builds MTP layers of the last layer's kind, which reuses an "
         "earlier layer's DSA selection here (attention.index_topk_freq); set mtp_depth=0 or "
         "a pattern whose last layer runs its own indexer",
+    )
+
+
+def _check_indexer_training(cfg: Config) -> None:
+    """train.indexer_stage trains a DSA indexer; the warm-up freezes all else, the routers'
+    correction bias (updated outside the gradient) and the adapters of LoRA included."""
+    t, e = cfg.train, cfg.moe
+    if t.indexer_stage == "none":
+        return
+    require(
+        cfg.attention.index_topk > 0,
+        f"train.indexer_stage={t.indexer_stage} trains DeepSeek sparse attention's indexer; "
+        "set attention.index_topk > 0 (with its index_* sizes) or indexer_stage=none",
+    )
+    require(
+        t.indexer_stage != "warmup" or not e.correction_bias or e.bias_update_rate == 0,
+        "train.indexer_stage=warmup freezes every weight but the indexer's; set "
+        "moe.bias_update_rate=0 (the correction bias moves outside the gradient)",
+    )
+    require(
+        t.indexer_stage != "warmup" or cfg.lora.rank == 0,
+        "train.indexer_stage=warmup trains the indexer alone; set lora.rank=0",
     )
 
 

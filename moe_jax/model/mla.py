@@ -52,7 +52,7 @@ from jax.ad_checkpoint import checkpoint_name
 from moe_jax import backends
 from moe_jax.config import Config
 from moe_jax.model import attention_kernels, context_parallel, in_turn, lora, weight_gather
-from moe_jax.model import sparse_attention as dsa
+from moe_jax.model import sparse_attention as sparse
 from moe_jax.model.attention import (
     ATTENTION_OUT,
     attend,
@@ -84,7 +84,7 @@ def latent_cache(cfg: Config, lead: tuple[int, ...], dtype) -> KVCache:
 def mla_cache(cfg: Config, layer: int, lead: tuple[int, ...], dtype) -> KVCache:
     """Layer `layer`'s cache: `latent_cache`, and the indexer's keys where it runs one."""
     cache = latent_cache(cfg, lead, dtype)
-    return cache | (dsa.index_cache(cfg, lead, dtype) if cfg.runs_indexer(layer) else {})
+    return cache | (sparse.index_cache(cfg, lead, dtype) if cfg.runs_indexer(layer) else {})
 
 
 class MLAttention(nnx.Module):
@@ -104,6 +104,8 @@ class MLAttention(nnx.Module):
         # DSA: a layer runs its indexer or reuses an earlier one's selection (GLM's sharing),
         # which it then passes on to the next layers
         self.index_topk, self.passes_selection = a.index_topk, a.index_topk_freq > 1
+        # train.indexer_stage=warmup: the attention stays dense while the indexer learns it
+        self.dense_warmup = cfg.train.indexer_stage == "warmup"
 
         heads = ("latent", "heads", "head_dim")  # the latent dim split over fsdp (ZeRO)
         if rank_q > 0:
@@ -119,7 +121,7 @@ class MLAttention(nnx.Module):
         self.wo = param(rngs, init, (H, V, D), ("heads", "head_dim", "embed"))
         lora.attach(self, cfg, "attention", rngs)  # wk_b / wv_b (also absorbed) get none
         if cfg.runs_indexer(layer):
-            self.indexer = dsa.Indexer(cfg, self.dtype, rngs=rngs)
+            self.indexer = sparse.Indexer(cfg, self.dtype, rngs=rngs)
 
     def _w(self, v: nnx.Param, x: jax.Array) -> jax.Array:
         """A weight without a model dim (nothing for `weight_gather.einsum` to gather), as computed
@@ -151,11 +153,14 @@ class MLAttention(nnx.Module):
         return y_BTD, cache
 
     @scoped(ATTENTION)
-    def with_selection(self, x_BTD, positions_BT, cache=None, segments_BT=None, picked=None):
-        """`__call__`, and DSA's selection: -> (y, cache, the selection [B, T, S] the next
-        layers reuse, or None where none does). `picked`: an earlier layer's selection, which
-        a layer without an indexer of its own attends with (GLM's sharing)."""
+    def with_selection(self, x_BTD, positions_BT, cache=None, segments_BT=None, dsa=None):
+        """`__call__` under DSA: -> (y, cache, the DSA carry for the next layers). `dsa`
+        (`sparse_attention.first_carry`): "picked", an earlier layer's selection, which a
+        layer without an indexer of its own attends with (GLM's sharing), and passed on;
+        "kl", the indexer losses so far, to which this layer's indexer adds its own."""
         check_cache_inputs(cache, segments_BT)
+        dsa = dict(dsa or {})
+        picked = dsa.get("picked")
         q_BTHQ, q_BTr = self._query(x_BTD)
         q_BTHQ, kv_BTL = checkpoint_name((q_BTHQ, self._latent(x_BTD)), "qkv_proj")
         N, R = self.nope_dim, self.kv_lora_rank
@@ -167,36 +172,44 @@ class MLAttention(nnx.Module):
         k_pe_BT1P = rope(kv_BTL[:, :, None, R:])
         indexed = (x_BTD, q_BTr, picked)
         if cache is None:
-            keep_BTS = self._own_selection(indexed, positions_BT, segments_BT)
-            out_BTHV = self._expanded(
-                q_nope_BTHN, q_pe_BTHP, c_BTR, k_pe_BT1P, positions_BT, segments_BT, keep_BTS
-            )
+            keep_BTS, teach = self._own_selection(indexed, positions_BT, segments_BT)
+            teach = teach if "kl" in dsa else None
+            out_BTHV, kl = self._expanded(
+                q_nope_BTHN, q_pe_BTHP, c_BTR, k_pe_BT1P, positions_BT, segments_BT,
+                None if self.dense_warmup else keep_BTS, teach,
+            )  # fmt: skip
+            if kl is not None:
+                dsa["kl"] = dsa["kl"] + kl
         else:
             out_BTHV, cache, keep_BTS = self._absorbed(
                 q_nope_BTHN, q_pe_BTHP, c_BTR, k_pe_BT1P, positions_BT, cache, indexed
             )
         y_BTD = weight_gather.einsum("bthv,hvd->btd", out_BTHV, self.wo, self.dtype)
         y_BTD = y_BTD + lora.delta(self, "wo", out_BTHV, "bthv,hvd->btd", self.dtype)
-        passed = keep_BTS if self.passes_selection else None
-        return checkpoint_name(y_BTD, "out_proj"), cache, passed
+        if self.passes_selection:
+            dsa["picked"] = keep_BTS
+        return checkpoint_name(y_BTD, "out_proj"), cache, dsa or None
 
-    def _selection(self, indexed, positions_BT, k_BSI, allowed_BTS) -> jax.Array | None:
-        """The keys each query attends [B, T, S] under DSA (None: dense mla): its indexer's
-        top-k of the `allowed_BTS` keys `k_BSI`, or the selection passed in `indexed`."""
+    def _selection(self, indexed, positions_BT, k_BSI, allowed_BTS):
+        """(the keys each query attends [B, T, S] under DSA (None: dense mla), its indexer's
+        scores [B, T, S] or None): the indexer's top-k of the `allowed_BTS` keys `k_BSI`, or
+        the selection passed in `indexed` (a layer without an indexer)."""
         x_BTD, q_BTr, picked = indexed
         if self.index_topk == 0:
-            return None
+            return None, None
         if not hasattr(self, "indexer"):
             if picked is None:
                 raise ValueError("a DSA layer sharing a selection needs an earlier layer's")
-            return picked
+            return picked, None
         scores_BTS = self.indexer.scores(x_BTD, q_BTr, positions_BT, k_BSI)
-        return dsa.select(scores_BTS, allowed_BTS, self.index_topk)
+        return sparse.select(scores_BTS, allowed_BTS, self.index_topk), scores_BTS
 
-    def _own_selection(self, indexed, positions_BT, segments_BT) -> jax.Array | None:
-        """`_selection` over the call's own tokens: causal by order, within documents."""
+    def _own_selection(self, indexed, positions_BT, segments_BT):
+        """`_selection` over the call's own tokens (causal by order, within documents) ->
+        (selection, what the indexer's loss takes of it: (scores, the set the loss spans,
+        the real queries), or None without an indexer)."""
         if not hasattr(self, "indexer"):
-            return self._selection(indexed, positions_BT, None, None)
+            return self._selection(indexed, positions_BT, None, None)[0], None
         T = positions_BT.shape[1]
         order = jnp.arange(T)
         segments = None if segments_BT is None else (segments_BT, segments_BT)
@@ -204,28 +217,38 @@ class MLAttention(nnx.Module):
             positions_BT, positions_BT, order=(order, order), segments=segments
         )
         k_BTI = self.indexer.keys(indexed[0], positions_BT)
-        return self._selection(indexed, positions_BT, k_BTI, allowed_BTS)
+        keep_BTS, scores_BTS = self._selection(indexed, positions_BT, k_BTI, allowed_BTS)
+        # the loss over all the allowed keys while the attention is dense, else the selection
+        spans_BTS = allowed_BTS if self.dense_warmup else keep_BTS
+        valid_BT = jnp.ones(positions_BT.shape, bool) if segments_BT is None else segments_BT != 0
+        return keep_BTS, (scores_BTS, spans_BTS, valid_BT)
 
     def _expanded(
-        self, q_nope_BTHN, q_pe_BTHP, c_BTR, k_pe_BT1P, positions_BT, segments_BT, keep_BTS
-    ):
+        self, q_nope_BTHN, q_pe_BTHP, c_BTR, k_pe_BT1P, positions_BT, segments_BT, keep_BTS,
+        teach=None,
+    ):  # fmt: skip
         """Self-attention over the call's tokens with every head's keys and values expanded
         (under a context axis from the latent each shard gathers: `context_parallel`), each
-        query to the keys `keep_BTS` selects (DSA; None: all)."""
+        query to the keys `keep_BTS` selects (DSA; None: all) -> (out, the indexer's loss
+        where `teach` = `indexer_kl`'s (scores, set, valid queries), else None)."""
         B, T, H, P = q_pe_BTHP.shape
         if context_parallel.active(T):
             q_BTHQ = jnp.concatenate([q_nope_BTHN, q_pe_BTHP], axis=-1)
             w_uk, w_uv = self._w(self.wk_b, c_BTR), self._w(self.wv_b, c_BTR)
             args = (q_BTHQ, c_BTR, k_pe_BT1P, w_uk, w_uv, positions_BT, segments_BT)
-            return context_parallel.latent_attention(
+            out = context_parallel.latent_attention(
                 *args, scale=self.scale, strategy=self.context_strategy
             )
+            return out, None
         k_nope_BTHN = jnp.einsum("btr,rhn->bthn", c_BTR, self._w(self.wk_b, c_BTR))
         v_BTHV = jnp.einsum("btr,rhv->bthv", c_BTR, self._w(self.wv_b, c_BTR))
         k_pe_BTHP = jnp.broadcast_to(k_pe_BT1P, (B, T, H, P))
         q_BTHQ = jnp.concatenate([q_nope_BTHN, q_pe_BTHP], axis=-1)
         k_BTHQ = jnp.concatenate([k_nope_BTHN, k_pe_BTHP], axis=-1)
-        return self._self_attention(q_BTHQ, k_BTHQ, v_BTHV, positions_BT, segments_BT, keep_BTS)
+        out = self._self_attention(q_BTHQ, k_BTHQ, v_BTHV, positions_BT, segments_BT, keep_BTS)
+        if teach is None:
+            return out, None
+        return out, sparse.indexer_kl(q_BTHQ, k_BTHQ, self.scale, *teach)
 
     def _self_attention(
         self, q_BTHQ, k_BTHQ, v_BTHV, positions_BT, segments_BT, keep_BTS=None
@@ -284,7 +307,8 @@ class MLAttention(nnx.Module):
             cache["index_k"] = write_cache(cache_in["index_k"], new_BT1I, start_B)
             k_BSI = cache["index_k"][:, :, 0]
         allowed_BTS = attention_mask(positions_BT, k_pos_BS)
-        keep_BTS = self._selection(indexed, positions_BT, k_BSI, allowed_BTS)
+        keep_BTS = self._selection(indexed, positions_BT, k_BSI, allowed_BTS)[0]
+        attended_BTS = None if self.dense_warmup else keep_BTS
         kv_BS1L = latent_BS1L.astype(self.dtype)
 
         def attend_block(q, pos, *keep):  # keep: the block's rows of the selection (DSA)
@@ -292,7 +316,7 @@ class MLAttention(nnx.Module):
             mask_BTS = mask_BTS & keep[0] if keep else mask_BTS
             return attend(q, kv_BS1L, kv_BS1L, mask_BTS, self.scale)
 
-        selection = () if keep_BTS is None else (keep_BTS,)
+        selection = () if attended_BTS is None else (attended_BTS,)
         out_BTHL = in_prefill_blocks(attend_block, q_BTHL, positions_BT, *selection)
         out_BTHV = jnp.einsum("bthr,rhv->bthv", out_BTHL[..., :R], self._w(self.wv_b, out_BTHL))
         return out_BTHV, cache, keep_BTS

@@ -119,13 +119,35 @@ def index_cache(cfg: Config, lead: tuple[int, ...], dtype) -> dict:
     return {"index_k": jnp.zeros((*lead, 1, cfg.attention.index_head_dim), dtype)}
 
 
-def first_selection(cfg: Config, B: int, T: int, cache: dict | None) -> jax.Array | None:
-    """The selection the first layer is passed: none, but an all-False [B, T, S] one where
-    GLM's sharing passes selections through the layer scan (whose carry keeps one shape; the
-    first layer always runs its indexer, so it is never read). S: T, or the cache's length."""
-    a = cfg.attention
-    if a.index_topk == 0 or a.index_topk_freq == 1:
-        return None
-    layers = {k: cache[k] for k in ("prefix", "blocks", "tail") if k in cache} if cache else {}
-    S = jax.tree.leaves(layers)[0].shape[-3] if layers else T  # [..., B, S, 1, L]
-    return jnp.zeros((B, T, S), bool)
+def first_carry(cfg: Config, B: int, T: int, cache: dict | None) -> dict | None:
+    """What the first layer is passed of DSA (None: nothing): with GLM's sharing, the
+    selection "picked", all-False [B, T, S] (the layer scan's carry keeps one shape; the
+    first layer always runs its indexer, so it is never read; S: T, or the cache's length);
+    training the indexer (train.indexer_stage, a forward without a cache), "kl", the sum of
+    the indexer layers' losses (`indexer_kl`)."""
+    a, carry = cfg.attention, {}
+    if a.index_topk > 0 and a.index_topk_freq > 1:
+        layers = {k: cache[k] for k in ("prefix", "blocks", "tail") if k in cache} if cache else {}
+        S = jax.tree.leaves(layers)[0].shape[-3] if layers else T  # [..., B, S, 1, L]
+        carry["picked"] = jnp.zeros((B, T, S), bool)
+    if a.index_topk > 0 and cfg.train.indexer_stage != "none" and cache is None:
+        carry["kl"] = jnp.zeros((), jnp.float32)
+    return carry or None
+
+
+def indexer_kl(q_BTHQ, k_BTHQ, scale: float, scores_BTS, set_BTS, valid_BT) -> jax.Array:
+    """The indexer's loss (DeepSeek-V3.2's): for each query t, KL(p_t || softmax(I_t)) over
+    its keys in `set_BTS` (all it may attend in the dense warm-up, its selection in the
+    sparse stage), where p_t is the main attention's distribution summed over the heads and
+    renormalised (the heads' mean) on that set, detached: the mean over the `valid_BT`
+    queries (not padding). Gradients reach the indexer's scores only."""
+    low = jnp.finfo(jnp.float32).min
+    logits_BHTS = jnp.einsum("bthq,bshq->bhts", q_BTHQ, k_BTHQ, preferred_element_type=jnp.float32)
+    p_BHTS = jax.nn.softmax(jnp.where(set_BTS[:, None], logits_BHTS * scale, low), axis=-1)
+    p_BTS = jax.lax.stop_gradient(jnp.mean(p_BHTS, axis=1))
+    log_q_BTS = jax.nn.log_softmax(jnp.where(set_BTS, scores_BTS, low), axis=-1)
+    kept = set_BTS & (p_BTS > 0)  # 0 log 0 = 0
+    log_p_BTS = jnp.log(jnp.where(kept, p_BTS, 1.0))
+    kl_BT = jnp.sum(jnp.where(kept, p_BTS * (log_p_BTS - log_q_BTS), 0.0), axis=-1)
+    valid = valid_BT.astype(jnp.float32)
+    return jnp.sum(kl_BT * valid) / jnp.maximum(jnp.sum(valid), 1.0)

@@ -69,7 +69,7 @@ from moe_jax.model.mtp import MTPLayer
 from moe_jax.model.norm import RMSNorm
 from moe_jax.model.remat import remat
 from moe_jax.model.routing import aux_loss
-from moe_jax.model.sparse_attention import first_selection
+from moe_jax.model.sparse_attention import first_carry
 from moe_jax.named_scopes import MLP
 from moe_jax.sharding import at_block_boundary, param
 
@@ -99,7 +99,7 @@ class DecoderLayer(nnx.Module):
         else:
             kind = MLAttention if cfg.attention.kind == "mla" else Attention
             self.attn = kind(cfg, layer, rngs=rngs)
-        self.sparse = cfg.attention.index_topk > 0  # DSA: selections pass between layers
+        self.sparse = cfg.attention.index_topk > 0  # DSA: its carry passes between layers
         self.ffn_norm = RMSNorm(D, eps, rngs=rngs, zero_centered=centred)
         self.is_moe = cfg.is_moe(layer)
         if self.is_moe:
@@ -109,30 +109,31 @@ class DecoderLayer(nnx.Module):
             lora.attach(self.ffn, cfg, "mlp", rngs)
 
     def __call__(self, x_BTD, positions_BT, cache: KVCache | None, n_groups: int, segments_BT,
-                 replay=None, picked=None):  # fmt: skip
-        """-> (x_BTD, cache, stats: the MoE's, None for a dense FFN, the DSA selection the
-        next layers reuse or None). `replay` [B, T, K]: routing replay's experts for an MoE
-        layer (`MoE.__call__`); `picked`: an earlier layer's DSA selection (GLM's sharing)."""
-        args = (positions_BT, cache, n_groups, segments_BT, replay, picked)
+                 replay=None, dsa=None):  # fmt: skip
+        """-> (x_BTD, cache, stats: the MoE's, None for a dense FFN, the DSA carry for the
+        next layers). `replay` [B, T, K]: routing replay's experts for an MoE layer
+        (`MoE.__call__`); `dsa`: what DSA passes between layers (`sparse_attention.
+        first_carry`: GLM's shared selection, the indexer losses' sum), or None."""
+        args = (positions_BT, cache, n_groups, segments_BT, replay, dsa)
         if cache is not None or self.remat[0] == "none":
             return self._forward(x_BTD, *args)
         # Kept whole, the dense prefix's 3 layers and the MTP layer held DeepSeek-V3's
         # activations at 8192 tokens (attention's q, k, v, the FFN's hidden) beside the scan's.
         graphdef, state = nnx.split(self)
 
-        def run(state, x_BTD, positions_BT, segments_BT, replay, picked):
+        def run(state, x_BTD, positions_BT, segments_BT, replay, dsa):
             layer = nnx.merge(graphdef, state)
-            x_BTD, _, stats, picked = layer._forward(
-                x_BTD, positions_BT, None, n_groups, segments_BT, replay, picked
+            x_BTD, _, stats, dsa = layer._forward(
+                x_BTD, positions_BT, None, n_groups, segments_BT, replay, dsa
             )
-            return x_BTD, stats, picked
+            return x_BTD, stats, dsa
 
         run = remat(run, *self.remat, scanned=False)
-        x_BTD, stats, picked = run(state, x_BTD, positions_BT, segments_BT, replay, picked)
-        return x_BTD, None, stats, picked
+        x_BTD, stats, dsa = run(state, x_BTD, positions_BT, segments_BT, replay, dsa)
+        return x_BTD, None, stats, dsa
 
     def _forward(
-        self, x_BTD, positions_BT, cache, n_groups: int, segments_BT, replay=None, picked=None
+        self, x_BTD, positions_BT, cache, n_groups: int, segments_BT, replay=None, dsa=None
     ):
         # Every use of the input reads this named copy, so that a remat policy keeping it
         # (model.remat_offload=layer_input) replaces the input the layer scan would keep.
@@ -144,8 +145,8 @@ class DecoderLayer(nnx.Module):
         if self.is_linear:
             h, cache = linear_attention.mix(layer.attn, h_BTD, positions_BT, cache, segments_BT)
         elif self.sparse:
-            args = (h_BTD, positions_BT, cache, segments_BT, picked)
-            h, cache, picked = layer.attn.with_selection(*args)
+            args = (h_BTD, positions_BT, cache, segments_BT, dsa)
+            h, cache, dsa = layer.attn.with_selection(*args)
         else:
             h, cache = layer.attn(h_BTD, positions_BT, cache, segments_BT)
         x_BTD = x_BTD + h
@@ -155,7 +156,7 @@ class DecoderLayer(nnx.Module):
         else:
             with jax.named_scope(MLP):
                 h, stats = layer.ffn(layer.ffn_norm(x_BTD)), None
-        return at_block_boundary(x_BTD + h), cache, stats, picked
+        return at_block_boundary(x_BTD + h), cache, stats, dsa
 
 
 class Block(nnx.Module):
@@ -168,20 +169,20 @@ class Block(nnx.Module):
         )
 
     def __call__(
-        self, x_BTD, positions_BT, caches, n_groups: int, segments_BT, replays=None, picked=None
+        self, x_BTD, positions_BT, caches, n_groups: int, segments_BT, replays=None, dsa=None
     ):
         """`replays`: per layer, its replayed experts (None: its own routing, or dense);
-        `picked`: the DSA selection passed between layers (`DecoderLayer`)."""
+        `dsa`: the DSA carry passed between layers (`DecoderLayer`)."""
         new_caches, all_stats = [], []
         for j, layer in enumerate(self.layers):
             cache = caches[j] if caches else None
             replay = replays[j] if replays else None
-            x_BTD, c, stats, picked = layer(
-                x_BTD, positions_BT, cache, n_groups, segments_BT, replay, picked
+            x_BTD, c, stats, dsa = layer(
+                x_BTD, positions_BT, cache, n_groups, segments_BT, replay, dsa
             )
             new_caches.append(c)
             all_stats.append(stats)
-        return x_BTD, new_caches, all_stats, picked
+        return x_BTD, new_caches, all_stats, dsa
 
 
 class Transformer(nnx.Module):
@@ -286,22 +287,22 @@ class Transformer(nnx.Module):
         if images is not None or image_mask is not None:
             x_BTD = self._insert_images(x_BTD, images, image_mask)
 
-        new_prefix_caches, picked = [], first_selection(self.cfg, B, T, cache)
+        new_prefix_caches, dsa = [], first_carry(self.cfg, B, T, cache)
         for i, layer in enumerate(getattr(self, "prefix", [])):  # dense: no stats
             c = cache["prefix"][i] if cache else None
-            x_BTD, c, _, picked = layer(x_BTD, positions, c, n_groups, segments, None, picked)
+            x_BTD, c, _, dsa = layer(x_BTD, positions, c, n_groups, segments, None, dsa)
             new_prefix_caches.append(c)
         block_stats, new_block_caches = [], []
         if self.n_blocks:
-            x_BTD, new_block_caches, block_stats, picked = self._run_blocks(
+            x_BTD, new_block_caches, block_stats, dsa = self._run_blocks(
                 x_BTD, positions, cache["blocks"] if cache else None, n_groups, segments,
-                replay["blocks"], picked,
+                replay["blocks"], dsa,
             )  # fmt: skip
         tail_stats, new_tail_caches = [], []
         for i, layer in enumerate(self.tail):
             c = cache["tail"][i] if cache else None
-            x_BTD, c, stats, picked = layer(
-                x_BTD, positions, c, n_groups, segments, replay["tail"][i], picked
+            x_BTD, c, stats, dsa = layer(
+                x_BTD, positions, c, n_groups, segments, replay["tail"][i], dsa
             )
             new_tail_caches.append(c)
             tail_stats.append(stats)
@@ -313,6 +314,9 @@ class Transformer(nnx.Module):
         aux = self._aux(block_stats, tail_stats)
         if "routes" not in aux:  # no MoE layer
             aux["routes"] = jnp.zeros((0, B, T, self.cfg.moe.top_k), jnp.int32)
+        if dsa is not None and "kl" in dsa:  # train.indexer_stage: the indexer layers' mean
+            n = sum(self.cfg.runs_indexer(i) for i in range(self.cfg.model.n_layers))
+            aux["indexer_loss"] = dsa["kl"] / n
         if cache is None:
             return logits_BTV, aux
         new_cache = {"blocks": new_block_caches, "tail": new_tail_caches}
@@ -359,30 +363,28 @@ class Transformer(nnx.Module):
         img_BTD = jnp.take_along_axis(img_BND, slot_BT[..., None], axis=1)
         return jnp.where(mask_BT[..., None], img_BTD, x_BTD)
 
-    def _run_blocks(self, x_BTD, positions_BT, caches, n_groups, segments_BT, replays, picked):
+    def _run_blocks(self, x_BTD, positions_BT, caches, n_groups, segments_BT, replays, dsa):
         """Apply the stacked blocks; stats come back stacked [n_blocks, ...] per block layer.
         `replays`: per block layer, its replayed experts stacked [n_blocks, B, T, K], or None;
-        `picked`: the DSA selection carried from layer to layer (`DecoderLayer`)."""
+        `dsa`: the DSA carry passed from layer to layer (`DecoderLayer`)."""
         graphdef, state = nnx.split(self.blocks)
 
         def body(carry, xs):
-            x, picked = carry
+            x, dsa = carry
             block_state, block_caches, replay = xs
             block = nnx.merge(graphdef, block_state)
-            x, new_caches, stats, picked = block(
-                x, positions_BT, block_caches, n_groups, segments_BT, replay, picked
+            x, new_caches, stats, dsa = block(
+                x, positions_BT, block_caches, n_groups, segments_BT, replay, dsa
             )
-            return (x, picked), (new_caches, stats)
+            return (x, dsa), (new_caches, stats)
 
         if self.cfg.model.scan_layers:
             if caches is None:  # a forward that may be differentiated: apply model.remat
                 m = self.cfg.model
                 body = remat(body, m.remat, m.remat_saved, m.remat_offloaded)
-            carry, (new_caches, stats) = jax.lax.scan(
-                body, (x_BTD, picked), (state, caches, replays)
-            )
+            carry, (new_caches, stats) = jax.lax.scan(body, (x_BTD, dsa), (state, caches, replays))
             return carry[0], new_caches, stats, carry[1]
-        per_block, carry = [], (x_BTD, picked)
+        per_block, carry = [], (x_BTD, dsa)
         for b in range(self.n_blocks):
             xs = jax.tree.map(lambda a, b=b: a[b], (state, caches, replays))
             carry, ys = body(carry, xs)
