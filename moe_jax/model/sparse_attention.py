@@ -25,9 +25,10 @@ layer either: its weights learn only from a loss of their own on its scores.
 
 The attention over the selection is the masked dense form: mla's attention with its causal
 mask ANDed with the selection [B, T, S]. Every one of the T x S logits is still computed, as
-are the indexer's T x S scores (Hi Di multiply-adds each): it costs dense attention plus the
-indexer and saves nothing yet. The saving needs each query's k keys gathered (a kernel's
-job, FlashMLA's sparse one), which turns the T x S of attention into T x k.
+are the indexer's T x S scores (Hi Di multiply-adds each, a head at a time): it costs dense
+attention plus the indexer and saves nothing yet, and the scores and the selection are
+[B, T, S] arrays whole (a long prefill's too). The saving needs each query's k keys gathered
+(a kernel's job, FlashMLA's sparse one), which turns the T x S of attention into T x k.
 """
 
 from __future__ import annotations
@@ -91,12 +92,22 @@ class Indexer(nnx.Module):
         q_BTHI = self._rope(jnp.einsum("btr,rhi->bthi", q_BTr, wq_b), positions_BT)
         w_BTH = weight_gather.einsum("btd,dh->bth", x_BTD, self.weights_proj, self.dtype)
         w_BTH = w_BTH.astype(jnp.float32) * self.n_heads**-0.5
-        logits_BTHS = jnp.einsum(
-            "bthi,bsi->bths", q_BTHI, k_BSI.astype(q_BTHI.dtype),
-            preferred_element_type=jnp.float32,
-        )  # fmt: skip
-        relu_BTHS = jax.nn.relu(logits_BTHS * self.head_dim**-0.5)
-        return jnp.einsum("bth,bths->bts", w_BTH, relu_BTHS)
+        k_BSI = k_BSI.astype(q_BTHI.dtype)
+
+        # One head at a time, its ReLU'd logits added into the [B, T, S] sum: all heads at
+        # once held [B, T, H, S] float32 (64 heads: 64x the scores), as transformers' does.
+        # Rematerialised, so a backward (the indexer's loss) keeps no head's logits either.
+        @jax.checkpoint
+        def head(sum_BTS, qw):
+            q_BTI, w_BT = qw
+            logits_BTS = jnp.einsum(
+                "bti,bsi->bts", q_BTI, k_BSI, preferred_element_type=jnp.float32
+            )
+            return sum_BTS + w_BT[..., None] * jax.nn.relu(logits_BTS * self.head_dim**-0.5), None
+
+        zeros_BTS = jnp.zeros((*q_BTHI.shape[:2], k_BSI.shape[1]), jnp.float32)
+        heads = (jnp.moveaxis(q_BTHI, 2, 0), jnp.moveaxis(w_BTH, 2, 0))
+        return jax.lax.scan(head, zeros_BTS, heads)[0]
 
 
 def select(scores_BTS: jax.Array, allowed_BTS: jax.Array, topk: int) -> jax.Array:
