@@ -18,7 +18,7 @@ from flax import nnx
 
 from moe_jax.model import Transformer
 from moe_jax.model.sparse_attention import Indexer, indexer_kl, select
-from moe_jax.train.step import loss_fn
+from moe_jax.train.step import decay_mask, loss_fn
 from tests.helpers import tiny_config
 from tests.test_dsa import DSA, _randomized
 
@@ -148,6 +148,10 @@ def test_the_warmup_attends_densely_and_trains_the_indexer_alone():
     indexer = {p for p in grads if "indexer" in p}
     assert indexer and all(np.abs(grads[p]).max() > 0 for p in indexer)
     assert all(not grads[p].any() for p in grads if p not in indexer)
+    # and weight decay (which moves a weight without a gradient) for the indexer's alone
+    decays = decay_mask(nnx.to_pure_dict(nnx.state(m)), False, indexer_only=True)
+    decayed = {path for path, on in jax.tree_util.tree_leaves_with_path(decays) if on}
+    assert decayed and all("'indexer'" in jax.tree_util.keystr(path) for path in decayed)
 
 
 def test_the_sparse_stage_trains_the_model_by_the_lm_loss_and_the_indexer_by_its_kl():
