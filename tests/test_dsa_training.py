@@ -32,7 +32,7 @@ def _indexer_inputs(seed: int):
     cfg = tiny_config(*DSA)
     indexer = Indexer(cfg, jnp.float32, rngs=nnx.Rngs(0))
     rng = np.random.default_rng(seed)
-    for name in ("wq_b", "wk", "k_norm_scale", "k_norm_bias", "weights_proj"):
+    for name in ("wq_b", "w_key", "k_norm_scale", "k_norm_bias", "weights_proj"):
         var = getattr(indexer, name)
         var[...] = jnp.asarray((name == "k_norm_scale") + 0.5 * rng.standard_normal(var.shape))
     a, D = cfg.attention, cfg.model.d_model
@@ -45,7 +45,7 @@ def _reference_kl(w: dict, x, q_r, q, k, scale, set_TS, theta: float, P: int):
     """The indexer loss in float64, written out from the formulas (`sparse_attention` doc),
     one query row at a time: rotate-half RoPE on the first P dims, LayerNorm, ReLU scores
     weighted per head, softmax over the set, the heads' mean attention as the target."""
-    H, I = w["weights_proj"].shape[1], w["wk"].shape[1]
+    H, I = w["weights_proj"].shape[1], w["w_key"].shape[1]
     pos = jnp.arange(T, dtype=jnp.float64)
     angle = pos[:, None] / theta ** (jnp.arange(0, P, 2, dtype=jnp.float64) / P)  # [T, P/2]
     cos, sin = jnp.cos(angle), jnp.sin(angle)
@@ -57,7 +57,7 @@ def _reference_kl(w: dict, x, q_r, q, k, scale, set_TS, theta: float, P: int):
         return jnp.concatenate([x1 * c - x2 * s_, x2 * c + x1 * s_, a[..., P:]], axis=-1)
 
     qi = rope(jnp.einsum("tr,rhi->thi", q_r[0], w["wq_b"]))
-    kl_ = x[0] @ w["wk"]
+    kl_ = x[0] @ w["w_key"]
     kl_ = (kl_ - kl_.mean(-1, keepdims=True)) / jnp.sqrt(kl_.var(-1, keepdims=True) + 1e-6)
     ki = rope(kl_ * w["k_norm_scale"] + w["k_norm_bias"])
     weights = x[0] @ w["weights_proj"] * H**-0.5
@@ -98,7 +98,7 @@ def test_indexer_loss_and_gradient_equal_a_float64_reference(stage):
         set_TS = np.asarray(select(scores, jnp.asarray(causal_TS[None]), a.index_topk))[0]
         assert set_TS.sum(-1).max() == a.index_topk and (set_TS != causal_TS).any()
     loss, grads = jax.value_and_grad(lambda p: ours(p, jnp.asarray(set_TS[None]))[0])(params)
-    names = ("wq_b", "wk", "k_norm_scale", "k_norm_bias", "weights_proj")
+    names = ("wq_b", "w_key", "k_norm_scale", "k_norm_bias", "weights_proj")
     with jax.enable_x64(True):
         w = {n: jnp.asarray(np.asarray(params[n][...]), jnp.float64) for n in names}
         ref = lambda w: _reference_kl(w, x, q_r, q, k, scale, set_TS, a.rope_theta, 4)

@@ -3,9 +3,9 @@ latent attention and MoE (`deepseek.py`) with DeepSeek Sparse Attention
 (`attention.index_topk`, moe_jax/model/sparse_attention.py).
 
 Each layer's `self_attn.indexer` holds `wq_b` [Hi Di, q_lora_rank] (from the query latent),
-`wk` [Di, D], the key's LayerNorm `k_norm` (weight and bias) and `weights_proj` [Hi, D]:
-our `attn.indexer.*`. `index_topk`, `index_n_heads`, `index_head_dim` are ours by name. The
-two differ in:
+`wk` [Di, D] (our `w_key`), the key's LayerNorm `k_norm` (weight and bias) and
+`weights_proj` [Hi, D]: our `attn.indexer.*`. `index_topk`, `index_n_heads`,
+`index_head_dim` are ours by name. The two differ in:
 - the indexer's RoPE: rotate-half in DeepSeek-V3.2, interleaved pairs in GLM-5
   (`attention.index_rope_style`); the main attention's is interleaved in both (transformers'
   classes have no `rope_interleave`: an import refuses it false);
@@ -160,7 +160,7 @@ def _indexer_maps() -> list[TensorMap]:
     own, hf = "attn.indexer.", "self_attn.indexer."
     return [
         linear(f"{own}wq_b", f"{hf}wq_b.weight"),
-        linear(f"{own}wk", f"{hf}wk.weight"),
+        linear(f"{own}w_key", f"{hf}wk.weight"),
         same(f"{own}k_norm_scale", f"{hf}k_norm.weight"),
         same(f"{own}k_norm_bias", f"{hf}k_norm.bias"),
         linear(f"{own}weights_proj", f"{hf}weights_proj.weight"),

@@ -61,7 +61,8 @@ class Indexer(nnx.Module):
         self.inv_freq = tuple(rope_inv_freq(self.rope_dim, a.rope_theta, a.rope_scaling).tolist())
         self.rope_scale = rope_attention_factor(a.rope_scaling)
         self.wq_b = param(rngs, init, (r, H, I), ("latent", None, None))
-        self.wk = param(rngs, init, (D, I), ("embed", None))
+        # transformers' wk: named apart, as int8 sampling reads a `wk` as GQA's [D, K, hd]
+        self.w_key = param(rngs, init, (D, I), ("embed", None))
         self.k_norm_scale = param(rngs, nnx.initializers.ones, (I,), (None,))
         self.k_norm_bias = param(rngs, nnx.initializers.zeros, (I,), (None,))
         self.weights_proj = param(rngs, init, (D, H), ("embed", None))
@@ -74,7 +75,7 @@ class Indexer(nnx.Module):
     def keys(self, x_BTD: jax.Array, positions_BT: jax.Array) -> jax.Array:
         """Each token's key k [B, T, I] (what a decode cache keeps of the indexer)."""
         x_BTD = jax.lax.stop_gradient(x_BTD)
-        k_BTI = weight_gather.einsum("btd,di->bti", x_BTD, self.wk, self.dtype)
+        k_BTI = weight_gather.einsum("btd,di->bti", x_BTD, self.w_key, self.dtype)
         k32 = k_BTI.astype(jnp.float32)  # LayerNorm in float32, as the norms are
         mean = jnp.mean(k32, axis=-1, keepdims=True)
         var = jnp.mean(jnp.square(k32 - mean), axis=-1, keepdims=True)
