@@ -232,7 +232,8 @@ def test_sharded_equals_unsharded(model):
     want = np.asarray(run(state, tokens))
     with jax.set_mesh(mesh):
         got = np.asarray(run(sharded, tokens))
-    np.testing.assert_allclose(got, want, rtol=0, atol=1e-5)
+    # float32 sums split over shards: 1.3e-5 measured on logits of O(1)
+    np.testing.assert_allclose(got, want, rtol=0, atol=5e-5)
 
 
 def test_int8_weights_leave_the_indexer_in_float(model):
