@@ -109,7 +109,8 @@ def test_mtp_loss_equals_a_computation_by_hand():
     positions, segments = inputs["positions"], inputs["segments"]
     forward = nnx.jit(lambda m, t, p, s: m(t, positions=p, segments=s, head=False))
     x, aux = forward(model, inputs["tokens"], positions, segments)
-    decoder_layer = nnx.jit(lambda layer, x, p, s: layer(x, p, None, 1, s))
+    # (x, cache, MoE stats): the DSA carry the layer also returns is not needed here
+    decoder_layer = nnx.jit(lambda layer, x, p, s: layer(x, p, None, 1, s)[:3])
     E, head = model.embed.embedding[...], model.head[...]
     logp = lambda h, norm: jax.nn.log_softmax(rms(h, norm.scale[...]) @ head, axis=-1)
     B, T = inputs["tokens"].shape

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from moe_jax.backends import EXCHANGES, IMPLS
+from moe_jax.config.attention_kinds import check_gqa, check_linear, check_mla, check_sparse
 from moe_jax.config.checks import non_negative, one_of, positive, require
 
 DTYPES = ("auto", "float32", "bfloat16")
@@ -27,20 +28,6 @@ ATTENTION_KINDS = ("gqa", "mla")
 # The linear-attention layers a hybrid stack interleaves with full attention: none | the
 # gated DeltaNet of Qwen3-Next and Qwen3.5 (moe_jax/model/gated_deltanet.py)
 LINEAR_KINDS = ("none", "gated_deltanet")
-# Its sizes (attention.linear_*), with Qwen3-Next-80B-A3B's values
-LINEAR_SIZES = {
-    "linear_key_heads": 16,
-    "linear_value_heads": 32,
-    "linear_key_dim": 128,
-    "linear_value_dim": 128,
-}
-# The sizes of multi-head latent attention (attention.kind=mla) and DeepSeek-V3's values
-MLA_SIZES = {
-    "kv_lora_rank": 512,
-    "qk_nope_head_dim": 128,
-    "qk_rope_head_dim": 64,
-    "v_head_dim": 128,
-}
 SCORES = ("softmax", "sigmoid")
 ROUTE_SCALES = ("output", "input")
 
@@ -213,6 +200,18 @@ class AttentionConfig:
     qk_nope_head_dim: int = 0  # mla: each head's query/key dims without RoPE (V3: 128)
     qk_rope_head_dim: int = 0  # mla: the query/key dims with RoPE; one key for all heads (V3: 64)
     v_head_dim: int = 0  # mla: each head's value dims (V3: 128)
+    # DeepSeek Sparse Attention on mla (DeepSeek-V3.2, GLM-5; moe_jax/model/sparse_attention.py):
+    # a lightning indexer scores the past tokens and each query attends to its index_topk best
+    # only (V3.2: 2048); 0 = dense mla. The indexer's heads and width (V3.2: 64 x 128, GLM-5:
+    # 32 x 128), its first qk_rope_head_dim dims rotated half (V3.2) or interleaved (GLM-5).
+    index_topk: int = 0
+    index_n_heads: int = 0  # see index_topk
+    index_head_dim: int = 0  # see index_topk
+    index_rope_style: str = "half"  # see index_topk
+    # GLM's index sharing: layer i runs its own indexer where max(i - index_skip_topk_offset
+    # + 1, 0) is a multiple of index_topk_freq, else reuses the last such layer's selection
+    index_topk_freq: int = 1
+    index_skip_topk_offset: int = 2  # see index_topk_freq
 
     def check(self) -> None:
         positive(self, "attention", ["n_heads", "n_kv_heads", "rope_theta"])
@@ -227,13 +226,14 @@ class AttentionConfig:
             f"it must be in (0, 1] (1 = all), got {self.partial_rotary_factor}",
         )
         if self.kind == "mla":
-            self._check_mla()
+            check_mla(self)
         else:
-            self._check_gqa()
+            check_gqa(self)
+        check_sparse(self)
         non_negative(self, "attention", ["nope_interval", "full_attention_interval"])
         one_of(self.linear, LINEAR_KINDS, "attention.linear")
         if self.linear != "none":
-            self._check_linear()
+            check_linear(self)
         require(
             self.full_attention_interval == 0 or self.sliding_window > 0 or self.linear != "none",
             "attention.full_attention_interval picks the layers without the sliding window (or "
@@ -257,83 +257,6 @@ class AttentionConfig:
             require(
                 scaling.high_freq_factor >= scaling.low_freq_factor,
                 "attention.rope_scaling.high_freq_factor must be >= low_freq_factor",
-            )
-
-    def _check_linear(self) -> None:
-        """What linear-attention layers need, and what they do not combine with."""
-        for name, qwen3_next in LINEAR_SIZES.items():
-            value = getattr(self, name)
-            require(
-                value > 0,
-                f"attention.linear={self.linear} needs attention.{name} > 0 (Qwen3-Next: "
-                f"{qwen3_next}), got {value}",
-            )
-        require(
-            self.linear_value_heads % self.linear_key_heads == 0,
-            f"attention.linear_value_heads ({self.linear_value_heads}) must be a multiple of "
-            f"attention.linear_key_heads ({self.linear_key_heads}): each key head serves a "
-            "whole group of value heads",
-        )
-        require(
-            self.linear_conv_kernel >= 1,
-            f"attention.linear_conv_kernel must be >= 1 (Qwen3-Next: 4), got "
-            f"{self.linear_conv_kernel}",
-        )
-        require(
-            self.kind == "gqa" and self.sliding_window == 0,
-            "attention.linear interleaves linear layers with full grouped-query attention "
-            "(attention.full_attention_interval picks those): set attention.kind=gqa and "
-            "attention.sliding_window=0",
-        )
-
-    def _check_gqa(self) -> None:
-        require(
-            self.n_heads % self.n_kv_heads == 0,
-            f"attention.n_heads ({self.n_heads}) must be divisible by attention.n_kv_heads "
-            f"({self.n_kv_heads}) for grouped-query attention",
-        )
-        for name in ("q_lora_rank", *MLA_SIZES):
-            require(
-                getattr(self, name) == 0,
-                f"attention.{name} sizes multi-head latent attention; set attention.kind=mla "
-                f"too, or {name}=0",
-            )
-
-    def _check_mla(self) -> None:
-        """What attention.kind=mla needs, and what it does not combine with."""
-        for name, deepseek_v3 in MLA_SIZES.items():
-            value = getattr(self, name)
-            require(
-                value > 0,
-                f"attention.kind=mla needs attention.{name} > 0 (DeepSeek-V3: {deepseek_v3}), "
-                f"got {value}",
-            )
-        non_negative(self, "attention", ["q_lora_rank"])
-        require(
-            self.qk_rope_head_dim % 2 == 0,
-            f"attention.qk_rope_head_dim ({self.qk_rope_head_dim}) must be even for RoPE",
-        )
-        unsupported = {
-            "head_dim": (self.head_dim is not None, "null (mla sizes its heads by "
-                         "qk_nope_head_dim, qk_rope_head_dim and v_head_dim)"),
-            "sliding_window": (self.sliding_window != 0, "0"),
-            "chunk_size": (self.chunk_size != 0, "0"),
-            "sinks": (self.sinks, "false"),
-            "qk_norm": (self.qk_norm != "none", "none (mla normalises its latents instead)"),
-            "nope_interval": (self.nope_interval != 0, "0 (every mla layer has RoPE)"),
-            "qkv_bias": (self.qkv_bias, "false"),
-            "partial_rotary_factor": (self.partial_rotary_factor != 1, "1 (mla rotates its "
-                                      "qk_rope_head_dim dims)"),
-            "o_bias": (self.o_bias, "false"),
-            "output_gate": (self.output_gate, "false"),
-        }  # fmt: skip
-        for name, (is_set, fix) in unsupported.items():
-            value = getattr(self, name)
-            shown = str(value).lower() if isinstance(value, bool) else value  # as YAML writes it
-            require(
-                not is_set,
-                f"attention.kind=mla does not support attention.{name}={shown}; "
-                f"set attention.{name}={fix}",
             )
 
 

@@ -18,6 +18,7 @@ from moe_jax.config.checks import (
 
 DEFAULT_WARMUP_STEPS = 50  # train.warmup_steps=null: this many, at most a tenth of the run
 SCHEDULES = ("cosine", "linear", "wsd")  # train.schedule (train_step.lr_schedule)
+INDEXER_STAGES = ("none", "warmup", "sparse")  # train.indexer_stage
 WEIGHT_KINDS = ("auto", "float32", "bfloat16", "int8", "mxfp4")  # sample.weights (weights.py)
 # data.sft (moe_jax/data/sft.py; preference: DPO's pairs, moe_jax/data/preference.py)
 SFT_FORMATS = ("none", "prompt_completion", "chat", "preference", "prompts")  # prompts: GRPO's
@@ -187,6 +188,13 @@ class TrainConfig:
     # sum of the MTP depths' cross-entropies (moe_jax/model/mtp.py); DeepSeek-V3: 0.3 for its
     # first 10T tokens, then 0.1. Unused with model.mtp_depth=0.
     mtp_loss_weight: float = 0.3
+    # Training DeepSeek sparse attention's indexer (attention.index_topk; DeepSeek-V3.2's two
+    # stages): none | warmup (the attention dense, the indexer fitted to its distribution by
+    # KL, every other weight frozen) | sparse (the attention over the selection; the LM loss
+    # trains the model, the KL over the selected keys the indexer, each alone). The KL's
+    # weight: indexer_loss_weight (the indexer's gradients are its alone, so it scales them).
+    indexer_stage: str = "none"
+    indexer_loss_weight: float = 1.0  # see indexer_stage
     # Positions per chunk of the output head in the loss (moe_jax/model/loss.py): the [B, T, V]
     # float32 logits are never held whole, for one more head matmul in the backward; must
     # divide train.seq_len. 0 = all positions at once; -1 = auto (moe_jax/backends.py: 0 on
@@ -290,7 +298,8 @@ class TrainConfig:
             f"train.resume_step must be >= 0 (0 = the latest), got {self.resume_step}",
         )
         non_negative(self, "train", ["weight_decay", "clip_norm", "logit_z_loss"])
-        non_negative(self, "train", ["mtp_loss_weight"])
+        non_negative(self, "train", ["mtp_loss_weight", "indexer_loss_weight"])
+        one_of(self.indexer_stage, INDEXER_STAGES, "train.indexer_stage")
         for n in ("b1", "b2"):
             require(0.0 <= getattr(self, n) < 1.0, f"train.{n} must be within [0, 1)")
         positive(self, "train", ["eps"])

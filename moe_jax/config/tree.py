@@ -78,6 +78,13 @@ class Config:
         n = a.full_attention_interval
         return a.linear != "none" and not (n > 0 and (layer + 1) % n == 0)
 
+    def runs_indexer(self, layer: int) -> bool:
+        """Whether `layer` runs its own DSA indexer (attention.index_topk > 0); False for a
+        layer reusing an earlier one's selection (GLM's sharing) and for dense attention."""
+        a = self.attention
+        own = max(layer - a.index_skip_topk_offset + 1, 0) % a.index_topk_freq == 0
+        return a.index_topk > 0 and own
+
     def is_moe(self, layer: int) -> bool:
         e = self.moe
         return (
@@ -88,9 +95,11 @@ class Config:
 
     @property
     def layer_period(self) -> int:
-        """Smallest block of layers whose (RoPE, window or linear, MoE) pattern repeats."""
+        """Smallest block of layers whose (RoPE, window or linear, indexer, MoE) pattern
+        repeats."""
         a = self.attention
-        intervals = (a.nope_interval, a.full_attention_interval, self.moe.interleave_step)
+        index = a.index_topk_freq if a.index_topk > 0 else 1
+        intervals = (a.nope_interval, a.full_attention_interval, index, self.moe.interleave_step)
         return math.lcm(*(max(n, 1) for n in intervals))
 
     def check(self) -> None:
@@ -144,6 +153,9 @@ def _check_across_sections(cfg: Config) -> None:
     )
     _check_objective(cfg)
     _check_lora_targets(cfg)
+    if a.index_topk > 0:
+        _check_index_sharing(cfg)
+    _check_indexer_training(cfg)
     if cfg.mesh.context > 1:  # -1 is checked once resolved (sharding.mesh_shape)
         check_context(cfg, cfg.mesh.context)
 
@@ -172,6 +184,8 @@ def check_context(cfg: Config, n: int, inference: bool = False) -> None:
          "model.vision=0"),
         (a.linear != "none", f"attention.linear={a.linear} (its recurrent state would pass "
          "between the shards)", "attention.linear=none"),
+        (a.index_topk > 0, "attention.index_topk > 0 (the indexer picks among every "
+         "shard's keys)", "attention.index_topk=0"),
         (a.impl not in ("auto", "blocked"), f"attention.impl={a.impl} (the context axis "
          "runs its own XLA attention)", "attention.impl=auto"),
         (bool(cfg.eval.tasks.strip()), "eval.tasks (the harness scores rows on the training "
@@ -182,6 +196,46 @@ def check_context(cfg: Config, n: int, inference: bool = False) -> None:
             not bad,
             f"mesh.context={n} does not support {what} yet; set {fix} or mesh.context=1",
         )
+
+
+def _check_index_sharing(cfg: Config) -> None:
+    """GLM's shared selections fit the layer scan and the MTP layers: the pattern repeats
+    after the dense prefix, and an MTP layer (the last layer's kind) runs its own indexer."""
+    a, k = cfg.attention, cfg.moe.first_dense_layers
+    require(
+        a.index_topk_freq == 1 or a.index_skip_topk_offset <= k + 1,
+        f"attention.index_skip_topk_offset ({a.index_skip_topk_offset}) must be at most "
+        f"moe.first_dense_layers + 1 ({k + 1}) with index_topk_freq "
+        f"{a.index_topk_freq}: the layers after the dense prefix repeat one pattern",
+    )
+    require(
+        cfg.model.mtp_depth == 0 or cfg.runs_indexer(cfg.model.n_layers - 1),
+        "model.mtp_depth > 0 builds MTP layers of the last layer's kind, which reuses an "
+        "earlier layer's DSA selection here (attention.index_topk_freq); set mtp_depth=0 or "
+        "a pattern whose last layer runs its own indexer",
+    )
+
+
+def _check_indexer_training(cfg: Config) -> None:
+    """train.indexer_stage trains a DSA indexer; the warm-up freezes all else, the routers'
+    correction bias (updated outside the gradient) and the adapters of LoRA included."""
+    t, e = cfg.train, cfg.moe
+    if t.indexer_stage == "none":
+        return
+    require(
+        cfg.attention.index_topk > 0,
+        f"train.indexer_stage={t.indexer_stage} trains DeepSeek sparse attention's indexer; "
+        "set attention.index_topk > 0 (with its index_* sizes) or indexer_stage=none",
+    )
+    require(
+        t.indexer_stage != "warmup" or not e.correction_bias or e.bias_update_rate == 0,
+        "train.indexer_stage=warmup freezes every weight but the indexer's; set "
+        "moe.bias_update_rate=0 (the correction bias moves outside the gradient)",
+    )
+    require(
+        t.indexer_stage != "warmup" or cfg.lora.rank == 0,
+        "train.indexer_stage=warmup trains the indexer alone; set lora.rank=0",
+    )
 
 
 def lora_groups(cfg: Config) -> tuple[str, ...]:

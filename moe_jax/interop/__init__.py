@@ -8,7 +8,9 @@ Families: Llama4ForCausalLM (and the text part of Llama4ForConditionalGeneration
 MixtralForCausalLM, Qwen3MoeForCausalLM, GptOssForCausalLM (its MXFP4 experts dequantised on
 import), DeepseekV3ForCausalLM (DeepSeek-V3/R1, Kimi K2: latent attention; its multi-token
 prediction layers too; their released FP8 weights dequantised block by block, `fp8.py`),
-Glm4MoeForCausalLM (GLM-4.5: partial rotary), and the dense LlamaForCausalLM /
+Glm4MoeForCausalLM (GLM-4.5: partial rotary), DeepseekV32ForCausalLM / GlmMoeDsaForCausalLM
+(DeepSeek-V3.2, GLM-5: sparse attention's indexer, `dsa.py`), Qwen3NextForCausalLM /
+Qwen3_5MoeForCausalLM (hybrid stacks), and the dense LlamaForCausalLM /
 Qwen3ForCausalLM (`moe.n_experts = 0`). A setting that changes the math and that our
 model lacks is refused with an `InteropError` naming it.
 Imported MoE models never drop tokens (`moe.capacity_factor = 0`), like transformers.

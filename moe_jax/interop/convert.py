@@ -28,6 +28,7 @@ from flax import nnx
 from moe_jax.config import Config, ConfigError, validate
 from moe_jax.interop import (
     deepseek,
+    dsa,
     fp8,
     glm4_moe,
     gpt_oss,
@@ -53,6 +54,8 @@ FAMILIES: dict[str, Family] = {
         qwen3.MOE,
         gpt_oss.FAMILY,
         deepseek.FAMILY,
+        dsa.V32,
+        dsa.GLM5,
         glm4_moe.FAMILY,
         qwen3_next.NEXT,
         qwen3_next.QWEN35,

@@ -317,8 +317,16 @@ def from_config(cfg: Config) -> dict:
     a = cfg.attention
     u = Unsupported(ARCH)
     u.check(a.kind == "mla", "attention.kind must be 'mla' (multi-head latent attention)")
+    u.check(a.index_topk == 0, "DeepSeek sparse attention (attention.index_topk) is not supported")
     check_deepseek_moe(cfg, u)
     u.raise_if_any()
+    return dense_mla_hf_config(cfg)
+
+
+def dense_mla_hf_config(cfg: Config) -> dict:
+    """config.json of a DeepSeek-V3 (its MLA and MoE keys), checked by the caller (`dsa.py`
+    adds its indexer's keys)."""
+    a = cfg.attention
     return (
         common_hf_config(cfg, ARCH, "deepseek_v3")
         | deepseek_moe_to_hf(cfg)

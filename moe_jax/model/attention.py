@@ -103,20 +103,22 @@ def query_blocks(T: int, window: int = 0, max_blocks: int = 8, min_block: int = 
     return blocks
 
 
-def in_prefill_blocks(attend_block, q_BTHD: jax.Array, positions_BT: jax.Array) -> jax.Array:
-    """`attend_block(q, positions)` (queries against a whole cache) for the call's queries:
-    at once when decoding or for a short prompt, else `PREFILL_BLOCK` queries at a time, one
-    block after another, each with its [B, H, T_blk, S] logits, not the whole [B, H, T, S].
-    The last block is padded with copies of the last query (rows computed, then dropped)."""
+def in_prefill_blocks(attend_block, q_BTHD, positions_BT, *rows_BT) -> jax.Array:
+    """`attend_block(q, positions, *rows)` (queries against a whole cache) for the call's
+    queries: at once when decoding or for a short prompt, else `PREFILL_BLOCK` queries at a
+    time, one block after another, each with its [B, H, T_blk, S] logits, not the whole
+    [B, H, T, S]. `rows_BT`: more arrays [B, T, ...] cut into the same blocks (DSA's
+    selection). The last block is padded with copies of the last query (rows computed, then
+    dropped)."""
     B, T = positions_BT.shape
     if T <= PREFILL_BLOCK:
-        return attend_block(q_BTHD, positions_BT)
+        return attend_block(q_BTHD, positions_BT, *rows_BT)
     n = -(-T // PREFILL_BLOCK)
     pad = n * PREFILL_BLOCK - T
-    q_pad = jnp.pad(q_BTHD, ((0, 0), (0, pad), (0, 0), (0, 0)), mode="edge")
-    pos_pad = jnp.pad(positions_BT, ((0, 0), (0, pad)), mode="edge")
+    edge = lambda a: jnp.pad(a, ((0, 0), (0, pad)) + ((0, 0),) * (a.ndim - 2), mode="edge")
     blocks = lambda a: jnp.moveaxis(a.reshape(B, n, PREFILL_BLOCK, *a.shape[2:]), 1, 0)
-    out_nBtHD = jax.lax.map(lambda qp: attend_block(*qp), (blocks(q_pad), blocks(pos_pad)))
+    inputs = tuple(blocks(edge(a)) for a in (q_BTHD, positions_BT, *rows_BT))
+    out_nBtHD = jax.lax.map(lambda qp: attend_block(*qp), inputs)
     out_BTHD = jnp.moveaxis(out_nBtHD, 0, 1).reshape(B, n * PREFILL_BLOCK, *out_nBtHD.shape[3:])
     return out_BTHD[:, :T]
 
@@ -297,11 +299,22 @@ class Attention(nnx.Module):
 
 
 def blocked_self_attention(
-    q_BTHD, k_BTKD, v_BTKD, pos_BT, seg_BT=None, *, scale, window=0, chunk_size=0, sinks_KG=None
+    q_BTHD,
+    k_BTKD,
+    v_BTKD,
+    pos_BT,
+    seg_BT=None,
+    *,
+    scale,
+    window=0,
+    chunk_size=0,
+    sinks_KG=None,
+    keep_BTS=None,
 ) -> jax.Array:
     """Self-attention over the call's own tokens, one query block at a time: q scaled by
-    `scale`, masked as `attention_mask` masks with `window` and `chunk_size`, `sinks_KG` as
-    `block_attention` takes them. The values' head dim may differ from q's and k's (MLA's).
+    `scale`, masked as `attention_mask` masks with `window` and `chunk_size`, and by
+    `keep_BTS` [B, T, T] where given (DSA's selection), `sinks_KG` as `block_attention`
+    takes them. The values' head dim may differ from q's and k's (MLA's).
 
     q, k and v are cut into the query blocks' chunks with one `lax.split` each, and a block
     attends to the concatenation of the key chunks it can see (from the chunk holding its
@@ -337,6 +350,8 @@ def blocked_self_attention(
             order=(jnp.arange(q_lo, q_hi), jnp.arange(first * sizes[0], q_hi)),
             segments=None if seg_parts is None else (seg_parts[i], seen(seg_parts, first, i)),
         )
+        if keep_BTS is not None:
+            mask_BTS &= keep_BTS[:, q_lo:q_hi, first * sizes[0] : q_hi]
         out_BKMD = block_attention(
             q_BKMD,
             heads_first(seen(k_parts, first, i)),

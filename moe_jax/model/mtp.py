@@ -76,7 +76,8 @@ class MTPLayer(nnx.Module):
         embeddings of the tokens k places ahead of each position."""
         x_BTC = jnp.concatenate([self.enorm(emb_BTD), self.hnorm(h_BTD)], axis=-1)
         x_BTD = weight_gather.einsum("btc,cd->btd", x_BTC, self.eh_proj, self.dtype)
-        return self.layer(x_BTD, positions_BT, cache, n_groups, segments_BT)
+        # (its own DSA selection, if any: the last layer of its kind runs an indexer)
+        return self.layer(x_BTD, positions_BT, cache, n_groups, segments_BT)[:3]
 
     def logits(self, h_BTD: jax.Array, head_DV: jax.Array) -> jax.Array:
         """This depth's output norm, then the shared head [D, V] -> float32 logits [B, T, V]."""

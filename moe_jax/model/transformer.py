@@ -63,12 +63,13 @@ from moe_jax.model import context_parallel, in_turn, linear_attention, lora, wei
 from moe_jax.model.attention import Attention
 from moe_jax.model.int8 import QuantizedParam, after
 from moe_jax.model.kv_cache import KVCache
-from moe_jax.model.mla import MLAttention, latent_cache
+from moe_jax.model.mla import MLAttention, mla_cache
 from moe_jax.model.moe import MoE, SwiGLU
 from moe_jax.model.mtp import MTPLayer
 from moe_jax.model.norm import RMSNorm
 from moe_jax.model.remat import remat
 from moe_jax.model.routing import aux_loss
+from moe_jax.model.sparse_attention import first_carry
 from moe_jax.named_scopes import MLP
 from moe_jax.sharding import at_block_boundary, param
 
@@ -98,6 +99,7 @@ class DecoderLayer(nnx.Module):
         else:
             kind = MLAttention if cfg.attention.kind == "mla" else Attention
             self.attn = kind(cfg, layer, rngs=rngs)
+        self.sparse = cfg.attention.index_topk > 0  # DSA: its carry passes between layers
         self.ffn_norm = RMSNorm(D, eps, rngs=rngs, zero_centered=centred)
         self.is_moe = cfg.is_moe(layer)
         if self.is_moe:
@@ -106,29 +108,33 @@ class DecoderLayer(nnx.Module):
             self.ffn = SwiGLU(D, cfg.model.ffn_hidden, cfg, rngs=rngs)
             lora.attach(self.ffn, cfg, "mlp", rngs)
 
-    def __call__(
-        self, x_BTD, positions_BT, cache: KVCache | None, n_groups: int, segments_BT, replay=None
-    ):
-        """-> (x_BTD, cache, stats: the MoE's, None for a dense FFN). `replay` [B, T, K]:
-        routing replay's experts for an MoE layer (`MoE.__call__`)."""
+    def __call__(self, x_BTD, positions_BT, cache: KVCache | None, n_groups: int, segments_BT,
+                 replay=None, dsa=None):  # fmt: skip
+        """-> (x_BTD, cache, stats: the MoE's, None for a dense FFN, the DSA carry for the
+        next layers). `replay` [B, T, K]: routing replay's experts for an MoE layer
+        (`MoE.__call__`); `dsa`: what DSA passes between layers (`sparse_attention.
+        first_carry`: GLM's shared selection, the indexer losses' sum), or None."""
+        args = (positions_BT, cache, n_groups, segments_BT, replay, dsa)
         if cache is not None or self.remat[0] == "none":
-            return self._forward(x_BTD, positions_BT, cache, n_groups, segments_BT, replay)
+            return self._forward(x_BTD, *args)
         # Kept whole, the dense prefix's 3 layers and the MTP layer held DeepSeek-V3's
         # activations at 8192 tokens (attention's q, k, v, the FFN's hidden) beside the scan's.
         graphdef, state = nnx.split(self)
 
-        def run(state, x_BTD, positions_BT, segments_BT, replay):
+        def run(state, x_BTD, positions_BT, segments_BT, replay, dsa):
             layer = nnx.merge(graphdef, state)
-            x_BTD, _, stats = layer._forward(
-                x_BTD, positions_BT, None, n_groups, segments_BT, replay
+            x_BTD, _, stats, dsa = layer._forward(
+                x_BTD, positions_BT, None, n_groups, segments_BT, replay, dsa
             )
-            return x_BTD, stats
+            return x_BTD, stats, dsa
 
         run = remat(run, *self.remat, scanned=False)
-        x_BTD, stats = run(state, x_BTD, positions_BT, segments_BT, replay)
-        return x_BTD, None, stats
+        x_BTD, stats, dsa = run(state, x_BTD, positions_BT, segments_BT, replay, dsa)
+        return x_BTD, None, stats, dsa
 
-    def _forward(self, x_BTD, positions_BT, cache, n_groups: int, segments_BT, replay=None):
+    def _forward(
+        self, x_BTD, positions_BT, cache, n_groups: int, segments_BT, replay=None, dsa=None
+    ):
         # Every use of the input reads this named copy, so that a remat policy keeping it
         # (model.remat_offload=layer_input) replaces the input the layer scan would keep.
         # The activations are pinned to rows over the batch axes at every layer boundary
@@ -138,6 +144,9 @@ class DecoderLayer(nnx.Module):
         h_BTD = layer.attn_norm(x_BTD)
         if self.is_linear:
             h, cache = linear_attention.mix(layer.attn, h_BTD, positions_BT, cache, segments_BT)
+        elif self.sparse:
+            args = (h_BTD, positions_BT, cache, segments_BT, dsa)
+            h, cache, dsa = layer.attn.with_selection(*args)
         else:
             h, cache = layer.attn(h_BTD, positions_BT, cache, segments_BT)
         x_BTD = x_BTD + h
@@ -147,7 +156,7 @@ class DecoderLayer(nnx.Module):
         else:
             with jax.named_scope(MLP):
                 h, stats = layer.ffn(layer.ffn_norm(x_BTD)), None
-        return at_block_boundary(x_BTD + h), cache, stats
+        return at_block_boundary(x_BTD + h), cache, stats, dsa
 
 
 class Block(nnx.Module):
@@ -159,16 +168,21 @@ class Block(nnx.Module):
             [DecoderLayer(cfg, k + j, rngs=rngs) for j in range(cfg.layer_period)]
         )
 
-    def __call__(self, x_BTD, positions_BT, caches, n_groups: int, segments_BT, replays=None):
-        """`replays`: per layer, its replayed experts (None: its own routing, or dense)."""
+    def __call__(
+        self, x_BTD, positions_BT, caches, n_groups: int, segments_BT, replays=None, dsa=None
+    ):
+        """`replays`: per layer, its replayed experts (None: its own routing, or dense);
+        `dsa`: the DSA carry passed between layers (`DecoderLayer`)."""
         new_caches, all_stats = [], []
         for j, layer in enumerate(self.layers):
             cache = caches[j] if caches else None
             replay = replays[j] if replays else None
-            x_BTD, c, stats = layer(x_BTD, positions_BT, cache, n_groups, segments_BT, replay)
+            x_BTD, c, stats, dsa = layer(
+                x_BTD, positions_BT, cache, n_groups, segments_BT, replay, dsa
+            )
             new_caches.append(c)
             all_stats.append(stats)
-        return x_BTD, new_caches, all_stats
+        return x_BTD, new_caches, all_stats, dsa
 
 
 class Transformer(nnx.Module):
@@ -229,8 +243,8 @@ class Transformer(nnx.Module):
         def zeros(j: int, lead=()) -> dict:  # layer j's (or any layer's of its pattern)
             if cfg.is_linear(j):  # a window and a state, whatever max_len
                 return linear_attention.zeros_cache(cfg, (*lead, batch_size), dtype)
-            if cfg.attention.kind == "mla":
-                return latent_cache(cfg, (*lead, batch_size, max_len), dtype)
+            if cfg.attention.kind == "mla":  # DSA's indexer keys too, where j runs one
+                return mla_cache(cfg, j, (*lead, batch_size, max_len), dtype)
             window = cfg.attention.sliding_window if cfg.uses_window(j) else 0
             length = window if 0 < window < max_len else max_len
             shape = lead + (batch_size, length, cfg.attention.n_kv_heads, cfg.head_dim)
@@ -273,21 +287,23 @@ class Transformer(nnx.Module):
         if images is not None or image_mask is not None:
             x_BTD = self._insert_images(x_BTD, images, image_mask)
 
-        new_prefix_caches = []
+        new_prefix_caches, dsa = [], first_carry(self.cfg, B, T, cache)
         for i, layer in enumerate(getattr(self, "prefix", [])):  # dense: no stats
             c = cache["prefix"][i] if cache else None
-            x_BTD, c, _ = layer(x_BTD, positions, c, n_groups, segments)
+            x_BTD, c, _, dsa = layer(x_BTD, positions, c, n_groups, segments, None, dsa)
             new_prefix_caches.append(c)
         block_stats, new_block_caches = [], []
         if self.n_blocks:
-            x_BTD, new_block_caches, block_stats = self._run_blocks(
+            x_BTD, new_block_caches, block_stats, dsa = self._run_blocks(
                 x_BTD, positions, cache["blocks"] if cache else None, n_groups, segments,
-                replay["blocks"],
+                replay["blocks"], dsa,
             )  # fmt: skip
         tail_stats, new_tail_caches = [], []
         for i, layer in enumerate(self.tail):
             c = cache["tail"][i] if cache else None
-            x_BTD, c, stats = layer(x_BTD, positions, c, n_groups, segments, replay["tail"][i])
+            x_BTD, c, stats, dsa = layer(
+                x_BTD, positions, c, n_groups, segments, replay["tail"][i], dsa
+            )
             new_tail_caches.append(c)
             tail_stats.append(stats)
 
@@ -298,6 +314,9 @@ class Transformer(nnx.Module):
         aux = self._aux(block_stats, tail_stats)
         if "routes" not in aux:  # no MoE layer
             aux["routes"] = jnp.zeros((0, B, T, self.cfg.moe.top_k), jnp.int32)
+        if dsa is not None and "kl" in dsa:  # train.indexer_stage: the indexer layers' mean
+            n = sum(self.cfg.runs_indexer(i) for i in range(self.cfg.model.n_layers))
+            aux["indexer_loss"] = dsa["kl"] / n
         if cache is None:
             return logits_BTV, aux
         new_cache = {"blocks": new_block_caches, "tail": new_tail_caches}
@@ -344,32 +363,34 @@ class Transformer(nnx.Module):
         img_BTD = jnp.take_along_axis(img_BND, slot_BT[..., None], axis=1)
         return jnp.where(mask_BT[..., None], img_BTD, x_BTD)
 
-    def _run_blocks(self, x_BTD, positions_BT, caches, n_groups, segments_BT, replays):
+    def _run_blocks(self, x_BTD, positions_BT, caches, n_groups, segments_BT, replays, dsa):
         """Apply the stacked blocks; stats come back stacked [n_blocks, ...] per block layer.
-        `replays`: per block layer, its replayed experts stacked [n_blocks, B, T, K], or None."""
+        `replays`: per block layer, its replayed experts stacked [n_blocks, B, T, K], or None;
+        `dsa`: the DSA carry passed from layer to layer (`DecoderLayer`)."""
         graphdef, state = nnx.split(self.blocks)
 
-        def body(x, xs):
+        def body(carry, xs):
+            x, dsa = carry
             block_state, block_caches, replay = xs
             block = nnx.merge(graphdef, block_state)
-            x, new_caches, stats = block(
-                x, positions_BT, block_caches, n_groups, segments_BT, replay
+            x, new_caches, stats, dsa = block(
+                x, positions_BT, block_caches, n_groups, segments_BT, replay, dsa
             )
-            return x, (new_caches, stats)
+            return (x, dsa), (new_caches, stats)
 
         if self.cfg.model.scan_layers:
             if caches is None:  # a forward that may be differentiated: apply model.remat
                 m = self.cfg.model
                 body = remat(body, m.remat, m.remat_saved, m.remat_offloaded)
-            x_BTD, (new_caches, stats) = jax.lax.scan(body, x_BTD, (state, caches, replays))
-            return x_BTD, new_caches, stats
-        per_block = []
+            carry, (new_caches, stats) = jax.lax.scan(body, (x_BTD, dsa), (state, caches, replays))
+            return carry[0], new_caches, stats, carry[1]
+        per_block, carry = [], (x_BTD, dsa)
         for b in range(self.n_blocks):
             xs = jax.tree.map(lambda a, b=b: a[b], (state, caches, replays))
-            x_BTD, ys = body(x_BTD, xs)
+            carry, ys = body(carry, xs)
             per_block.append(ys)
         new_caches, stats = jax.tree.map(lambda *a: jnp.stack(a), *per_block)
-        return x_BTD, new_caches, stats
+        return carry[0], new_caches, stats, carry[1]
 
     def moe_layers(self) -> list[int]:
         """The MoE layers' indices in layer order: the order of aux["routes"] and `routes`."""

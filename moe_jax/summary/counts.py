@@ -273,6 +273,8 @@ def format_summary(cfg: Config, seq_len: int | None = None) -> str:
             f"{a.n_heads} MLA heads (qk {a.qk_nope_head_dim}+{a.qk_rope_head_dim}, v "
             f"{a.v_head_dim}, latent {a.kv_lora_rank}, q rank {a.q_lora_rank})"
         )
+    if a.index_topk:  # DeepSeek sparse attention
+        heads += f", DSA top-{a.index_topk} (indexer {a.index_n_heads} x {a.index_head_dim})"
     lines = [
         f"{m.n_layers} layers, d_model {m.d_model}, {heads}, {moe}, vocab {m.vocab_size}",
         f"{'component':<16}{'total':>12}{'active/token':>14}",

@@ -95,9 +95,10 @@ def lr_schedule(t: TrainConfig) -> optax.Schedule:
     return optax.join_schedules([warmup, main], [W])
 
 
-def decay_mask(params, decay_embeddings: bool, mtp: bool = True):
+def decay_mask(params, decay_embeddings: bool, mtp: bool = True, indexer_only: bool = False):
     """True for the params weight decay applies to: matmul weights (and the embedding if asked;
-    the MTP layers' unless `mtp` is False).
+    the MTP layers' unless `mtp` is False; the DSA indexers' alone with `indexer_only`, the
+    warm-up's, which trains nothing else).
 
     Relies on the model's naming contract: norm weights are named `scale`, biases end in
     `bias`, the token embedding is `embed.embedding`, the MTP layers are under `mtp`.
@@ -106,6 +107,8 @@ def decay_mask(params, decay_embeddings: bool, mtp: bool = True):
     def decays(path, _) -> bool:
         names = [str(k.key) for k in path if isinstance(k, jax.tree_util.DictKey)]
         if names[-1] == "scale" or names[-1].endswith("bias") or (not mtp and names[0] == "mtp"):
+            return False
+        if indexer_only and "indexer" not in names:
             return False
         return decay_embeddings or names[-2:] != ["embed", "embedding"]
 
@@ -156,7 +159,9 @@ def make_optimizer(
     updates (`rl.passes`), the LR advancing once a step; the MTP layers, whose loss GRPO
     leaves out, get no weight decay either, so they stay as they were."""
     grpo = t.objective == "grpo" and rl is not None
-    schedule, decays = lr_schedule(t), partial(decay_mask, decay_embeddings=t.decay_embeddings)
+    warmup = t.indexer_stage == "warmup"  # weight decay for the trained indexers alone
+    schedule = lr_schedule(t)
+    decays = partial(decay_mask, decay_embeddings=t.decay_embeddings, indexer_only=warmup)
     if grpo:
         per_step, every = schedule, rl.updates
         schedule = lambda count: per_step(count // every)
@@ -287,6 +292,7 @@ def loss_fn(
     if model.cfg.model.mtp_depth:
         mtp, aux, mtp_metrics = mtp_loss(model, x_BTD, batch, chunk, head_DV, aux, mtp_total)
     loss = (ce_sum + logit_z_loss * logit_z_sum) / denom + aux["aux_loss"] / n_micro + mtp
+    loss, indexer_metrics = with_indexer_loss(model.cfg.train, loss, aux, n_micro)
     metrics = {"ce_sum": ce_sum, "logit_z_sum": logit_z_sum, "n_targets": count}
     metrics |= {
         "ce": ce_sum / jnp.maximum(count, 1.0),
@@ -296,7 +302,20 @@ def loss_fn(
     if "seq_lb_loss" in aux:  # moe.seq_aux_loss_weight > 0: the sum over MoE layers
         metrics["seq_lb_loss"] = aux["seq_lb_loss"]
     metrics |= {k: aux[k] for k in LAYER_FRACTIONS}
-    return loss, metrics | mtp_metrics
+    return loss, metrics | mtp_metrics | indexer_metrics
+
+
+def with_indexer_loss(t, loss, aux: dict, n_micro: int):
+    """`loss` with DSA's indexer loss (train.indexer_stage; the model's "indexer_loss", each
+    indexer layer's KL averaged) at train.indexer_loss_weight, and its metric. The warm-up
+    trains the indexer alone: the rest of the loss is there for its value, not its
+    gradient (weight decay spares the rest too: `decay_mask`)."""
+    if "indexer_loss" not in aux:
+        return loss, {}
+    if t.indexer_stage == "warmup":
+        loss = jax.lax.stop_gradient(loss)
+    loss = loss + t.indexer_loss_weight * aux["indexer_loss"] / n_micro
+    return loss, {"indexer_loss": aux["indexer_loss"]}
 
 
 def compute_grads(params, graphdef: nnx.GraphDef, batch: Batch, t: TrainConfig):

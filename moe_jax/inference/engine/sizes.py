@@ -24,4 +24,10 @@ def model_problem(cfg) -> str | None:
             f"attention layers (attention.linear={cfg.attention.linear}: Qwen3-Next, "
             "Qwen3.5); sample these models with the Sampler (sample.py) instead"
         )
+    if cfg.attention.index_topk > 0:  # the indexer's keys and selections, not pages yet
+        return (
+            "the engine's paged cache holds keys and values, not DeepSeek sparse attention's "
+            f"indexer keys (attention.index_topk={cfg.attention.index_topk}: DeepSeek-V3.2, "
+            "GLM-5); sample these models with the Sampler (sample.py) instead"
+        )
     return None
