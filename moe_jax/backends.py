@@ -103,14 +103,14 @@ GROUPED_EXCHANGE = ("ragged", "mosaic")  # the grouped impls whose rows go by th
 # "partitioner" leaves both to XLA; "steps" gathers inside a shard_map one batch axis at a time, so
 # the gradients leave as reduce-scatters over one axis each. libtpu turns a collective over
 # the whole 64-chip torus of v5p-128 into an all-reduce (the gathers of a zero-padded buffer,
-# the gradients whole), where one over 8 chips stays what it is (benchmarks/README.md).
+# the gradients whole), where one over 8 chips stays what it is (benchmarks/results/aot.md).
 WEIGHT_GATHER = {"cpu": "partitioner", "gpu": "partitioner", "tpu": "steps"}
 WEIGHT_GATHERS = ("auto", "partitioner", "steps")
 # With the steps, the most devices one gather or reduce-scatter spans (mesh.gather_group; 0 =
 # a whole axis): a longer batch axis is gathered in steps of at most this many, within groups
 # of consecutive devices and then across the groups. On v5p-128 a single fsdp axis of 64
 # spans the whole torus, which libtpu again turns into all-reduces; two steps of 8 stay
-# reduce-scatters (benchmarks/README.md).
+# reduce-scatters (benchmarks/results/aot.md).
 GATHER_GROUP = {"cpu": 0, "gpu": 0, "tpu": 8}
 
 

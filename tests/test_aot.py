@@ -174,7 +174,7 @@ def test_attention_weights_gathered_by_steps_compile_for_tpu(monkeypatch):
     assert r["collectives"]["reduce-scatter"]["count"] > 0
     # the weights' floor (moe_jax.aot.collectives) is reported, and every weight is gathered (at
     # these tiny sizes libtpu all-reduces some gradients: the full-size figures are in
-    # benchmarks/README.md)
+    # benchmarks/results/aot.md)
     floor = r["weight_collectives_floor"]
     assert 0 < floor["all-gather"] <= r["collectives"]["all-gather"]["bytes"]
 

@@ -29,7 +29,7 @@ n_experts of the expert weights instead of all of them; with more it runs the [E
 buffers, which read every expert once (B * top_k >= E assignments touch most experts anyway).
 The price of no drops is in the prefill: its buffers hold C = all B * T tokens per expert, so
 the prefill computes every expert on every token (n_experts / top_k times the routed work).
-benchmarks/decode.py and benchmarks/README.md show both costs.
+benchmarks/decode.py, benchmarks/results/decode.md and aot.md ("Sampling") show both costs.
 
 Decode speed is bound by reading the weights, so nothing in the loop may copy them: layers run
 unrolled here whatever `model.scan_layers` says, and the stacked layer blocks are split once

@@ -155,7 +155,7 @@ def _gathered_weight(a, name, *, specs, ax: Axes, fs_plan, dtype, window=False):
     if window:
         # On v5p-128 at fsdp 64 libtpu turned the last reduce-scatter of a window's gradient,
         # along its minor dim (to a 224-wide shard), into an all-reduce. (The whole layer's
-        # weights, gathered on a leading axis, went the other way round: benchmarks/README.md.)
+        # weights, gathered on a leading axis, went the other way round: benchmarks/results/aot.md.)
         return weight_gather.gather_leading(a, fs_plan, axis)
     return weight_gather.gather(a, fs_plan, axis)
 

@@ -9,8 +9,8 @@ Sampling a checkpoint's bf16 weights on CPU (`sample.weights=bfloat16`) computes
 matmul (a bf16 dot converts both operands to float32), nor bf16 gathers and dynamic slices
 (float normalization turns them into ones of a float32 copy of the whole array). Left to XLA,
 those float32 copies were alive together: Qwen3-30B-A3B's width cut to one layer (2.32 GiB
-of bf16 weights) compiled to a sampler with 4.78 GiB of temporaries (benchmarks/README.md),
-for three reasons:
+of bf16 weights) compiled to a sampler with 4.78 GiB of temporaries
+(benchmarks/results/hf_memory.md), for three reasons:
 - the decode loop's invariant code motion hoists every conversion out of the loop, so a float32
   copy of each weight lives as long as the loop (an optimization barrier does not stop it:
   XLA:CPU removes barriers before it hoists);

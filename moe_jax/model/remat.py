@@ -12,7 +12,7 @@ Offloading trades device memory for host<->device copies that XLA overlaps with 
 TPU and GPU (MaxText's v6e recipe offloads `layer_input,qkv_proj,out_proj`). On TPU (libtpu
 0.0.42) the layer input's offload saves device memory with `moe.row_chunks` (Mixtral on
 v6e-256, 12 x 4096 per chip: peak 22.99 -> 14.04 GiB) and costs it without, and the
-attention projections' costs it at full depth (benchmarks/README.md). On CPU host memory is
+attention projections' costs it at full depth (benchmarks/results/aot.md). On CPU host memory is
 the device's memory: it computes the same values and saves nothing.
 
 An offloaded `layer_input` replaces the block input the scan would otherwise keep on device:

@@ -144,7 +144,7 @@ def route_group(
         # No expert can take more than the group's b * T tokens (a token's top-k are
         # distinct), so every routed assignment is kept. Said without the slots' sort and
         # scatters, a program that reads `keep` alone (decoding's picked experts) drops them:
-        # ~4 of a decode step's ~28 kernels a layer on a GPU (benchmarks/README.md).
+        # ~4 of a decode step's ~28 kernels a layer on a GPU (benchmarks/results/gpu.md).
         keep_bTK = jnp.ones(experts_bTK.shape, bool)
         if valid_bT is not None:
             keep_bTK = keep_bTK & valid_bT[..., None]

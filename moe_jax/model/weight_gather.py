@@ -5,7 +5,7 @@ These weights are split over every batch axis on their model dim (ZeRO-3,
 all of those axes at once and its gradient reduced over all of them at once; on v5p-128's
 fsdp 8 x expert 8 libtpu turns such collectives over the whole 64-chip torus into
 all-reduces (a zero-padded buffer summed to gather, the whole gradient summed then sliced),
-where collectives over 8 chips stay what they are (benchmarks/README.md). With
+where collectives over 8 chips stay what they are (benchmarks/results/aot.md). With
 `mesh.weight_gather=steps` (TPU's auto, `backends.WEIGHT_GATHER`) the matmul runs inside a
 `shard_map` over each device's rows that gathers its weight over `expert`, then over `fsdp`,
 in the compute dtype: two all-gathers of 8, and for the gradient their transposes, two
@@ -73,7 +73,7 @@ def steps(axes: tuple[str, ...], mesh) -> tuple[tuple[str, list | None], ...]:
     order, so its first reduce-scatters divide the dim by the groups' size and the rest's
     comes last: libtpu (0.0.42) made a reduce-scatter along a weight's minor dim whose result
     is an odd multiple of 128 elements into an all-reduce, and Llama 4's 5120-wide model dim
-    after fsdp 4 then a step of 2 was 640 such (benchmarks/README.md)."""
+    after fsdp 4 then a step of 2 was 640 such (benchmarks/results/aot.md)."""
     group, out = _mode.get()[1], []
     for ax in axes:
         n = mesh.shape[ax]
@@ -192,7 +192,7 @@ def rows_einsum(subscripts: str, x_B, w) -> jax.Array:
 # The most bytes of the embedding or the head one gather makes whole: libtpu (0.0.42) turned
 # the reduce-scatters of Llama 4's 1.93 GiB head gradient and Qwen3's 0.58 into all-reduces
 # (v5p-128, fsdp 4 x expert 16), where blocks of the vocabulary of 0.24 GiB each, like the
-# whole of Mixtral's head, stay reduce-scatters (benchmarks/README.md).
+# whole of Mixtral's head, stay reduce-scatters (benchmarks/results/aot.md).
 TABLE_BLOCK_BYTES = 256 * 2**20
 
 
