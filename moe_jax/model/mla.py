@@ -89,6 +89,7 @@ class MLAttention(nnx.Module):
         self.scale = (N + P) ** -0.5 * rope_softmax_factor(a.rope_scaling)
         self.impl = a.impl  # resolved for the target backend when traced (`backends.choose`)
         self.context_strategy = cfg.mesh.context_strategy  # under a context axis
+        self.max_logit = bool(cfg.train.qk_clip)  # QK-clip's statistic (`logit_stats`)
 
         heads = ("latent", "heads", "head_dim")  # the latent dim split over fsdp (ZeRO)
         if rank_q > 0:
@@ -129,7 +130,9 @@ class MLAttention(nnx.Module):
         positions_BT: jax.Array,
         cache: KVCache | None = None,
         segments_BT: jax.Array | None = None,
+        logit_stats: dict | None = None,
     ) -> tuple[jax.Array, KVCache | None]:
+        """`logit_stats`: as `Attention`'s (each head's logit q_nope . k_nope + q_pe . k_pe)."""
         check_cache_inputs(cache, segments_BT)
         q_BTHQ, kv_BTL = checkpoint_name(
             (self._query(x_BTD), self._latent(x_BTD)),
@@ -144,7 +147,7 @@ class MLAttention(nnx.Module):
         k_pe_BT1P = rope(kv_BTL[:, :, None, R:])
         if cache is None:
             out_BTHV = self._expanded(
-                q_nope_BTHN, q_pe_BTHP, c_BTR, k_pe_BT1P, positions_BT, segments_BT
+                q_nope_BTHN, q_pe_BTHP, c_BTR, k_pe_BT1P, positions_BT, segments_BT, logit_stats
             )
         else:
             out_BTHV, cache = self._absorbed(
@@ -154,9 +157,12 @@ class MLAttention(nnx.Module):
         y_BTD = y_BTD + lora.delta(self, "wo", out_BTHV, "bthv,hvd->btd", self.dtype)
         return checkpoint_name(y_BTD, "out_proj"), cache
 
-    def _expanded(self, q_nope_BTHN, q_pe_BTHP, c_BTR, k_pe_BT1P, positions_BT, segments_BT):
+    def _expanded(
+        self, q_nope_BTHN, q_pe_BTHP, c_BTR, k_pe_BT1P, positions_BT, segments_BT, stats=None
+    ):
         """Self-attention over the call's tokens with every head's keys and values expanded
-        (under a context axis from the latent each shard gathers: `context_parallel`)."""
+        (under a context axis from the latent each shard gathers: `context_parallel`).
+        QK-clip's statistic into `stats` through the blocked path (as `Attention._blocked`)."""
         B, T, H, P = q_pe_BTHP.shape
         if context_parallel.active(T):
             q_BTHQ = jnp.concatenate([q_nope_BTHN, q_pe_BTHP], axis=-1)
@@ -170,6 +176,12 @@ class MLAttention(nnx.Module):
         k_pe_BTHP = jnp.broadcast_to(k_pe_BT1P, (B, T, H, P))
         q_BTHQ = jnp.concatenate([q_nope_BTHN, q_pe_BTHP], axis=-1)
         k_BTHQ = jnp.concatenate([k_nope_BTHN, k_pe_BTHP], axis=-1)
+        if self.max_logit and stats is not None:
+            args = (q_BTHQ, k_BTHQ, v_BTHV, positions_BT, segments_BT)
+            out_BTHV, stats["max_logit"] = blocked_self_attention(
+                *args, scale=self.scale, with_max=True
+            )
+            return out_BTHV
         return self._self_attention(q_BTHQ, k_BTHQ, v_BTHV, positions_BT, segments_BT)
 
     def _self_attention(self, q_BTHQ, k_BTHQ, v_BTHV, positions_BT, segments_BT) -> jax.Array:

@@ -109,7 +109,8 @@ class DecoderLayer(nnx.Module):
     def __call__(
         self, x_BTD, positions_BT, cache: KVCache | None, n_groups: int, segments_BT, replay=None
     ):
-        """-> (x_BTD, cache, stats: the MoE's, None for a dense FFN). `replay` [B, T, K]:
+        """-> (x_BTD, cache, stats: the MoE's, None for a dense FFN; with train.qk_clip
+        also the attention's "max_logit" [H] in a training forward). `replay` [B, T, K]:
         routing replay's experts for an MoE layer (`MoE.__call__`)."""
         if cache is not None or self.remat[0] == "none":
             return self._forward(x_BTD, positions_BT, cache, n_groups, segments_BT, replay)
@@ -136,10 +137,11 @@ class DecoderLayer(nnx.Module):
         x_BTD = checkpoint_name(at_block_boundary(x_BTD), "layer_input")
         layer = after(x_BTD, self)  # int8 weights are dequantised in this layer's turn
         h_BTD = layer.attn_norm(x_BTD)
+        logit_stats = {}  # QK-clip's per-head max logit, when the attention takes it
         if self.is_linear:
             h, cache = linear_attention.mix(layer.attn, h_BTD, positions_BT, cache, segments_BT)
         else:
-            h, cache = layer.attn(h_BTD, positions_BT, cache, segments_BT)
+            h, cache = layer.attn(h_BTD, positions_BT, cache, segments_BT, logit_stats)
         x_BTD = x_BTD + h
         if self.is_moe:
             valid_BT = None if segments_BT is None else segments_BT != 0
@@ -147,6 +149,8 @@ class DecoderLayer(nnx.Module):
         else:
             with jax.named_scope(MLP):
                 h, stats = layer.ffn(layer.ffn_norm(x_BTD)), None
+        if logit_stats:
+            stats = (stats or {}) | logit_stats
         return at_block_boundary(x_BTD + h), cache, stats
 
 
@@ -273,11 +277,12 @@ class Transformer(nnx.Module):
         if images is not None or image_mask is not None:
             x_BTD = self._insert_images(x_BTD, images, image_mask)
 
-        new_prefix_caches = []
-        for i, layer in enumerate(getattr(self, "prefix", [])):  # dense: no stats
+        new_prefix_caches, prefix_stats = [], []
+        for i, layer in enumerate(getattr(self, "prefix", [])):  # dense: no MoE stats
             c = cache["prefix"][i] if cache else None
-            x_BTD, c, _ = layer(x_BTD, positions, c, n_groups, segments)
+            x_BTD, c, stats = layer(x_BTD, positions, c, n_groups, segments)
             new_prefix_caches.append(c)
+            prefix_stats.append(stats)
         block_stats, new_block_caches = [], []
         if self.n_blocks:
             x_BTD, new_block_caches, block_stats = self._run_blocks(
@@ -295,7 +300,12 @@ class Transformer(nnx.Module):
             x_BTD = jnp.take_along_axis(x_BTD, logits_at[:, None, None], axis=1)
         # head=False: the last layer's output [B, T, D] instead, for `logits` in chunks
         logits_BTV = self.logits(x_BTD) if head else x_BTD
+        block_stats, tail_stats, max_logit_LH = self._max_logits(
+            prefix_stats, block_stats, tail_stats
+        )
         aux = self._aux(block_stats, tail_stats)
+        if max_logit_LH is not None:  # train.qk_clip: [n_layers, H], in layer order
+            aux["max_logit"] = max_logit_LH
         if "routes" not in aux:  # no MoE layer
             aux["routes"] = jnp.zeros((0, B, T, self.cfg.moe.top_k), jnp.int32)
         if cache is None:
@@ -396,6 +406,24 @@ class Transformer(nnx.Module):
             "blocks": blocks,
             "tail": [routes_LBTK[order[i]] if i in order else None for i in tail],
         }
+
+    def _max_logits(self, prefix_stats: list, block_stats: list, tail_stats: list):
+        """-> (block_stats, tail_stats without "max_logit", the layers' max logits [n_layers,
+        H] in layer order, or None where no layer took them: without train.qk_clip)."""
+        P, k = self.cfg.layer_period, self.cfg.moe.first_dense_layers
+        found = {i: s["max_logit"] for i, s in enumerate(prefix_stats) if s}
+        strip = lambda s: {n: v for n, v in s.items() if n != "max_logit"} or None
+        for j, stats in enumerate(block_stats):
+            if stats and "max_logit" in stats:
+                found |= {k + b * P + j: stats["max_logit"][b] for b in range(self.n_blocks)}
+        for j, stats in enumerate(tail_stats):
+            if stats and "max_logit" in stats:
+                found[k + self.n_blocks * P + j] = stats["max_logit"]
+        if not found:
+            return block_stats, tail_stats, None
+        block_stats = [strip(s) if s else s for s in block_stats]
+        tail_stats = [strip(s) if s else s for s in tail_stats]
+        return block_stats, tail_stats, jnp.stack([found[i] for i in sorted(found)])
 
     def _aux(self, block_stats: list, tail_stats: list) -> dict:
         """Per-MoE-layer stats in layer order, and the mean aux losses; "routes" [n_moe_layers,
