@@ -168,7 +168,7 @@ def make_optimizer(
         schedule, b1=t.b1, b2=t.b2, eps=t.eps, weight_decay=t.weight_decay, mask=decays
     )
     if t.optimizer == "muon":  # Muon on the matmul weights, this AdamW on the rest
-        adamw = muon.muon(t, schedule, adamw)
+        adamw = muon.muon(t, schedule, adamw, decays)
     if t.moments_dtype != "float32":
         adamw = stored_in(adamw, jnp.dtype(t.moments_dtype))
     # with LoRA adapters in the params, state for them alone (moe_jax/posttrain/lora.py)
