@@ -24,6 +24,7 @@ from moe_jax.config import ConfigError
 from moe_jax.inference.load import load_run
 from moe_jax.model.attention import Attention
 from moe_jax.observe.writers import read_metrics
+from moe_jax.run.layout import RunError
 from moe_jax.sharding import batch_sharding, make_mesh
 from moe_jax.train import muon, qk_clip
 from moe_jax.train.loop import train
@@ -339,7 +340,7 @@ def test_muon_with_qk_clip_resumes_exactly(tmp_path):
     """A 4-step run with Muon and QK-clip, and a copy of it resumed from its step-2 checkpoint
     to 4 (the checkpoint a run stopped at 2 would have saved): the same compiled step on the
     same inputs, so bit-identical params only if Muon's momenta came back. The metrics hold
-    each layer's max logit and the heads clipped."""
+    each layer's max logit and the heads clipped. Resuming it with AdamW is refused."""
     overrides = [*TINY, *GQA[:4], *MUON, "train.qk_clip=0.02", "checkpoint.every=2"]
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     train(tiny_config(*overrides, f"run_dir={straight}"), stop_at=4)
@@ -351,6 +352,9 @@ def test_muon_with_qk_clip_resumes_exactly(tmp_path):
     records = [r for r in read_metrics(straight) if r["kind"] == "train"]
     assert [len(r["max_logit"]) for r in records] == [2] * 4
     assert sum(r["qk_clipped"] for r in records) > 0
+    # AdamW cannot continue Muon's state: refused by name, before anything is written
+    with pytest.raises(RunError, match=r"was trained with train.optimizer=muon, whose state"):
+        train(tiny_config(*overrides, "train.optimizer=adamw", f"run_dir={resumed}"), stop_at=5)
 
 
 # ----------------------------------------------------------------------------- config

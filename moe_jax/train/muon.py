@@ -150,8 +150,9 @@ def labels(params):
 def muon(t, schedule: optax.Schedule, adamw: optax.GradientTransformation, decays=None):
     """Muon on the matmul weights (module doc) with train.muon_momentum, muon_ns_steps,
     muon_rms, weight_decay (where `decays`, make_optimizer's decay mask, says: GRPO's leaves
-    the MTP layers out) and the LR `schedule`; `adamw` (make_optimizer's) on the rest. The state: optax.partition's, {"adamw": AdamW's moments of its leaves,
-    "muon": the momentum of the Muon weights}, each leaf laid out like its param."""
+    the MTP layers out) and the LR `schedule`; `adamw` (make_optimizer's) on the rest. The
+    state: optax.partition's, {"adamw": AdamW's moments of its leaves, "muon": the momentum
+    of the Muon weights}, each leaf laid out like its param."""
     muon_tx = optax.chain(
         optax.trace(t.muon_momentum, nesterov=True),
         orthogonalize_updates(t.muon_ns_steps, t.muon_rms),
