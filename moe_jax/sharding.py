@@ -323,6 +323,8 @@ def state_shardings(tree, mesh: Mesh, rules=LOGICAL_RULES):
             axes = x.get_metadata().get("out_sharding")
             spec = logical_to_spec(tuple(axes), rules) if axes else P()
             value = x.get_raw_value()
+            if not jax.tree.leaves(value):  # no array: a param whose state another transform
+                return x  # of optax.partition keeps (Muon's / AdamW's), an empty MaskedNode
             if isinstance(value, dict):  # a quantised weight's arrays (moe_jax.model.int8)
                 specs = x.raw_specs(spec, value)
                 return x.replace({k: NamedSharding(mesh, specs[k]) for k in value})

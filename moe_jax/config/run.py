@@ -23,6 +23,7 @@ WEIGHT_KINDS = ("auto", "float32", "bfloat16", "int8", "mxfp4")  # sample.weight
 # data.sft (moe_jax/data/sft.py; preference: DPO's pairs, moe_jax/data/preference.py)
 SFT_FORMATS = ("none", "prompt_completion", "chat", "preference", "prompts")  # prompts: GRPO's
 DPO_LOSSES = ("sigmoid", "ipo", "simpo")  # train.dpo_loss (dpo.py)
+OPTIMIZERS = ("adamw", "muon")  # train.optimizer (train/step.py, train/muon.py)
 OBJECTIVES = (
     "lm",
     "dpo",
@@ -180,6 +181,18 @@ class TrainConfig:
     b2: float = 0.95  # Adam's second-moment decay
     eps: float = 1e-8  # Adam's epsilon
     clip_norm: float = 1.0  # gradient clipping by global norm; 0 = off
+    # adamw | muon: Muon (moe_jax/train/muon.py) on the matmul weights, each expert's and
+    # layer's matrix apart, with Nesterov momentum muon_momentum, muon_ns_steps Newton-Schulz
+    # steps and its update scaled to RMS muon_rms (Moonlight's 0.2: AdamW's train.lr and
+    # weight_decay carry over); AdamW (b1, b2, eps) on the embedding, head, norms, biases, router
+    optimizer: str = "adamw"
+    muon_momentum: float = 0.95  # see optimizer
+    muon_ns_steps: int = 5  # see optimizer
+    muon_rms: float = 0.2  # see optimizer
+    # MuonClip's QK-clip threshold tau (moe_jax/train/qk_clip.py; Kimi K2: 100): after each
+    # step, each attention head whose largest pre-softmax logit over the batch exceeded tau
+    # has its query and key projections scaled down to bring it to tau. 0 or null = off.
+    qk_clip: float | None = None
     # dtype the Adam moments are stored in (float32 | bfloat16); the update is computed in
     # float32 either way. bfloat16 saves 4 of the 12 bytes per parameter of the train state.
     moments_dtype: str = "float32"
@@ -303,6 +316,22 @@ class TrainConfig:
         for n in ("b1", "b2"):
             require(0.0 <= getattr(self, n) < 1.0, f"train.{n} must be within [0, 1)")
         positive(self, "train", ["eps"])
+        self._check_optimizer()
+
+    def _check_optimizer(self) -> None:
+        """train.optimizer, Muon's settings and the QK-clip threshold."""
+        one_of(self.optimizer, OPTIMIZERS, "train.optimizer")
+        require(
+            0.0 <= self.muon_momentum < 1.0,
+            f"train.muon_momentum must be within [0, 1) (Moonlight: 0.95), got "
+            f"{self.muon_momentum}",
+        )
+        positive(self, "train", ["muon_ns_steps", "muon_rms"])
+        require(
+            self.qk_clip is None or self.qk_clip >= 0,
+            f"train.qk_clip must be >= 0 (a max-logit threshold, Kimi K2: 100; 0 = off), got "
+            f"{self.qk_clip}",
+        )
 
     def _check_observers(self) -> None:
         """The trackers, the profile window and the progress interval."""

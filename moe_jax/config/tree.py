@@ -156,6 +156,7 @@ def _check_across_sections(cfg: Config) -> None:
     if a.index_topk > 0:
         _check_index_sharing(cfg)
     _check_indexer_training(cfg)
+    _check_muon(cfg)
     if cfg.mesh.context > 1:  # -1 is checked once resolved (sharding.mesh_shape)
         check_context(cfg, cfg.mesh.context)
 
@@ -236,6 +237,38 @@ def _check_indexer_training(cfg: Config) -> None:
         t.indexer_stage != "warmup" or cfg.lora.rank == 0,
         "train.indexer_stage=warmup trains the indexer alone; set lora.rank=0",
     )
+
+
+def _check_muon(cfg: Config) -> None:
+    """train.optimizer=muon trains full matrices, and train.qk_clip rescales the query and key
+    projections of GQA and MLA layers (train/muon.py, train/qk_clip.py): what neither covers
+    is refused by name."""
+    t, a, m = cfg.train, cfg.attention, cfg.model
+    require(
+        t.optimizer != "muon" or cfg.lora.rank == 0,
+        "train.optimizer=muon orthogonalises whole weight matrices, not LoRA's rank-r adapters; "
+        "set train.optimizer=adamw for LoRA (or lora.rank=0 for a full fine-tune with Muon)",
+    )
+    if not t.qk_clip:
+        return
+    unsupported = [
+        (a.qk_norm != "none", f"attention.qk_norm={a.qk_norm} (the norm undoes a scaled "
+         "projection; QK-norm already bounds the logits)", "attention.qk_norm=none"),
+        (a.linear != "none", f"attention.linear={a.linear} (linear layers have no softmax "
+         "logits)", "attention.linear=none"),
+        (a.impl not in ("auto", "blocked"), f"attention.impl={a.impl} (the max logit comes "
+         "from the blocked kernel)", "attention.impl=blocked"),
+        (cfg.mesh.context > 1 or cfg.mesh.context == -1, "mesh.context > 1 (its attention "
+         "returns no max logit)", "mesh.context=1"),
+        (m.mtp_depth > 0, "model.mtp_depth > 0 (the MTP layers' attention is not clipped)",
+         "model.mtp_depth=0"),
+        (a.index_topk > 0, "attention.index_topk > 0 (DeepSeek sparse attention's layers "
+         "return no max logit)", "attention.index_topk=0"),
+        (t.objective != "lm", f"train.objective={t.objective}", "train.objective=lm"),
+        (cfg.lora.rank > 0, "lora.rank > 0 (the base's projections are frozen)", "lora.rank=0"),
+    ]  # fmt: skip
+    for bad, what, fix in unsupported:
+        require(not bad, f"train.qk_clip does not support {what}; set {fix} or train.qk_clip=0")
 
 
 def lora_groups(cfg: Config) -> tuple[str, ...]:

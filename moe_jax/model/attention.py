@@ -44,7 +44,12 @@ from jax.ad_checkpoint import checkpoint_name
 from moe_jax import backends
 from moe_jax.config import Config
 from moe_jax.model import attention_kernels, context_parallel, lora, weight_gather
-from moe_jax.model.attention_core import ATTENTION_OUT, attention_mask, block_attention
+from moe_jax.model.attention_core import (
+    ATTENTION_OUT,
+    attention_mask,
+    block_attention,
+    block_attention_max,
+)
 from moe_jax.model.kv_cache import KVCache, check_cache_inputs, ring_keys, write_cache, write_ring
 from moe_jax.model.norm import RMSNorm, rms_norm
 from moe_jax.model.paged_kv import is_paged, paged_keys
@@ -143,6 +148,7 @@ class Attention(nnx.Module):
         self.window = a.sliding_window if cfg.uses_window(layer) else 0
         self.impl = a.impl  # resolved for the target backend when traced (`backends.choose`)
         self.context_strategy = cfg.mesh.context_strategy  # under a context axis
+        self.max_logit = bool(cfg.train.qk_clip)  # QK-clip's statistic (`logit_stats`)
 
         self.wq = param(rngs, init, (D, H, hd), ("embed", "heads", "head_dim"))
         self.wk = param(rngs, init, (D, K, hd), ("embed", "kv_heads", "head_dim"))
@@ -185,7 +191,10 @@ class Attention(nnx.Module):
         positions_BT: jax.Array,
         cache: KVCache | None = None,
         segments_BT: jax.Array | None = None,
+        logit_stats: dict | None = None,
     ) -> tuple[jax.Array, KVCache | None]:
+        """`logit_stats`: with train.qk_clip, a training forward (no cache) puts each head's
+        largest pre-softmax logit over the batch in it, "max_logit" [H] (float32)."""
         check_cache_inputs(cache, segments_BT)
         q_BTHD, k_BTKD, v_BTKD = checkpoint_name(
             (self._project(x_BTD, "q"), self._project(x_BTD, "k"), self._project(x_BTD, "v")),
@@ -206,7 +215,10 @@ class Attention(nnx.Module):
             scale_BT = temperature_scale(positions_BT, self.floor_scale, self.attn_scale)
             q_BTHD = (q_BTHD * scale_BT[:, :, None, None]).astype(q_BTHD.dtype)
 
-        if cache is None:
+        if cache is None and self.max_logit and logit_stats is not None:
+            args = (q_BTHD, k_BTKD, v_BTKD, positions_BT, segments_BT)
+            out_BTHD, logit_stats["max_logit"] = self._blocked(*args, with_max=True)
+        elif cache is None:
             out_BTHD = self._self_attention(q_BTHD, k_BTKD, v_BTKD, positions_BT, segments_BT)
         else:
             out_BTHD, cache = self._cached(q_BTHD, k_BTKD, v_BTKD, positions_BT, cache)
@@ -291,11 +303,13 @@ class Attention(nnx.Module):
             segments=segments,
         )
 
-    def _blocked(self, q_BTHD, k_BTKD, v_BTKD, positions_BT, segments_BT=None) -> jax.Array:
-        """`blocked_self_attention` with this layer's scale, masks and sinks."""
+    def _blocked(self, q_BTHD, k_BTKD, v_BTKD, positions_BT, segments_BT=None, with_max=False):
+        """`blocked_self_attention` with this layer's scale, masks and sinks. `with_max`: the
+        path QK-clip takes whatever attention.impl resolves to (the fused kernels keep their
+        logits to themselves), under no context axis (both refused with it by the config)."""
         masks = dict(window=self.window, chunk_size=self.chunk_size, sinks_KG=self._sinks_KG())
         args = (q_BTHD, k_BTKD, v_BTKD, positions_BT, segments_BT)
-        return blocked_self_attention(*args, scale=self.head_dim**-0.5, **masks)
+        return blocked_self_attention(*args, scale=self.head_dim**-0.5, with_max=with_max, **masks)
 
 
 def blocked_self_attention(
@@ -310,11 +324,14 @@ def blocked_self_attention(
     chunk_size=0,
     sinks_KG=None,
     keep_BTS=None,
-) -> jax.Array:
+    with_max=False,
+):
     """Self-attention over the call's own tokens, one query block at a time: q scaled by
     `scale`, masked as `attention_mask` masks with `window` and `chunk_size`, and by
     `keep_BTS` [B, T, T] where given (DSA's selection), `sinks_KG` as `block_attention`
     takes them. The values' head dim may differ from q's and k's (MLA's).
+    `with_max`: -> (out, max_H), also each head's largest logit over the batch (float32,
+    `block_attention_max`: QK-clip's statistic, from the logits computed anyway).
 
     q, k and v are cut into the query blocks' chunks with one `lax.split` each, and a block
     attends to the concatenation of the key chunks it can see (from the chunk holding its
@@ -337,7 +354,7 @@ def blocked_self_attention(
         parts[last] if first == last else jnp.concatenate(parts[first : last + 1], axis=1)
     )
     heads_first = lambda a: a.transpose(0, 2, 1, 3)  # [B, S, K, hd] -> [B, K, S, hd]
-    outs = []
+    outs, maxes_H = [], []
     for i, (q_lo, q_hi, k_lo, _) in enumerate(blocks):
         first = k_lo // sizes[0]  # every chunk but the last has sizes[0] positions
         Tq = sizes[i]
@@ -352,13 +369,13 @@ def blocked_self_attention(
         )
         if keep_BTS is not None:
             mask_BTS &= keep_BTS[:, q_lo:q_hi, first * sizes[0] : q_hi]
-        out_BKMD = block_attention(
-            q_BKMD,
-            heads_first(seen(k_parts, first, i)),
-            heads_first(seen(v_parts, first, i)),
-            mask_BTS,
-            sinks_KG,
-        )
+        args = (q_BKMD, heads_first(seen(k_parts, first, i)), heads_first(seen(v_parts, first, i)))
+        if with_max:  # row m of M = G * T is head k G + m // T (see the reshape below)
+            out_BKMD, row_max_BKM = block_attention_max(*args, mask_BTS, sinks_KG)
+            maxes_H.append(jnp.max(row_max_BKM.reshape(B, H, Tq), axis=(0, 2)))
+        else:
+            out_BKMD = block_attention(*args, mask_BTS, sinks_KG)
         outs.append(out_BKMD.reshape(B, K, H // K, Tq, hv).transpose(0, 3, 1, 2, 4))
     out_BTKGD = outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=1)
-    return out_BTKGD.reshape(B, T, H, hv)
+    out_BTHD = out_BTKGD.reshape(B, T, H, hv)
+    return (out_BTHD, jnp.max(jnp.stack(maxes_H), axis=0)) if with_max else out_BTHD

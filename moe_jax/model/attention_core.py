@@ -78,9 +78,15 @@ def block_attention(q_BKMD, k_BKSD, v_BKSD, mask_BTS, sinks_KG=None) -> jax.Arra
 
 
 def _block_attention_fwd(q_BKMD, k_BKSD, v_BKSD, mask_BTS, sinks_KG=None):
+    out_BKMD, _, residuals = _forward(q_BKMD, k_BKSD, v_BKSD, mask_BTS, sinks_KG)
+    return out_BKMD, residuals
+
+
+def _forward(q_BKMD, k_BKSD, v_BKSD, mask_BTS, sinks_KG=None):
+    """-> (out, each row's largest logit [B, K, M] (sinks aside), the backward's residuals)."""
     logits_BKMS = _masked_logits(q_BKMD, k_BKSD, mask_BTS)
     # The max only keeps exp() in range; the softmax does not depend on it.
-    max_BKM = jnp.max(logits_BKMS, axis=-1)
+    row_max_BKM = max_BKM = jnp.max(logits_BKMS, axis=-1)
     if sinks_KG is not None:
         sink_KM = _row_sinks(sinks_KG, mask_BTS.shape[1])
         max_BKM = jnp.maximum(max_BKM, sink_KM)
@@ -98,7 +104,8 @@ def _block_attention_fwd(q_BKMD, k_BKSD, v_BKSD, mask_BTS, sinks_KG=None):
     out_BKMD = (out_BKMD / denom_BKM[..., None]).astype(q_BKMD.dtype)
     lse_BKM = max_BKM + jnp.log(denom_BKM)
     out_BKMD, lse_BKM = checkpoint_name((out_BKMD, lse_BKM), ATTENTION_OUT)
-    return out_BKMD, (q_BKMD, k_BKSD, v_BKSD, mask_BTS, sinks_KG, out_BKMD, lse_BKM)
+    residuals = (q_BKMD, k_BKSD, v_BKSD, mask_BTS, sinks_KG, out_BKMD, lse_BKM)
+    return out_BKMD, row_max_BKM, residuals
 
 
 def _block_attention_bwd(residuals, dout_BKMD):
@@ -141,3 +148,24 @@ def _block_attention_bwd(residuals, dout_BKMD):
 
 
 block_attention.defvjp(_block_attention_fwd, _block_attention_bwd)
+
+
+@jax.custom_vjp
+def block_attention_max(q_BKMD, k_BKSD, v_BKSD, mask_BTS, sinks_KG=None):
+    """`block_attention` and each query row's largest pre-softmax logit [B, K, M] (float32,
+    the sinks aside): the statistic QK-clip reads (moe_jax/train/qk_clip.py), taken from the
+    logits the forward computes anyway. It is a statistic: no gradient flows through it."""
+    out_BKMD, row_max_BKM, _ = _forward(q_BKMD, k_BKSD, v_BKSD, mask_BTS, sinks_KG)
+    return out_BKMD, row_max_BKM
+
+
+def _block_attention_max_fwd(q_BKMD, k_BKSD, v_BKSD, mask_BTS, sinks_KG=None):
+    out_BKMD, row_max_BKM, residuals = _forward(q_BKMD, k_BKSD, v_BKSD, mask_BTS, sinks_KG)
+    return (out_BKMD, row_max_BKM), residuals
+
+
+def _block_attention_max_bwd(residuals, cotangents):
+    return _block_attention_bwd(residuals, cotangents[0])
+
+
+block_attention_max.defvjp(_block_attention_max_fwd, _block_attention_max_bwd)

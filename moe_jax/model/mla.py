@@ -106,6 +106,7 @@ class MLAttention(nnx.Module):
         self.index_topk, self.passes_selection = a.index_topk, a.index_topk_freq > 1
         # train.indexer_stage=warmup: the attention stays dense while the indexer learns it
         self.dense_warmup = cfg.train.indexer_stage == "warmup"
+        self.max_logit = bool(cfg.train.qk_clip)  # QK-clip's statistic (`logit_stats`)
 
         heads = ("latent", "heads", "head_dim")  # the latent dim split over fsdp (ZeRO)
         if rank_q > 0:
@@ -148,16 +149,23 @@ class MLAttention(nnx.Module):
         positions_BT: jax.Array,
         cache: KVCache | None = None,
         segments_BT: jax.Array | None = None,
+        logit_stats: dict | None = None,
     ) -> tuple[jax.Array, KVCache | None]:
-        y_BTD, cache, _ = self.with_selection(x_BTD, positions_BT, cache, segments_BT)
+        """`logit_stats`: as `Attention`'s (each head's logit q_nope . k_nope + q_pe . k_pe)."""
+        y_BTD, cache, _ = self.with_selection(
+            x_BTD, positions_BT, cache, segments_BT, logit_stats=logit_stats
+        )
         return y_BTD, cache
 
     @scoped(ATTENTION)
-    def with_selection(self, x_BTD, positions_BT, cache=None, segments_BT=None, dsa=None):
+    def with_selection(
+        self, x_BTD, positions_BT, cache=None, segments_BT=None, dsa=None, logit_stats=None
+    ):
         """`__call__` under DSA: -> (y, cache, the DSA carry for the next layers). `dsa`
         (`sparse_attention.first_carry`): "picked", an earlier layer's selection, which a
         layer without an indexer of its own attends with (GLM's sharing), and passed on;
-        "kl", the indexer losses so far, to which this layer's indexer adds its own."""
+        "kl", the indexer losses so far, to which this layer's indexer adds its own.
+        `logit_stats`: QK-clip's statistic, as `Attention`'s."""
         check_cache_inputs(cache, segments_BT)
         dsa = dict(dsa or {})
         picked = dsa.get("picked")
@@ -176,7 +184,7 @@ class MLAttention(nnx.Module):
             teach = teach if "kl" in dsa else None
             out_BTHV, kl = self._expanded(
                 q_nope_BTHN, q_pe_BTHP, c_BTR, k_pe_BT1P, positions_BT, segments_BT,
-                None if self.dense_warmup else keep_BTS, teach,
+                None if self.dense_warmup else keep_BTS, teach, logit_stats,
             )  # fmt: skip
             if kl is not None:
                 dsa["kl"] = dsa["kl"] + kl
@@ -225,12 +233,13 @@ class MLAttention(nnx.Module):
 
     def _expanded(
         self, q_nope_BTHN, q_pe_BTHP, c_BTR, k_pe_BT1P, positions_BT, segments_BT, keep_BTS,
-        teach=None,
+        teach=None, stats=None,
     ):  # fmt: skip
         """Self-attention over the call's tokens with every head's keys and values expanded
         (under a context axis from the latent each shard gathers: `context_parallel`), each
         query to the keys `keep_BTS` selects (DSA; None: all) -> (out, the indexer's loss
-        where `teach` = `indexer_kl`'s (scores, set, valid queries), else None)."""
+        where `teach` = `indexer_kl`'s (scores, set, valid queries), else None). QK-clip's
+        statistic into `stats` through the blocked path (as `Attention._blocked`)."""
         B, T, H, P = q_pe_BTHP.shape
         if context_parallel.active(T):
             q_BTHQ = jnp.concatenate([q_nope_BTHN, q_pe_BTHP], axis=-1)
@@ -245,7 +254,14 @@ class MLAttention(nnx.Module):
         k_pe_BTHP = jnp.broadcast_to(k_pe_BT1P, (B, T, H, P))
         q_BTHQ = jnp.concatenate([q_nope_BTHN, q_pe_BTHP], axis=-1)
         k_BTHQ = jnp.concatenate([k_nope_BTHN, k_pe_BTHP], axis=-1)
-        out = self._self_attention(q_BTHQ, k_BTHQ, v_BTHV, positions_BT, segments_BT, keep_BTS)
+        if self.max_logit and stats is not None:  # QK-clip's statistic, by the blocked path
+            keep = {} if keep_BTS is None else {"keep_BTS": keep_BTS}
+            args = (q_BTHQ, k_BTHQ, v_BTHV, positions_BT, segments_BT)
+            out, stats["max_logit"] = blocked_self_attention(
+                *args, scale=self.scale, with_max=True, **keep
+            )
+        else:
+            out = self._self_attention(q_BTHQ, k_BTHQ, v_BTHV, positions_BT, segments_BT, keep_BTS)
         if teach is None:
             return out, None
         return out, sparse.indexer_kl(q_BTHQ, k_BTHQ, self.scale, *teach)

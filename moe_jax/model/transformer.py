@@ -110,10 +110,11 @@ class DecoderLayer(nnx.Module):
 
     def __call__(self, x_BTD, positions_BT, cache: KVCache | None, n_groups: int, segments_BT,
                  replay=None, dsa=None):  # fmt: skip
-        """-> (x_BTD, cache, stats: the MoE's, None for a dense FFN, the DSA carry for the
-        next layers). `replay` [B, T, K]: routing replay's experts for an MoE layer
-        (`MoE.__call__`); `dsa`: what DSA passes between layers (`sparse_attention.
-        first_carry`: GLM's shared selection, the indexer losses' sum), or None."""
+        """-> (x_BTD, cache, stats: the MoE's, None for a dense FFN, with train.qk_clip also the
+        attention's "max_logit" [H] in a training forward; the DSA carry for the next layers).
+        `replay` [B, T, K]: routing replay's experts for an MoE layer (`MoE.__call__`); `dsa`:
+        what DSA passes between layers (`sparse_attention.first_carry`: GLM's shared selection,
+        the indexer losses' sum), or None."""
         args = (positions_BT, cache, n_groups, segments_BT, replay, dsa)
         if cache is not None or self.remat[0] == "none":
             return self._forward(x_BTD, *args)
@@ -142,13 +143,14 @@ class DecoderLayer(nnx.Module):
         x_BTD = checkpoint_name(at_block_boundary(x_BTD), "layer_input")
         layer = after(x_BTD, self)  # int8 weights are dequantised in this layer's turn
         h_BTD = layer.attn_norm(x_BTD)
+        logit_stats = {}  # QK-clip's per-head max logit, when the attention takes it
         if self.is_linear:
             h, cache = linear_attention.mix(layer.attn, h_BTD, positions_BT, cache, segments_BT)
         elif self.sparse:
             args = (h_BTD, positions_BT, cache, segments_BT, dsa)
             h, cache, dsa = layer.attn.with_selection(*args)
         else:
-            h, cache = layer.attn(h_BTD, positions_BT, cache, segments_BT)
+            h, cache = layer.attn(h_BTD, positions_BT, cache, segments_BT, logit_stats)
         x_BTD = x_BTD + h
         if self.is_moe:
             valid_BT = None if segments_BT is None else segments_BT != 0
@@ -156,6 +158,8 @@ class DecoderLayer(nnx.Module):
         else:
             with jax.named_scope(MLP):
                 h, stats = layer.ffn(layer.ffn_norm(x_BTD)), None
+        if logit_stats:
+            stats = (stats or {}) | logit_stats
         return at_block_boundary(x_BTD + h), cache, stats, dsa
 
 
@@ -287,11 +291,13 @@ class Transformer(nnx.Module):
         if images is not None or image_mask is not None:
             x_BTD = self._insert_images(x_BTD, images, image_mask)
 
-        new_prefix_caches, dsa = [], first_carry(self.cfg, B, T, cache)
-        for i, layer in enumerate(getattr(self, "prefix", [])):  # dense: no stats
+        new_prefix_caches, prefix_stats = [], []
+        dsa = first_carry(self.cfg, B, T, cache)
+        for i, layer in enumerate(getattr(self, "prefix", [])):  # dense: no MoE stats
             c = cache["prefix"][i] if cache else None
-            x_BTD, c, _, dsa = layer(x_BTD, positions, c, n_groups, segments, None, dsa)
+            x_BTD, c, stats, dsa = layer(x_BTD, positions, c, n_groups, segments, None, dsa)
             new_prefix_caches.append(c)
+            prefix_stats.append(stats)
         block_stats, new_block_caches = [], []
         if self.n_blocks:
             x_BTD, new_block_caches, block_stats, dsa = self._run_blocks(
@@ -311,7 +317,12 @@ class Transformer(nnx.Module):
             x_BTD = jnp.take_along_axis(x_BTD, logits_at[:, None, None], axis=1)
         # head=False: the last layer's output [B, T, D] instead, for `logits` in chunks
         logits_BTV = self.logits(x_BTD) if head else x_BTD
+        block_stats, tail_stats, max_logit_LH = self._max_logits(
+            prefix_stats, block_stats, tail_stats
+        )
         aux = self._aux(block_stats, tail_stats)
+        if max_logit_LH is not None:  # train.qk_clip: [n_layers, H], in layer order
+            aux["max_logit"] = max_logit_LH
         if "routes" not in aux:  # no MoE layer
             aux["routes"] = jnp.zeros((0, B, T, self.cfg.moe.top_k), jnp.int32)
         if dsa is not None and "kl" in dsa:  # train.indexer_stage: the indexer layers' mean
@@ -417,6 +428,24 @@ class Transformer(nnx.Module):
             "blocks": blocks,
             "tail": [routes_LBTK[order[i]] if i in order else None for i in tail],
         }
+
+    def _max_logits(self, prefix_stats: list, block_stats: list, tail_stats: list):
+        """-> (block_stats, tail_stats without "max_logit", the layers' max logits [n_layers,
+        H] in layer order, or None where no layer took them: without train.qk_clip)."""
+        P, k = self.cfg.layer_period, self.cfg.moe.first_dense_layers
+        found = {i: s["max_logit"] for i, s in enumerate(prefix_stats) if s}
+        strip = lambda s: {n: v for n, v in s.items() if n != "max_logit"} or None
+        for j, stats in enumerate(block_stats):
+            if stats and "max_logit" in stats:
+                found |= {k + b * P + j: stats["max_logit"][b] for b in range(self.n_blocks)}
+        for j, stats in enumerate(tail_stats):
+            if stats and "max_logit" in stats:
+                found[k + self.n_blocks * P + j] = stats["max_logit"]
+        if not found:
+            return block_stats, tail_stats, None
+        block_stats = [strip(s) if s else s for s in block_stats]
+        tail_stats = [strip(s) if s else s for s in tail_stats]
+        return block_stats, tail_stats, jnp.stack([found[i] for i in sorted(found)])
 
     def _aux(self, block_stats: list, tail_stats: list) -> dict:
         """Per-MoE-layer stats in layer order, and the mean aux losses; "routes" [n_moe_layers,

@@ -26,6 +26,7 @@ LAYER_SERIES = {
     "dropped_frac": "moe_dropped",
     "exchange_rounds": "moe_exchange_rounds",
     "overflow_frac": "moe_exchange_overflow",
+    "max_logit": "attn_max_logit",  # train.qk_clip: every layer's largest attention logit
 }
 
 

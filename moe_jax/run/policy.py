@@ -154,6 +154,14 @@ def check_compatible(
             f"init_from '{where}' holds an {quantized} copy of a run, for inference only; start "
             f"from the float run it came from ({meta.get('source')})"
         )
+    saved = meta["config"].train.optimizer
+    if purpose == "train" and saved != cfg.train.optimizer:  # train/muon.py: another state
+        raise RunError(
+            f"run_dir '{where}' was trained with train.optimizer={saved}, whose state its "
+            f"checkpoints hold; resume it with train.optimizer={saved}, or switch in a new run "
+            f"from its params: `train.py {where}/config.yaml init_from={where} run_dir=NEW "
+            f"train.optimizer={cfg.train.optimizer}`"
+        )
     diffs = [d for d in incompatible_keys(meta["config"], cfg) if not same(d)]
     if not diffs:
         return

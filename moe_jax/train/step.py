@@ -41,6 +41,8 @@ Optimizer: AdamW (b1, b2, eps from the config) with decoupled weight decay on ma
 only (not on norm scales, biases, or the embedding unless `train.decay_embeddings`), after
 global-norm clipping, with linear warmup to `train.lr` then cosine decay to
 `min_lr_ratio * lr` at `train.steps`; its moments are stored in `train.moments_dtype`.
+With `train.optimizer=muon`, Muon on the matmul weights instead (moe_jax/train/muon.py), and
+with `train.qk_clip` MuonClip's QK-clip after each update (moe_jax/train/qk_clip.py).
 """
 
 from __future__ import annotations
@@ -66,6 +68,7 @@ from moe_jax.named_scopes import HEAD_LOSS, OPTIMIZER
 from moe_jax.posttrain import lora as lora_params
 from moe_jax.posttrain.reference_policy import reference_params, with_reference
 from moe_jax.sharding import BATCH_AXES, state_shardings, with_shardings
+from moe_jax.train import muon, qk_clip
 from moe_jax.train.state import make_state
 
 # ----------------------------------------------------------------------------- optimizer
@@ -169,6 +172,8 @@ def make_optimizer(
     adamw = optax.adamw(
         schedule, b1=t.b1, b2=t.b2, eps=t.eps, weight_decay=t.weight_decay, mask=decays
     )
+    if t.optimizer == "muon":  # Muon on the matmul weights, this AdamW on the rest
+        adamw = muon.muon(t, schedule, adamw, decays)
     if t.moments_dtype != "float32":
         adamw = stored_in(adamw, jnp.dtype(t.moments_dtype))
     # with LoRA adapters in the params, state for them alone (moe_jax/posttrain/lora.py)
@@ -302,6 +307,8 @@ def loss_fn(
     if "seq_lb_loss" in aux:  # moe.seq_aux_loss_weight > 0: the sum over MoE layers
         metrics["seq_lb_loss"] = aux["seq_lb_loss"]
     metrics |= {k: aux[k] for k in LAYER_FRACTIONS}
+    if "max_logit" in aux:  # train.qk_clip: [n_layers, H] (moe_jax/train/qk_clip.py)
+        metrics["max_logit"] = aux["max_logit"]
     return loss, metrics | mtp_metrics | indexer_metrics
 
 
@@ -356,7 +363,10 @@ def compute_grads(params, graphdef: nnx.GraphDef, batch: Batch, t: TrainConfig):
     # per micro-batch: replaced by the whole batch's
     for k in ("ce", "logit_z", "n_targets") + (("mtp_ce", "mtp_n_targets") if depth else ()):
         del metrics_A[k]
+    max_logit = metrics_A.pop("max_logit", None)  # the batch's: the micro-batches' largest
     metrics = jax.tree.map(lambda m: jnp.mean(m, axis=0), metrics_A)  # the aux statistics
+    if max_logit is not None:
+        metrics["max_logit"] = jnp.max(max_logit, axis=0)
     denom = jnp.maximum(total, 1.0)
     metrics |= {
         "loss": sums["loss"],
@@ -401,6 +411,11 @@ def make_train_step(
             new_params = lora_params.join(optax.apply_updates(trained, updates), frozen)
             # outside the gradient: aux-loss-free balancing's bias (model/balancing.py)
             new_params = update_correction_bias(new_params, metrics, cfg)
+            if cfg.train.qk_clip:  # MuonClip: heads over tau scaled back (train/qk_clip.py)
+                max_logit_LH = metrics.pop("max_logit")
+                new_params = qk_clip.clip(new_params, max_logit_LH, cfg)
+                metrics["max_logit"] = jnp.max(max_logit_LH, axis=-1)  # logged per layer
+                metrics["qk_clipped"] = qk_clip.clipped_heads(max_logit_LH, cfg.train.qk_clip)
         return new_params, opt_state, metrics
 
     def train_step(state, batch):
