@@ -25,6 +25,7 @@ from moe_jax.config.loading import (
     sampling_config,
 )
 from moe_jax.config.lora import LORA_TARGETS, LoRAConfig
+from moe_jax.config.mesh import MESH_AXES, MeshConfig
 from moe_jax.config.model import (
     DTYPES,
     REMAT_NAMES,
@@ -38,7 +39,6 @@ from moe_jax.config.rl import RLConfig
 from moe_jax.config.run import (
     DEFAULT_WARMUP_STEPS,
     MAX_TEMPERATURE,
-    MESH_AXES,
     MIN_TEMPERATURE,
     SAMPLING_RANGES,
     SCHEDULES,
@@ -47,7 +47,6 @@ from moe_jax.config.run import (
     CheckpointConfig,
     DataConfig,
     EvalConfig,
-    MeshConfig,
     SampleConfig,
     TrainConfig,
     sampling_problem,

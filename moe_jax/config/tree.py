@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from moe_jax.config.checks import numbers_in_range, positive, require
 from moe_jax.config.lora import LORA_TARGETS, LoRAConfig
+from moe_jax.config.mesh import MeshConfig
 from moe_jax.config.model import (
     AttentionConfig,
     ModelConfig,
@@ -18,7 +19,6 @@ from moe_jax.config.run import (
     CheckpointConfig,
     DataConfig,
     EvalConfig,
-    MeshConfig,
     SampleConfig,
     TrainConfig,
 )

@@ -61,6 +61,7 @@ from moe_jax import backends
 from moe_jax.config import Config, check_lora_targets
 from moe_jax.model import context_parallel, in_turn, linear_attention, lora, weight_gather
 from moe_jax.model.attention import Attention
+from moe_jax.model.image_inputs import check_image_inputs
 from moe_jax.model.int8 import QuantizedParam, after
 from moe_jax.model.kv_cache import KVCache
 from moe_jax.model.mla import MLAttention, mla_cache
@@ -481,37 +482,3 @@ class Transformer(nnx.Module):
         if "seq_lb_loss" in stacked:  # moe.seq_aux_loss_weight > 0: summed (routing.aux_loss)
             aux["seq_lb_loss"] = jnp.sum(stacked["seq_lb_loss"])
         return aux | {"aux_loss": aux_loss(aux, moe)}
-
-
-def check_image_inputs(d_vision: int, batch_shape: tuple[int, int], images_BND, mask_BT) -> None:
-    """Clear errors for image inputs that cannot fill the marked positions (ValueError)."""
-    B, T = batch_shape
-    if d_vision == 0:
-        raise ValueError(
-            "this model takes no image embeddings (model.vision=0); set model.vision to their "
-            "width to train a model that does"
-        )
-    if images_BND is None or mask_BT is None:
-        raise ValueError("images and image_mask go together: pass both or neither")
-    if images_BND.ndim != 3 or images_BND.shape[0] != B or images_BND.shape[2] != d_vision:
-        raise ValueError(
-            f"images must be [B={B}, N, model.vision={d_vision}], got shape {images_BND.shape}"
-        )
-    if mask_BT.shape != (B, T) or mask_BT.dtype != jnp.bool_:
-        raise ValueError(
-            f"image_mask must be a boolean [B={B}, T={T}] array like the tokens, got "
-            f"{mask_BT.dtype} {mask_BT.shape}"
-        )
-    N = images_BND.shape[1]
-    if N > T:
-        raise ValueError(f"{N} image embeddings per row cannot fill {T} token positions")
-    try:
-        counts_B = np.asarray(mask_BT).sum(axis=1)
-    except jax.errors.TracerArrayConversionError:
-        return  # traced under jit: the counts are the caller's contract (see the module doc)
-    if np.any(counts_B != N):
-        row = int(np.argmax(counts_B != N))
-        raise ValueError(
-            f"image_mask row {row} marks {counts_B[row]} positions but images holds {N} "
-            "embeddings per row; mark exactly one position per image embedding in every row"
-        )
