@@ -361,6 +361,11 @@ def test_bad_input_exits_2_and_writes_nothing(source, tmp_path, capsys):
     f["broken"] = tmp_path / "broken.jsonl"
     f["broken"].write_text(json.dumps(PAIRS[0]) + "\n\n{not json\n")
     (tmp_path / "empty_run").mkdir()
+    plain = tmp_path / "plain_bpe"  # the test tokenizer without its chat template
+    write_bpe(plain)
+    config = json.loads((plain / "tokenizer_config.json").read_text())
+    config.pop("chat_template")
+    (plain / "tokenizer_config.json").write_text(json.dumps(config))
     quantize_run(src, tmp_path / "int8")
     new = tmp_path / "new"
     base = [str(src / "config.yaml"), f"run_dir={new}", f"init_from={src}"]
@@ -383,7 +388,16 @@ def test_bad_input_exits_2_and_writes_nothing(source, tmp_path, capsys):
         ([*sft("nothing_to_learn"), f"run_dir={new}"], f"{at('nothing_to_learn', 1)} has no tok"),
         ([*base, *sft("one")], "holds 1 example(s); SFT needs at least 2"),
         ([*base, *sft("long")], f"{at('long', 6)} is 82 tokens, longer than a window of"),
-        ([*sft("chats", "chat"), f"run_dir={new}"], "the byte tokenizer has none"),
+        # a tokenizer without a chat template (the byte one has its built-in template)
+        (
+            [
+                *sft("chats", "chat"),
+                f"run_dir={new}",
+                f"data.tokenizer={plain}",
+                "model.vocab_size=300",
+            ],
+            "tokenizer has none; use a tokenizer with one",
+        ),  # fmt: skip
         ([*sft("pairs"), f"run_dir={new}", "data.tokenizer=char"], "data.tokenizer=char: a char"),
     ]
     for argv, message in cases:

@@ -42,7 +42,7 @@ from moe_jax.train.step import (
     lr_schedule,
     make_optimizer,
 )
-from tests.helpers import tiny_config
+from tests.helpers import TINY_BASE, tiny_config
 
 ROOT = Path(__file__).resolve().parents[1]
 SHAKESPEARE = Path(__file__).resolve().parents[2] / "shared/data/tinyshakespeare.txt"
@@ -437,7 +437,7 @@ def test_throughput_and_mfu_follow_the_step_clock(tmp_path, monkeypatch, capsys)
 
 def test_sigterm_saves_and_the_resumed_run_continues_exactly(tmp_path):
     run = tmp_path / "run"
-    args = [*TINY, "model.d_model=32", "model.ffn_hidden=48", "moe.expert_hidden=40"]
+    args = [*TINY_BASE, *TINY]  # the command line of `_cfg`'s config
     proc = subprocess.Popen(
         [sys.executable, str(ROOT / "train.py"), "configs/tiny.yaml", *args, f"run_dir={run}"],
         cwd=ROOT,

@@ -325,7 +325,7 @@ class Training:
                 result = self._steps(state, end, stop, writer, bar, profiler)
                 if result.stopped_by is None and result.step == t.steps:
                     line = closing_line(cfg, result.step, self.last_eval)
-                    self.log(line, others=line)
+                    self.log(line, others=f"done: step {result.step}")  # metrics: process 0's
                 return result
             except Exception as e:  # a device out of memory: one line, not XLA's traceback
                 if not is_out_of_memory(e):
