@@ -69,6 +69,8 @@ def _shown(value: object) -> str:
         return "{" + ", ".join(f"{k}: {v}" for k, v in value.items()) + "}"
     if isinstance(value, bool):
         return str(value).lower()
+    if isinstance(value, str) and not value.isprintable():  # "\n": shown escaped, as written
+        return repr(value)
     return "null" if value is None else str(value)
 
 
