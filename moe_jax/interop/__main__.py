@@ -168,8 +168,8 @@ def _stderr(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
 
 
-@command
-def main(argv: list[str]) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The command's parser: its import, export and export-adapter subcommands."""
     parser = argparse.ArgumentParser(
         prog="moe-jax interop",
         description=__doc__,
@@ -220,6 +220,12 @@ def main(argv: list[str]) -> int:
     ada.add_argument("--out", type=Path, required=True, help="new adapter directory")
     ada.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")
     ada.add_argument("--arch", choices=list(FAMILIES), default=None)
+    return parser
+
+
+@command
+def main(argv: list[str]) -> int:
+    parser = build_parser()
     # CONFIG.yaml and key=value overrides may come before or after --out.
     args, rest = parser.parse_known_args(argv)
     if args.command != "import" and rest or any(r.startswith("-") for r in rest):
