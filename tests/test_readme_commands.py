@@ -30,7 +30,8 @@ What runs, and how, to fit the budget (measured: ~45 s of CPU time for all of th
   writes; the commands that name it run last.
 - `curl` downloads, and tests never do: the file it would fetch is copied from LOCAL_COPIES,
   or stood in for by README.md's own text where this machine has no copy.
-- Not run: the install lines (`python3[.N] -m venv`, `. .venv/bin/activate`, `pip`) and the
+- Not run: the install lines (`python3[.N] -m venv`, `. .venv/bin/activate`, `pip`,
+  `.ci/install`) and the
   test suite's own lines (`ruff`, `pytest`).
 A command this file does not know how to run fails `test_every_readme_command_is_known`.
 Every relative link of these pages must point at a file (and a heading) that exists:
@@ -138,7 +139,7 @@ class Command:
         """How this file runs it (see the module doc)."""
         w = self.words
         venv = re.fullmatch(r"python3(\.\d+)?", w[0]) and w[1:3] == ["-m", "venv"]
-        if w[0] in (".", "source", "pip", "ruff", "pytest") or venv:
+        if w[0] in (".", "source", "pip", ".ci/install", "ruff", "pytest") or venv:
             return "not run"
         if w[0] == "curl":
             return "download"
