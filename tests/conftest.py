@@ -52,6 +52,8 @@ from moe_jax.process_setup import import_jax  # noqa: E402
 import_jax()  # without the CUDA plugin's no-driver lines (the `aot` extra)
 import jax  # noqa: E402
 
+from moe_jax.run import programs  # noqa: E402
+
 jax.config.update("jax_default_matmul_precision", "highest")
 
 
@@ -179,3 +181,33 @@ def ragged_on_cpu(monkeypatch):
     monkeypatch.setitem(backends.EXCHANGE, "cpu", "ragged")
     monkeypatch.setattr(experts, "MAP_MIN_CAPACITY", 1)
     monkeypatch.setattr(exchange_rounds, "ragged_all_to_all", ragged_stand_in.ragged_all_to_all)
+
+
+@pytest.fixture(autouse=True)
+def _no_programs_from_earlier_tests():
+    """A test starts with no training programs kept (moe_jax/train/programs.py): an earlier
+    test's may have been traced under the patches it made."""
+    programs.forget()
+
+
+PATCHING = ("setattr", "delattr", "setitem", "delitem", "setenv", "delenv")
+
+
+@pytest.fixture
+def monkeypatch(monkeypatch):
+    """pytest's `monkeypatch`, which also drops the kept training programs whenever it patches
+    and when it undoes its patches: a patched module constant changes what a step traces to,
+    so a program kept from before the patch (or from under it) must not be reused."""
+
+    def forgetting(patch):
+        @functools.wraps(patch)
+        def patched(*args, **kwargs):
+            programs.forget()
+            return patch(*args, **kwargs)
+
+        return patched
+
+    for name in PATCHING:
+        setattr(monkeypatch, name, forgetting(getattr(monkeypatch, name)))
+    yield monkeypatch
+    programs.forget()  # pytest's own teardown undoes the patches right after this

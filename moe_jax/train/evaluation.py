@@ -28,6 +28,7 @@ import jax
 import numpy as np
 
 from moe_jax.posttrain.reference_policy import reference_params
+from moe_jax.run import programs
 from moe_jax.run.layout import CHECKPOINT_DIR
 from moe_jax.train.step import make_eval_step
 
@@ -43,7 +44,8 @@ class Validation:
         self.val = [on_mesh(b) for b in data.eval_batches(cfg, pi, pc)]
         # Sums and counts: packed batches count different numbers of targets, so the
         # validation loss is their total over the total count, not a mean of batch means.
-        self.eval_step = make_eval_step(graphdef, True)  # sums=True
+        build = lambda: make_eval_step(graphdef, True)  # sums=True
+        self.eval_step = programs.kept("eval_step", programs.config_key(cfg), build)
         self.pairs, self.rollouts = [], rollouts
         if self.objective == "dpo":
             from moe_jax.posttrain import dpo

@@ -38,6 +38,7 @@ from moe_jax.observe.profile import StepProfiler
 from moe_jax.observe.trackers import check_trackers, open_trackers
 from moe_jax.observe.writers import MetricsWriter
 from moe_jax.process_setup import platform_line
+from moe_jax.run import programs
 from moe_jax.run.checkpoints import Checkpointer
 from moe_jax.run.layout import RunError
 from moe_jax.run.output import no_space
@@ -62,7 +63,7 @@ from moe_jax.train.evaluation import Validation, closing_line
 from moe_jax.train.init_from import init_source, start_state, with_source_architecture
 from moe_jax.train.preflight import check_kernels
 from moe_jax.train.state import make_state
-from moe_jax.train.step import init_state, make_optimizer, make_train_step
+from moe_jax.train.step import init_program, make_optimizer, make_train_step
 
 
 class TrainingError(MoeJaxError, RuntimeError):
@@ -209,7 +210,9 @@ def train(
     mesh = _checked_mesh(cfg, log)
     # dpo and grpo: their reference; grpo: its updates a step
     tx = make_optimizer(cfg.train, backends.compute_dtype(cfg.model.dtype), cfg.rl)
-    graphdef, abstract_state = init_state(cfg, tx, abstract=True, mesh=mesh)
+    graphdef, abstract_state, initial_state = programs.kept(  # a second run's: the first's
+        "init", (programs.config_key(cfg), mesh), lambda: init_program(cfg, tx, mesh)
+    )
     try:  # before anything is allocated: a model too big fails here, in one line
         check_train_fits(abstract_state)
     except WeightsDoNotFit as e:
@@ -246,7 +249,7 @@ def train(
                 "optimizer state, step 0"
             )
         else:
-            _, state = init_state(cfg, tx, mesh=mesh)
+            state = initial_state()
         # Outside the mesh: under it, a measured matmul would run replicated on every device.
         peak = unit_peak_flops(cfg.train.peak_flops)
         training = Training(cfg, mesh, graphdef, tx, it, data, ckpt, log, peak, tasks)
@@ -398,7 +401,11 @@ class Training:
             f"GFLOP/s ({peak_src})"
         )
         state_sharding = jax.tree.map(lambda a: a.sharding, state)
-        self.train_step = make_train_step(cfg, self.graphdef, self.tx, state_sharding)
+        self.train_step = programs.kept(  # a second run of this model in the process: its step
+            "train_step",
+            (programs.config_key(cfg), programs.layout_key(state_sharding)),
+            lambda: make_train_step(cfg, self.graphdef, self.tx, state_sharding),
+        )
         self.rollouts = None
         if cfg.train.objective == "grpo":  # the sampler and the rewards (moe_jax/posttrain/rl/)
             from moe_jax.posttrain.rl.collect import Rollouts

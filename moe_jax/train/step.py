@@ -466,6 +466,13 @@ def init_state(cfg: Config, tx: optax.GradientTransformation, abstract: bool = F
 
     With a `mesh`, every array is created (or described, when abstract) already laid out
     over it: params by their logical axes, Adam moments like their params."""
+    graphdef, shapes, init = init_program(cfg, tx, mesh)
+    return graphdef, (shapes if abstract else init())
+
+
+def init_program(cfg: Config, tx: optax.GradientTransformation, mesh=None):
+    """-> (graphdef, the state's shapes (laid out over `mesh`), the jitted `() -> state`):
+    `init_state`'s, with the program that makes the state rather than the state."""
 
     def build(seed):
         model = Transformer(cfg, rngs=nnx.Rngs(seed))
@@ -480,8 +487,8 @@ def init_state(cfg: Config, tx: optax.GradientTransformation, abstract: bool = F
 
     graphdef = nnx.graphdef(nnx.eval_shape(lambda: build(0)))
     shapes = jax.eval_shape(init)
-    shardings = state_shardings(shapes, mesh) if mesh is not None else None
-    if abstract:
-        return graphdef, (with_shardings(shapes, shardings) if mesh is not None else shapes)
+    if mesh is None:
+        return graphdef, shapes, jax.jit(init)
+    shardings = state_shardings(shapes, mesh)
     # One jitted program rather than hundreds of eagerly compiled initialiser ops.
-    return graphdef, jax.jit(init, out_shardings=shardings)()
+    return graphdef, with_shardings(shapes, shardings), jax.jit(init, out_shardings=shardings)

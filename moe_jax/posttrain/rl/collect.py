@@ -31,6 +31,7 @@ from moe_jax.inference.sampling import Sampler
 from moe_jax.posttrain.rl.engine_draws import engine_generation
 from moe_jax.posttrain.rl.grpo import group_advantages
 from moe_jax.posttrain.rl.rollouts import rollout_rows
+from moe_jax.run import programs
 from moe_jax.sharding import INFERENCE_RULES, rollout_mesh, state_shardings
 
 
@@ -86,9 +87,13 @@ class Rollouts:
         params = self._laid_out(params)
         model = nnx.merge(self.graphdef, params)
         consume = self.mesh is not None  # its blocks are ours to take (`_laid_out`)
-        if self.sampler is None:
-            self.sampler = Sampler(model, mesh=self.mesh, consume=consume)
-            return self.sampler
+        if self.sampler is None:  # an earlier run's of this model in the process, or a new one
+            built = []
+            build = lambda: built.append(1) or Sampler(model, mesh=self.mesh, consume=consume)
+            key = (programs.config_key(self.cfg), self.mesh, consume)
+            self.sampler = programs.kept("rollout_sampler", key, build)
+            if built:
+                return self.sampler
         state = nnx.state(model, nnx.Param)
         blocks = state.pop("blocks") if model.n_blocks else None
         self.sampler.params = state

@@ -1,0 +1,60 @@
+"""The jitted programs a training run builds, kept for the rest of the process.
+
+A second `train()` of the same model in one process (a stopped run resumed, a sweep in a
+notebook, a test that checks resuming) reuses the first one's jitted initialiser, train
+and eval steps:
+jax's own cache then finds the compiled program by the function, so nothing is traced,
+lowered or compiled again. Without this every run builds new functions, and a tiny model's
+restart spends ~2 s of its ~3 s tracing and lowering them again (the persistent compilation
+cache only skips the XLA compile, after the lowering it is keyed by).
+
+A program is kept under what it is built from: the config (less `run_dir`, which no traced
+program reads) and the state's layout. The model's graph and the optimizer are not in the
+key: the trainer builds both from the config alone (`train.step.init_state`,
+`make_optimizer`), so the same key means the same graph and optimizer (and the graph holds
+the config, `run_dir` included, so it would tell two directories' runs apart). Whoever
+changes what a program reads outside its arguments (tests patching module constants) calls
+`forget()` first; tests/conftest.py does.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import OrderedDict
+from collections.abc import Callable, Hashable
+from typing import Any
+
+import jax
+
+from moe_jax.config import Config
+
+KEEP = 8  # programs at most: a sweep's older configs let go (each holds its executable)
+_kept: OrderedDict[Hashable, object] = OrderedDict()
+
+
+def config_key(cfg: Config) -> Config:
+    """`cfg` as a program's key: the same for two runs that differ in their directory."""
+    return dataclasses.replace(cfg, run_dir="")
+
+
+def layout_key(tree) -> Hashable:
+    """A pytree of shardings (or None) as a hashable key."""
+    leaves, treedef = jax.tree.flatten(tree)
+    return treedef, tuple(leaves)
+
+
+def kept(name: str, key: Hashable, build: Callable[[], Any]) -> Any:
+    """The program `name` kept under `key`, or `build()`'s, kept from now on."""
+    full = (name, key)
+    if full in _kept:
+        _kept.move_to_end(full)
+        return _kept[full]
+    program = _kept[full] = build()
+    while len(_kept) > KEEP:
+        _kept.popitem(last=False)
+    return program
+
+
+def forget() -> None:
+    """Drop every kept program (their next use builds and traces them anew)."""
+    _kept.clear()
