@@ -258,16 +258,29 @@ def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("runs")
     straight, resumed = root / "straight", root / "resumed"
     cfg = lambda d, *o: _cfg(d, "train.eval_every=3", "checkpoint.every=4", *o)
-    train(cfg(straight), stop_at=6)
-    first = train(cfg(resumed), stop_at=3)
-    second = train(cfg(resumed), stop_at=6)
-    train(cfg(root / "seed1", "seed=1"), stop_at=3)
+    traced = {}  # each run's functions traced (the kept programs: test_a_second_run_...)
+    tracing = []
+    jax.monitoring.register_event_duration_secs_listener(
+        lambda event, _, fun_name="", **__: (
+            tracing[-1].add(fun_name) if tracing and event.endswith("jaxpr_trace_duration") else 0
+        )
+    )
+    for name, run_dir, stop, over in [
+        ("straight", straight, 6, ()),
+        ("first", resumed, 3, ()),
+        ("second", resumed, 6, ()),
+        ("seed1", root / "seed1", 3, ("seed=1",)),
+    ]:
+        tracing.append(traced.setdefault(name, set()))
+        traced[name + "_result"] = train(cfg(run_dir, *over), stop_at=stop)
+    tracing.clear()  # the listener stays registered: from now on it records nothing
     return {
         "straight": straight,
         "resumed": resumed,
         "seed1": root / "seed1",
-        "first": first,
-        "second": second,
+        "first": traced.pop("first_result"),
+        "second": traced.pop("second_result"),
+        "traced": traced,
     }
 
 
@@ -286,6 +299,30 @@ def test_resume_equals_uninterrupted_run(runs):
     for x, y in zip(jax.tree.leaves(a4), jax.tree.leaves(b4), strict=True):
         np.testing.assert_array_equal(x, y)
     assert _evals(resumed)[6] == _evals(straight)[6] == runs["second"].val_loss
+
+
+def test_a_second_run_of_the_model_in_the_process_traces_none_of_its_programs(runs):
+    """moe_jax/run/programs.py: the stopped run (another directory) and its resumption take
+    the straight run's initialiser, train and eval steps, traced and compiled once; another
+    seed is another config, so its programs are its own."""
+    traced = runs["traced"]
+    programs = {"init", "train_step", "eval_step"}
+    assert programs <= traced["straight"], traced["straight"]
+    assert not programs & (traced["first"] | traced["second"]), (traced["first"], traced["second"])
+    assert programs <= traced["seed1"], traced["seed1"]
+
+
+def test_monkeypatch_drops_the_kept_programs(monkeypatch):
+    """A patch may change what a program traces to: tests/conftest.py's monkeypatch drops
+    every kept program when it patches and when it undoes its patches."""
+    from moe_jax.run import programs
+
+    built = []
+    build = lambda: built.append(1) or object()
+    kept = programs.kept("probe", 1, build)
+    assert programs.kept("probe", 1, build) is kept and len(built) == 1
+    monkeypatch.setattr(programs, "KEEP", programs.KEEP)
+    assert programs.kept("probe", 1, build) is not kept and len(built) == 2
 
 
 def test_resuming_with_another_batch_shape_or_seed_warns(runs, tmp_path, capsys):
