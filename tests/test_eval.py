@@ -272,3 +272,15 @@ def test_training_refuses_an_unknown_task_before_writing(setup, tmp_path):
     with pytest.raises(ConfigError, match="^eval.tasks: unknown task 'toy_mcq'; did you mean"):
         train(load_config("configs/tiny.yaml", [*RUN_ARGS, *over]))
     assert not (tmp_path / "run").exists()
+
+
+def test_tasks_of_the_include_path_alone_leave_the_harness_tasks_unindexed(setup):
+    """Indexing the harness's ~15,000 task files takes seconds: names that are all tasks of
+    the include path take that directory's index alone; one more name takes the whole."""
+    from moe_jax.eval.tasks import task_manager
+
+    own = task_manager(str(setup[0]), ("toy_mc",))
+    assert "toy_mc" in own.all_tasks and "hellaswag" not in own.all_tasks
+    whole = task_manager(str(setup[0]), ("toy_mc", "hellaswag"))
+    assert {"toy_mc", "hellaswag"} <= set(whole.all_tasks)
+    assert task_manager(None) is task_manager(None, ("hellaswag",))  # built once a process
