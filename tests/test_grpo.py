@@ -10,6 +10,7 @@ Budget: ~45 s of CPU on 2 cores (the resume test's three train() calls most of i
 from __future__ import annotations
 
 import json
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
