@@ -334,3 +334,33 @@ def test_a_trained_step_corrects_drops_and_logs_the_drift(trained):
         for m in (one, two):  # the first update's, in both
             np.testing.assert_allclose(m[k], v, rtol=1e-4, err_msg=k)
     assert one["zero_var_groups"] == two["zero_var_groups"] == 0.5
+
+
+def test_rollouts_mark_the_groups_dynamic_sampling_keeps(tmp_path):
+    """`Rollouts` with rl.dynamic_sampling: "keep" 1 on the rows of a group whose rewards
+    differ, 0 on those of a group all alike (a stand-in draw: prompt 0's completions rewarded
+    1, 0, 1, 1; prompt 1's all 0.5); without it no "keep" (the batch as before)."""
+    from moe_jax.data.prompts import load_prompts
+    from moe_jax.inference.sampling import Generation
+    from moe_jax.posttrain.rl.collect import Rollouts
+    from tests.test_grpo import grpo_config, sums, write_jsonl
+
+    path = write_jsonl(tmp_path / "p.jsonl", sums(8))
+    G, N = 4, 6
+
+    def draw(params, index, seed):
+        prompts = [[5, 6, 7]] * (len(index) * G)
+        gen = Generation(np.ones((len(prompts), N), np.int32), np.full(len(prompts), 2), 1,
+                         routes=np.zeros((1, len(prompts), 16 + N, 2), np.int32),
+                         logprobs=np.zeros((len(prompts), N), np.float32))  # fmt: skip
+        return prompts, gen, np.array([1.0, 0.0, 1.0, 1.0] + [0.5] * G)
+
+    for dynamic in (True, False):
+        cfg = grpo_config(path, f"rl.dynamic_sampling={str(dynamic).lower()}")
+        rollouts = Rollouts(cfg, None, load_prompts(cfg))
+        rollouts._draw = draw
+        rows = rollouts({"params": None}, {"index": np.array([0, 1])}, step=0)
+        assert ("keep" in rows) == dynamic
+        if dynamic:
+            np.testing.assert_array_equal(rows["keep"], [1.0] * G + [0.0] * G)
+        np.testing.assert_array_equal(rows["adv"][G:], 0.0)
