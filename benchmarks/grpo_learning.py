@@ -12,7 +12,13 @@ for the exact sum) then trains once with rl.routing_replay=true and once false, 
 Printed: greedy exact match on all 100 sums after SFT and after each GRPO run, and each run's
 sampled reward (rl's reward_mean, temperature 1) per logged window, the largest |sampler -
 trainer| log-prob of a sampled token and the expert-choice agreement (1 with replay). Last,
-one JSON line; `--plot` draws the reward curves.
+one JSON line; `--plot` draws the reward curves. `--variant NAME:KEY=VALUE,...` (repeatable)
+runs GRPO once per variant with those overrides instead of replay on / off, e.g. the loss
+options of issue 69 (also printed: the mean |sampler - trainer| log-prob, the largest
+mismatch KL and the fraction of groups dynamic sampling dropped):
+
+    python benchmarks/grpo_learning.py --steps 100 --variant base: \
+        --variant tis:rl.correction=tis --variant dapo:rl.loss_agg=dapo,rl.dynamic_sampling=true
 
 On this CPU, in float32, the sampler and the training forward route every token alike
 (expert agreement 1 and log-prob differences ~1e-6 without replay too), so the two runs
@@ -83,7 +89,16 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=300, help="GRPO steps per run")
     ap.add_argument("--lr", type=float, default=1e-3, help="GRPO's learning rate")
     ap.add_argument("--plot", help="write the reward curves to this PNG")
+    ap.add_argument(
+        "--variant",
+        action="append",
+        metavar="NAME:KEY=VALUE,...",
+        help="a GRPO run with these overrides (repeatable; default: replay on, off)",
+    )
     args = ap.parse_args()
+    variants = [v.partition(":")[::2] for v in args.variant or []] or [
+        ("replay=True", "rl.routing_replay=true"), ("replay=False", "rl.routing_replay=false"),
+    ]  # fmt: skip
     sys.path.insert(0, str(Path(__file__).parent))  # rl.rewards names this script's `exact`
     problems = sums()
     tmp = Path(tempfile.mkdtemp(prefix="grpo_learning_"))
@@ -97,22 +112,25 @@ def main() -> None:
     result = {"sft_exact": greedy_exact(tmp / "sft", problems), "runs": {}}
     print(f"after SFT ({args.sft_steps} steps): greedy exact match {result['sft_exact']:.2f}")
     prompts = write_jsonl(tmp / "prompts.jsonl", problems)
-    for replay in (True, False):
-        run = tmp / f"grpo_replay_{replay}"
+    for name, overrides in variants:
+        run = tmp / f"grpo_{len(result['runs'])}"
         cfg = load_config(str(ROOT / "configs/tiny.yaml"), [
             *MODEL, "train.objective=grpo", "data.sft=prompts", f"data.path={prompts}",
             f"init_from={tmp / 'sft'}", f"run_dir={run}", f"train.steps={args.steps}",
             "train.batch_size=8", "train.seq_len=32", f"train.lr={args.lr}",
             "train.warmup_steps=10", "train.log_every=10", "rl.rewards=[grpo_learning:exact]",
-            "rl.group_size=8", "rl.max_new_tokens=3", f"rl.routing_replay={str(replay).lower()}",
+            "rl.group_size=8", "rl.max_new_tokens=3", *filter(None, overrides.split(",")),
         ])  # fmt: skip
         train(cfg)
         logs = [r for r in read_metrics(run) if r["kind"] == "train"]
-        result["runs"][f"replay={replay}"] = {
+        result["runs"][name] = {
             "greedy_exact": greedy_exact(run, problems),
             "steps": [r["step"] for r in logs],
             "reward_mean": [round(r["reward_mean"], 4) for r in logs],
             "logp_diff_max": max(r["logp_diff_max"] for r in logs),
+            "logp_diff_mean": float(np.mean([r["logp_diff_mean"] for r in logs])),
+            "mismatch_kl_max": max(r["mismatch_kl"] for r in logs),
+            "zero_var_groups": float(np.mean([r.get("zero_var_groups", 0.0) for r in logs])),
             "expert_agreement_min": min(r["expert_agreement"] for r in logs),
         }
     for name, r in result["runs"].items():
@@ -120,7 +138,9 @@ def main() -> None:
         print(
             f"GRPO {name}: sampled reward {first:.3f} -> {last:.3f} (first / last two "
             f"windows), greedy exact match {r['greedy_exact']:.2f}, max |logp diff| "
-            f"{r['logp_diff_max']:.2e}, expert agreement >= {r['expert_agreement_min']:.3f}"
+            f"{r['logp_diff_max']:.2e} (mean {r['logp_diff_mean']:.2e}, mismatch KL <= "
+            f"{r['mismatch_kl_max']:.2e}), expert agreement >= {r['expert_agreement_min']:.3f}, "
+            f"groups dropped {r['zero_var_groups']:.2f}"
         )
     if args.plot:
         plot(result, args.plot)

@@ -10,13 +10,12 @@ Budget: ~45 s of CPU on 2 cores (the resume test's three train() calls most of i
 from __future__ import annotations
 
 import json
-from types import SimpleNamespace
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from moe_jax.config import ConfigError
+from moe_jax.config import ConfigError, RLConfig
 from moe_jax.posttrain.rl.grpo import clipped_objective, group_advantages
 from moe_jax.tokenizer import DataError
 from tests.helpers import tiny_config
@@ -95,7 +94,7 @@ def test_clipped_objective_equals_a_hand_written_reference(level, eps_high, kl):
     adv = rng.normal(0, 1, R).astype(np.float32)
     mask = (rng.random((R, T)) < 0.7).astype(np.float32)
     mask[3] = 0  # a completion without tokens counts in neither mean
-    rl = SimpleNamespace(clip_eps=0.2, clip_eps_high=eps_high, level=level, kl_beta=kl)
+    rl = RLConfig(clip_eps=0.2, clip_eps_high=eps_high, level=level, kl_beta=kl)
     loss, metrics = clipped_objective(
         jnp.asarray(logp), jnp.asarray(old), jnp.asarray(adv), jnp.asarray(mask), rl,
         jnp.asarray(ref) if kl else None,

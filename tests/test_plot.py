@@ -149,8 +149,10 @@ def test_each_objective_draws_its_own_series_and_aux_loss():
     np.testing.assert_allclose(aux, AUX, rtol=1e-12)
     assert objective_figure(records()) is None
     grpo = [dpo[0] | {"objective": "grpo"}, *records()[1:]]
-    grpo[1] |= {"reward_mean": 0.25, "kl": 0.01}
-    assert [set(lines(ax)) for ax in objective_figure(grpo).axes] == [{"reward_mean"}, {"kl"}]
+    grpo[1] |= {"reward_mean": 0.25, "kl": 0.01, "mismatch_kl": 1e-4}
+    assert [set(lines(ax)) for ax in objective_figure(grpo).axes] == [
+        {"reward_mean"}, {"kl"}, {"mismatch_kl"},
+    ]  # fmt: skip
     shown = [lines(ax) for ax in optimizer_figure(dpo).axes]
     assert [list(s) for s in shown] == [["lr"], ["grad_norm"], ["tokens_per_s"]]
     assert shown[2]["tokens_per_s"] == (STEPS[1:], [2e4, 3e4])

@@ -108,11 +108,14 @@ def rollouts_abstract(cfg, mesh) -> dict:
     S, rows = P_ + N, batch_sharding(mesh)
     L = sum(cfg.is_moe(i) for i in range(cfg.model.n_layers))
     one = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=rows)
-    return {
+    batch = {
         "tokens": one((R, S), jnp.int32), "mask": one((R, S), jnp.float32),
         "old_logp": one((R, S), jnp.float32), "adv": one((R,), jnp.float32),
         "rewards": one((R,), jnp.float32), "routes": one((R, L, S, cfg.moe.top_k), jnp.int32),
     }  # fmt: skip
+    if cfg.rl.dynamic_sampling:  # the rows of the groups kept (`rl.collect.informative`)
+        batch["keep"] = one((R,), jnp.float32)
+    return batch
 
 
 def kv_cache_bytes(cfg, mesh, model) -> int:

@@ -7,6 +7,8 @@ from dataclasses import dataclass
 from moe_jax.config.checks import non_negative, one_of, positive, require
 
 RL_LEVELS = ("token", "sequence")  # rl.level: the ratio per token (GRPO) or sequence (GSPO)
+LOSS_AGGS = ("grpo", "bnpo", "dr_grpo", "dapo")  # rl.loss_agg (posttrain/rl/aggregate.py)
+CORRECTIONS = ("none", "tis", "mis")  # rl.correction (posttrain/rl/correction.py)
 
 
 @dataclass(frozen=True)
@@ -42,6 +44,29 @@ class RLConfig:
     # for the sampler / trainer mismatch).
     epochs: int = 1
     minibatches: int = 1  # see epochs
+    # How an update's per-token loss is reduced, as TRL's GRPOConfig.loss_type names it
+    # (posttrain/rl/aggregate.py): grpo: each completion's token mean, then the mean over
+    # completions | bnpo: the mean over the update's sampled tokens | dr_grpo: their sum over
+    # completions x rl.max_new_tokens (Dr. GRPO's constant) | dapo: their sum over the whole
+    # batch's sampled tokens / rl.minibatches (a token's weight the same in every split).
+    # "": each level's own (token: bnpo, sequence: grpo; the KL then a token mean).
+    loss_agg: str = ""
+    # Sampler / trainer mismatch correction (posttrain/rl/correction.py): the trainer's
+    # log-prob of each sampled token at the sampler's params against the sampler's recorded
+    # one, their ratio w a weight on the token's loss (no gradient), and the clipped ratio then
+    # taken against the trainer's log-prob (verl's rollout correction, TRL's
+    # vllm_importance_sampling_correction). none | tis: w clipped to [rl.correction_min,
+    # rl.correction_max] | mis: w, but 0 outside that range. With rl.epochs x rl.minibatches
+    # > 1 the trainer's log-probs cost one forward of the batch before the updates.
+    correction: str = "none"
+    # token: w per token | sequence: one w per completion, the product of its tokens' ratios
+    correction_level: str = "token"
+    correction_max: float = 2.0  # see correction (TRL's default: 3.0)
+    correction_min: float = 0.0  # see correction
+    # DAPO's dynamic sampling, as a filter: the completions of a prompt whose rewards are all
+    # equal (advantage 0: no signal) leave the loss and all its denominators; the fraction of
+    # groups dropped is logged ("zero_var_groups"). The batch is not refilled.
+    dynamic_sampling: bool = False
     # Rollout routing replay: the training forward reuses the experts every token took in the
     # sampler (moe_jax/model/routing.py `route`); the router's weights at them still learn.
     routing_replay: bool = True
@@ -55,10 +80,23 @@ class RLConfig:
     def check(self) -> None:
         positive(
             self, "rl",
-            ["group_size", "max_new_tokens", "temperature", "clip_eps", "epochs", "minibatches"],
+            [
+                "group_size", "max_new_tokens", "temperature", "clip_eps", "epochs",
+                "minibatches", "correction_max",
+            ],
         )  # fmt: skip
         non_negative(self, "rl", ["clip_eps_high", "kl_beta", "max_prompt_len"])
         one_of(self.level, RL_LEVELS, "rl.level")
+        if self.loss_agg:
+            one_of(self.loss_agg, LOSS_AGGS, "rl.loss_agg")
+        one_of(self.correction, CORRECTIONS, "rl.correction")
+        one_of(self.correction_level, RL_LEVELS, "rl.correction_level")
+        non_negative(self, "rl", ["correction_min"])
+        require(
+            self.correction_min < self.correction_max,
+            f"rl.correction_min={self.correction_min} is not below rl.correction_max="
+            f"{self.correction_max}: the importance weights' range is empty; lower the min",
+        )
         bad = [r for r in self.rewards if r.count(":") != 1 or not all(r.split(":"))]
         require(
             not bad,

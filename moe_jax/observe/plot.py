@@ -211,6 +211,7 @@ OBJECTIVE_PANELS = {
     "grpo": (
         ("reward", ("reward_mean", "reward_std"), ("val_reward_mean",)),
         ("policy", ("kl", "clip_frac"), ()),
+        ("sampler / trainer mismatch", ("logp_diff_mean", "mismatch_kl", "mismatch_frac"), ()),
     ),
 }  # fmt: skip
 # The optimizer's and the throughput's series, one panel each: (field, title, log scale)

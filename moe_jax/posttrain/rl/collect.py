@@ -14,7 +14,8 @@ copy of the params laid out for sampling (`sharding.rollout_mesh`: no weight spl
 made once a step (one all-gather of the weights, where the training layout gathered them at
 every decode step) and dropped after the draw. The reward functions score the decoded
 completions (text without the EOS), their weighted sum is each completion's reward, and
-`grpo.group_advantages` compares it with its group's. Rows are the data's prompt bucket +
+`grpo.group_advantages` compares it with its group's; with rl.dynamic_sampling "keep" [R]
+marks the rows of groups whose rewards differ (`informative`). Rows are the data's prompt bucket +
 max_new_tokens wide whatever the batch, so one train step program serves every step.
 """
 
@@ -56,6 +57,12 @@ def score(rewards: list, prompts: list[str], completions: list[str], columns: di
         values = np.nan_to_num(values, nan=0.0)  # None: no opinion, 0 (as TRL sums them)
         total, means[name] = total + weight * values, float(values.mean())
     return total, means
+
+
+def informative(rewards_PG: np.ndarray) -> np.ndarray:
+    """1.0 for each group whose rewards differ, 0.0 where they are all equal (every
+    advantage 0: DAPO's dynamic sampling drops the group), float32 [P]."""
+    return (np.ptp(rewards_PG, axis=1) > 0).astype(np.float32)
 
 
 class Rollouts:
@@ -116,8 +123,11 @@ class Rollouts:
         seed = (self.cfg.seed * 1_000_003 + step) % 2**31
         prompts, gen, rewards = self._draw(state["params"], index, seed)
         rows = rollout_rows(prompts, gen, self.width)
-        adv = group_advantages(rewards.reshape(-1, rl.group_size), rl.scale_rewards).reshape(-1)
+        rewards_PG = rewards.reshape(-1, rl.group_size)
+        adv = group_advantages(rewards_PG, rl.scale_rewards).reshape(-1)
         rows["routes"] = np.ascontiguousarray(np.swapaxes(rows["routes"], 0, 1))  # rows first
+        if rl.dynamic_sampling:
+            rows["keep"] = np.repeat(informative(rewards_PG), rl.group_size)
         return rows | {"adv": adv, "rewards": rewards.astype(np.float32)}
 
     def held_out(self, state) -> float:
