@@ -44,6 +44,17 @@ def _slots(engine) -> list:
     return [d["state"] for ds in engine.programs.pages["blocks"] for d in ds if "state" in d]
 
 
+def _with_logprobs(engine, prompts) -> list[tuple[list[int], list[float]]]:
+    """Each prompt's greedy tokens and their log-probabilities, all submitted at once."""
+    rids = [engine.submit(p, SamplingParams(max_tokens=N_NEW)) for p in prompts]
+    out = {r: ([], []) for r in rids}
+    while engine.has_work():
+        for e in engine.step():
+            out[e.rid][0].append(e.token)
+            out[e.rid][1].append(e.logprob)
+    return [out[r] for r in rids]
+
+
 def test_greedy_requests_coming_and_going_equal_the_sampler(hybrid):
     """Requests joining at different steps, more than the slots (a finished request's slot
     is taken by a new one, which starts from a zero state), then all at once into a pool of
@@ -85,14 +96,18 @@ def test_a_prefix_cache_hit_restores_a_kept_state_and_gives_the_tokens_of_a_miss
     sampler, prompts, greedy, (longer, changed), want = hybrid
     engine = Engine(sampler, **SIZES)
     base = prompts[2]  # 30 tokens; `longer` 35
-    assert engine.generate([base], SamplingParams(max_tokens=N_NEW)) == [greedy[2]]
+    miss = _with_logprobs(engine, [base])
+    assert miss[0][0] == greedy[2]
     assert len(engine.snapshots.rows) == 2 and len(engine.pool.by_hash) == 3
     before = engine.prefilled
-    got = engine.generate([base, longer], SamplingParams(max_tokens=N_NEW))
-    assert got == [greedy[2], want[0]] and engine.preempted == 0
+    hits = _with_logprobs(engine, [base, longer])
+    assert [t for t, _ in hits] == [greedy[2], want[0]] and engine.preempted == 0
     assert engine.prefilled - before == (30 - 24) + (35 - 24)
+    # the log-probs too: a state restored wrongly may keep the argmax, not the values
+    # (1e-4: float32 sums in other chunkings, ~1e-6 apart)
+    np.testing.assert_allclose(hits[0][1], miss[0][1], rtol=0, atol=1e-4)
     before = engine.prefilled
-    assert engine.generate([changed], SamplingParams(max_tokens=N_NEW)) == [want[1]]
+    assert _with_logprobs(engine, [changed])[0][0] == want[1]
     assert engine.prefilled - before == 30  # a miss
     assert not any(engine.snapshots.pins.values()) and engine.pool.in_use() == 0
     with pytest.raises(EngineError, match="roll the linear-attention layers' states back"):
