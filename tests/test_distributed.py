@@ -96,6 +96,23 @@ def test_train_step_on_a_mesh_equals_single_device(single_device, mesh_name):
         np.testing.assert_allclose(a, b, atol=5e-5)
 
 
+def test_a_hybrid_train_step_on_a_mesh_equals_single_device():
+    """A Gated DeltaNet hybrid (a linear layer, then gated full attention; tests/test_hybrid's
+    layout) over data 2 x fsdp 2 x tensor 2, the linear layers' heads split over `tensor`:
+    two steps' losses, metrics and params as on one device, to the tolerances above."""
+    from tests.test_hybrid import HYBRID
+
+    arch = [*ARCH, *HYBRID, "model.n_layers=2", "model.vocab_size=256"]
+    ref_losses, ref_params, ref_metrics = run_steps(tiny_config(*arch))
+    mesh = ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"]
+    losses, params, metrics = run_steps(tiny_config(*arch, *mesh))
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    for k in ("ce", "lb_loss", "grad_norm"):
+        np.testing.assert_allclose(metrics[k], ref_metrics[k], rtol=1e-5, atol=1e-7, err_msg=k)
+    for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(ref_params), strict=True):
+        np.testing.assert_allclose(a, b, atol=5e-5)
+
+
 def _losses(run_dir):
     return {r["step"]: r["loss"] for r in read_metrics(run_dir) if r["kind"] == "train"}
 

@@ -19,7 +19,6 @@ import pytest
 from flax import nnx
 
 from moe_jax.config import ConfigError
-from moe_jax.inference.engine import Engine, EngineError
 from moe_jax.inference.sampling import Sampler
 from moe_jax.model import Transformer
 from tests.helpers import forward_cached, tiny_config
@@ -164,14 +163,6 @@ def test_sampler_greedy_tokens_equal_a_full_recompute_at_every_step(model):
         # the token sampled at step i is the argmax after position len(p) - 1 + i
         want = full[b, len(p) - 1 : len(p) - 1 + n_new].argmax(-1)
         np.testing.assert_array_equal(np.array(out[b]), want, err_msg=f"row {b}")
-
-
-def test_the_engine_refuses_hybrid_models_by_name(model):
-    """The engine's paged cache has no place for a linear layer's state (not built yet):
-    one clear error, not a crash inside its programs."""
-    cfg, m = model
-    with pytest.raises(EngineError, match="not the state of linear-attention layers"):
-        Engine(Sampler(m))
 
 
 def test_scanned_blocks_equal_unrolled(model):

@@ -318,7 +318,7 @@ class DraftPrograms(Programs):
     def __init__(
         self, sampler, n_pages: int, n_window_pages: int, page_size: int, max_slots: int, K: int
     ):
-        super().__init__(sampler, n_pages, n_window_pages, page_size, mtp_depth=K)
+        super().__init__(sampler, n_pages, n_window_pages, page_size, K, max_slots)
         self.K = K
         with self._on_mesh():
             self.state = init_state(sampler.inference_model(), max_slots, K, self.mesh)

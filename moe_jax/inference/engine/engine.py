@@ -40,7 +40,10 @@ position of its row and each sampled token's log-prob at its temperature, as
 
 Sliding-window layers keep their pages in a pool of their own, released once behind the
 window (`programs` module doc); a model with such layers shares no prefix pages (the window
-pages of a prefix are gone by the time it could be shared).
+pages of a prefix are gone by the time it could be shared). A hybrid's linear layers keep a
+state per slot instead (`programs` module doc); a shared prefix restores a snapshot of it
+kept at a page boundary (`snapshots.py`). No speculation for them (a rejected draft would
+roll the state back; refused, `sizes.model_problem`).
 
 Tokens are those `Sampler.generate` gives each request alone (greedy: token for token; the
 engine's prefill runs in chunks and its attention in other shapes, so the logits agree to
@@ -49,82 +52,30 @@ float rounding, not bits).
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import math
 from collections import deque
-from typing import NamedTuple
 
 import jax
 import numpy as np
 
 from moe_jax.config import sampling_problem
-from moe_jax.errors import MoeJaxError
 from moe_jax.inference.engine.draft_programs import DraftPrograms
 from moe_jax.inference.engine.pages import PagePool
 from moe_jax.inference.engine.programs import Batch, Picked, PickMode, Programs, table_width
 from moe_jax.inference.engine.recording import Recorder, generate_recorded
+from moe_jax.inference.engine.requests import EngineError, Event, QueueFull, SamplingParams, Seq
 from moe_jax.inference.engine.sizes import model_problem, size_problem
+from moe_jax.inference.engine.snapshots import Snapshots
 from moe_jax.inference.engine.speculation import Speculation, draft_depth_of
 from moe_jax.inference.sampling import Generation
+
+GREEDY = SamplingParams()  # a request's parameters unless given: 16 tokens, greedy
 
 
 def _bucket(n: int, lo: int, hi: int) -> int:
     """Rows for `n` requests: the next power of two, at least `lo`, at most `hi` (>= n)."""
     return min(hi, max(lo, 1 << math.ceil(math.log2(n))))
-
-
-class EngineError(MoeJaxError, ValueError):
-    """A request the engine cannot take; the message names the problem and the fix."""
-
-
-class QueueFull(EngineError):
-    """The queue holds `max_queue` requests already."""
-
-
-@dataclasses.dataclass(frozen=True)
-class SamplingParams:
-    max_tokens: int = 16
-    temperature: float = 0.0  # 0: greedy
-    top_k: int = 0  # 0: off
-    top_p: float = 1.0  # 1: off
-    seed: int = 0
-    stop_ids: tuple[int, ...] = ()
-    row: int = 0  # the key is fold_in(seed, row), as row `row` of a Sampler batch
-
-
-class Event(NamedTuple):
-    rid: int
-    token: int
-    finish_reason: str | None  # "stop" (a stop id), "length" (max_tokens), else None
-    logprob: float = 0.0  # the token's log-probability under the model
-    top: tuple[tuple[int, float], ...] = ()  # the TOP_LOGPROBS likeliest (id, logprob)
-    draft: int = -1  # speculation: the draft the token was checked against (-1: none)
-
-
-@dataclasses.dataclass
-class _Seq:
-    rid: int
-    prompt: list[int]
-    params: SamplingParams
-    key_data: np.ndarray  # uint32 [2]
-    out: list[int] = dataclasses.field(default_factory=list)
-    pages: list[int] = dataclasses.field(default_factory=list)
-    window_pages: list[int] = dataclasses.field(default_factory=list)  # -1: released
-    slot: int = -1
-    done: int = 0  # positions already in the cache
-    drafts: list[int] = dataclasses.field(default_factory=list)  # speculation's (speculation.py)
-    it: int = 0  # speculation: the step its next verify call draws at
-    record: object = None  # recording: its `recording.Record`
-
-    @property
-    def tokens(self) -> list[int]:
-        return self.prompt + self.out
-
-    @property
-    def prefilling(self) -> bool:
-        """Until the prompt (and, after a preemption, the tokens so far) is in the cache."""
-        return self.done < len(self.tokens) - (1 if self.out else 0)
 
 
 class Engine:
@@ -143,16 +94,18 @@ class Engine:
         speculative: bool = False,
         draft_depth: int | None = None,
         record: bool = False,
+        n_snapshots: int | None = None,
     ):
         """`n_pages`: the pool (default: every slot's full context, so nothing is ever
         preempted); at least one full context. `vocab_size`: sample ids below it only.
         `speculative`: decode by speculation with the model's MTP layers (`speculation.py`),
         `draft_depth` of them drafting (default: sample.draft_depth, else all). `record`:
-        keep each request's experts and tempered log-probs (`recording.py`)."""
+        keep each request's experts and tempered log-probs (`recording.py`). `n_snapshots`:
+        a hybrid's prefix states kept (`snapshots.py`; default 2 per slot)."""
         cfg = sampler.cfg
         sizes = dict(max_slots=max_slots, page_size=page_size, n_pages=n_pages, chunk=chunk,
                      max_queue=max_queue)  # fmt: skip
-        if problem := model_problem(cfg) or size_problem(sizes):
+        if problem := model_problem(cfg, speculative) or size_problem(sizes):
             raise EngineError(problem)
         if record and speculative:
             raise EngineError("the speculative engine does not record routes; drop speculative")
@@ -179,13 +132,20 @@ class Engine:
         if K:
             self.programs = DraftPrograms(sampler, n_pages, n_window, page_size, max_slots, K)
         else:
-            self.programs = Programs(sampler, n_pages, n_window, page_size)
+            n_snapshots = 2 * max_slots if n_snapshots is None else n_snapshots
+            rows = max_slots + n_snapshots  # a hybrid's state rows: the slots', snapshots
+            self.programs = Programs(sampler, n_pages, n_window, page_size, n_slots=rows)
         self.speculation = Speculation(self, K) if K else None
         self.window = window if self.programs.has_rings else 0
+        self.shares_prefixes = not self.window  # (ring layers drop a prefix's pages)
+        self.snapshots = None  # a hybrid's prefix states, rows past the slots'
+        if self.programs.has_states:
+            self.snapshots = Snapshots(n_snapshots, max_slots, page_size)
+            self.state_rows = max_slots + n_snapshots
         self.window_pool = PagePool(max_slots * per_slot if self.window else 1, page_size)
         self.max_queue, self.n_vocab = max_queue, vocab_size or self.V
-        self.queue: deque[_Seq] = deque()
-        self.slots: list[_Seq | None] = [None] * max_slots
+        self.queue: deque[Seq] = deque()
+        self.slots: list[Seq | None] = [None] * max_slots
         self._ids = itertools.count()
         self._admitted = itertools.count()
         self._order: dict[int, int] = {}  # rid -> admission number (preemption picks the last)
@@ -196,14 +156,14 @@ class Engine:
 
     # ------------------------------------------------------------------ requests
 
-    def submit(self, prompt, params: SamplingParams = SamplingParams()) -> int:
+    def submit(self, prompt, params: SamplingParams = GREEDY) -> int:
         """Queue a request (token ids); -> its id. EngineError if unusable, QueueFull."""
         prompt = self._checked(prompt, params)
         if len(self.queue) >= self.max_queue:
             raise QueueFull(f"the queue is full ({self.max_queue} requests); retry later")
         rid = next(self._ids)
         key_data = jax.random.key_data(jax.random.fold_in(jax.random.key(params.seed), params.row))
-        self.queue.append(_Seq(rid, prompt, params, np.asarray(key_data, np.uint32)))
+        self.queue.append(Seq(rid, prompt, params, np.asarray(key_data, np.uint32)))
         return rid
 
     def _checked(self, prompt, params: SamplingParams) -> list[int]:
@@ -283,8 +243,12 @@ class Engine:
         while self.queue and None in self.slots:
             seq = self.queue.popleft()
             tokens = seq.tokens
-            # Ring layers' pages of a prefix are gone once behind its window: no sharing.
-            shared = [] if self.window else self.pool.match_prefix(tokens)
+            shared = self.pool.match_prefix(tokens) if self.shares_prefixes else []
+            restore = -1
+            if self.snapshots is not None:  # as many pages as a kept state covers
+                m, restore = self.snapshots.find(tokens, len(shared))
+                self.pool.release(shared[m:])
+                shared = shared[:m]
             if self._twin_in_prefill(tokens, len(shared)):
                 self.pool.release(shared)
                 twins.append(seq)
@@ -297,6 +261,9 @@ class Engine:
                 self.queue.appendleft(seq)
                 break
             seq.pages, seq.done = shared + own, len(shared) * self.page_size
+            if restore >= 0:
+                seq.restore = restore
+                self.snapshots.pin(restore)
             if self.recorder is not None:
                 self.recorder.admitted(seq, len(shared))
             seq.slot = self.slots.index(None)
@@ -309,7 +276,7 @@ class Engine:
         findable ones findable: then `tokens` waits for it rather than compute it again (G
         samples of one prompt submitted together prefill it once), letting others pass."""
         end = (n_found + 1) * self.page_size
-        if self.window or end > len(tokens) - 1:  # (match_prefix leaves the last token)
+        if not self.shares_prefixes or end > len(tokens) - 1:  # (match_prefix leaves one)
             return False
         slots = [s for s in self.slots if s is not None and s.prefilling]
         return any(s.prompt[:end] == tokens[:end] for s in slots)
@@ -317,7 +284,7 @@ class Engine:
     def _pages_for(self, n_positions: int) -> int:
         return -(-n_positions // self.page_size)
 
-    def _prefill(self, seqs: list[_Seq]) -> list[Event]:
+    def _prefill(self, seqs: list[Seq]) -> list[Event]:
         """The next chunk of each of `seqs`' tokens into its pages, one row each; a row's next
         token on its last chunk."""
         R = _bucket(len(seqs), 1, self.prefill_rows)
@@ -329,6 +296,8 @@ class Engine:
             end = len(tokens) if not seq.out else len(tokens) - 1  # a preempted one's last: decode
             if self.speculation is None:
                 end = min(end, seq.done + self.chunk)
+                if self.snapshots is not None:
+                    end = self.snapshots.boundary(seq.prompt, seq.done, end)
             else:
                 end = self.speculation.chunk_end(seq.done, end, self.chunk)
             n = end - seq.done
@@ -339,25 +308,28 @@ class Engine:
             self._window_pages(seq, end)
             ends.append(end)
         rows = seqs + [None] * (R - len(seqs))
-        batch = self._batch(rows, tokens_RC, positions_RC, last_R)
+        batch = self._batch(rows, tokens_RC, positions_RC, last_R, ends)
         if self.speculation is not None:
             return self.speculation.prefill(seqs, batch, ends)
         picked = self.programs.run(batch, self._mode(seqs))
         events = []
         for i, (seq, end) in enumerate(zip(seqs, ends, strict=True)):
+            if seq.restore >= 0:  # read: its row may give way now
+                self.snapshots.unpin(seq.restore)
+                seq.restore = -1
             if self.recorder is not None:
                 self.recorder.fed(seq, picked, i, seq.done, end - seq.done)
             seq.done = end
             if end < len(seq.tokens):  # a middle chunk (or a preempted one's refill): no token
                 continue
-            if not self.window:
+            if self.shares_prefixes:
                 findable = self.pool.register(seq.prompt, seq.pages)
                 if self.recorder is not None:
                     self.recorder.registered(seq, findable)
             events += self._emit(seq, picked, i)
         return events
 
-    def _decode(self, seqs: list[_Seq]) -> list[Event]:
+    def _decode(self, seqs: list[Seq]) -> list[Event]:
         """Every decoding slot feeds its last token at its position and picks the next."""
         if self.speculation is not None:
             return self.speculation.decode(seqs)
@@ -391,7 +363,7 @@ class Engine:
     def _rows_for(self, n: int) -> int:
         return _bucket(n, self.min_decode_rows, self.max_slots)
 
-    def _grow(self, seq: _Seq, n_positions: int) -> bool:
+    def _grow(self, seq: Seq, n_positions: int) -> bool:
         """Pages for `n_positions` of `seq` (preempting others if the pool is short)."""
         need = self._pages_for(n_positions) - len(seq.pages)
         while need > 0:
@@ -405,7 +377,7 @@ class Engine:
             self._preempt(max(others, key=lambda s: self._order[s.rid]))
         return True
 
-    def _window_pages(self, seq: _Seq, end: int) -> None:
+    def _window_pages(self, seq: Seq, end: int) -> None:
         """The ring layers' pages for a call writing positions up to `end` (exclusive), and
         those wholly behind the window of its first query (`seq.done`) released."""
         if not self.window:
@@ -425,14 +397,17 @@ class Engine:
             assert pages is not None, "the window pool is sized never to run short"
             seq.window_pages += pages
 
-    def _preempt(self, seq: _Seq) -> None:
+    def _preempt(self, seq: Seq) -> None:
         """Free `seq`'s slot and pages; it waits at the queue's head to be refilled."""
         self._leave(seq)
         seq.done, seq.slot = 0, -1
         self.preempted += 1
         self.queue.appendleft(seq)
 
-    def _leave(self, seq: _Seq) -> None:
+    def _leave(self, seq: Seq) -> None:
+        if seq.restore >= 0:  # admitted, never prefilled
+            self.snapshots.unpin(seq.restore)
+            seq.restore = -1
         self.pool.release(seq.pages)
         self.window_pool.release([p for p in seq.window_pages if p >= 0])
         seq.pages, seq.window_pages = [], []
@@ -440,7 +415,7 @@ class Engine:
         seq.slot = -1
         self._order.pop(seq.rid, None)
 
-    def _emit(self, seq: _Seq, picked: Picked, row: int) -> list[Event]:
+    def _emit(self, seq: Seq, picked: Picked, row: int) -> list[Event]:
         ids, logprobs = picked.top_ids_BK[row].tolist(), picked.top_logprobs_BK[row].tolist()
         top = tuple(zip(ids, logprobs, strict=True))
         event = self._event(seq, int(picked.tokens_B[row]), float(picked.logprob_B[row]), top)
@@ -448,7 +423,7 @@ class Engine:
             self.recorder.picked(seq, picked, row, event.finish_reason is not None)
         return [event]
 
-    def _event(self, seq: _Seq, token: int, logprob: float, top, draft: int = -1) -> Event:
+    def _event(self, seq: Seq, token: int, logprob: float, top, draft: int = -1) -> Event:
         """`seq`'s next token; it leaves at a stop id or `max_tokens`."""
         seq.out.append(token)
         p = seq.params
@@ -461,8 +436,9 @@ class Engine:
 
     # ------------------------------------------------------------------ program inputs
 
-    def _batch(self, rows, tokens_BT, positions_BT, last_B) -> Batch:
-        """The call's inputs; empty rows (None) get padding and greedy rules."""
+    def _batch(self, rows, tokens_BT, positions_BT, last_B, ends=()) -> Batch:
+        """The call's inputs; empty rows (None) get padding and greedy rules. `ends`: a
+        prefill's rows' ends, where a hybrid may keep their states (`snapshots.py`)."""
         B = len(rows)
         width = table_width(np.array([len(s.pages) for s in rows if s is not None]), self.max_pages)
         table_BM = np.zeros((B, width), np.int32)
@@ -472,6 +448,7 @@ class Engine:
         temperature_B = np.zeros(B, np.float32)
         top_k_B = np.full(B, self.V, np.int32)
         top_p_B = np.full(B, 2.0, np.float32)
+        from_B, slot_B, snap_B = self._state_rows(rows, ends)
         for i, seq in enumerate(rows):
             if seq is None:
                 continue
@@ -485,10 +462,27 @@ class Engine:
             top_p_B[i] = p.top_p if p.top_p < 1 else 2.0
         return Batch(
             table_BM, window_BM, tokens_BT, positions_BT, last_B, keys_B2, step_B,
-            temperature_B, top_k_B, top_p_B, np.int32(self.n_vocab),
+            temperature_B, top_k_B, top_p_B, np.int32(self.n_vocab), from_B, slot_B, snap_B,
         )  # fmt: skip
 
-    def _mode(self, seqs: list[_Seq]) -> PickMode:
+    def _state_rows(self, rows, ends) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """A hybrid's state rows per batch row (`Batch.from_B` ...; padding: none): read from
+        its restored snapshot, its slot, or none at position 0; written to its slot, and a
+        snapshot row where a prefill ends on a page boundary to keep."""
+        none = self.state_rows if self.snapshots is not None else self.max_slots
+        from_B, slot_B, snap_B = (np.full(len(rows), none, np.int32) for _ in range(3))
+        if self.snapshots is None:
+            return from_B, slot_B, snap_B
+        for i, seq in enumerate(rows):
+            if seq is None:
+                continue
+            from_B[i] = seq.restore if seq.restore >= 0 else seq.slot if seq.done else none
+            slot_B[i] = seq.slot
+            if i < len(ends) and (row := self.snapshots.target(seq.prompt, ends[i])) >= 0:
+                snap_B[i] = row
+        return from_B, slot_B, snap_B
+
+    def _mode(self, seqs: list[Seq]) -> PickMode:
         ps = [s.params for s in seqs]
         all_greedy = all(p.temperature == 0 for p in ps)
         any_filter = any(0 < p.top_k < self.V or p.top_p < 1 for p in ps if p.temperature > 0)

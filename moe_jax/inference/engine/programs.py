@@ -8,6 +8,15 @@ Sliding-window layers shorter than the context (`is_ring`) keep their keys in a 
 own, read through a second table (`Batch.window_BM`): the engine releases a slot's window
 pages once behind its window, so those layers hold about window + chunk positions per slot.
 
+A hybrid stack's linear layers (attention.linear) hold no pages: each keeps a pool of
+fixed-size recurrent states ({"conv": [S, C, W - 1], "state": [S, H, K, V]}: `linear_attention`'s
+cache, pool rows for batch rows), a row per engine slot and then the prefix cache's snapshots
+(`snapshots.py`). A call reads each row's state from the row `Batch.from_B` names (its slot;
+a snapshot, when it starts past a restored prefix; none, zeros, when it starts at position
+0), runs the layer's chunked form (prefill) or its recurrence (decode) from it, and writes
+the new state to the row's slot and, where `Batch.snap_B` names one, a snapshot row; padding
+rows read zeros and write nowhere.
+
 Two shapes run: a prefill chunk ([1, chunk] tokens of one slot) and a decode step ([slots, 1]:
 every slot's last token). The page table is cut to a power-of-two number of pages (the
 longest row's), so attention reads about the rows' actual lengths, not the whole context; a
@@ -54,6 +63,12 @@ class Batch(NamedTuple):
     top_k_B: np.ndarray  # int32, >= V: off
     top_p_B: np.ndarray  # float32, > 1: off
     n_vocab: np.ndarray  # int32 scalar: sample ids below it only
+    # int32, linear layers' state pools (module doc); out of range: none. The row the state
+    # is read from (the slot, a snapshot; none: zeros), the slot it is written to, and a
+    # snapshot row it is kept in too.
+    from_B: np.ndarray
+    slot_B: np.ndarray
+    snap_B: np.ndarray
 
 
 # Alternatives returned with each picked token's log-probability (OpenAI's completions take
@@ -122,13 +137,31 @@ def layer_numbers(cfg, n_blocks: int, n_tail: int) -> dict:
     return out | ({"prefix": list(range(k))} if k else {})
 
 
+def _slot_rows(pool: dict, b: Batch) -> dict:
+    """A linear layer's rows from its state pool (module doc): zeros where `from_B` is out of
+    range."""
+    return {n: jnp.take(a, b.from_B, axis=0, mode="fill", fill_value=0) for n, a in pool.items()}
+
+
+def _into_slots(pool: dict, rows: dict, b: Batch) -> dict:
+    """The pool with each row's new state in its slot and its snapshot row (out of range:
+    dropped)."""
+    put = lambda a, at, new: a.at[at].set(new.astype(a.dtype), mode="drop")
+    return {n: put(put(a, b.slot_B, rows[n]), b.snap_B, rows[n]) for n, a in pool.items()}
+
+
+def _is_layer(tree) -> bool:
+    return isinstance(tree, dict) and not {"k", "latent", "state"}.isdisjoint(tree)
+
+
 def _with_tables(pages: dict, cfg, b: Batch) -> dict:
     """Every layer's pages with its page table beside them (the window pool's for ring
-    layers), each block's before the blocks are stacked."""
+    layers), each block's before the blocks are stacked; a linear layer's rows of its state
+    pool instead (`_slot_rows`)."""
     n_tail = len(pages["tail"])
     numbers = layer_numbers(cfg, len(pages["blocks"]), n_tail)
     table = lambda n: b.window_BM if is_ring(cfg, n) else b.table_BM
-    put = lambda d, n: d | {"table": table(n)}
+    put = lambda d, n: _slot_rows(d, b) if "state" in d else d | {"table": table(n)}
     out = {
         name: [put(d, n) for d, n in zip(pages[name], numbers[name], strict=True)]
         for name in ("tail", "prefix")
@@ -156,6 +189,8 @@ def forward_pages(model, n_blocks: int, pages: dict, b: Batch, *, with_aux=False
     out, aux, new = model(b.tokens_BT, positions=b.positions_BT, cache=paged, **kw)
     new = _without_table(new)
     new["blocks"] = unstack_blocks(new["blocks"], n_blocks)
+    put = lambda old, d: _into_slots(old, d, b) if "state" in old else d
+    new = jax.tree.map(put, pages, new, is_leaf=_is_layer)
     return (out, new, aux) if with_aux else (out, new)
 
 
@@ -195,17 +230,34 @@ def _call(graphdef, weights: Weights, pages: dict, b: Batch, *, mode: PickMode):
 
 
 def init_pages(
-    model, n_pages: int, n_window_pages: int, page_size: int, mesh=None, mtp_depth: int = 0
+    model,
+    n_pages: int,
+    n_window_pages: int,
+    page_size: int,
+    mesh=None,
+    mtp_depth: int = 0,
+    n_slots: int = 1,
 ) -> dict:
     """Zeroed page pools, one per layer, in the model's cache layout (`init_cache`) with its
     layer blocks kept apart: {"k", "v"} [N, PS, K, hd] (MLA: {"latent"} [N, PS, 1, L]); ring
-    layers' (`is_ring`) of `n_window_pages`; with `mtp_depth`, "mtp": the first MTP layers'
-    (speculative decoding, `drafting`). Under a mesh the kv heads split over `tensor` where
-    they divide, pages whole."""
+    layers' (`is_ring`) of `n_window_pages`; linear layers' state pools of `n_slots` (module
+    doc); with `mtp_depth`, "mtp": the first MTP layers' (speculative decoding, `drafting`).
+    Under a mesh the kv heads split over `tensor` where they divide, pages whole; the states
+    are replicated."""
     max_len = model.cfg.model.max_seq_len
     shapes = jax.eval_shape(lambda: model.init_cache(1, max_len, mtp=mtp_depth > 0))
 
+    def states(d):  # [*lead, 1, ...] per row -> [*lead, n_slots, ...]
+        out = {}
+        for n, a in d.items():
+            row = a.ndim - (3 if n == "state" else 2) - 1  # the batch axis
+            zeros = jnp.zeros((*a.shape[:row], n_slots, *a.shape[row + 1 :]), a.dtype)
+            out[n] = zeros if mesh is None else jax.device_put(zeros, NamedSharding(mesh, P()))
+        return out
+
     def layer(d):
+        if "state" in d:
+            return states(d)
         names = ("latent",) if "latent" in d else ("k", "v")
         N = n_window_pages if "pos" in d else n_pages  # "pos": init_cache's ring
         out = {}
@@ -260,18 +312,27 @@ class Programs:
     """The sampler's weights, the page pools, and the jitted call (one per shape and mode)."""
 
     def __init__(
-        self, sampler, n_pages: int, n_window_pages: int, page_size: int, mtp_depth: int = 0
+        self,
+        sampler,
+        n_pages: int,
+        n_window_pages: int,
+        page_size: int,
+        mtp_depth: int = 0,
+        n_slots: int = 1,
     ):
-        """`mtp_depth`: pools for the first MTP layers too (`draft_programs`)."""
+        """`mtp_depth`: pools for the first MTP layers too (`draft_programs`); `n_slots`: the
+        linear layers' state rows (the engine's slots, then its snapshots)."""
         self.sampler = sampler
         self.mesh = sampler.mesh
         self.weights = Weights(sampler.params, sampler.param_blocks)
         model = sampler.inference_model()
+        sizes = (n_pages, n_window_pages, page_size, self.mesh, mtp_depth, n_slots)
         with self._on_mesh():
-            self.pages = init_pages(model, n_pages, n_window_pages, page_size, self.mesh, mtp_depth)
+            self.pages = init_pages(model, *sizes)
         numbers = layer_numbers(model.cfg, model.n_blocks, len(model.tail))
         flat = [n for ns in numbers["blocks"] for n in ns] + numbers["tail"]
         self.has_rings = any(is_ring(model.cfg, n) for n in flat + numbers.get("prefix", []))
+        self.has_states = model.cfg.attention.linear != "none"  # linear layers' state rows
         self._jitted = _jitted(sampler.graphdef)
         self.shapes: set[tuple] = set()  # (tokens shape, table widths, mode) run so far
 

@@ -16,13 +16,14 @@ def size_problem(sizes: dict, spell=lambda name: name) -> str | None:
     return None
 
 
-def model_problem(cfg) -> str | None:
-    """Why the engine cannot serve the model of `cfg` (a Config), or None."""
-    if cfg.attention.linear != "none":  # a state per layer, not pages of keys
+def model_problem(cfg, speculative: bool = False) -> str | None:
+    """Why the engine cannot serve the model of `cfg` (a Config), or None; `speculative`:
+    with speculative decoding."""
+    if speculative and cfg.attention.linear != "none":  # a state steps forward only
         return (
-            f"the engine's paged cache holds keys and values, not the state of linear-"
-            f"attention layers (attention.linear={cfg.attention.linear}: Qwen3-Next, "
-            "Qwen3.5); sample these models with the Sampler (sample.py) instead"
+            "speculative decoding would roll the linear-attention layers' states back past "
+            f"rejected drafts, which the engine does not do (attention.linear="
+            f"{cfg.attention.linear}: Qwen3-Next, Qwen3.5); serve these models without it"
         )
     if cfg.attention.index_topk > 0:  # the indexer's keys and selections, not pages yet
         return (

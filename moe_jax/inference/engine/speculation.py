@@ -7,7 +7,7 @@ verdict emits. The programs, and why rejected drafts need no rollback: `draft_pr
     engine.speculation.acceptance_rate               # drafts kept over drafts checked
 
 A request's state between calls: its newest token (the last emitted, at position `done`, not
-yet fed), its K drafts (`_Seq.drafts`) and the step its keys are at (`_Seq.it`: the verify
+yet fed), its K drafts (`Seq.drafts`) and the step its keys are at (`Seq.it`: the verify
 calls it has had, plus one). Each decode step checks every decoding request's drafts and
 emits 1..K+1 tokens of it, through its stop ids and `max_tokens`: a step ends the request
 at the first token that ends it, and counts the drafts checked up to there (a draft after a
@@ -102,7 +102,7 @@ class Speculation:
             seq.done = end
             if not final_R[i]:
                 continue
-            if not e.window:
+            if e.shares_prefixes:
                 e.pool.register(seq.prompt, seq.pages)
             seq.drafts = out.drafts_BK[i].tolist()
             if fresh_R[i]:
