@@ -139,20 +139,24 @@ class Leg:
         return self.slower * (own + sum(self.shared.get(m, 0.0) for m in self.modules))
 
 
-def cover(leg: Leg, candidates, lines_of, target: set) -> None:
-    """Add to `leg` the tests that run every line of `target`: greedily the most new lines a
-    second, then drop each chosen test whose lines the others already run."""
+def cover(leg: Leg, candidates, lines_of, target: set, other: set = frozenset()) -> None:
+    """Set `leg`'s tests to ones that run every line of `target`: greedily the most new lines
+    a second, then drop each chosen test whose lines the others already run. A test of
+    `other` (the other leg's cover) costs its seconds, since choosing it runs it twice; any
+    other test costs a tenth of them, since it runs in one leg or the other anyway (the
+    tenth still prefers the shorter of two)."""
+    cost = lambda t: leg.extra(t) * (1.0 if t in other else 0.1)
     covered: set = set()
     chosen = []
     while True:
         gain = {t: len((lines_of[t] & target) - covered) for t in candidates}
-        best = max(candidates, key=lambda t: gain[t] / leg.extra(t))
+        best = max(candidates, key=lambda t: gain[t] / cost(t))
         if not gain[best]:
             break
         chosen.append(best)
         leg.add(best)
         covered |= lines_of[best] & target
-    for test in reversed(list(chosen)):
+    for test in sorted(chosen, key=lambda t: -cost(t)):  # the dearest go first
         others = set().union(*(lines_of[t] & target for t in chosen if t != test))
         if others >= target:
             chosen.remove(test)
@@ -174,8 +178,15 @@ def split(coverage_file: str, log_file: str) -> dict:
     in_newest = sorted(tests - oldest_only)
 
     oldest, newest = Leg(cost, shared), Leg(cost, shared, NEWEST_SLOWER)
-    cover(oldest, sorted(tests), lines_of, set().union(*lines_of.values()) - at_import)
-    cover(newest, in_newest, lines_of, set().union(*(lines_of[t] for t in in_newest)) - at_import)
+    all_lines = set().union(*lines_of.values()) - at_import
+    newest_lines = set().union(*(lines_of[t] for t in in_newest)) - at_import
+    # Each cover chosen again against the other's, so that few tests run in both: only
+    # those that alone run some line (measured 2026-12-03: 233 tests in both legs when each
+    # cover was chosen on its own).
+    cover(oldest, sorted(tests), lines_of, all_lines)
+    for _ in range(2):
+        cover(newest, in_newest, lines_of, newest_lines, other=oldest.tests)
+        cover(oldest, sorted(tests), lines_of, all_lines, other=newest.tests)
     for test in oldest_only:
         oldest.add(test)
     for test in sorted(tests - oldest.tests - newest.tests, key=lambda t: -cost[t]):
