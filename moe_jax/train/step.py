@@ -104,12 +104,15 @@ def decay_mask(params, decay_embeddings: bool, mtp: bool = True, indexer_only: b
     warm-up's, which trains nothing else).
 
     Relies on the model's naming contract: norm weights are named `scale`, biases end in
-    `bias`, the token embedding is `embed.embedding`, the MTP layers are under `mtp`.
+    `bias`, the token embedding is `embed.embedding`, the MTP layers are under `mtp`, a
+    hash-routed layer's fixed table is `tid2eid` (`moe.hash_table`: never moves).
     """
 
     def decays(path, _) -> bool:
         names = [str(k.key) for k in path if isinstance(k, jax.tree_util.DictKey)]
-        if names[-1] == "scale" or names[-1].endswith("bias") or (not mtp and names[0] == "mtp"):
+        if names[-1] in ("scale", "tid2eid") or names[-1].endswith("bias"):
+            return False
+        if not mtp and names[0] == "mtp":
             return False
         if indexer_only and "indexer" not in names:
             return False
