@@ -90,9 +90,9 @@ class ModelConfig:
     # state and token t+k, trained with train.mtp_loss_weight; depth 1 also drafts for
     # speculative decoding (sample.speculative). 0 = none (DeepSeek-V3: 1).
     mtp_depth: int = 0
-    # DeepSeek-V4's manifold-constrained hyper-connections (mHC; moe_jax/model/
-    # hyper_connections.py): the residual is hc_mult streams, each block's input a learned
-    # mix of them and its output spread back over them, the streams themselves mixed by a
+    # DeepSeek-V4's manifold-constrained hyper-connections (mHC, in
+    # moe_jax/model/hyper_connections.py): the residual is hc_mult streams, each block's
+    # input a learned mix of them and its output spread back over them, the streams themselves mixed by a
     # doubly-stochastic matrix (Sinkhorn-Knopp); a learned head merges them before the final
     # norm. 0 = the one plain residual stream (V4: 4)
     hc_mult: int = 0
@@ -317,8 +317,8 @@ class MoEConfig:
     first_dense_layers: int = 0
     # DeepSeek-V4's hash routing: the first this many MoE layers (after first_dense_layers;
     # HF mlp_layer_types "hash_moe", V4: 3) take the experts a fixed token-id table `tid2eid`
-    # [vocab_size, top_k] names (never trained; drawn at random, distinct experts per token,
-    # or imported), weighted by their router's scores as a top-k layer weighs its picks, and
+    # [vocab_size, top_k] names (never trained; drawn at random, distinct experts per token),
+    # weighted by their router's scores as a top-k layer weighs its picks, and
     # no correction_bias. Like the dense prefix they run outside the layer scan.
     hash_layers: int = 0
     # > 0: DeepSeek-V3's sequence-wise balance loss, the load-balance loss of each sequence

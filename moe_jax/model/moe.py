@@ -3,7 +3,9 @@
 Semantics (DESIGN.md):
 - Router logits `x @ W_r (+ b)` in float32. `softmax`: probabilities over all experts, top-k,
   optionally renormalised over the k (which is exactly "top-k, then softmax over the k").
-  `sigmoid` (Llama 4): top-k on the raw logits, weight = sigmoid(logit), optionally renormalised.
+  `sigmoid` (Llama 4): top-k on the raw logits, weight = sigmoid(logit), optionally renormalised;
+  `sqrtsoftplus` (DeepSeek-V4) likewise with sqrt(softplus(logit)). Hash-routed layers
+  (DeepSeek-V4's first, moe.hash_layers) take their experts from a fixed token-id table.
 - `route_scale="output"` weights each expert's output (Mixtral/Qwen); `"input"` scales the
   expert's *input* by the weight and sums the outputs unweighted (Llama 4).
 - Tokens are routed in groups (one group per expert-parallel shard; the batch is split into
@@ -142,8 +144,10 @@ class MoE(nnx.Module):
         way), weighted by the router's scores at them as `routing.route` weighs a replay's,
         which is transformers' DeepseekV4HashRouter."""
         if hasattr(self, "tid2eid") and replay_BTK is None:
-            raise ValueError("a hash-routed MoE layer (moe.hash_layers) routes by token id: "
-                             "pass hashed_experts(tokens) as replay_BTK")
+            raise ValueError(
+                "a hash-routed MoE layer (moe.hash_layers) routes by token id: "
+                "pass hashed_experts(tokens) as replay_BTK"
+            )
         mesh = jax.sharding.get_abstract_mesh()
         if mesh.empty:
             y_BTD, stats = self._local(x_BTD, n_groups, valid_BT, replay_BTK)

@@ -19,6 +19,10 @@ offloaded to host memory on top of dots or full (`remat.py`).
     x_BTD, aux = model(tokens_BT, head=False); model.logits(x_BTD)   # the head applied later
     logits_BTV, aux = model(tokens_BT, images=images_BND, image_mask=mask_BT)   # model.vision > 0
 
+With `model.hc_mult` = N > 0 (DeepSeek-V4's hyper-connections, `hyper_connections.py`) the
+residual between the layers is N streams [B, T, N, D]: the embedding copied N times, each
+block's input and residual made from them, and `hc_head` merging them after the last layer.
+
 With `model.mtp_depth` > 0 the model also holds `mtp`, DeepSeek-V3's multi-token prediction
 layers (`mtp.py`): the forward never runs them; the loss applies them to the `head=False`
 output, and speculative sampling drafts with them (`moe_jax.inference.speculative`).
@@ -72,11 +76,11 @@ from moe_jax.model.attention import Attention
 from moe_jax.model.image_inputs import check_image_inputs
 from moe_jax.model.int8 import QuantizedParam, after
 from moe_jax.model.kv_cache import KVCache
+from moe_jax.model.layer_stats import LAYER_FRACTIONS
 from moe_jax.model.mla import MLAttention, mla_cache
 from moe_jax.model.moe import MoE, SwiGLU
 from moe_jax.model.mtp import MTPLayer
 from moe_jax.model.norm import RMSNorm
-from moe_jax.model.layer_stats import LAYER_FRACTIONS
 from moe_jax.model.remat import remat
 from moe_jax.model.sparse_attention import first_carry
 from moe_jax.named_scopes import MLP
