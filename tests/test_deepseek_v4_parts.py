@@ -32,6 +32,7 @@ from moe_jax.model import Transformer
 from moe_jax.model.balancing import update_correction_bias
 from moe_jax.model.moe import MoE
 from moe_jax.sharding import BATCH_AXES, create_sharded, make_mesh
+from moe_jax.summary.counts import param_breakdown
 from moe_jax.train.step import decay_mask
 from tests.helpers import forward_cached, tiny_config
 
@@ -74,6 +75,13 @@ def test_model_layout_scan_and_hash_routes(run):
     table = np.asarray(hash_moe.tid2eid[...]).astype(int)
     assert all(len(set(row)) == cfg.moe.top_k for row in table)  # distinct experts per token
     np.testing.assert_array_equal(aux["routes"][0], table[np.asarray(tokens)])
+    # The summary counts mHC's params as a component of their own and the table as no weight
+    # (transformers' buffer): 8 blocks' fn [N D, (2 + N) N], bias and 3 scales, the head's.
+    b = param_breakdown(cfg)
+    N, D = 4, 32
+    assert b.total["mhc"] == 8 * (N * D * (2 + N) * N + (2 + N) * N + 3) + N * D * N + N + 1
+    n_params = sum(v.size for v in jax.tree.leaves(nnx.state(model, nnx.Param)))
+    assert sum(b.total.values()) == n_params - table.size
     got, got_aux = nnx.jit(lambda m, t: m(t))(unrolled, tokens)
     np.testing.assert_allclose(got, logits, **TOL)
     np.testing.assert_array_equal(got_aux["routes"], aux["routes"])

@@ -92,9 +92,9 @@ class ModelConfig:
     mtp_depth: int = 0
     # DeepSeek-V4's manifold-constrained hyper-connections (mHC, in
     # moe_jax/model/hyper_connections.py): the residual is hc_mult streams, each block's
-    # input a learned mix of them and its output spread back over them, the streams themselves mixed by a
-    # doubly-stochastic matrix (Sinkhorn-Knopp); a learned head merges them before the final
-    # norm. 0 = the one plain residual stream (V4: 4)
+    # input a learned mix of them and its output spread back over them, the streams
+    # themselves mixed by a doubly-stochastic matrix (Sinkhorn-Knopp); a learned head merges
+    # them before the final norm. 0 = the one plain residual stream (V4: 4)
     hc_mult: int = 0
     hc_sinkhorn_iters: int = 20  # see hc_mult: the Sinkhorn-Knopp iterations (V4: 20)
     hc_eps: float = 1e-6  # see hc_mult: the floor added to the mixing weights and their sums
