@@ -8,7 +8,7 @@ Heads at or under tau are left exactly as they were (their factors are exactly 1
 
 The statistic comes from the step's own forward: the blocked attention kernel returns each
 row's largest logit beside its output (`attention_core.block_attention_max`), reduced to
-"max_logit" [n_layers, H] in the model's aux (`Transformer._max_logits`); no second forward.
+"max_logit" [n_layers, H] in the model's aux (`layer_stats.max_logits`); no second forward.
 
 How a head's logits are scaled by gamma_h:
 - MHA (K = H): q_h and k_h each by sqrt(gamma_h), the report's split.

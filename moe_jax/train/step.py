@@ -59,7 +59,7 @@ from jax.sharding import PartitionSpec as P
 
 from moe_jax import backends
 from moe_jax.config import Config, TrainConfig
-from moe_jax.model import Transformer, context_parallel, lora, weight_gather
+from moe_jax.model import Transformer, context_parallel, layer_stats, lora, weight_gather
 from moe_jax.model.balancing import update_correction_bias
 from moe_jax.model.loss import Batch, head_statistics, split_batch, target_statistics
 from moe_jax.model.mtp import MTP_LAYER_STATS, mtp_hidden, with_mtp_stats
@@ -252,7 +252,8 @@ def mtp_loss(model, x_BTD, batch: Batch, chunk: int, head_DV, aux: dict, total_K
     denom_K = jnp.maximum(count_K if total_K is None else total_K, 1.0)
     loss = model.cfg.train.mtp_loss_weight * jnp.mean(sum_K / denom_K)
     mtp_stats = [s for _, s in hidden if s is not None]  # the MTP's MoE layers, in order
-    aux = with_mtp_stats(aux, model._aux([], mtp_stats), model.cfg.moe)
+    mtp_aux = layer_stats.moe_aux(model.cfg, model.n_blocks, [], [], mtp_stats)
+    aux = with_mtp_stats(aux, mtp_aux, model.cfg.moe)
     metrics = {"mtp_ce": jnp.mean(sum_K / jnp.maximum(count_K, 1.0))}
     metrics |= {"mtp_ce_sum": sum_K, "mtp_n_targets": count_K}
     metrics |= {k: aux[k] for k in MTP_LAYER_STATS.values() if k in aux}
