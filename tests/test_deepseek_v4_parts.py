@@ -1,11 +1,12 @@
-"""DeepSeek-V4's parts outside attention in our model (parity of each module with transformers
-is tests/test_deepseek_v4_reference.py's):
+"""DeepSeek-V4's parts outside attention in our model, and its grouped output projection
+(parity of each module with transformers is tests/test_deepseek_v4_reference.py's):
 
 - one tiny model with all of them: a dense layer, a hash-routed layer (the prefix), then two
   scanned top-k layers with sqrtsoftplus scores and a correction bias, the residual 4
-  hyper-connected streams. Scanned equals unrolled; decoding with the KV cache equals the full
-  forward; the hash layer takes its table's experts; the table gets no weight decay; the
-  correction bias moves in the top-k layers only;
+  hyper-connected streams, the output projection in 2 groups of rank 8. Scanned equals
+  unrolled; decoding with the KV cache equals the full forward; the hash layer takes its
+  table's experts; the summary counts mHC apart and the table as no weight; the table gets
+  no weight decay; the correction bias moves in the top-k layers only;
 - the hash-routed layer under expert parallelism equals the unsharded one (values, gradients;
   the table's gradient is zero);
 - the refusals, by name, of what does not compose yet.
@@ -41,6 +42,8 @@ V4 = (
     "model.n_layers=4",
     "model.vocab_size=64",
     "model.hc_mult=4",
+    "attention.o_groups=2",
+    "attention.o_lora_rank=8",
     "attention.nope_interval=0",
     "attention.temperature_tuning=false",
     "moe.interleave_step=1",
@@ -159,10 +162,14 @@ def test_hash_layer_under_expert_parallelism_equals_the_unsharded_one():
         (("model.hc_mult=4", "model.mtp_depth=1"),
          "model.hc_mult > 0 (hyper-connections) does not compose with multi-token"),
         (("model.hc_mult=4", "model.hc_sinkhorn_iters=0"), "model.hc_sinkhorn_iters must be "),
+        (("attention.o_groups=3", "attention.o_lora_rank=8"),
+         "attention.o_groups (3) groups grouped-query attention's heads: it needs "
+         "attention.kind=gqa and must divide attention.n_heads (4)"),
         (("moe.score=sqrt",), "moe.score='sqrt' is not supported; use one of softmax, sigmoid, "
          "sqrtsoftplus"),
     ],
-    ids=["hash_interleaved", "hash_past_layers", "hash_mtp", "hc_mtp", "hc_iters", "score"],
+    ids=["hash_interleaved", "hash_past_layers", "hash_mtp", "hc_mtp", "hc_iters", "o_groups",
+         "score"],
 )  # fmt: skip
 def test_refusals(overrides, message):
     with pytest.raises(ConfigError, match=re.escape(message)):
@@ -175,3 +182,4 @@ def test_export_refuses_v4_parts(run):
     with pytest.raises(InteropError, match=r"hyper-connections \(model.hc_mult\) are not sup"):
         u.raise_if_any()
     assert "hash-routed layers (moe.hash_layers) are not supported" in u.reasons
+    assert "a grouped output projection (attention.o_groups) is not supported" in u.reasons

@@ -7,7 +7,8 @@ weights copied in:
   the shared expert beside both;
 - mHC (`DeepseekV4HyperConnection`): the pre / post / comb weights, the block's input, the new
   streams as the reference's decoder layer mixes them, and the head (`DeepseekV4HyperHead`);
-- gradients through mHC (input streams, fn, bias, scale) against torch autograd in float64.
+- gradients through mHC (input streams, fn, bias, scale) against torch autograd in float64;
+- the grouped low-rank output projection (`DeepseekV4GroupedLinear` o_a_proj, then o_b_proj).
 
 Outputs agree within 1e-5 (float32 against float32): the same operations in another order,
 values of order 1, so the differences are a few float32 ulps (measured ~1e-6).
@@ -23,6 +24,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from moe_jax.model.attention import grouped_output
 from moe_jax.model.hyper_connections import HyperConnection, HyperHead
 from moe_jax.model.moe import MoE
 from tests.helpers import tiny_config
@@ -217,3 +219,22 @@ def test_hyper_connection_gradients_equal_torch_float64(hc_pair):
         want = want.numpy()
         assert np.abs(want).max() > 1e-2  # a gradient that is there
         np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5 * np.abs(want).max())
+
+
+def test_grouped_output_projection_equals_transformers():
+    """8 heads of 4 dims in 2 groups of rank 3: our wo_a [G, H / G, hd, r] and wo_b [G, r, D]
+    copied into the reference's o_a_proj [G r, H hd / G] and o_b_proj [D, G r]."""
+    H, hd, G, r = 8, 4, 2, 3
+    out, wo_a, wo_b = normal(20, 2, 5, H, hd), normal(21, G, H // G, hd, r), normal(22, G, r, D)
+    y = jax.jit(lambda o, a, b: grouped_output(o, nnx.Param(a), nnx.Param(b), jnp.float32))(
+        out, wo_a, wo_b
+    )
+    o_a = v4.DeepseekV4GroupedLinear(H * hd // G, G * r, G)
+    o_b = torch.nn.Linear(G * r, D, bias=False)
+    with torch.no_grad():
+        o_a.weight.copy_(
+            t(np.swapaxes(np.asarray(wo_a).reshape(G, -1, r), 1, 2).reshape(G * r, -1))
+        )
+        o_b.weight.copy_(t(np.asarray(wo_b).reshape(G * r, D).T))
+        want = o_b(o_a(t(out).reshape(2, 5, G, -1)).flatten(2))  # DeepseekV4Attention's lines
+    np.testing.assert_allclose(y, want.numpy(), rtol=1e-5, atol=1e-5)

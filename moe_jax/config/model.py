@@ -197,6 +197,12 @@ class AttentionConfig:
     # The output gate of Qwen3-Next's attention: the q projection also makes a gate per head
     # and dim, and the attention's output is multiplied by sigmoid(gate) before wo
     output_gate: bool = False
+    # DeepSeek-V4's grouped low-rank output projection (gqa), in place of wo: the heads in
+    # o_groups consecutive groups, each group's outputs projected to o_lora_rank dims by its
+    # own wo_a, the groups' together to d_model by wo_b (V4-Flash: 8 groups of rank 1024);
+    # 0 = wo
+    o_groups: int = 0
+    o_lora_rank: int = 0  # see o_groups
     sinks: bool = False  # a learned sink logit per query head in each softmax (gpt-oss)
     qkv_bias: bool = False  # biases on the q, k and v projections (Qwen2, gpt-oss)
     o_bias: bool = False  # a bias on the output projection (gpt-oss)
@@ -247,6 +253,8 @@ class AttentionConfig:
         else:
             check_gqa(self)
         check_sparse(self)
+        if self.o_groups or self.o_lora_rank:
+            self._check_grouped_output()
         non_negative(self, "attention", ["nope_interval", "full_attention_interval"])
         one_of(self.linear, LINEAR_KINDS, "attention.linear")
         if self.linear != "none":
@@ -275,6 +283,14 @@ class AttentionConfig:
                 scaling.high_freq_factor >= scaling.low_freq_factor,
                 "attention.rope_scaling.high_freq_factor must be >= low_freq_factor",
             )
+
+    def _check_grouped_output(self) -> None:
+        positive(self, "attention", ["o_groups", "o_lora_rank"])
+        require(
+            self.kind == "gqa" and self.n_heads % self.o_groups == 0,
+            f"attention.o_groups ({self.o_groups}) groups grouped-query attention's heads: "
+            f"it needs attention.kind=gqa and must divide attention.n_heads ({self.n_heads})",
+        )
 
 
 @dataclass(frozen=True)

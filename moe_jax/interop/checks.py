@@ -55,6 +55,10 @@ def check_no_deepseek_v4_parts(cfg: Config, u: Unsupported) -> None:
     """DeepSeek-V4's parts no family writes yet (V4 itself has no import or export)."""
     u.check(cfg.model.hc_mult == 0, "hyper-connections (model.hc_mult) are not supported")
     u.check(cfg.moe.hash_layers == 0, "hash-routed layers (moe.hash_layers) are not supported")
+    u.check(
+        cfg.attention.o_groups == 0,
+        "a grouped output projection (attention.o_groups) is not supported",
+    )
 
 
 def check_full_rotary(cfg: Config, u: Unsupported) -> None:
