@@ -28,7 +28,7 @@ ATTENTION_KINDS = ("gqa", "mla")
 # The linear-attention layers a hybrid stack interleaves with full attention: none | the
 # gated DeltaNet of Qwen3-Next and Qwen3.5 (moe_jax/model/gated_deltanet.py)
 LINEAR_KINDS = ("none", "gated_deltanet")
-SCORES = ("softmax", "sigmoid")
+SCORES = ("softmax", "sigmoid", "sqrtsoftplus")
 ROUTE_SCALES = ("output", "input")
 
 
@@ -90,6 +90,14 @@ class ModelConfig:
     # state and token t+k, trained with train.mtp_loss_weight; depth 1 also drafts for
     # speculative decoding (sample.speculative). 0 = none (DeepSeek-V3: 1).
     mtp_depth: int = 0
+    # DeepSeek-V4's manifold-constrained hyper-connections (mHC, in
+    # moe_jax/model/hyper_connections.py): the residual is hc_mult streams, each block's
+    # input a learned mix of them and its output spread back over them, the streams
+    # themselves mixed by a doubly-stochastic matrix (Sinkhorn-Knopp); a learned head merges
+    # them before the final norm. 0 = the one plain residual stream (V4: 4)
+    hc_mult: int = 0
+    hc_sinkhorn_iters: int = 20  # see hc_mult: the Sinkhorn-Knopp iterations (V4: 20)
+    hc_eps: float = 1e-6  # see hc_mult: the floor added to the mixing weights and their sums
 
     @property
     def remat_saved(self) -> tuple[str, ...]:
@@ -137,6 +145,15 @@ class ModelConfig:
             self.mtp_depth >= 0,
             f"model.mtp_depth must be >= 0 (0 = no multi-token prediction), got {self.mtp_depth}",
         )
+        non_negative(self, "model", ["hc_mult"])
+        if self.hc_mult:
+            positive(self, "model", ["hc_sinkhorn_iters", "hc_eps"])
+            require(
+                self.mtp_depth == 0,
+                "model.hc_mult > 0 (hyper-connections) does not compose with multi-token "
+                "prediction yet (the MTP layers keep one residual stream); set "
+                "model.mtp_depth=0 or model.hc_mult=0",
+            )
 
 
 def _names(value: str) -> tuple[str, ...]:
@@ -180,6 +197,12 @@ class AttentionConfig:
     # The output gate of Qwen3-Next's attention: the q projection also makes a gate per head
     # and dim, and the attention's output is multiplied by sigmoid(gate) before wo
     output_gate: bool = False
+    # DeepSeek-V4's grouped low-rank output projection (gqa), in place of wo: the heads in
+    # o_groups consecutive groups, each group's outputs projected to o_lora_rank dims by its
+    # own wo_a, the groups' together to d_model by wo_b (V4-Flash: 8 groups of rank 1024);
+    # 0 = wo
+    o_groups: int = 0
+    o_lora_rank: int = 0  # see o_groups
     sinks: bool = False  # a learned sink logit per query head in each softmax (gpt-oss)
     qkv_bias: bool = False  # biases on the q, k and v projections (Qwen2, gpt-oss)
     o_bias: bool = False  # a bias on the output projection (gpt-oss)
@@ -230,6 +253,8 @@ class AttentionConfig:
         else:
             check_gqa(self)
         check_sparse(self)
+        if self.o_groups or self.o_lora_rank:
+            self._check_grouped_output()
         non_negative(self, "attention", ["nope_interval", "full_attention_interval"])
         one_of(self.linear, LINEAR_KINDS, "attention.linear")
         if self.linear != "none":
@@ -259,6 +284,14 @@ class AttentionConfig:
                 "attention.rope_scaling.high_freq_factor must be >= low_freq_factor",
             )
 
+    def _check_grouped_output(self) -> None:
+        positive(self, "attention", ["o_groups", "o_lora_rank"])
+        require(
+            self.kind == "gqa" and self.n_heads % self.o_groups == 0,
+            f"attention.o_groups ({self.o_groups}) groups grouped-query attention's heads: "
+            f"it needs attention.kind=gqa and must divide attention.n_heads ({self.n_heads})",
+        )
+
 
 @dataclass(frozen=True)
 class MoEConfig:
@@ -268,7 +301,10 @@ class MoEConfig:
     interleave_step: int = 1  # MoE on every interleave_step-th layer, dense SwiGLU elsewhere
     # The three routing switches are independent: Llama 4 is score=sigmoid, renormalize=false,
     # route_scale=input (configs/llama4_scout_17b_16e.yaml); sigmoid alone keeps the others.
-    score: str = "softmax"  # softmax | sigmoid
+    # softmax | sigmoid | sqrtsoftplus (DeepSeek-V4: sqrt(softplus(logit)), as sigmoid an
+    # expert's own score, its top-k chosen by the scores plus any correction_bias, its
+    # weights the picked scores renormalised (V4: renormalize=true) times routed_scaling_factor)
+    score: str = "softmax"
     # renormalise the top-k weights to sum to 1 (top-1: always 1, so the router then learns
     # from the aux losses only)
     renormalize: bool = True
@@ -295,6 +331,12 @@ class MoEConfig:
     routed_scaling_factor: float = 1.0  # the routed experts' weights times this (V3: 2.5)
     # The first this many layers dense (HF first_k_dense_replace; DeepSeek-V3: 3).
     first_dense_layers: int = 0
+    # DeepSeek-V4's hash routing: the first this many MoE layers (after first_dense_layers;
+    # HF mlp_layer_types "hash_moe", V4: 3) take the experts a fixed token-id table `tid2eid`
+    # [vocab_size, top_k] names (never trained; drawn at random, distinct experts per token),
+    # weighted by their router's scores as a top-k layer weighs its picks, and
+    # no correction_bias. Like the dense prefix they run outside the layer scan.
+    hash_layers: int = 0
     # > 0: DeepSeek-V3's sequence-wise balance loss, the load-balance loss of each sequence
     # (a batch row) averaged over them, at this weight (V3's alpha: 1e-4) per MoE layer: summed
     # over the layers as DeepSeek's code adds each layer's (the Switch loss is averaged).
@@ -371,6 +413,7 @@ class MoEConfig:
             )
         non_negative(self, "moe", ["lb_loss_weight", "z_loss_weight", "swiglu_limit"])
         non_negative(self, "moe", ["bias_update_rate", "seq_aux_loss_weight", "first_dense_layers"])
+        non_negative(self, "moe", ["hash_layers"])
         positive(self, "moe", ["n_group", "topk_group", "routed_scaling_factor"])
         if self.n_experts > 0:
             self._check_deepseek_routing()

@@ -85,6 +85,16 @@ class Config:
         own = max(layer - a.index_skip_topk_offset + 1, 0) % a.index_topk_freq == 0
         return a.index_topk > 0 and own
 
+    @property
+    def prefix_layers(self) -> int:
+        """The layers before the repeating pattern, each its own (outside the layer scan):
+        moe.first_dense_layers dense ones, then moe.hash_layers hash-routed MoE layers."""
+        return self.moe.first_dense_layers + self.moe.hash_layers
+
+    def is_hashed(self, layer: int) -> bool:
+        """Whether `layer` routes by DeepSeek-V4's token-id table (moe.hash_layers)."""
+        return self.moe.first_dense_layers <= layer < self.prefix_layers
+
     def is_moe(self, layer: int) -> bool:
         e = self.moe
         return (
@@ -120,6 +130,8 @@ def _check_across_sections(cfg: Config) -> None:
         e.first_dense_layers <= m.n_layers,
         f"moe.first_dense_layers ({e.first_dense_layers}) exceeds model.n_layers ({m.n_layers})",
     )
+    if e.hash_layers:
+        _check_hash_layers(cfg)
     if any(not cfg.is_moe(i) for i in range(m.n_layers)):
         positive(m, "model", ["ffn_hidden"])
     kept = set(m.remat_saved) | set(m.remat_offloaded)
@@ -199,14 +211,35 @@ def check_context(cfg: Config, n: int, inference: bool = False) -> None:
         )
 
 
+def _check_hash_layers(cfg: Config) -> None:
+    """DeepSeek-V4's hash-routed layers: MoE layers right after the dense prefix."""
+    m, e = cfg.model, cfg.moe
+    require(
+        e.n_experts > 0 and e.interleave_step == 1,
+        "moe.hash_layers routes the first MoE layers by token id: it needs moe.n_experts > 0 "
+        "and every layer after the dense prefix MoE (moe.interleave_step=1)",
+    )
+    require(
+        cfg.prefix_layers <= m.n_layers,
+        f"moe.first_dense_layers + moe.hash_layers ({cfg.prefix_layers}) exceeds "
+        f"model.n_layers ({m.n_layers})",
+    )
+    require(
+        m.mtp_depth == 0 or not cfg.is_hashed(m.n_layers - 1),
+        "model.mtp_depth > 0 builds MTP layers of the last layer's kind, hash-routed here; "
+        "lower moe.hash_layers below the MoE layers' count, or set model.mtp_depth=0",
+    )
+
+
 def _check_index_sharing(cfg: Config) -> None:
     """GLM's shared selections fit the layer scan and the MTP layers: the pattern repeats
     after the dense prefix, and an MTP layer (the last layer's kind) runs its own indexer."""
-    a, k = cfg.attention, cfg.moe.first_dense_layers
+    a, k = cfg.attention, cfg.prefix_layers
+    hashed = " + moe.hash_layers" if cfg.moe.hash_layers else ""
     require(
         a.index_topk_freq == 1 or a.index_skip_topk_offset <= k + 1,
         f"attention.index_skip_topk_offset ({a.index_skip_topk_offset}) must be at most "
-        f"moe.first_dense_layers + 1 ({k + 1}) with index_topk_freq "
+        f"moe.first_dense_layers{hashed} + 1 ({k + 1}) with index_topk_freq "
         f"{a.index_topk_freq}: the layers after the dense prefix repeat one pattern",
     )
     require(

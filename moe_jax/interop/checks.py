@@ -48,6 +48,17 @@ def check_no_hybrid_parts(cfg: Config, u: Unsupported) -> None:
     u.check(not a.output_gate, "the attention output gate (attention.output_gate) is not supported")
     u.check(not cfg.model.zero_centered_norm, "zero-centred norms are not supported")
     u.check(not cfg.moe.shared_expert_gate, "a gated shared expert is not supported")
+    check_no_deepseek_v4_parts(cfg, u)
+
+
+def check_no_deepseek_v4_parts(cfg: Config, u: Unsupported) -> None:
+    """DeepSeek-V4's parts no family writes yet (V4 itself has no import or export)."""
+    u.check(cfg.model.hc_mult == 0, "hyper-connections (model.hc_mult) are not supported")
+    u.check(cfg.moe.hash_layers == 0, "hash-routed layers (moe.hash_layers) are not supported")
+    u.check(
+        cfg.attention.o_groups == 0,
+        "a grouped output projection (attention.o_groups) is not supported",
+    )
 
 
 def check_full_rotary(cfg: Config, u: Unsupported) -> None:

@@ -192,8 +192,8 @@ def _path(name: str) -> tuple:
 
 def _layer_path(cfg: Config, layer: int) -> tuple[tuple, int | None]:
     """Where layer `layer` lives: (path prefix, index into the stacked block axis or None)."""
-    P, k = cfg.layer_period, cfg.moe.first_dense_layers
-    if layer < k:  # the dense prefix (moe.first_dense_layers)
+    P, k = cfg.layer_period, cfg.prefix_layers
+    if layer < k:  # the prefix (moe.first_dense_layers, then moe.hash_layers)
         return ("prefix", layer), None
     n_blocks = (cfg.model.n_layers - k) // P
     b, j = divmod(layer - k, P)

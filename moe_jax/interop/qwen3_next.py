@@ -31,7 +31,12 @@ import functools
 import numpy as np
 
 from moe_jax.config import Config
-from moe_jax.interop.checks import Unsupported, check_no_deepseek_routing, has_nope_layers
+from moe_jax.interop.checks import (
+    Unsupported,
+    check_no_deepseek_routing,
+    check_no_deepseek_v4_parts,
+    has_nope_layers,
+)
 from moe_jax.interop.common import (
     Family,
     HFConfig,
@@ -217,6 +222,7 @@ def _check(cfg: Config, u: Unsupported) -> None:
     u.check(not e.router_bias and not e.expert_bias, "router/expert biases are not supported")
     u.check(e.swiglu_limit == 0, "clamped SwiGLU experts (moe.swiglu_limit) not supported")
     check_no_deepseek_routing(cfg, u)
+    check_no_deepseek_v4_parts(cfg, u)
 
 
 def _hf_config(cfg: Config, arch: str, model_type: str) -> dict:

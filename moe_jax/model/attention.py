@@ -43,7 +43,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from moe_jax import backends
 from moe_jax.config import Config
-from moe_jax.model import attention_kernels, context_parallel, lora, weight_gather
+from moe_jax.model import attention_kernels, context_parallel, in_turn, lora, weight_gather
 from moe_jax.model.attention_core import (
     ATTENTION_OUT,
     attention_mask,
@@ -153,7 +153,12 @@ class Attention(nnx.Module):
         self.wq = param(rngs, init, (D, H, hd), ("embed", "heads", "head_dim"))
         self.wk = param(rngs, init, (D, K, hd), ("embed", "kv_heads", "head_dim"))
         self.wv = param(rngs, init, (D, K, hd), ("embed", "kv_heads", "head_dim"))
-        self.wo = param(rngs, init, (H, hd, D), ("heads", "head_dim", "embed"))
+        if a.o_groups:  # DeepSeek-V4's grouped low-rank output projection
+            G, r = a.o_groups, a.o_lora_rank
+            self.wo_a = param(rngs, init, (G, H // G, hd, r), (None, None, "head_dim", None))
+            self.wo_b = param(rngs, init, (G, r, D), (None, None, "embed"))
+        else:
+            self.wo = param(rngs, init, (H, hd, D), ("heads", "head_dim", "embed"))
         if a.qkv_bias:
             self.q_bias = param(rngs, zeros, (H, hd), ("heads", "head_dim"))
             self.k_bias = param(rngs, zeros, (K, hd), ("kv_heads", "head_dim"))
@@ -224,8 +229,11 @@ class Attention(nnx.Module):
             out_BTHD, cache = self._cached(q_BTHD, k_BTKD, v_BTKD, positions_BT, cache)
         if hasattr(self, "wg"):  # the output gate: each head's output dims scaled by their own
             out_BTHD = out_BTHD * jax.nn.sigmoid(self._project(x_BTD, "g"))
-        y_BTD = weight_gather.einsum("bthk,hkd->btd", out_BTHD, self.wo, self.dtype)
-        y_BTD = y_BTD + lora.delta(self, "wo", out_BTHD, "bthk,hkd->btd", self.dtype)
+        if hasattr(self, "wo_a"):
+            y_BTD = grouped_output(out_BTHD, self.wo_a, self.wo_b, self.dtype)
+        else:
+            y_BTD = weight_gather.einsum("bthk,hkd->btd", out_BTHD, self.wo, self.dtype)
+            y_BTD = y_BTD + lora.delta(self, "wo", out_BTHD, "bthk,hkd->btd", self.dtype)
         if hasattr(self, "o_bias"):
             y_BTD = y_BTD + self.o_bias[...].astype(self.dtype)
         return checkpoint_name(y_BTD, "out_proj"), cache
@@ -379,3 +387,14 @@ def blocked_self_attention(
     out_BTKGD = outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=1)
     out_BTHD = out_BTKGD.reshape(B, T, H, hv)
     return (out_BTHD, jnp.max(jnp.stack(maxes_H), axis=0)) if with_max else out_BTHD
+
+
+def grouped_output(out_BTHD: jax.Array, wo_a, wo_b, dtype) -> jax.Array:
+    """DeepSeek-V4's grouped low-rank output projection (transformers' o_a_proj, a
+    DeepseekV4GroupedLinear, then o_b_proj): the heads in G consecutive groups, group g's
+    outputs [H / G * hd] times its own wo_a[g] [H / G, hd, r], the G x r results times wo_b."""
+    B, T, H, hd = out_BTHD.shape
+    G = wo_a.shape[0]
+    out_BTGMK = out_BTHD.reshape(B, T, G, H // G, hd)
+    low_BTGR = jnp.einsum("btgmk,gmkr->btgr", out_BTGMK, in_turn.dense(wo_a[...], dtype, out_BTHD))
+    return weight_gather.einsum("btgr,grd->btd", low_BTGR, wo_b, dtype)

@@ -40,7 +40,7 @@ def update_correction_bias(params, metrics: dict, cfg: Config):
     step_LE = steps(metrics["expert_load"])
     mtp_LE = steps(metrics["mtp_expert_load"]) if "mtp_expert_load" in metrics else None
     rows = moe_rows(cfg)
-    P, k = cfg.layer_period, cfg.moe.first_dense_layers
+    P, k = cfg.layer_period, cfg.prefix_layers
     n_blocks = (cfg.model.n_layers - k) // P
 
     def update(path, a):

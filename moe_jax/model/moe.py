@@ -3,7 +3,9 @@
 Semantics (DESIGN.md):
 - Router logits `x @ W_r (+ b)` in float32. `softmax`: probabilities over all experts, top-k,
   optionally renormalised over the k (which is exactly "top-k, then softmax over the k").
-  `sigmoid` (Llama 4): top-k on the raw logits, weight = sigmoid(logit), optionally renormalised.
+  `sigmoid` (Llama 4): top-k on the raw logits, weight = sigmoid(logit), optionally renormalised;
+  `sqrtsoftplus` (DeepSeek-V4) likewise with sqrt(softplus(logit)). Hash-routed layers
+  (DeepSeek-V4's first, moe.hash_layers) take their experts from a fixed token-id table.
 - `route_scale="output"` weights each expert's output (Mixtral/Qwen); `"input"` scales the
   expert's *input* by the weight and sums the outputs unweighted (Llama 4).
 - Tokens are routed in groups (one group per expert-parallel shard; the batch is split into
@@ -75,11 +77,28 @@ __all__ = ["FLOAT32_PARAMS", "MoE", "SwiGLU"]
 # Params kept float32 whatever the checkpoint's dtype, as the releases keep them (DeepSeek-V3,
 # Kimi K2, GLM-4.5: e_score_correction_bias): the bias moves by steps of bias_update_rate
 # (1e-3), which bf16 rounds away beside a bias of order 1. An export never narrows them.
-FLOAT32_PARAMS = frozenset({"correction_bias"})
+# DeepSeek-V4's hash table holds expert ids, exact in float32 (below 2^24), not in bf16.
+FLOAT32_PARAMS = frozenset({"correction_bias", "tid2eid"})
+
+
+def hash_table(n_experts: int):
+    """The initialiser of a hash-routed layer's `tid2eid` [vocab_size, top_k]: for each token
+    id, top_k distinct experts drawn at random (Roller et al. 2021's random hash), stored as
+    float32 ids. An integer param would stop `nnx.grad`; read through an integer cast it gets
+    a zero gradient, and `train.step.decay_mask` spares it, so AdamW never moves it."""
+
+    def init(key, shape, dtype):
+        V, K = shape
+        order_VE = jnp.argsort(jax.random.uniform(key, (V, n_experts)), axis=-1)
+        return order_VE[:, :K].astype(dtype)
+
+    return init
 
 
 class MoE(nnx.Module):
-    def __init__(self, cfg: Config, *, rngs: nnx.Rngs):
+    def __init__(self, cfg: Config, *, rngs: nnx.Rngs, hashed: bool = False):
+        """`hashed`: DeepSeek-V4's hash routing (moe.hash_layers): the experts a token takes
+        are its row of `tid2eid`, and the layer has no correction bias (`__call__`)."""
         m = cfg.moe
         D, E = cfg.model.d_model, m.n_experts
         self.cfg = m
@@ -89,7 +108,10 @@ class MoE(nnx.Module):
         )
         if m.router_bias:
             self.router_bias = param(rngs, nnx.initializers.zeros, (E,), (None,))
-        if m.correction_bias:  # chooses experts only; trained without a gradient (routing.py)
+        if hashed:  # [V, K] expert ids (float32), never trained
+            V = cfg.model.vocab_size
+            self.tid2eid = param(rngs, hash_table(E), (V, m.top_k), ("vocab", None))
+        elif m.correction_bias:  # chooses experts only; trained without a gradient (routing.py)
             self.correction_bias = param(rngs, nnx.initializers.zeros, (E,), (None,))
         self.experts = Experts(cfg, rngs=rngs)
         lora.attach(self.experts, cfg, "experts", rngs)
@@ -116,7 +138,16 @@ class MoE(nnx.Module):
         """x_BTD -> (y_BTD, stats). Without a mesh the batch is routed in `n_groups` groups.
         `valid_BT` (bool, optional): False marks padding, which is not routed. `replay_BTK`
         (int, optional): routing replay, the experts to use (-1: route the token itself;
-        `routing.route`). stats["experts"] [B, T, K]: the experts every token took."""
+        `routing.route`). stats["experts"] [B, T, K]: the experts every token took.
+        A hash-routed layer is given its table's rows for the tokens as `replay_BTK`
+        (`hashed_experts`): routed as a replay (expert parallelism carries them the same
+        way), weighted by the router's scores at them as `routing.route` weighs a replay's,
+        which is transformers' DeepseekV4HashRouter."""
+        if hasattr(self, "tid2eid") and replay_BTK is None:
+            raise ValueError(
+                "a hash-routed MoE layer (moe.hash_layers) routes by token id: "
+                "pass hashed_experts(tokens) as replay_BTK"
+            )
         mesh = jax.sharding.get_abstract_mesh()
         if mesh.empty:
             y_BTD, stats = self._local(x_BTD, n_groups, valid_BT, replay_BTK)
@@ -140,6 +171,11 @@ class MoE(nnx.Module):
             with jax.named_scope(SHARED_EXPERT):
                 y_BTD = y_BTD + self._shared(x_BTD)
         return y_BTD.astype(x_BTD.dtype), stats
+
+    def hashed_experts(self, tokens_BT: jax.Array) -> jax.Array:
+        """A hash-routed layer's experts [B, T, K] for the token ids (int32, no gradient)."""
+        table_VK = jax.lax.stop_gradient(self.tid2eid[...])
+        return jnp.take(table_VK, tokens_BT, axis=0).astype(jnp.int32)
 
     def _shared(self, x_BTD: jax.Array) -> jax.Array:
         """The shared expert's output, times sigmoid(x . w_gate) with moe.shared_expert_gate."""

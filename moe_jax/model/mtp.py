@@ -104,7 +104,7 @@ def mtp_hidden(model, x_BTD, ahead_KBT: list, positions_BT=None, segments_BT=Non
 
 def with_mtp_stats(aux: dict, mtp_aux: dict, cfg: MoEConfig) -> dict:
     """`aux` (the Transformer's) with the MTP layers' MoE counted among the MoE layers.
-    `mtp_aux`: the same statistics of the MTP layers alone (`Transformer._aux` of their
+    `mtp_aux`: the same statistics of the MTP layers alone (`layer_stats.moe_aux` of their
     stats). The losses over layers take them in as every other layer: "lb_loss" and "z_loss"
     means over the main model's and the MTP's MoE layers, "seq_lb_loss" their sum, so that
     the MTP routers learn to balance as the others do; then "aux_loss" of those

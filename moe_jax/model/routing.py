@@ -34,8 +34,8 @@ def route(
     The experts: the top-k of the logits, or, with DeepSeek-V3's routing (a correction bias,
     or groups), of the scores plus the bias, inside the topk_group best groups
     (`limit_to_groups`). Ties go to the lower expert (lax.top_k). The weights: the picked
-    experts' scores (softmax, or sigmoid of the logit), never the bias, optionally
-    renormalised over the k, times moe.routed_scaling_factor.
+    experts' scores (softmax, sigmoid of the logit, or DeepSeek-V4's sqrt(softplus(logit))),
+    never the bias, optionally renormalised over the k, times moe.routed_scaling_factor.
 
     `replay_TK` (routing replay, int): experts recorded elsewhere (the sampler's), taken
     instead of the top-k for every token whose first entry is >= 0 (-1: not recorded, the
@@ -43,11 +43,11 @@ def route(
     renormalised as configured, so the gradient reaches the chosen experts' router columns."""
     if cfg.score == "softmax":
         scores_TE = probs_TE = jax.nn.softmax(logits_TE, axis=-1)
-    else:
-        scores_TE = jax.nn.sigmoid(logits_TE)
+    else:  # sigmoid, sqrtsoftplus: each expert's own score, per token normalised for the loss
+        scores_TE = score_fn(cfg.score)(logits_TE)
         probs_TE = scores_TE / jnp.sum(scores_TE, axis=-1, keepdims=True)
     if correction_E is None and cfg.n_group == 1:
-        experts_TK = jax.lax.top_k(logits_TE, cfg.top_k)[1]  # the scores' order
+        experts_TK = jax.lax.top_k(logits_TE, cfg.top_k)[1]  # the scores' order (monotone)
     else:
         choice_TE = scores_TE
         if correction_E is not None:  # chooses, never weighs: no gradient through it
@@ -64,6 +64,14 @@ def route(
     if cfg.routed_scaling_factor != 1.0:
         weights_TK = weights_TK * cfg.routed_scaling_factor
     return weights_TK, experts_TK, probs_TE
+
+
+def score_fn(score: str):
+    """A per-expert score of the logit: sigmoid (DeepSeek-V3, Llama 4) or sqrtsoftplus,
+    sqrt(softplus(x)) (DeepSeek-V4: transformers' SqrtSoftplusActivation)."""
+    if score == "sqrtsoftplus":
+        return lambda x: jnp.sqrt(jax.nn.softplus(x))
+    return jax.nn.sigmoid
 
 
 def limit_to_groups(choice_TE: jax.Array, n_group: int, topk_group: int) -> jax.Array:

@@ -19,6 +19,10 @@ offloaded to host memory on top of dots or full (`remat.py`).
     x_BTD, aux = model(tokens_BT, head=False); model.logits(x_BTD)   # the head applied later
     logits_BTV, aux = model(tokens_BT, images=images_BND, image_mask=mask_BT)   # model.vision > 0
 
+With `model.hc_mult` = N > 0 (DeepSeek-V4's hyper-connections, `hyper_connections.py`) the
+residual between the layers is N streams [B, T, N, D]: the embedding copied N times, each
+block's input and residual made from them, and `hc_head` merging them after the last layer.
+
 With `model.mtp_depth` > 0 the model also holds `mtp`, DeepSeek-V3's multi-token prediction
 layers (`mtp.py`): the forward never runs them; the loss applies them to the `head=False`
 output, and speculative sampling drafts with them (`moe_jax.inference.speculative`).
@@ -59,24 +63,30 @@ from jax.ad_checkpoint import checkpoint_name
 
 from moe_jax import backends
 from moe_jax.config import Config, check_lora_targets
-from moe_jax.model import context_parallel, in_turn, linear_attention, lora, weight_gather
+from moe_jax.model import (
+    context_parallel,
+    hyper_connections,
+    in_turn,
+    layer_stats,
+    linear_attention,
+    lora,
+    weight_gather,
+)
 from moe_jax.model.attention import Attention
 from moe_jax.model.image_inputs import check_image_inputs
 from moe_jax.model.int8 import QuantizedParam, after
 from moe_jax.model.kv_cache import KVCache
+from moe_jax.model.layer_stats import LAYER_FRACTIONS
 from moe_jax.model.mla import MLAttention, mla_cache
 from moe_jax.model.moe import MoE, SwiGLU
 from moe_jax.model.mtp import MTPLayer
 from moe_jax.model.norm import RMSNorm
 from moe_jax.model.remat import remat
-from moe_jax.model.routing import aux_loss
 from moe_jax.model.sparse_attention import first_carry
 from moe_jax.named_scopes import MLP
 from moe_jax.sharding import at_block_boundary, param
 
-# Per-MoE-layer scalars of `aux` ([n_moe_layers] each): what capacity dropped, and how the
-# ragged exchange's rounds went (model/exchange_rounds.py).
-LAYER_FRACTIONS = ("dropped_frac", "exchange_rounds", "overflow_frac")
+__all__ = ["LAYER_FRACTIONS", "DecoderLayer", "Transformer"]
 
 
 class DecoderLayer(nnx.Module):
@@ -103,17 +113,23 @@ class DecoderLayer(nnx.Module):
         self.sparse = cfg.attention.index_topk > 0  # DSA: its carry passes between layers
         self.ffn_norm = RMSNorm(D, eps, rngs=rngs, zero_centered=centred)
         self.is_moe = cfg.is_moe(layer)
+        self.hashed = cfg.is_hashed(layer)  # moe.hash_layers: routed by token id
         if self.is_moe:
-            self.ffn = MoE(cfg, rngs=rngs)
+            self.ffn = MoE(cfg, rngs=rngs, hashed=self.hashed)
         else:
             self.ffn = SwiGLU(D, cfg.model.ffn_hidden, cfg, rngs=rngs)
             lora.attach(self.ffn, cfg, "mlp", rngs)
+        if m.hc_mult:  # model.hc_mult: the residual is that many streams (hyper_connections)
+            self.attn_hc = hyper_connections.HyperConnection(cfg, rngs=rngs)
+            self.ffn_hc = hyper_connections.HyperConnection(cfg, rngs=rngs)
 
     def __call__(self, x_BTD, positions_BT, cache: KVCache | None, n_groups: int, segments_BT,
                  replay=None, dsa=None):  # fmt: skip
         """-> (x_BTD, cache, stats: the MoE's, None for a dense FFN, with train.qk_clip also the
         attention's "max_logit" [H] in a training forward; the DSA carry for the next layers).
-        `replay` [B, T, K]: routing replay's experts for an MoE layer (`MoE.__call__`); `dsa`:
+        With model.hc_mult the residual x is the streams x_BTND (`hyper_connections`).
+        `replay` [B, T, K]: routing replay's experts for an MoE layer, a hash-routed layer's
+        table rows (`MoE.__call__`); `dsa`:
         what DSA passes between layers (`sparse_attention.first_carry`: GLM's shared selection,
         the indexer losses' sum), or None."""
         args = (positions_BT, cache, n_groups, segments_BT, replay, dsa)
@@ -143,7 +159,10 @@ class DecoderLayer(nnx.Module):
         # (sharding.at_block_boundary), rather than left to the partitioner's propagation.
         x_BTD = checkpoint_name(at_block_boundary(x_BTD), "layer_input")
         layer = after(x_BTD, self)  # int8 weights are dequantised in this layer's turn
-        h_BTD = layer.attn_norm(x_BTD)
+        # The block's input and how its output joins the residual: x + h, or with
+        # model.hc_mult the hyper-connections' mix of the streams
+        x_in, residual = hyper_connections.enter(getattr(layer, "attn_hc", None), x_BTD)
+        h_BTD = layer.attn_norm(x_in)
         logit_stats = {}  # QK-clip's per-head max logit, when the attention takes it
         if self.is_linear:
             h, cache = linear_attention.mix(layer.attn, h_BTD, positions_BT, cache, segments_BT)
@@ -152,23 +171,23 @@ class DecoderLayer(nnx.Module):
             h, cache, dsa = layer.attn.with_selection(*args)
         else:
             h, cache = layer.attn(h_BTD, positions_BT, cache, segments_BT, logit_stats)
-        x_BTD = x_BTD + h
+        x_in, residual = hyper_connections.enter(getattr(layer, "ffn_hc", None), residual(h))
         if self.is_moe:
             valid_BT = None if segments_BT is None else segments_BT != 0
-            h, stats = layer.ffn(layer.ffn_norm(x_BTD), n_groups, valid_BT, replay)
+            h, stats = layer.ffn(layer.ffn_norm(x_in), n_groups, valid_BT, replay)
         else:
             with jax.named_scope(MLP):
-                h, stats = layer.ffn(layer.ffn_norm(x_BTD)), None
+                h, stats = layer.ffn(layer.ffn_norm(x_in)), None
         if logit_stats:
             stats = (stats or {}) | logit_stats
-        return at_block_boundary(x_BTD + h), cache, stats, dsa
+        return at_block_boundary(residual(h)), cache, stats, dsa
 
 
 class Block(nnx.Module):
     """P consecutive layers whose pattern repeats through the stack."""
 
     def __init__(self, cfg: Config, *, rngs: nnx.Rngs):
-        k = cfg.moe.first_dense_layers  # the pattern's layers come after the dense prefix
+        k = cfg.prefix_layers  # the pattern's layers come after the prefix
         self.layers = nnx.List(
             [DecoderLayer(cfg, k + j, rngs=rngs) for j in range(cfg.layer_period)]
         )
@@ -197,7 +216,7 @@ class Transformer(nnx.Module):
         self.cfg = cfg
         self.dtype = jnp.dtype(backends.compute_dtype(m.dtype))
         init = nnx.initializers.normal(m.init_std)
-        P, k = cfg.layer_period, cfg.moe.first_dense_layers
+        P, k = cfg.layer_period, cfg.prefix_layers
         self.n_blocks, n_tail = divmod(m.n_layers - k, P)
         self.embed = nnx.Module()
         self.embed.embedding = param(rngs, init, (m.vocab_size, m.d_model), ("vocab", "embed"))
@@ -213,13 +232,15 @@ class Transformer(nnx.Module):
         # Tail layers continue the pattern: layer k + n_blocks * P + j is like block layer j.
         alone = functools.partial(DecoderLayer, rngs=rngs, standalone=True)
         self.tail = nnx.List([alone(cfg, k + j) for j in range(n_tail)])
-        if k:  # moe.first_dense_layers: dense layers before the pattern (DeepSeek-V3's 3)
+        if k:  # moe.first_dense_layers dense (DeepSeek-V3's 3), moe.hash_layers hash-routed
             self.prefix = nnx.List([alone(cfg, i) for i in range(k)])
         self.final_norm = RMSNorm(
             m.d_model, m.norm_eps, rngs=rngs, zero_centered=m.zero_centered_norm
         )
         if not m.tie_embeddings:
             self.head = param(rngs, init, (m.d_model, m.vocab_size), ("embed", "vocab"))
+        if m.hc_mult:  # merges the residual streams before the final norm (hyper_connections)
+            self.hc_head = hyper_connections.HyperHead(cfg, rngs=rngs)
         if m.vision:
             # Created last, so a text model and its vision variant draw identical other params.
             self.vision_proj = param(rngs, init, (m.vision, m.d_model), (None, "embed"))
@@ -235,7 +256,7 @@ class Transformer(nnx.Module):
 
     def init_cache(self, batch_size: int, max_len: int, dtype=None, *, mtp=False) -> dict:
         """Zeroed KV cache for `max_len` positions: {"blocks": [P x stacked], "tail": [...]},
-        and "prefix" [...] for moe.first_dense_layers.
+        and "prefix" [...] for the prefix (moe.first_dense_layers, moe.hash_layers).
         A sliding-window layer whose window is shorter keeps a ring of the window only, with
         each slot's position ("pos", -1: empty; see `attention`). An MLA layer keeps its
         latent instead of k and v ({"latent"}, see `mla`), a linear-attention layer its
@@ -258,7 +279,7 @@ class Transformer(nnx.Module):
                 cache["pos"] = jnp.full(shape[:-2], -1, jnp.int32)
             return cache
 
-        P, k = cfg.layer_period, cfg.moe.first_dense_layers
+        P, k = cfg.layer_period, cfg.prefix_layers
         blocks = [zeros(k + j, (self.n_blocks,)) for j in range(P)] if self.n_blocks else []
         cache = {"blocks": blocks, "tail": [zeros(k + j) for j in range(len(self.tail))]}
         if k:
@@ -291,12 +312,14 @@ class Transformer(nnx.Module):
         x_BTD = weight_gather.lookup(tokens_BT, self.embed.embedding, self.dtype)
         if images is not None or image_mask is not None:
             x_BTD = self._insert_images(x_BTD, images, image_mask)
+        x_BTD = hyper_connections.spread(x_BTD, self.cfg.model.hc_mult)  # [B, T, N, D] if N
 
         new_prefix_caches, prefix_stats = [], []
         dsa = first_carry(self.cfg, B, T, cache)
-        for i, layer in enumerate(getattr(self, "prefix", [])):  # dense: no MoE stats
+        for i, layer in enumerate(getattr(self, "prefix", [])):  # dense, then hash-routed
             c = cache["prefix"][i] if cache else None
-            x_BTD, c, stats, dsa = layer(x_BTD, positions, c, n_groups, segments, None, dsa)
+            hashed = layer.ffn.hashed_experts(tokens_BT) if layer.hashed else None
+            x_BTD, c, stats, dsa = layer(x_BTD, positions, c, n_groups, segments, hashed, dsa)
             new_prefix_caches.append(c)
             prefix_stats.append(stats)
         block_stats, new_block_caches = [], []
@@ -313,15 +336,16 @@ class Transformer(nnx.Module):
             )
             new_tail_caches.append(c)
             tail_stats.append(stats)
+        if self.cfg.model.hc_mult:
+            x_BTD = self.hc_head(x_BTD)
 
         if logits_at is not None:  # [B, 1, D]: the one position per row asked for
             x_BTD = jnp.take_along_axis(x_BTD, logits_at[:, None, None], axis=1)
         # head=False: the last layer's output [B, T, D] instead, for `logits` in chunks
         logits_BTV = self.logits(x_BTD) if head else x_BTD
-        block_stats, tail_stats, max_logit_LH = self._max_logits(
-            prefix_stats, block_stats, tail_stats
-        )
-        aux = self._aux(block_stats, tail_stats)
+        stats = (prefix_stats, block_stats, tail_stats)
+        *stats, max_logit_LH = layer_stats.max_logits(self.cfg, self.n_blocks, *stats)
+        aux = layer_stats.moe_aux(self.cfg, self.n_blocks, *stats)
         if max_logit_LH is not None:  # train.qk_clip: [n_layers, H], in layer order
             aux["max_logit"] = max_logit_LH
         if "routes" not in aux:  # no MoE layer
@@ -411,7 +435,7 @@ class Transformer(nnx.Module):
     def _replays(self, routes_LBTK) -> dict:
         """`routes` [n_moe_layers, B, T, K] as the layers take it: "blocks", per block layer
         its layers' [n_blocks, B, T, K] (None if dense or not replayed); "tail", per layer."""
-        P, k = self.cfg.layer_period, self.cfg.moe.first_dense_layers
+        P, k = self.cfg.layer_period, self.cfg.prefix_layers
         tail = range(k + self.n_blocks * P, self.cfg.model.n_layers)
         if routes_LBTK is None:
             return {"blocks": None, "tail": [None] * len(tail)}
@@ -429,56 +453,3 @@ class Transformer(nnx.Module):
             "blocks": blocks,
             "tail": [routes_LBTK[order[i]] if i in order else None for i in tail],
         }
-
-    def _max_logits(self, prefix_stats: list, block_stats: list, tail_stats: list):
-        """-> (block_stats, tail_stats without "max_logit", the layers' max logits [n_layers,
-        H] in layer order, or None where no layer took them: without train.qk_clip)."""
-        P, k = self.cfg.layer_period, self.cfg.moe.first_dense_layers
-        found = {i: s["max_logit"] for i, s in enumerate(prefix_stats) if s}
-        strip = lambda s: {n: v for n, v in s.items() if n != "max_logit"} or None
-        for j, stats in enumerate(block_stats):
-            if stats and "max_logit" in stats:
-                found |= {k + b * P + j: stats["max_logit"][b] for b in range(self.n_blocks)}
-        for j, stats in enumerate(tail_stats):
-            if stats and "max_logit" in stats:
-                found[k + self.n_blocks * P + j] = stats["max_logit"]
-        if not found:
-            return block_stats, tail_stats, None
-        block_stats = [strip(s) if s else s for s in block_stats]
-        tail_stats = [strip(s) if s else s for s in tail_stats]
-        return block_stats, tail_stats, jnp.stack([found[i] for i in sorted(found)])
-
-    def _aux(self, block_stats: list, tail_stats: list) -> dict:
-        """Per-MoE-layer stats in layer order, and the mean aux losses; "routes" [n_moe_layers,
-        B, T, K]: the experts each MoE layer's tokens took."""
-        moe = self.cfg.moe
-        per_layer = []  # list of (layer index, stats dict with scalar/[E] leaves)
-        P, k = self.cfg.layer_period, moe.first_dense_layers
-        for j, stats in enumerate(block_stats):
-            if stats is not None:
-                for b in range(self.n_blocks):
-                    per_layer.append((k + b * P + j, jax.tree.map(lambda a, b=b: a[b], stats)))
-        for j, stats in enumerate(tail_stats):
-            if stats is not None:
-                per_layer.append((k + self.n_blocks * P + j, stats))
-        per_layer = [s for _, s in sorted(per_layer, key=lambda p: p[0])]
-        if not per_layer:
-            zero = jnp.zeros((), jnp.float32)
-            return {
-                "aux_loss": zero,
-                "lb_loss": zero,
-                "z_loss": zero,
-                "expert_load": jnp.zeros((0, moe.n_experts), jnp.float32),
-                **{k: jnp.zeros((0,), jnp.float32) for k in LAYER_FRACTIONS},
-            }
-        stacked = jax.tree.map(lambda *a: jnp.stack(a), *per_layer)
-        aux = {
-            "lb_loss": jnp.mean(stacked["lb_loss"]),
-            "z_loss": jnp.mean(stacked["z_loss"]),
-            "expert_load": stacked["expert_load"],
-            "routes": stacked["experts"],
-            **{name: stacked[name] for name in LAYER_FRACTIONS},
-        }
-        if "seq_lb_loss" in stacked:  # moe.seq_aux_loss_weight > 0: summed (routing.aux_loss)
-            aux["seq_lb_loss"] = jnp.sum(stacked["seq_lb_loss"])
-        return aux | {"aux_loss": aux_loss(aux, moe)}

@@ -41,6 +41,7 @@ COMPONENTS = (
     "norms",
     "head",
     "vision_proj",
+    "mhc",
 )
 
 
@@ -58,6 +59,8 @@ class ParamBreakdown:
 
 def _component(names: Sequence[str]) -> str:
     """Component of the parameter at `names` (its path in the model)."""
+    if {"attn_hc", "ffn_hc", "hc_head"} & set(names):  # model.hc_mult's hyper-connections
+        return "mhc"
     if names[-1] == "scale":  # RMSNorm weights, QK-norm included
         return "norms"
     if tuple(names) == ("embed", "embedding"):
@@ -94,6 +97,8 @@ def param_breakdown(cfg: Config) -> ParamBreakdown:
         names = [str(p) for p in path]
         if names[-1] == "seed" and names[-2].startswith("lora_"):
             continue  # a LoRA adapter's dropout seed (moe_jax/model/lora.py), not a weight
+        if names[-1] == "tid2eid":
+            continue  # a hash-routed layer's expert ids (moe.hash_layers): HF's buffer, no weight
         shape = var.shape
         size = math.prod(shape)
         comp = "mtp_proj" if names[-1] == "eh_proj" else _component(names)
@@ -106,7 +111,9 @@ def param_breakdown(cfg: Config) -> ParamBreakdown:
             used = size // E * K
         elif comp == "vision_proj":  # projects image embeddings, not the text tokens
             used = 0
-        matmul = comp not in ("embedding", "norms") and not names[-1].endswith(("bias", "sinks"))
+        matmul = comp not in ("embedding", "norms") and not names[-1].endswith(
+            ("bias", "sinks", "scale")
+        )
         if names[0] == "mtp":
             mtp["total"] += size
             mtp["active"] += used

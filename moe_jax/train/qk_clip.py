@@ -8,7 +8,7 @@ Heads at or under tau are left exactly as they were (their factors are exactly 1
 
 The statistic comes from the step's own forward: the blocked attention kernel returns each
 row's largest logit beside its output (`attention_core.block_attention_max`), reduced to
-"max_logit" [n_layers, H] in the model's aux (`Transformer._max_logits`); no second forward.
+"max_logit" [n_layers, H] in the model's aux (`layer_stats.max_logits`); no second forward.
 
 How a head's logits are scaled by gamma_h:
 - MHA (K = H): q_h and k_h each by sqrt(gamma_h), the report's split.
@@ -51,7 +51,7 @@ def gqa_factors(gamma_H: jax.Array, n_kv_heads: int) -> tuple[jax.Array, jax.Arr
 def _layer_of(path: tuple, cfg: Config, n_blocks: int):
     """The layers' indices a params path's attention weight holds: a list (one per stacked
     block, `blocks`) or one index; None for anything else."""
-    P, k = cfg.layer_period, cfg.moe.first_dense_layers
+    P, k = cfg.layer_period, cfg.prefix_layers
     if "attn" not in path:
         return None
     if path[0] == "blocks":  # blocks/layers/j/attn/...: [n_blocks, ...]
@@ -89,7 +89,7 @@ def clip(params, max_logit_LH: jax.Array, cfg: Config):
     `max_logit_LH` [n_layers, H] exceeded train.qk_clip scaled down (module doc)."""
     tau = float(cfg.train.qk_clip)
     gamma_LH = head_factors(max_logit_LH, tau)
-    n_blocks = (cfg.model.n_layers - cfg.moe.first_dense_layers) // cfg.layer_period
+    n_blocks = (cfg.model.n_layers - cfg.prefix_layers) // cfg.layer_period
     out = []
     for path, v in nnx.to_flat_state(params):
         layers = _layer_of(path, cfg, n_blocks)

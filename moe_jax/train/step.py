@@ -59,7 +59,7 @@ from jax.sharding import PartitionSpec as P
 
 from moe_jax import backends
 from moe_jax.config import Config, TrainConfig
-from moe_jax.model import Transformer, context_parallel, lora, weight_gather
+from moe_jax.model import Transformer, context_parallel, layer_stats, lora, weight_gather
 from moe_jax.model.balancing import update_correction_bias
 from moe_jax.model.loss import Batch, head_statistics, split_batch, target_statistics
 from moe_jax.model.mtp import MTP_LAYER_STATS, mtp_hidden, with_mtp_stats
@@ -104,12 +104,15 @@ def decay_mask(params, decay_embeddings: bool, mtp: bool = True, indexer_only: b
     warm-up's, which trains nothing else).
 
     Relies on the model's naming contract: norm weights are named `scale`, biases end in
-    `bias`, the token embedding is `embed.embedding`, the MTP layers are under `mtp`.
+    `bias`, the token embedding is `embed.embedding`, the MTP layers are under `mtp`, a
+    hash-routed layer's fixed table is `tid2eid` (`moe.hash_table`: never moves).
     """
 
     def decays(path, _) -> bool:
         names = [str(k.key) for k in path if isinstance(k, jax.tree_util.DictKey)]
-        if names[-1] == "scale" or names[-1].endswith("bias") or (not mtp and names[0] == "mtp"):
+        if names[-1] in ("scale", "tid2eid") or names[-1].endswith("bias"):
+            return False
+        if not mtp and names[0] == "mtp":
             return False
         if indexer_only and "indexer" not in names:
             return False
@@ -249,7 +252,8 @@ def mtp_loss(model, x_BTD, batch: Batch, chunk: int, head_DV, aux: dict, total_K
     denom_K = jnp.maximum(count_K if total_K is None else total_K, 1.0)
     loss = model.cfg.train.mtp_loss_weight * jnp.mean(sum_K / denom_K)
     mtp_stats = [s for _, s in hidden if s is not None]  # the MTP's MoE layers, in order
-    aux = with_mtp_stats(aux, model._aux([], mtp_stats), model.cfg.moe)
+    mtp_aux = layer_stats.moe_aux(model.cfg, model.n_blocks, [], [], mtp_stats)
+    aux = with_mtp_stats(aux, mtp_aux, model.cfg.moe)
     metrics = {"mtp_ce": jnp.mean(sum_K / jnp.maximum(count_K, 1.0))}
     metrics |= {"mtp_ce_sum": sum_K, "mtp_n_targets": count_K}
     metrics |= {k: aux[k] for k in MTP_LAYER_STATS.values() if k in aux}

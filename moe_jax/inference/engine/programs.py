@@ -129,7 +129,7 @@ def is_ring(cfg, layer: int) -> bool:
 def layer_numbers(cfg, n_blocks: int, n_tail: int) -> dict:
     """The layer number of each cache entry, in the cache's layout with the blocks apart:
     {"blocks": [[block b's layers]], "tail": [...], "prefix": [...]} (as `init_cache`)."""
-    P, k = cfg.layer_period, cfg.moe.first_dense_layers
+    P, k = cfg.layer_period, cfg.prefix_layers
     out = {
         "blocks": [[k + b * P + j for j in range(P)] for b in range(n_blocks)],
         "tail": [k + n_blocks * P + j for j in range(n_tail)],
