@@ -119,7 +119,8 @@ def test_the_comments_are_the_fields():
         "MoE on every interleave_step-th layer, dense SwiGLU elsewhere"
     )
     assert docs["moe.score"].startswith("The three routing switches are independent")
-    assert docs["moe.score"].endswith("softmax | sigmoid")
+    assert "softmax | sigmoid | sqrtsoftplus" in docs["moe.score"]
+    assert docs["moe.score"].endswith("times routed_scaling_factor)")  # the next field's not
     assert docs["model.ffn_hidden"] == "hidden width of the dense SwiGLU layers"
 
 
