@@ -238,11 +238,17 @@ def two_chunks(N, q_bTHD, pos_bT, seg_bT, k_bSKD, v_bSKD, kpos_bS, kseg_bS, *, w
     over the key blocks it can see (chunk i: the first i + 1 chunks' keys, a window's fewer)."""
     b, T2, H, hd = q_bTHD.shape
     K, C, S = k_bSKD.shape[2], T2 // 2, k_bSKD.shape[1]
-    statics = (pick_block(C, key_block), window, chunk_size)
+    block = pick_block(C, key_block)
     q_idx = _slots(jax.lax.axis_index(CONTEXT_AXIS), C, N)
     kinfo = (kpos_bS, jnp.arange(S), kseg_bS)
     outs = []
     for half in (0, 1):  # apart: the first chunk's loop stops at its own keys
+        # the most key blocks the chunk may see: the first half of the row (chunk i < N), or
+        # all of it; with a window, the blocks its C queries' windows span
+        most = (S // 2 if half == 0 else S) // block
+        if window > 0:
+            most = min(most, -(-(C + window - 1) // block) + 1)
+        statics = (block, window, chunk_size, most)
         qs = _rows(dict(q=q_bTHD, pos=pos_bT, seg=seg_bT, idx=q_idx), half * C, (half + 1) * C)
         q_bCKGD = qs["q"].reshape(b, C, K, H // K, hd)
         qinfo = (qs["pos"], qs["idx"], qs["seg"])
@@ -271,7 +277,7 @@ def ring(N, q_bTHD, pos_bT, seg_bT, sources: tuple, expand, *, window=0, chunk_s
     second, 2N-1-j, lies after both), one from a later shard only by the second query chunk."""
     i = jax.lax.axis_index(CONTEXT_AXIS)
     C = q_bTHD.shape[1] // 2
-    masks = dict(statics=(pick_block(C, key_block), window, chunk_size))
+    masks = dict(statics=(pick_block(C, key_block), window, chunk_size, 0))
     q_idx = _slots(i, C, N)
     ring_perm = [(j, (j + 1) % N) for j in range(N)]
     block = (sources, pos_bT, seg_bT)

@@ -13,9 +13,8 @@ from them, so memory grows with the sequence, not its square.
 The keys' row indices must increase along the keys (row order after an all-gather; a ring
 block's two chunks, i then 2N-1-i): the blocks a causal (and windowed) query chunk cannot
 see are then those past its last query (or before its first query's window), and the loops
-run only over the rest, their bounds computed on the device (a shard's chunk index is known
-only there). Both loops have dynamic trip counts: the backward is written by hand, never
-derived from them.
+skip them, their bounds computed on the device (a shard's chunk index is known only there).
+The backward is written by hand, never derived from the loops.
 """
 
 from __future__ import annotations
@@ -51,7 +50,7 @@ def block_range(q_idx_T, k_idx_S, block: int, window: int):
 
 def _block_logits(statics, q_bTKGD, k_bSKD, qinfo, kinfo, j):
     """Key block `j`'s keys, values' slice start, masked logits [b, K, G, Tq, block] and mask."""
-    block, window, chunk_size = statics
+    block, window, chunk_size, _ = statics
     q_pos, q_idx, q_seg = qinfo
     k_pos, k_idx, k_seg = kinfo
     start = j * block
@@ -73,9 +72,24 @@ def _carry_maker(*operands):
     return lambda shape, value: jnp.full(shape, value, jnp.float32) + zero
 
 
-def _forward(statics, q_bTKGD, k_bSKD, v_bSKD, qinfo, kinfo):
-    block, window, _ = statics
+def _over_blocks(statics, qinfo, kinfo, step, init):
+    """`step(j, carry)` over the key blocks j the queries can see, in order: a loop of a
+    static number of trips (`statics`' max_blocks, or every block), so that the compiled
+    program's loops have known trip counts (aot's FLOPs count them), each trip past the
+    visible blocks skipped by a `cond`."""
+    block, window, _, max_blocks = statics
     lo, hi = block_range(qinfo[1], kinfo[1], block, window)
+    n_blocks = kinfo[1].shape[0] // block
+    trips = min(max_blocks or n_blocks, n_blocks)
+
+    def trip(t, carry):
+        j = lo + t
+        return jax.lax.cond(j < hi, lambda c: step(j, c), lambda c: c, carry)
+
+    return jax.lax.fori_loop(0, trips, trip, init)
+
+
+def _forward(statics, q_bTKGD, k_bSKD, v_bSKD, qinfo, kinfo):
     b, T, K, G, _ = q_bTKGD.shape
     hv = v_bSKD.shape[-1]
 
@@ -92,7 +106,7 @@ def _forward(statics, q_bTKGD, k_bSKD, v_bSKD, qinfo, kinfo):
 
     full = _carry_maker(q_bTKGD, k_bSKD, v_bSKD)
     init = (full((b, K, G, T), NEG), full((b, K, G, T), 0.0), full((b, K, G, T, hv), 0.0))
-    max_bKGT, denom_bKGT, acc_bKGTV = jax.lax.fori_loop(lo, hi, step, init)
+    max_bKGT, denom_bKGT, acc_bKGTV = _over_blocks(statics, qinfo, kinfo, step, init)
     out_bTKGV = (acc_bKGTV / denom_bKGT[..., None]).transpose(0, 3, 1, 2, 4)
     lse_bTKG = (max_bKGT + jnp.log(denom_bKGT)).transpose(0, 3, 1, 2)
     return out_bTKGV, lse_bTKG
@@ -103,8 +117,9 @@ def attend(statics, q_bTKGD, k_bSKD, v_bSKD, qinfo, kinfo):
     """Softmax attention of queries (scaled) [b, Tq, K, G, hd] to keys [b, S, K, hd] and
     values [b, S, K, hv], grouped by key/value head: (out float32 [b, Tq, K, G, hv]
     normalised over these keys, the rows' log-sum-exp float32 [b, Tq, K, G]; both
-    differentiable). `statics` = (block, window, chunk_size): the key block (dividing S)
-    and attention_mask's window and chunks; `qinfo`, `kinfo` = (positions [b, n], row
+    differentiable). `statics` = (block, window, chunk_size, max_blocks): the key block
+    (dividing S), attention_mask's window and chunks, and at least as many key blocks as
+    these queries can see (0: all); `qinfo`, `kinfo` = (positions [b, n], row
     indices [n], segments [b, n] or None) of the queries and keys. A row that sees no key
     here gets a log-sum-exp near float32's min: a merge with other keys weighs it 0."""
     return _forward(statics, q_bTKGD, k_bSKD, v_bSKD, qinfo, kinfo)
@@ -119,8 +134,7 @@ def _attend_bwd(statics, residuals, cotangents):
     q_bTKGD, k_bSKD, v_bSKD, qinfo, kinfo, out, lse = residuals
     dout_bTKGV, dlse_bTKG = cotangents
     f32 = jnp.float32
-    block, window, _ = statics
-    lo, hi = block_range(qinfo[1], kinfo[1], block, window)
+    block = statics[0]
     heads_first = lambda a: jnp.moveaxis(a, 1, -1 if a.ndim == 4 else -2)  # T after K, G
     dout_bKGTV, lse_bKGT = heads_first(dout_bTKGV.astype(f32)), heads_first(lse)
     # d logits = P (dP - rowsum(dO O) + d lse): the softmax's backward, and lse's (its
@@ -142,7 +156,8 @@ def _attend_bwd(statics, residuals, cotangents):
 
     full = _carry_maker(q_bTKGD, k_bSKD, v_bSKD, dout_bTKGV, dlse_bTKG)
     zeros = lambda a: full(a.shape, 0.0)
-    dq, dk, dv = jax.lax.fori_loop(lo, hi, step, (zeros(q_bTKGD), zeros(k_bSKD), zeros(v_bSKD)))
+    init = (zeros(q_bTKGD), zeros(k_bSKD), zeros(v_bSKD))
+    dq, dk, dv = _over_blocks(statics, qinfo, kinfo, step, init)
     cast = lambda d, a: d.astype(a.dtype)
     return cast(dq, q_bTKGD), cast(dk, k_bSKD), cast(dv, v_bSKD), None, None
 
