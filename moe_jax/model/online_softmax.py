@@ -49,7 +49,8 @@ def block_range(q_idx_T, k_idx_S, block: int, window: int):
 
 
 def _block_logits(statics, q_bTKGD, k_bSKD, qinfo, kinfo, j):
-    """Key block `j`'s keys, values' slice start, masked logits [b, K, G, Tq, block] and mask."""
+    """Key block `j`: (its keys, `take(a, axis)` slicing another per-key array to it, the
+    masked logits [b, K, G, Tq, block], the mask [b, 1, 1, Tq, block])."""
     block, window, chunk_size, _ = statics
     q_pos, q_idx, q_seg = qinfo
     k_pos, k_idx, k_seg = kinfo
