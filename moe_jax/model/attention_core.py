@@ -1,7 +1,7 @@
-"""What every self-attention path shares: the boolean masks (causal, window, chunk, document)
-and `block_attention`, the masked softmax of a block of queries against its keys with a
-hand-written backward (attention.py's blocked path and the context-parallel one,
-context_parallel.py, run it).
+"""What every self-attention path shares: the boolean masks (causal, window, chunk, document;
+the context-parallel path's online_softmax.py takes them too) and `block_attention`, the
+masked softmax of a block of queries against its keys with a hand-written backward
+(attention.py's blocked path runs it).
 """
 
 from __future__ import annotations

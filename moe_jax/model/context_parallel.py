@@ -14,14 +14,16 @@ causal mask and the window are by index in the row, see attention.py) each slot 
 Attention, mesh.context_strategy=all_gather: inside `jax.shard_map`, each shard gathers the
 keys, values, positions and segments of its row from the other shards (`all_gather` over
 `context`, whose transpose sends the keys' gradients back as one reduce-scatter), puts them
-back in row order, and attends its two query chunks with `block_attention`: chunk i against
-the first half of the keys only (it sees nothing later), chunk 2N-1-i against all of them,
-each masked by index, window, chunk of positions and document as attention.py's blocked path
-masks. So 3/4 of the full [T, T] logits are computed per row, in [C, T/2] and [C, T] pieces,
-each whole at once: right for the tests' lengths, not for 128k tokens, where a chunk needs
-key blocks of its own (an online-softmax merge, as the ring's) or the fused kernels on the
-gathered keys; neither is built yet, nor the window's shortcut (a window shorter than a
-shard needs only the neighbouring shard's keys, and all of them are gathered).
+back in row order, and attends its two query chunks (`online_softmax`: a loop over key
+blocks of at most KEY_BLOCK keys with an online softmax, whose backward recomputes each
+block's probabilities): chunk i over the key blocks up to its own, chunk 2N-1-i over all of
+them (a window's fewer: the blocks before its first query's window are skipped too), each
+masked by index, window, chunk of positions and document as attention.py's blocked path
+masks. No [C, T] array of logits or probabilities exists, forward or backward: a step's
+logits are [C, KEY_BLOCK], what a shard keeps is its row's keys and values (linear in T).
+Not built yet: the fused kernels (splash, cuDNN) on the gathered keys, and the window's
+shortcut (a window shorter than a shard needs only the neighbouring shard's keys, and all
+of them are gathered).
 GQA gathers its K/V heads (`self_attention`); MLA gathers its normed latent and the shared
 rope key, [R + dr] a token, and expands every head's keys and values from them on each
 shard (`latent_attention`: the expansion is repeated N times, the gathered bytes are H (dn +
@@ -31,8 +33,8 @@ Attention, mesh.context_strategy=ring (`ring`): no shard holds the whole row's k
 key blocks (GQA's K/V, MLA's latent) go round the axis by `ppermute`, N steps, each shard
 attending the block it holds (the next one's transfer free to overlap it), merged by their
 rows' log-sum-exps. A block the causal order hides from a query chunk is not computed, so
-every step after the first costs each shard the same [2C x C] logits. Its backward is
-autodiff's (each step's probabilities kept), not `block_attention`'s recomputation.
+every step after the first costs each shard the same [2C x C] logits, attended by
+`online_softmax` as above, so no step's probabilities are kept for the backward.
 """
 
 from __future__ import annotations
@@ -42,8 +44,13 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from moe_jax.model.attention_core import attention_mask, block_attention
+from moe_jax.model import online_softmax
+from moe_jax.model.online_softmax import pick_block
 from moe_jax.sharding import BATCH_AXES, CONTEXT_AXIS, context_size, split_batch_axes
+
+# The most keys one step of a query chunk's loop attends (online_softmax.py): [C, 512]
+# float32 logits a step; the block is the largest divisor of the chunk C = T / 2N up to it.
+KEY_BLOCK = 512
 
 
 def layout_order(T: int, N: int) -> np.ndarray:
@@ -141,11 +148,13 @@ def self_attention(
     chunk_size=0,
     sinks_KG=None,
     strategy="all_gather",
+    key_block=KEY_BLOCK,
 ) -> jax.Array:
     """Causal self-attention of the layout's tokens split over the active mesh's `context`
     axis, as `attention.blocked_self_attention` computes it for the same tokens in row order
     (q scaled by `scale`; the masks and sinks as it takes them): K/V heads gathered, or
-    passed round the ring (`strategy`, mesh.context_strategy)."""
+    passed round the ring (`strategy`, mesh.context_strategy); `key_block`: the most keys
+    a step of attention's loops takes."""
     mesh = jax.sharding.get_abstract_mesh()
     N = context_size(mesh)
     batch, heads = _split_axes(mesh, q_BTHD.shape[0], q_BTHD.shape[2], k_BTKD.shape[2])
@@ -154,7 +163,7 @@ def self_attention(
     def local(q_bTHD, k_bTKD, v_bTKD, pos_bT, *rest):
         seg_bT = rest[0] if seg_BT is not None else None
         sinks = None if sinks_KG is None else _varying(rest[-1], batch)
-        masks = dict(window=window, chunk_size=chunk_size, sinks_KG=sinks)
+        masks = dict(window=window, chunk_size=chunk_size, sinks_KG=sinks, key_block=key_block)
         if strategy == "ring":
             same = lambda kv: kv
             return ring(N, q_bTHD * scale, pos_bT, seg_bT, (k_bTKD, v_bTKD), same, **masks)
@@ -166,8 +175,9 @@ def self_attention(
 
 
 def latent_attention(
-    q_BTHQ, c_BTR, k_pe_BT1P, wk_RHN, wv_RHV, pos_BT, seg_BT=None, *, scale, strategy="all_gather"
-) -> jax.Array:
+    q_BTHQ, c_BTR, k_pe_BT1P, wk_RHN, wv_RHV, pos_BT, seg_BT=None, *, scale,
+    strategy="all_gather", key_block=KEY_BLOCK,
+) -> jax.Array:  # fmt: skip
     """MLA's expanded self-attention (mla.py) split over the active mesh's `context` axis:
     the normed latent `c_BTR` and the rotated shared key `k_pe_BT1P` gathered, each head's
     k = [c W_uk | k_pe] and v = c W_uv made from them on every shard. `q_BTHQ`: [q_nope |
@@ -190,10 +200,12 @@ def latent_attention(
             return jnp.concatenate([k_nope_bShN, k_pe_bShP], axis=-1), v_bShV
 
         if strategy == "ring":
-            return ring(N, q_bTHQ * scale, pos_bT, seg_bT, (c_bTR, k_pe_bT1P), expand)
+            latent = (c_bTR, k_pe_bT1P)
+            return ring(N, q_bTHQ * scale, pos_bT, seg_bT, latent, expand, key_block=key_block)
         c_bSR, k_pe_bS1P, kpos_bS, kseg_bS = gather_rows(N, c_bTR, k_pe_bT1P, pos_bT, seg_bT)
         k_bShQ, v_bShV = expand((c_bSR, k_pe_bS1P))
-        return two_chunks(N, q_bTHQ * scale, pos_bT, seg_bT, k_bShQ, v_bShV, kpos_bS, kseg_bS)
+        keys = (k_bShQ, v_bShV, kpos_bS, kseg_bS)
+        return two_chunks(N, q_bTHQ * scale, pos_bT, seg_bT, *keys, key_block=key_block)
 
     w, ids = P(None, heads, None), P(batch, CONTEXT_AXIS)
     args = [(q_BTHQ, P(batch, CONTEXT_AXIS, heads, None)), (c_BTR, P(batch, CONTEXT_AXIS, None)),
@@ -220,39 +232,42 @@ def gather_rows(N: int, *a_bT):
 
 
 def two_chunks(N, q_bTHD, pos_bT, seg_bT, k_bSKD, v_bSKD, kpos_bS, kseg_bS, *, window=0,
-               chunk_size=0, sinks_KG=None):  # fmt: skip
+               chunk_size=0, sinks_KG=None, key_block=KEY_BLOCK):  # fmt: skip
     """One shard's 2C queries (scaled; chunks i and 2N-1-i of the row, i its index on
-    `context`) against its whole row's keys in row order, by `block_attention`."""
+    `context`) against its whole row's keys in row order, each chunk by `online_softmax`
+    over the key blocks it can see (chunk i: the first i + 1 chunks' keys, a window's fewer)."""
     b, T2, H, hd = q_bTHD.shape
-    K, hv, C, S = k_bSKD.shape[2], v_bSKD.shape[-1], T2 // 2, k_bSKD.shape[1]
-    i = jax.lax.axis_index(CONTEXT_AXIS)
-    heads_first = lambda a: a.transpose(0, 2, 1, 3)  # [b, S, K, d] -> [b, K, S, d]
+    K, C, S = k_bSKD.shape[2], T2 // 2, k_bSKD.shape[1]
+    block = pick_block(C, key_block)
+    q_idx = _slots(jax.lax.axis_index(CONTEXT_AXIS), C, N)
+    kinfo = (kpos_bS, jnp.arange(S), kseg_bS)
     outs = []
-    # The shard's first chunk (row chunk i < N) sees only the first half of the row.
-    for half, chunk, n_keys in ((0, i, S // 2), (1, 2 * N - 1 - i, S)):
-        rows = slice(half * C, (half + 1) * C)
-        q_bKMD = q_bTHD[:, rows].reshape(b, C, K, H // K, hd).transpose(0, 2, 3, 1, 4)
-        mask_bCS = attention_mask(
-            pos_bT[:, rows],
-            kpos_bS[:, :n_keys],
-            chunk_size=chunk_size,
-            window=window,
-            order=(chunk * C + jnp.arange(C), jnp.arange(n_keys)),
-            segments=None if seg_bT is None else (seg_bT[:, rows], kseg_bS[:, :n_keys]),
-        )
-        out_bKMD = block_attention(
-            q_bKMD.reshape(b, K, -1, hd),
-            heads_first(k_bSKD[:, :n_keys]),
-            heads_first(v_bSKD[:, :n_keys]),
-            mask_bCS,
-            sinks_KG,
-        )
-        outs.append(out_bKMD.reshape(b, K, H // K, C, hv).transpose(0, 3, 1, 2, 4))
-    return jnp.concatenate(outs, axis=1).reshape(b, T2, H, hv)
+    for half in (0, 1):  # apart: the first chunk's loop stops at its own keys
+        # the most key blocks the chunk may see: the first half of the row (chunk i < N), or
+        # all of it; with a window, the blocks its C queries' windows span
+        most = (S // 2 if half == 0 else S) // block
+        if window > 0:
+            most = min(most, -(-(C + window - 1) // block) + 1)
+        statics = (block, window, chunk_size, most)
+        qs = _rows(dict(q=q_bTHD, pos=pos_bT, seg=seg_bT, idx=q_idx), half * C, (half + 1) * C)
+        q_bCKGD = qs["q"].reshape(b, C, K, H // K, hd)
+        qinfo = (qs["pos"], qs["idx"], qs["seg"])
+        out, lse = online_softmax.attend(statics, q_bCKGD, k_bSKD, v_bSKD, qinfo, kinfo)
+        outs.append(_with_sinks(out, lse, sinks_KG))
+    return jnp.concatenate(outs, axis=1).reshape(b, T2, H, -1).astype(q_bTHD.dtype)
+
+
+def _with_sinks(out_bTKGV, lse_bTKG, sinks_KG):
+    """Softmax outputs over the keys -> over the keys and the sinks (a logit per head in
+    every row's denominator, no value)."""
+    if sinks_KG is None:
+        return out_bTKGV
+    total = jnp.logaddexp(lse_bTKG, sinks_KG.astype(jnp.float32))
+    return out_bTKGV * jnp.exp(lse_bTKG - total)[..., None]
 
 
 def ring(N, q_bTHD, pos_bT, seg_bT, sources: tuple, expand, *, window=0, chunk_size=0,
-         sinks_KG=None):  # fmt: skip
+         sinks_KG=None, key_block=KEY_BLOCK):  # fmt: skip
     """One shard's 2C queries (scaled) against its row's keys, mesh.context_strategy=ring:
     the key `sources` (with their positions and segments) of each shard in turn, passed one
     step round the axis by `ppermute`, one block attended per step; `expand(sources)
@@ -262,7 +277,7 @@ def ring(N, q_bTHD, pos_bT, seg_bT, sources: tuple, expand, *, window=0, chunk_s
     second, 2N-1-j, lies after both), one from a later shard only by the second query chunk."""
     i = jax.lax.axis_index(CONTEXT_AXIS)
     C = q_bTHD.shape[1] // 2
-    masks = dict(window=window, chunk_size=chunk_size)
+    masks = dict(statics=(pick_block(C, key_block), window, chunk_size, 0))
     q_idx = _slots(i, C, N)
     ring_perm = [(j, (j + 1) % N) for j in range(N)]
     block = (sources, pos_bT, seg_bT)
@@ -312,22 +327,17 @@ def _second_chunk_only(qs: dict, ks: dict, C: int, masks: dict):
     return (jnp.concatenate([none_out, out_bCHV], 1), jnp.concatenate([none_lse, lse_bCH], 1))
 
 
-def _partial(qs: dict, ks: dict, *, window: int, chunk_size: int):
-    """Softmax attention of the queries to one block's keys: (out float32 [b, T, H, hv]
-    normalised over the block, the rows' log-sum-exp [b, T, H]). Autodiff's backward."""
-    q_bTHD, k_bSKD, v_bSKD = qs["q"], ks["k"], ks["v"]
+def _partial(qs: dict, ks: dict, *, statics: tuple):
+    """Softmax attention of the queries to one block's keys, by `online_softmax` (its
+    backward recomputes the probabilities): (out float32 [b, T, H, hv] normalised over the
+    block, the rows' log-sum-exp [b, T, H])."""
+    q_bTHD = qs["q"]
     b, T, H, hd = q_bTHD.shape
-    K = k_bSKD.shape[2]
-    segments = None if qs["seg"] is None else (qs["seg"], ks["seg"])
-    mask_bTS = attention_mask(qs["pos"], ks["pos"], order=(qs["idx"], ks["idx"]),
-                              segments=segments, window=window, chunk_size=chunk_size)  # fmt: skip
+    K = ks["k"].shape[2]
     q_bTKGD = q_bTHD.reshape(b, T, K, H // K, hd)
-    logits = jnp.einsum("btkgd,bskd->bkgts", q_bTKGD, k_bSKD, preferred_element_type=jnp.float32)
-    logits = jnp.where(mask_bTS[:, None, None], logits, jnp.finfo(jnp.float32).min)
-    lse_bKGT = jax.nn.logsumexp(logits, axis=-1)
-    probs = jnp.exp(logits - lse_bKGT[..., None]).astype(v_bSKD.dtype)
-    out = jnp.einsum("bkgts,bskd->btkgd", probs, v_bSKD, preferred_element_type=jnp.float32)
-    return out.reshape(b, T, H, -1), lse_bKGT.transpose(0, 3, 1, 2).reshape(b, T, H)
+    info = lambda d: (d["pos"], d["idx"], d["seg"])
+    out, lse = online_softmax.attend(statics, q_bTKGD, ks["k"], ks["v"], info(qs), info(ks))
+    return out.reshape(b, T, H, -1), lse.reshape(b, T, H)
 
 
 def _merge(parts: list, sinks_KG=None) -> jax.Array:
