@@ -11,6 +11,7 @@ import json
 import os
 import shutil
 import tempfile
+import types
 from importlib.metadata import version
 from pathlib import Path
 
@@ -190,24 +191,47 @@ def _no_programs_from_earlier_tests():
     programs.forget()
 
 
-PATCHING = ("setattr", "delattr", "setitem", "delitem", "setenv", "delenv")
+# What a program may read besides its arguments: our and our libraries' modules, and the
+# environment variables they read (a test's own module or variable leaves programs kept).
+PROGRAM_MODULES = ("moe_jax", "jax", "flax", "optax", "orbax")
+PROGRAM_VARIABLES = ("MOE_JAX", "JAX", "XLA")
+
+
+def _reaches_programs(name: str, args: tuple) -> bool:
+    """Whether monkeypatch's `name`(*args) may change what a kept program traces to."""
+    if name in ("setenv", "delenv"):
+        return str(args[0]).startswith(PROGRAM_VARIABLES)
+    if name in ("setitem", "delitem") and args[0] is os.environ:  # what setenv itself calls
+        return str(args[1]).startswith(PROGRAM_VARIABLES)
+    if name in ("setattr", "delattr"):
+        target = args[0]  # "pkg.module.name", a module, a class or function, an object
+        if isinstance(target, str):
+            where = target
+        elif isinstance(target, types.ModuleType):
+            where = target.__name__
+        else:
+            where = getattr(target, "__module__", None) or type(target).__module__
+        return where.split(".")[0] in PROGRAM_MODULES
+    return True  # setitem / delitem: whose dict cannot be told
 
 
 @pytest.fixture
 def monkeypatch(monkeypatch):
-    """pytest's `monkeypatch`, which also drops the kept training programs whenever it patches
-    and when it undoes its patches: a patched module constant changes what a step traces to,
-    so a program kept from before the patch (or from under it) must not be reused."""
+    """pytest's `monkeypatch`, which also drops the kept training programs when it patches
+    something a program may read (`_reaches_programs`) and when it undoes its patches: a
+    patched module constant changes what a step traces to, so a program kept from before
+    the patch (or from under it) must not be reused."""
 
-    def forgetting(patch):
+    def forgetting(name, patch):
         @functools.wraps(patch)
         def patched(*args, **kwargs):
-            programs.forget()
+            if _reaches_programs(name, args):
+                programs.forget()
             return patch(*args, **kwargs)
 
         return patched
 
-    for name in PATCHING:
-        setattr(monkeypatch, name, forgetting(getattr(monkeypatch, name)))
+    for name in ("setattr", "delattr", "setitem", "delitem", "setenv", "delenv"):
+        setattr(monkeypatch, name, forgetting(name, getattr(monkeypatch, name)))
     yield monkeypatch
     programs.forget()  # pytest's own teardown undoes the patches right after this

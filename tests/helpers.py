@@ -90,3 +90,24 @@ def assert_same_rollout_rows(got: dict, want: dict) -> None:
         else:
             np.testing.assert_array_equal(got[k], v, err_msg=k)
     assert got["mask"].sum() > 8
+
+
+def resumed_copy_equals(overrides: list[str], root, resume_step: int = 2, steps: int = 4):
+    """Train `tiny_config(*overrides)` to `steps` in root/straight, copy it to root/resumed and
+    resume the copy from its `resume_step` checkpoint (the one a run stopped there would have
+    saved) to `steps`: its params must be bit-identical (the same compiled step on the same
+    inputs). -> (straight, resumed) run directories."""
+    import shutil
+
+    from moe_jax.inference.load import load_run
+    from moe_jax.train.loop import train
+
+    straight, resumed = root / "straight", root / "resumed"
+    train(tiny_config(*overrides, f"run_dir={straight}"), stop_at=steps)
+    shutil.copytree(straight, resumed)
+    train(tiny_config(*overrides, f"run_dir={resumed}", f"train.resume_step={resume_step}"),
+          stop_at=steps)  # fmt: skip
+    a, b = (nnx.state(load_run(d, steps)[1], nnx.Param) for d in (straight, resumed))
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        np.testing.assert_array_equal(x, y)
+    return straight, resumed

@@ -4,17 +4,11 @@ both strategies, a resumed run, compiling for a TPU slice (`moe_jax.aot`); and t
 of its attention, which must grow linearly with the sequence (online_softmax.py).
 """
 
-import shutil
-
 import jax
-import numpy as np
 import pytest
-from flax import nnx
 
-from moe_jax.inference.load import load_run
 from moe_jax.observe.writers import read_metrics
-from moe_jax.train.loop import train
-from tests.helpers import tiny_config
+from tests.helpers import resumed_copy_equals, tiny_config
 from tests.test_context_parallel import MLA, assert_same, loss_and_grads
 from tests.test_train import TINY
 
@@ -54,13 +48,7 @@ def test_a_context_parallel_run_resumes_exactly(tmp_path):
         "train.batch_size=4",
         "train.seq_len=16",
     ]
-    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
-    train(tiny_config(*overrides, f"run_dir={straight}"), stop_at=4)
-    shutil.copytree(straight, resumed)
-    train(tiny_config(*overrides, f"run_dir={resumed}", "train.resume_step=2"), stop_at=4)
-    a, b = (nnx.state(load_run(d, 4)[1], nnx.Param) for d in (straight, resumed))
-    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
-        np.testing.assert_array_equal(x, y)
+    straight, resumed = resumed_copy_equals(overrides, tmp_path)
     losses = lambda d: {r["step"]: r["loss"] for r in read_metrics(d) if r["kind"] == "train"}
     assert [losses(resumed)[s] for s in (3, 4)] == [losses(straight)[s] for s in (3, 4)]
 

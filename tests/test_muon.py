@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import re
-import shutil
 
 import jax
 import jax.numpy as jnp
@@ -21,7 +20,6 @@ import pytest
 from flax import nnx
 
 from moe_jax.config import ConfigError
-from moe_jax.inference.load import load_run
 from moe_jax.model.attention import Attention
 from moe_jax.observe.writers import read_metrics
 from moe_jax.run.layout import RunError
@@ -29,7 +27,7 @@ from moe_jax.sharding import batch_sharding, make_mesh
 from moe_jax.train import muon, qk_clip
 from moe_jax.train.loop import train
 from moe_jax.train.step import init_state, lr_schedule, make_optimizer, make_train_step
-from tests.helpers import randomize_biases, tiny_config
+from tests.helpers import randomize_biases, resumed_copy_equals, tiny_config
 from tests.test_train import TINY
 
 MUON = ["train.optimizer=muon", "train.clip_norm=0"]
@@ -342,13 +340,7 @@ def test_muon_with_qk_clip_resumes_exactly(tmp_path):
     same inputs, so bit-identical params only if Muon's momenta came back. The metrics hold
     each layer's max logit and the heads clipped. Resuming it with AdamW is refused."""
     overrides = [*TINY, *GQA[:4], *MUON, "train.qk_clip=0.02", "checkpoint.every=2"]
-    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
-    train(tiny_config(*overrides, f"run_dir={straight}"), stop_at=4)
-    shutil.copytree(straight, resumed)
-    train(tiny_config(*overrides, f"run_dir={resumed}", "train.resume_step=2"), stop_at=4)
-    a, b = (nnx.state(load_run(d, 4)[1], nnx.Param) for d in (straight, resumed))
-    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
-        np.testing.assert_array_equal(x, y)
+    straight, resumed = resumed_copy_equals(overrides, tmp_path)
     records = [r for r in read_metrics(straight) if r["kind"] == "train"]
     assert [len(r["max_logit"]) for r in records] == [2] * 4
     assert sum(r["qk_clipped"] for r in records) > 0

@@ -314,7 +314,8 @@ def test_a_second_run_of_the_model_in_the_process_traces_none_of_its_programs(ru
 
 def test_monkeypatch_drops_the_kept_programs(monkeypatch):
     """A patch may change what a program traces to: tests/conftest.py's monkeypatch drops
-    every kept program when it patches and when it undoes its patches."""
+    every kept program when it patches one of our or our libraries' modules or variables,
+    and when it undoes its patches; a test's own variable keeps them."""
     from moe_jax.run import programs
 
     built = []
@@ -323,6 +324,11 @@ def test_monkeypatch_drops_the_kept_programs(monkeypatch):
     assert programs.kept("probe", 1, build) is kept and len(built) == 1
     monkeypatch.setattr(programs, "KEEP", programs.KEEP)
     assert programs.kept("probe", 1, build) is not kept and len(built) == 2
+    kept = programs.kept("probe", 1, build)
+    monkeypatch.setenv("A_TESTS_OWN_VARIABLE", "1")  # nothing a program reads: kept
+    assert programs.kept("probe", 1, build) is kept
+    monkeypatch.setattr(evaluation, "__doc__", "")  # one of ours: dropped
+    assert programs.kept("probe", 1, build) is not kept and len(built) == 3
 
 
 def test_resuming_with_another_batch_shape_or_seed_warns(runs, tmp_path, capsys):
