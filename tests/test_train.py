@@ -318,17 +318,17 @@ def test_monkeypatch_drops_the_kept_programs(monkeypatch):
     and when it undoes its patches; a test's own variable keeps them."""
     from moe_jax.run import programs
 
-    built = []
+    built, cfg = [], tiny_config()
     build = lambda: built.append(1) or object()
-    kept = programs.kept("probe", 1, build)
-    assert programs.kept("probe", 1, build) is kept and len(built) == 1
+    kept = programs.kept("probe", cfg, build)
+    assert programs.kept("probe", cfg, build) is kept and len(built) == 1
     monkeypatch.setattr(programs, "KEEP", programs.KEEP)
-    assert programs.kept("probe", 1, build) is not kept and len(built) == 2
-    kept = programs.kept("probe", 1, build)
+    assert programs.kept("probe", cfg, build) is not kept and len(built) == 2
+    kept = programs.kept("probe", cfg, build)
     monkeypatch.setenv("A_TESTS_OWN_VARIABLE", "1")  # nothing a program reads: kept
-    assert programs.kept("probe", 1, build) is kept
+    assert programs.kept("probe", cfg, build) is kept
     monkeypatch.setattr(evaluation, "__doc__", "")  # one of ours: dropped
-    assert programs.kept("probe", 1, build) is not kept and len(built) == 3
+    assert programs.kept("probe", cfg, build) is not kept and len(built) == 3
 
 
 def test_resuming_with_another_batch_shape_or_seed_warns(runs, tmp_path, capsys):

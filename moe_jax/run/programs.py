@@ -47,13 +47,14 @@ def layout_key(tree) -> Hashable:
     return treedef, tuple(leaves)
 
 
-def kept(name: str, key: Hashable, build: Callable[[], Any]) -> Any:
-    """The program `name` kept under `key`, or `build()`'s, kept from now on."""
-    full = (name, key)
+def kept(name: str, cfg: Config, build: Callable[..., Any], *layout) -> Any:
+    """The program `name` kept for `cfg` (`config_key`) and `layout` (meshes, pytrees of
+    shardings, flags: what else it is built from), or `build(*layout)`'s, kept from now on."""
+    full = (name, config_key(cfg), *map(layout_key, layout))
     if full in _kept:
         _kept.move_to_end(full)
         return _kept[full]
-    program = _kept[full] = build()
+    program = _kept[full] = build(*layout)
     while len(_kept) > KEEP:
         _kept.popitem(last=False)
     return program

@@ -45,7 +45,7 @@ class Validation:
         # Sums and counts: packed batches count different numbers of targets, so the
         # validation loss is their total over the total count, not a mean of batch means.
         build = lambda: make_eval_step(graphdef, True)  # sums=True
-        self.eval_step = programs.kept("eval_step", programs.config_key(cfg), build)
+        self.eval_step = programs.kept("eval_step", cfg, build)
         self.pairs, self.rollouts = [], rollouts
         if self.objective == "dpo":
             from moe_jax.posttrain import dpo

@@ -210,15 +210,13 @@ def train(
     mesh = _checked_mesh(cfg, log)
     # dpo and grpo: their reference; grpo: its updates a step
     tx = make_optimizer(cfg.train, backends.compute_dtype(cfg.model.dtype), cfg.rl)
-    graphdef, abstract_state, initial_state = programs.kept(  # a second run's: the first's
-        "init", (programs.config_key(cfg), mesh), lambda: init_program(cfg, tx, mesh)
-    )
+    init = partial(init_program, cfg, tx)  # kept: a second run of this model reuses it
+    graphdef, abstract_state, initial_state = programs.kept("init", cfg, init, mesh)
     try:  # before anything is allocated: a model too big fails here, in one line
         check_train_fits(abstract_state)
     except WeightsDoNotFit as e:
         raise RunError(f"run_dir '{cfg.run_dir}': {e}") from None
-    # Before the run dir is opened, so that a source checkpoint that cannot be read leaves
-    # nothing written.
+    # Before the run dir is opened: a source checkpoint that cannot be read writes nothing.
     state = None
     if source:
         state, source = start_state(source, abstract_state, tx, cfg)
@@ -400,12 +398,9 @@ class Training:
             f"{self.flops_per_token / 1e6:.1f} MFLOP/token train; peak {self.peak / 1e9:.0f} "
             f"GFLOP/s ({peak_src})"
         )
-        state_sharding = jax.tree.map(lambda a: a.sharding, state)
-        self.train_step = programs.kept(  # a second run of this model in the process: its step
-            "train_step",
-            (programs.config_key(cfg), programs.layout_key(state_sharding)),
-            lambda: make_train_step(cfg, self.graphdef, self.tx, state_sharding),
-        )
+        shardings = jax.tree.map(lambda a: a.sharding, state)  # kept: see train()
+        build = partial(make_train_step, cfg, self.graphdef, self.tx)
+        self.train_step = programs.kept("train_step", cfg, build, shardings)
         self.rollouts = None
         if cfg.train.objective == "grpo":  # the sampler and the rewards (moe_jax/posttrain/rl/)
             from moe_jax.posttrain.rl.collect import Rollouts

@@ -96,9 +96,8 @@ class Rollouts:
         consume = self.mesh is not None  # its blocks are ours to take (`_laid_out`)
         if self.sampler is None:  # an earlier run's of this model in the process, or a new one
             built = []
-            build = lambda: built.append(1) or Sampler(model, mesh=self.mesh, consume=consume)
-            key = (programs.config_key(self.cfg), self.mesh, consume)
-            self.sampler = programs.kept("rollout_sampler", key, build)
+            build = lambda mesh, take: built.append(1) or Sampler(model, mesh=mesh, consume=take)
+            self.sampler = programs.kept("rollout_sampler", self.cfg, build, self.mesh, consume)
             if built:
                 return self.sampler
         state = nnx.state(model, nnx.Param)
